@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Create .venv with a Python >= 3.12 and install Conveyor with its test extras.
+# Interpreter search order: $PYTHON, python3.13/python3.12/python3 on PATH, then pyenv's versions.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+STAMP="$VENV/.installed"
+
+is_ok() {  # $1 = interpreter; succeeds when it runs and is >= 3.12
+  "$1" -c 'import sys, venv; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1
+}
+
+find_python() {
+  if [ -n "${PYTHON:-}" ]; then
+    if is_ok "$PYTHON"; then echo "$PYTHON"; return 0; fi
+    echo "bootstrap: PYTHON=$PYTHON is not a working Python >= 3.12" >&2; return 1
+  fi
+  for c in python3.13 python3.12 python3; do
+    if command -v "$c" >/dev/null 2>&1 && is_ok "$(command -v "$c")"; then command -v "$c"; return 0; fi
+  done
+  local roots=()
+  if command -v pyenv >/dev/null 2>&1; then roots+=("$(pyenv root)"); fi
+  roots+=("${PYENV_ROOT:-}" "$HOME/.pyenv")
+  for r in "${roots[@]}"; do
+    [ -n "$r" ] && [ -d "$r/versions" ] || continue
+    # newest first: 3.13.x before 3.12.x
+    for d in $(ls -1 "$r/versions" | grep -E '^3\.(1[2-9]|[2-9][0-9])\.[0-9]+$' | sort -t. -k2,2nr -k3,3nr); do
+      for exe in "$r/versions/$d/bin/python3" "$r/versions/$d/bin/python"; do
+        if [ -x "$exe" ] && is_ok "$exe"; then echo "$exe"; return 0; fi
+      done
+    done
+  done
+  return 1
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  if ! PY=$(find_python); then
+    cat >&2 <<MSG
+bootstrap: no Python >= 3.12 found (jax==0.12.0.1 needs it).
+  Looked at: \$PYTHON, python3.13/python3.12/python3 on PATH, and pyenv versions.
+  Install one, e.g. 'pyenv install 3.12' or 'apt-get install python3.12 python3.12-venv',
+  or point to it: make test PYTHON=/path/to/python3.12
+MSG
+    exit 1
+  fi
+  echo "bootstrap: creating $VENV with $PY ($("$PY" --version 2>&1))"
+  "$PY" -m venv "$VENV"
+fi
+
+if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q -e ".[test]"
+  touch "$STAMP"
+fi
