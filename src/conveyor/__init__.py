@@ -1,0 +1,9 @@
+"""Conveyor: software-pipelined accelerator kernels on JAX, verified and fast on CPU.
+
+    import conveyor as cv
+    out = cv.gmm(lhs, rhs, group_sizes)
+"""
+from conveyor.ops.gmm import GroupMetadata, gmm, make_group_metadata, tgmm
+
+__version__ = "0.1.0"
+__all__ = ["gmm", "tgmm", "make_group_metadata", "GroupMetadata", "__version__"]

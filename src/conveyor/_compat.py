@@ -1,0 +1,19 @@
+"""The one module that touches JAX internals: primitive machinery and private Pallas names.
+
+Everything else in Conveyor imports these names from here, so a JAX upgrade is mended in one place.
+"""
+from __future__ import annotations
+
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+__all__ = ["Primitive", "ad", "batching", "mlir", "is_undefined_primal", "Zero",
+           "register_lowering_from_function"]
+
+is_undefined_primal = ad.is_undefined_primal
+Zero = ad.Zero
+
+
+def register_lowering_from_function(prim: Primitive, impl) -> None:
+    """Lower `prim` on every platform by tracing `impl(*args, **params)`."""
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))

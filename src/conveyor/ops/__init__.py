@@ -1,0 +1,1 @@
+"""Operators built on Conveyor: grouped matmul (gmm, tgmm)."""

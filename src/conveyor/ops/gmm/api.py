@@ -1,0 +1,219 @@
+"""Public grouped matmul: `gmm` and `tgmm` (validation, backend choice; autodiff in primitives)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from conveyor import backends
+from conveyor.ops.gmm import backend_impls, tiling as tiling_lib
+from conveyor.ops.gmm.primitives import gmm_p, tgmm_p
+
+_FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+
+
+def _check_array(x, name: str, ndim: int, shape_doc: str):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name}: expected an array of shape {shape_doc}, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions {shape_doc}, got shape {tuple(x.shape)}")
+
+
+def _check_float(x, name: str):
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOATS]:
+        raise TypeError(f"{name}: expected dtype float32, bfloat16, float16 or float64, got {x.dtype}")
+
+
+def _check_out_dtype(dt):
+    try:
+        dt = jnp.dtype(dt)
+    except TypeError as e:
+        raise TypeError(f"preferred_element_type: expected a floating dtype, got {dt!r}") from e
+    if dt not in [jnp.dtype(d) for d in _FLOATS]:
+        raise TypeError(f"preferred_element_type: expected float32, bfloat16, float16 or float64, got {dt}")
+    return dt
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_group_sizes(group_sizes, m: int):
+    _check_array(group_sizes, "group_sizes", 1, "[num_groups]")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes: expected an integer (int32) array, got dtype {group_sizes.dtype}")
+    if group_sizes.shape[0] == 0:
+        raise ValueError("group_sizes: expected at least one group, got shape (0,)")
+    if _is_concrete(group_sizes):
+        sizes = np.asarray(group_sizes)
+        if (sizes < 0).any():
+            raise ValueError(f"group_sizes: expected non-negative sizes, got {sizes.tolist()}")
+        if int(sizes.sum()) > m:
+            raise ValueError(f"group_sizes: expected a total of at most m={m} rows, got sum={int(sizes.sum())}")
+    return group_sizes.astype(jnp.int32)
+
+
+def _check_group_offset(group_offset, total_groups: int, local_groups: int):
+    if group_offset is None:
+        return jnp.zeros((), jnp.int32)
+    if not hasattr(group_offset, "shape"):
+        if isinstance(group_offset, bool) or not isinstance(group_offset, (int, np.integer)):
+            raise TypeError(f"group_offset: expected an integer scalar, got {group_offset!r}")
+        group_offset = jnp.asarray(group_offset, jnp.int32)
+    if group_offset.shape not in ((), (1,)):
+        raise ValueError(f"group_offset: expected a scalar (shape () or (1,)), got shape {tuple(group_offset.shape)}")
+    if not jnp.issubdtype(group_offset.dtype, jnp.integer):
+        raise TypeError(f"group_offset: expected an integer scalar, got dtype {group_offset.dtype}")
+    group_offset = jnp.reshape(group_offset, ()).astype(jnp.int32)
+    if _is_concrete(group_offset):
+        off = int(group_offset)
+        if off < 0 or off + local_groups > total_groups:
+            raise ValueError(f"group_offset: expected 0 <= group_offset and group_offset + {local_groups} local "
+                             f"groups <= {total_groups} groups in group_sizes, got {off}")
+    return group_offset
+
+
+def _choose_backend(backend, interpret):
+    if backend is None and interpret:
+        backend = "mosaic_tpu"  # the only gmm backend with a Pallas interpreter
+    return backends.check_backend(backend, backend_impls.AVAILABLE, "gmm")
+
+
+def _interpret_param(interpret, backend):
+    if not interpret:
+        return None
+    if backend != "mosaic_tpu":
+        raise ValueError(f"interpret: only the mosaic_tpu backend has an interpreter, got backend={backend!r}")
+    return interpret
+
+
+def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+        preferred_element_type=jnp.float32, tiling: tiling_lib.Tiling = None,
+        group_offset: jax.Array | int | None = None, existing_out: jax.Array | None = None,
+        transpose_rhs: bool = False, backend: str | None = None, interpret=False) -> jax.Array:
+    """Grouped matmul: each group of rows of `lhs` times its own weight matrix.
+
+    Rows of `lhs` are sorted by group: group g owns rows [sum(sizes[:g]), sum(sizes[:g+1])).
+    With G = rhs.shape[0] local groups, local group i is global group `group_offset + i`; its
+    rows of the output are `lhs[rows] @ rhs[i]`. **Every other row is exactly `existing_out`'s row
+    when given, else exactly 0** (rows past sum(group_sizes), and rows of groups outside the shard).
+
+    Args:
+      lhs: [m, k] float array, rows sorted by group.
+      rhs: [G, k, n] weights ([G, n, k] with `transpose_rhs=True`).
+      group_sizes: int32 [G_total] rows per group; G_total == G unless `group_offset` is given.
+      preferred_element_type: output dtype. 16-bit inputs accumulate in float32.
+      tiling: None (per-backend default), a (tm, tk, tn) tuple, or a callable (m, k, n) -> tuple | None.
+        Any m, k, n works with any tiling: tiles larger than a dimension are clamped and partial
+        tiles are masked. The xla backend uses tm (row tile) only; mosaic_tpu uses all three
+        (tk, tn must be multiples of 128 or cover the whole dimension).
+      group_offset: scalar int, first global group of this shard (expert parallelism); may be traced.
+      existing_out: [m, n] values for the rows this call does not compute (chain shards through it).
+      transpose_rhs: rhs is [G, n, k] and used transposed.
+      backend: "xla" (default on CPU and GPU), "mosaic_tpu" (default on TPU) or "reference".
+      interpret: run mosaic_tpu through the Pallas TPU interpreter: True, or a
+        `pltpu.InterpretParams` (e.g. with detect_races=True).
+
+    Returns:
+      [m, n] array of dtype `preferred_element_type`.
+
+    Traced group sizes (under jit) are not validated: negative sizes count as 0 and the running
+    total is clipped at m, so groups that run past row m are truncated. Differentiable to any
+    order in lhs, rhs and existing_out (forward and reverse mode); the gradient of existing_out is
+    its cotangent on the rows this call does not compute, 0 elsewhere. `vmap` over any argument
+    runs one grouped matmul per batch element, sequentially (lax.map).
+    """
+    _check_array(lhs, "lhs", 2, "[m, k]")
+    _check_array(rhs, "rhs", 3, "[G, n, k]" if transpose_rhs else "[G, k, n]")
+    _check_float(lhs, "lhs")
+    _check_float(rhs, "rhs")
+    out_dtype = _check_out_dtype(preferred_element_type)
+    m, k = lhs.shape
+    num_groups, rk, n = (rhs.shape[0], rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape
+    if rk != k:
+        raise ValueError(f"rhs: contraction size must match lhs's k={k} ({'rhs.shape[2]' if transpose_rhs else 'rhs.shape[1]'}), "
+                         f"got rhs shape {tuple(rhs.shape)} with transpose_rhs={transpose_rhs}")
+    group_sizes = _check_group_sizes(group_sizes, m)
+    if group_offset is None and group_sizes.shape[0] != num_groups:
+        raise ValueError(f"group_sizes: expected {num_groups} groups (rhs.shape[0]) when group_offset is not "
+                         f"given, got {group_sizes.shape[0]}")
+    if group_sizes.shape[0] < num_groups:
+        raise ValueError(f"group_sizes: expected at least rhs.shape[0]={num_groups} groups, got {group_sizes.shape[0]}")
+    group_offset = _check_group_offset(group_offset, group_sizes.shape[0], num_groups)
+    tiling_lib.check_tiling(tiling)
+    if existing_out is None:
+        existing_out = jnp.zeros((m, n), out_dtype)
+    else:
+        _check_array(existing_out, "existing_out", 2, f"[m, n] = [{m}, {n}]")
+        if tuple(existing_out.shape) != (m, n):
+            raise ValueError(f"existing_out: expected shape {(m, n)}, got {tuple(existing_out.shape)}")
+        _check_float(existing_out, "existing_out")
+    backend = _choose_backend(backend, interpret)
+    return gmm_p.bind(lhs, rhs, group_sizes, group_offset, existing_out, transpose_rhs=bool(transpose_rhs),
+                      out_dtype=out_dtype, backend=backend, tiling=_hashable(tiling),
+                      interpret=_interpret_param(interpret, backend))
+
+
+def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
+         preferred_element_type=jnp.float32, tiling: tiling_lib.Tiling = None,
+         group_offset: jax.Array | int | None = None, num_actual_groups: int | None = None,
+         existing_out: jax.Array | None = None, backend: str | None = None, interpret=False) -> jax.Array:
+    """Transposed grouped matmul (the weight gradient of gmm): one [k, n] product per group.
+
+    `out[i] = lhs[:, rows_i] @ rhs[rows_i, :] (+ existing_out[i])` for local group i (global group
+    `group_offset + i`), i < num_actual_groups. An empty group gives exact zeros (or existing_out[i]).
+
+    Args:
+      lhs: [k, m] float array (columns sorted by group).
+      rhs: [m, n] float array (rows sorted by group).
+      group_sizes: int32 [G_total].
+      preferred_element_type: output dtype; 16-bit inputs accumulate in float32.
+      tiling: as in `gmm` (tm tiles the grouped dimension m).
+      group_offset: scalar int, first global group of this shard; may be traced.
+      num_actual_groups: number of local groups computed (static int, default G_total).
+      existing_out: [num_actual_groups, k, n], added to the result.
+      backend, interpret: as in `gmm`.
+
+    Returns:
+      [num_actual_groups, k, n] array of dtype `preferred_element_type`.
+
+    Traced group sizes behave as in `gmm`. Differentiable to any order; `vmap` runs one tgmm per
+    batch element, sequentially.
+    """
+    _check_array(lhs, "lhs", 2, "[k, m]")
+    _check_array(rhs, "rhs", 2, "[m, n]")
+    _check_float(lhs, "lhs")
+    _check_float(rhs, "rhs")
+    out_dtype = _check_out_dtype(preferred_element_type)
+    k, m = lhs.shape
+    if rhs.shape[0] != m:
+        raise ValueError(f"rhs: expected {m} rows to match lhs's m (lhs.shape[1]), got rhs shape {tuple(rhs.shape)}")
+    n = rhs.shape[1]
+    group_sizes = _check_group_sizes(group_sizes, m)
+    total = group_sizes.shape[0]
+    if num_actual_groups is None:
+        num_actual_groups = total
+    if isinstance(num_actual_groups, bool) or not isinstance(num_actual_groups, (int, np.integer)):
+        raise TypeError(f"num_actual_groups: expected a static int, got {num_actual_groups!r}")
+    num_actual_groups = int(num_actual_groups)
+    if not 1 <= num_actual_groups <= total:
+        raise ValueError(f"num_actual_groups: expected 1 <= num_actual_groups <= {total} (len(group_sizes)), "
+                         f"got {num_actual_groups}")
+    group_offset = _check_group_offset(group_offset, total, num_actual_groups)
+    tiling_lib.check_tiling(tiling)
+    shape = (num_actual_groups, k, n)
+    if existing_out is None:
+        existing_out = jnp.zeros(shape, out_dtype)
+    else:
+        _check_array(existing_out, "existing_out", 3, f"[num_actual_groups, k, n] = {list(shape)}")
+        if tuple(existing_out.shape) != shape:
+            raise ValueError(f"existing_out: expected shape {shape}, got {tuple(existing_out.shape)}")
+        _check_float(existing_out, "existing_out")
+    backend = _choose_backend(backend, interpret)
+    return tgmm_p.bind(lhs, rhs, group_sizes, group_offset, existing_out, num_groups=num_actual_groups,
+                       out_dtype=out_dtype, backend=backend, tiling=_hashable(tiling),
+                       interpret=_interpret_param(interpret, backend))
+
+
+def _hashable(tiling):
+    return tuple(tiling) if isinstance(tiling, list) else tiling

@@ -1,0 +1,114 @@
+"""Group metadata for grouped matmul: row bounds of each group and the tile visit schedule.
+
+Pure functions of `group_sizes` (concrete or traced): they define how every backend except
+`reference` maps groups to rows and tiles.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
+    """Row range [start, end) of every group, after the documented normalisation.
+
+    Negative sizes count as 0 and the running total is clipped at `m`, so groups past row `m`
+    are truncated (or empty). Concrete inputs are validated at the API, so this only changes
+    traced inputs that would otherwise be out of range.
+    """
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m).astype(jnp.int32)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    return starts, ends
+
+
+def local_group_bounds(group_sizes: jax.Array, group_offset: jax.Array, num_groups: int, m: int
+                       ) -> tuple[jax.Array, jax.Array]:
+    """Row ranges of the `num_groups` local groups `group_offset + i`; out-of-range groups are empty."""
+    starts, ends = group_bounds(group_sizes, m)
+    ids = group_offset.astype(jnp.int32) + jnp.arange(num_groups, dtype=jnp.int32)
+    valid = (ids >= 0) & (ids < group_sizes.shape[0])
+    safe = jnp.clip(ids, 0, group_sizes.shape[0] - 1)
+    local_starts = jnp.where(valid, starts[safe], 0)
+    local_ends = jnp.where(valid, ends[safe], 0)
+    return local_starts, local_ends
+
+
+def local_row_mask(group_sizes: jax.Array, group_offset: jax.Array, num_groups: int, m: int) -> jax.Array:
+    """bool[m]: rows that belong to one of the local groups (the rows gmm writes)."""
+    starts, ends = local_group_bounds(group_sizes, group_offset, num_groups, m)
+    lo = jnp.min(jnp.where(ends > starts, starts, m))
+    hi = jnp.max(jnp.where(ends > starts, ends, 0))
+    rows = jnp.arange(m, dtype=jnp.int32)
+    # Local groups are consecutive, so their rows form one contiguous range.
+    return (rows >= lo) & (rows < hi)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class GroupMetadata:
+    """The tile visit schedule of a grouped matmul over row tiles of `tm` rows.
+
+    A *visit* is one (row tile, local group) pair whose rows intersect; visits are ordered by group
+    and then by tile, so tile ids never decrease and a tile shared by several groups (a group that
+    starts mid-tile) is visited once per group. The arrays have a static length `max_visits`
+    (= number of tiles + num_groups - 1); entries at or past `num_visits` repeat the last real
+    visit so that a kernel reading them touches no new memory.
+
+    Attributes:
+      group_starts, group_ends: int32[num_groups], row range of each local group.
+      group_ids: int32[max_visits], local group index of each visit.
+      tile_ids: int32[max_visits], row tile index of each visit.
+      num_visits: int32 scalar, how many visits are real.
+    """
+    group_starts: jax.Array
+    group_ends: jax.Array
+    group_ids: jax.Array
+    tile_ids: jax.Array
+    num_visits: jax.Array
+
+
+def max_visits(m: int, tm: int, num_groups: int) -> int:
+    """Static upper bound on the number of (tile, group) visits."""
+    return -(-m // tm) + max(num_groups - 1, 0)
+
+
+def make_group_metadata(group_sizes: jax.Array, m: int, tm: int, *, group_offset: jax.Array | int = 0,
+                        num_groups: int | None = None) -> GroupMetadata:
+    """Build the tile visit schedule of a grouped matmul.
+
+    Args:
+      group_sizes: int32[G_total], rows per group (rows of lhs are sorted by group).
+      m: number of rows.
+      tm: row tile size (positive).
+      group_offset: first global group of this shard (scalar, may be traced).
+      num_groups: number of local groups (default: all of `group_sizes`).
+
+    Returns:
+      A `GroupMetadata`; works under `jit` with traced sizes and offset.
+    """
+    if tm <= 0:
+        raise ValueError(f"tm: expected a positive tile size, got {tm!r}")
+    if num_groups is None:
+        num_groups = group_sizes.shape[0]
+    starts, ends = local_group_bounds(jnp.asarray(group_sizes), jnp.asarray(group_offset, jnp.int32),
+                                      num_groups, m)
+    nonempty = ends > starts
+    first_tile = starts // tm
+    last_tile = (jnp.maximum(ends, 1) - 1) // tm
+    tiles_per_group = jnp.where(nonempty, last_tile - first_tile + 1, 0).astype(jnp.int32)
+    visits_end = jnp.cumsum(tiles_per_group)
+    visits_start = visits_end - tiles_per_group
+    num_visits = visits_end[-1] if num_groups else jnp.int32(0)
+    total = max_visits(m, tm, num_groups)
+    v = jnp.arange(total, dtype=jnp.int32)
+    # Past the last real visit, repeat it (or visit tile 0 of group 0 when there is none).
+    v_real = jnp.minimum(v, jnp.maximum(num_visits - 1, 0))
+    group_ids = jnp.searchsorted(visits_end, v_real, side="right").astype(jnp.int32)
+    group_ids = jnp.minimum(group_ids, max(num_groups - 1, 0))
+    tile_ids = first_tile[group_ids] + v_real - visits_start[group_ids]
+    tile_ids = jnp.where(num_visits > 0, tile_ids, 0).astype(jnp.int32)
+    return GroupMetadata(group_starts=starts, group_ends=ends, group_ids=group_ids,
+                         tile_ids=tile_ids, num_visits=jnp.asarray(num_visits, jnp.int32))

@@ -1,0 +1,178 @@
+"""gmm_p and tgmm_p: JAX primitives with JVP, transpose and batching rules.
+
+Being bilinear, both ops differentiate into themselves: the tangent of gmm is gmm applied to
+tangents, and the transpose of gmm with respect to lhs is gmm, with respect to rhs is tgmm
+(and the other way round). JAX builds reverse mode from JVP + transpose, so first-order,
+second-order and forward-over-reverse derivatives all come from these few rules.
+Params (all static): backend, tiling, interpret, out_dtype, plus transpose_rhs (gmm) or
+num_groups (tgmm).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from conveyor._compat import Primitive, Zero, ad, batching, is_undefined_primal, \
+    register_lowering_from_function
+from conveyor.ops.gmm import backend_impls
+from conveyor.ops.gmm.metadata import local_row_mask
+
+gmm_p = Primitive("conveyor_gmm")
+tgmm_p = Primitive("conveyor_tgmm")
+
+
+# ---- evaluation -------------------------------------------------------------------------------
+
+def _gmm_impl(lhs, rhs, group_sizes, group_offset, existing_out, **params):
+    return backend_impls.run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, **params)
+
+
+def _tgmm_impl(lhs, rhs, group_sizes, group_offset, existing_out, **params):
+    return backend_impls.run_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, **params)
+
+
+@functools.lru_cache(maxsize=256)
+def _jitted(prim, params):
+    return jax.jit(functools.partial(prim.bind, **dict(params)))
+
+
+def _eager(prim):
+    def run(*args, **params):
+        return _jitted(prim, tuple(sorted(params.items())))(*args)
+    return run
+
+
+gmm_p.def_impl(_eager(gmm_p))
+tgmm_p.def_impl(_eager(tgmm_p))
+register_lowering_from_function(gmm_p, _gmm_impl)
+register_lowering_from_function(tgmm_p, _tgmm_impl)
+
+
+def _gmm_abstract(lhs, rhs, group_sizes, group_offset, existing_out, *, out_dtype, **_):
+    return jax.core.ShapedArray(existing_out.shape, out_dtype)
+
+
+def _tgmm_abstract(lhs, rhs, group_sizes, group_offset, existing_out, *, out_dtype, **_):
+    return jax.core.ShapedArray(existing_out.shape, out_dtype)
+
+
+gmm_p.def_abstract_eval(_gmm_abstract)
+tgmm_p.def_abstract_eval(_tgmm_abstract)
+
+
+# ---- differentiation --------------------------------------------------------------------------
+
+def _sum_tangents(terms, like):
+    terms = [t for t in terms if t is not None]
+    if not terms:
+        return ad.Zero.from_primal_value(like)
+    return functools.reduce(jnp.add, terms)
+
+
+def _gmm_jvp(primals, tangents, **params):
+    lhs, rhs, gs, go, ex = primals
+    t_lhs, t_rhs, _, _, t_ex = tangents
+    out = gmm_p.bind(lhs, rhs, gs, go, ex, **params)
+    zeros = jnp.zeros(ex.shape, params["out_dtype"])
+    terms = []
+    if type(t_lhs) is not Zero:
+        terms.append(gmm_p.bind(t_lhs, rhs, gs, go, zeros, **params))
+    if type(t_rhs) is not Zero:
+        terms.append(gmm_p.bind(lhs, t_rhs, gs, go, zeros, **params))
+    if type(t_ex) is not Zero:
+        keep = ~local_row_mask(gs, go, rhs.shape[0], lhs.shape[0])
+        terms.append(jnp.where(keep[:, None], t_ex.astype(params["out_dtype"]), 0))
+    return out, _sum_tangents(terms, out)
+
+
+def _tgmm_jvp(primals, tangents, **params):
+    lhs, rhs, gs, go, ex = primals
+    t_lhs, t_rhs, _, _, t_ex = tangents
+    out = tgmm_p.bind(lhs, rhs, gs, go, ex, **params)
+    zeros = jnp.zeros(ex.shape, params["out_dtype"])
+    terms = []
+    if type(t_lhs) is not Zero:
+        terms.append(tgmm_p.bind(t_lhs, rhs, gs, go, zeros, **params))
+    if type(t_rhs) is not Zero:
+        terms.append(tgmm_p.bind(lhs, t_rhs, gs, go, zeros, **params))
+    if type(t_ex) is not Zero:
+        terms.append(t_ex.astype(params["out_dtype"]))
+    return out, _sum_tangents(terms, out)
+
+
+def _aval(x):
+    return x.aval if is_undefined_primal(x) else x
+
+
+def _backend_params(params):
+    return {k: params[k] for k in ("backend", "tiling", "interpret")}
+
+
+def _gmm_transpose(ct, lhs, rhs, gs, go, ex, *, transpose_rhs, out_dtype, **params):
+    bp = _backend_params(params)
+    if type(ct) is Zero:
+        return [None if not is_undefined_primal(x) else Zero(x.aval) for x in (lhs, rhs, gs, go, ex)]
+    m = _aval(lhs).shape[0]
+    num_groups = _aval(rhs).shape[0]
+    ct_lhs = ct_rhs = ct_ex = None
+    if is_undefined_primal(lhs):
+        k = lhs.aval.shape[1]
+        # d lhs[rows_i] = ct[rows_i] @ rhs[i]^T; rows outside local groups get exactly 0.
+        ct_lhs = gmm_p.bind(ct, rhs, gs, go, jnp.zeros((m, k), lhs.aval.dtype),
+                            transpose_rhs=not transpose_rhs, out_dtype=lhs.aval.dtype, **bp)
+    if is_undefined_primal(rhs):
+        a, b = (ct.T, lhs) if transpose_rhs else (lhs.T, ct)
+        ct_rhs = tgmm_p.bind(a, b, gs, go, jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
+                             num_groups=num_groups, out_dtype=rhs.aval.dtype, **bp)
+    if is_undefined_primal(ex):
+        keep = ~local_row_mask(gs, go, num_groups, m)
+        ct_ex = jnp.where(keep[:, None], ct, 0).astype(ex.aval.dtype)
+    return [ct_lhs, ct_rhs, None, None, ct_ex]
+
+
+def _tgmm_transpose(ct, lhs, rhs, gs, go, ex, *, num_groups, out_dtype, **params):
+    bp = _backend_params(params)
+    if type(ct) is Zero:
+        return [None if not is_undefined_primal(x) else Zero(x.aval) for x in (lhs, rhs, gs, go, ex)]
+    ct_lhs = ct_rhs = ct_ex = None
+    if is_undefined_primal(lhs):
+        k, m = lhs.aval.shape
+        # d lhs[:, rows_i] = (rhs[rows_i] @ ct[i]^T)^T
+        ct_lhs = gmm_p.bind(rhs, ct, gs, go, jnp.zeros((m, k), lhs.aval.dtype),
+                            transpose_rhs=True, out_dtype=lhs.aval.dtype, **bp).T
+    if is_undefined_primal(rhs):
+        m, n = rhs.aval.shape
+        # d rhs[rows_i] = lhs[:, rows_i]^T @ ct[i]
+        ct_rhs = gmm_p.bind(lhs.T, ct, gs, go, jnp.zeros((m, n), rhs.aval.dtype),
+                            transpose_rhs=False, out_dtype=rhs.aval.dtype, **bp)
+    if is_undefined_primal(ex):
+        ct_ex = ct.astype(ex.aval.dtype)
+    return [ct_lhs, ct_rhs, None, None, ct_ex]
+
+
+ad.primitive_jvps[gmm_p] = _gmm_jvp
+ad.primitive_jvps[tgmm_p] = _tgmm_jvp
+ad.primitive_transposes[gmm_p] = _gmm_transpose
+ad.primitive_transposes[tgmm_p] = _tgmm_transpose
+
+
+# ---- vmap: one op per batch element, run sequentially with lax.map ---------------------------
+
+def _batch_rule(prim):
+    def rule(args, dims, **params):
+        mapped = [jnp.moveaxis(a, d, 0) if d is not None else None
+                  for a, d in zip(args, dims)]
+
+        def one(xs):
+            full = [x if x is not None else a for x, a in zip(xs, args)]
+            return prim.bind(*full, **params)
+
+        return lax.map(one, mapped), 0
+    return rule
+
+
+batching.primitive_batchers[gmm_p] = _batch_rule(gmm_p)
+batching.primitive_batchers[tgmm_p] = _batch_rule(tgmm_p)
