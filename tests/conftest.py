@@ -1,0 +1,12 @@
+"""Test session setup: 8 simulated CPU devices (must happen before jax is imported)."""
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import hypothesis  # noqa: E402
+
+# Derandomized so CI is repeatable; small example counts keep the suite fast.
+hypothesis.settings.register_profile("ci", derandomize=True, max_examples=12, deadline=None,
+                                     print_blob=True)
+hypothesis.settings.load_profile("ci")
