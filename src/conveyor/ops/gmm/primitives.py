@@ -51,16 +51,24 @@ register_lowering_from_function(gmm_p, _gmm_impl)
 register_lowering_from_function(tgmm_p, _tgmm_impl)
 
 
-def _gmm_abstract(lhs, rhs, group_sizes, group_offset, existing_out, *, out_dtype, **_):
-    return jax.core.ShapedArray(existing_out.shape, out_dtype)
+@functools.lru_cache(maxsize=256)
+def _effects(impl, avals, params):
+    """Effects of the backend's implementation (the Pallas interpreter's callbacks are ordered IO)."""
+    fn = functools.partial(impl, **dict(params))
+    return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]).effects
 
 
-def _tgmm_abstract(lhs, rhs, group_sizes, group_offset, existing_out, *, out_dtype, **_):
-    return jax.core.ShapedArray(existing_out.shape, out_dtype)
+def _abstract(impl):
+    def rule(*avals, **params):
+        out = jax.core.ShapedArray(avals[4].shape, params["out_dtype"])  # same shape as existing_out
+        # Only interpreted kernels carry effects; skip the trace for the common case.
+        effects = _effects(impl, avals, tuple(sorted(params.items()))) if params.get("interpret") else set()
+        return out, effects
+    return rule
 
 
-gmm_p.def_abstract_eval(_gmm_abstract)
-tgmm_p.def_abstract_eval(_tgmm_abstract)
+gmm_p.def_effectful_abstract_eval(_abstract(_gmm_impl))
+tgmm_p.def_effectful_abstract_eval(_abstract(_tgmm_impl))
 
 
 # ---- differentiation --------------------------------------------------------------------------
@@ -108,7 +116,13 @@ def _aval(x):
 
 
 def _backend_params(params):
-    return {k: params[k] for k in ("backend", "tiling", "interpret")}
+    """Backend params for the ops a derivative is built from.
+
+    A tiling callable is passed on (it sees the derived op's shapes); a fixed tuple was chosen for
+    the primal's shapes, so derived ops use their backend's default instead.
+    """
+    tiling = params["tiling"] if callable(params["tiling"]) else None
+    return dict(backend=params["backend"], interpret=params["interpret"], tiling=tiling)
 
 
 def _gmm_transpose(ct, lhs, rhs, gs, go, ex, *, transpose_rhs, out_dtype, **params):

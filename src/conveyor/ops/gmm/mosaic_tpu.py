@@ -1,0 +1,228 @@
+"""Mosaic TPU backend for gmm/tgmm: a Pallas TPU kernel driven by scalar-prefetched group metadata.
+
+The grid walks the (row tile, group) visits of `make_group_metadata`: a row tile shared by several
+groups (a group starting mid-tile) is visited once per group, and each visit stores only its
+group's rows (masked store) into the output block, which stays resident in VMEM while consecutive
+visits hit the same tile. Rows no group owns keep `existing_out` (aliased to the output), so they
+are exact. A k that is not a multiple of tk is masked inside the kernel; partial m and n edge
+blocks are clipped by Pallas.
+On CPU it runs through the Pallas TPU interpreter (`interpret=True` or a `pltpu.InterpretParams`).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from conveyor.ops.gmm.metadata import make_group_metadata
+
+_SUPPORTED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _cdiv(a, b):
+    return -(-a // b)
+
+
+def check_tiles(sizes: dict[str, int], tiles: dict[str, int], sublane: str, dtype, op: str) -> dict[str, int]:
+    """Clamp tiles to the problem and enforce the TPU block rules.
+
+    The tile named `sublane` must be a multiple of 8 (16 for bfloat16); the others are lane
+    dimensions of some block and must be multiples of 128. A tile covering its whole dimension is
+    always legal.
+    """
+    sub = 16 if dtype == jnp.bfloat16 else 8
+    out = {}
+    for name, t in tiles.items():
+        full = sizes[name]
+        t = min(t, full)
+        unit = sub if name == sublane else 128
+        if t != full and t % unit:
+            raise ValueError(f"tiling: mosaic_tpu {op} needs t{name} to be a multiple of {unit} for "
+                             f"{jnp.dtype(dtype).name} (or >= {name}={full}), got t{name}={t}")
+        out[name] = t
+    return out
+
+
+def _interpret(interpret):
+    if interpret is None or interpret is False:
+        return False
+    return pltpu.InterpretParams() if interpret is True else interpret
+
+
+def _compute_dtype(*dts):
+    dt = jnp.result_type(*dts)
+    if jnp.dtype(dt) not in _SUPPORTED:
+        raise NotImplementedError(f"mosaic_tpu: gmm supports float32 and bfloat16 operands, got {jnp.dtype(dt).name}")
+    return dt
+
+
+def _pad_to(x, multiples):
+    """Pad trailing edges up to multiples of the block shape (interpreter only, see below)."""
+    pads = [(0, (-d) % b) for d, b in zip(x.shape, multiples)]
+    return jnp.pad(x, pads) if any(p for _, p in pads) else x
+
+
+def _k_mask(x, kk, tk, k, axis):
+    """Zero the entries of a k-block that lie past k (both operands, so garbage cannot leak)."""
+    if k % tk == 0:
+        return x
+    idx = kk * tk + lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.where(idx < k, x, jnp.zeros_like(x))
+
+
+def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, rhs_ref, ex_ref, out_ref, acc_ref,
+                *, tm, tk, k, transpose_rhs):
+    v, kk = pl.program_id(1), pl.program_id(2)
+    tile = tile_ids[v]
+    first_visit = (v == 0) | (tile != tile_ids[jnp.maximum(v - 1, 0)])
+
+    @pl.when(kk == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(first_visit & (kk == 0))
+    def _():
+        out_ref[...] = ex_ref[...]  # rows no visit stores keep existing_out
+
+    @pl.when(v < num_visits[0])
+    def _():
+        x = _k_mask(lhs_ref[...], kk, tk, k, 1)
+        w = _k_mask(rhs_ref[...], kk, tk, k, 1 if transpose_rhs else 0)
+        dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+        acc_ref[...] += lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+    @pl.when((v < num_visits[0]) & (kk == pl.num_programs(2) - 1))
+    def _():
+        g = group_ids[v]
+        rows = tile * tm + lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
+        mine = (rows >= starts[g]) & (rows < ends[g])
+        out_ref[...] = jnp.where(mine, acc_ref[...].astype(out_ref.dtype), out_ref[...])
+
+
+def gmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, tiling,
+                   interpret):
+    m, k = lhs.shape
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    cdt = _compute_dtype(lhs.dtype, rhs.dtype)
+    if jnp.dtype(out_dtype) not in _SUPPORTED:
+        raise NotImplementedError(f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}")
+    t = check_tiles(dict(m=m, k=k, n=n), dict(zip("mkn", tiling)), "m", cdt, "gmm")
+    tm, tk, tn = t["m"], t["k"], t["n"]
+    meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
+    visits = meta.group_ids.shape[0]
+    grid = (_cdiv(n, tn), visits, _cdiv(k, tk))
+
+    def lhs_map(j, v, kk, gids, tids, *_):
+        return tids[v], kk
+
+    def rhs_map(j, v, kk, gids, tids, *_):
+        return (gids[v], j, kk) if transpose_rhs else (gids[v], kk, j)
+
+    def out_map(j, v, kk, gids, tids, *_):
+        return tids[v], j
+
+    lhs, rhs, existing_out = lhs.astype(cdt), rhs.astype(cdt), existing_out.astype(out_dtype)
+    if interpret:
+        # jax 0.12's TPU interpreter returns an aliased output padded to whole blocks when its edge
+        # blocks are partial (80x256 for 67x130 with 16x128 blocks); pad m and n ourselves there.
+        # Real TPUs clip edge blocks, so compiled kernels skip this copy. k stays unpadded: its
+        # remainder is masked in the kernel.
+        lhs = _pad_to(lhs, (tm, 1))
+        rhs = _pad_to(rhs, (1, tn, 1) if transpose_rhs else (1, 1, tn))
+        existing_out = _pad_to(existing_out, (tm, tn))
+    rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+    call = pl.pallas_call(
+        functools.partial(_gmm_kernel, tm=tm, tk=tk, k=k, transpose_rhs=transpose_rhs),
+        out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5, grid=grid,
+            in_specs=[pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(rhs_block, rhs_map),
+                      pl.BlockSpec((tm, tn), out_map)],
+            out_specs=pl.BlockSpec((tm, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)]),
+        input_output_aliases={7: 0},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        interpret=_interpret(interpret),
+        name="conveyor_gmm")
+    out = call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
+               lhs, rhs, existing_out)
+    return out[:m, :n]
+
+
+def _tgmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, rhs_ref, ex_ref, out_ref, acc_ref,
+                 *, tm):
+    v = pl.program_id(2)
+    last = pl.num_programs(2) - 1
+    g = group_ids[v]
+    first_visit = (v == 0) | (g != group_ids[jnp.maximum(v - 1, 0)])
+    last_visit = (v == last) | (g != group_ids[jnp.minimum(v + 1, last)])
+
+    @pl.when(first_visit)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(v < num_visits[0])
+    def _():
+        lo, hi = starts[g], ends[g]
+        x, y = lhs_ref[...], rhs_ref[...]
+        cols = tile_ids[v] * tm + lax.broadcasted_iota(jnp.int32, x.shape, 1)
+        rows = tile_ids[v] * tm + lax.broadcasted_iota(jnp.int32, y.shape, 0)
+        x = jnp.where((cols >= lo) & (cols < hi), x, jnp.zeros_like(x))
+        y = jnp.where((rows >= lo) & (rows < hi), y, jnp.zeros_like(y))
+        acc_ref[...] += jnp.dot(x, y, preferred_element_type=jnp.float32)
+
+    @pl.when(last_visit)
+    def _():
+        out_ref[...] = (ex_ref[...].astype(jnp.float32) + acc_ref[...]).astype(out_ref.dtype)
+
+
+def tgmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling,
+                    interpret):
+    k, m = lhs.shape
+    n = rhs.shape[1]
+    cdt = _compute_dtype(lhs.dtype, rhs.dtype)
+    if jnp.dtype(out_dtype) not in _SUPPORTED:
+        raise NotImplementedError(f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}")
+    # The lhs block is (tk, tm): here tm is a lane dimension (multiple of 128) and tk a sublane one.
+    t = check_tiles(dict(m=m, k=k, n=n), dict(zip("mkn", tiling)), "k", cdt, "tgmm")
+    tm, tk, tn = t["m"], t["k"], t["n"]
+    meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
+    visits = meta.group_ids.shape[0]
+    grid = (_cdiv(k, tk), _cdiv(n, tn), visits)
+
+    lhs, rhs, existing_out = lhs.astype(cdt), rhs.astype(cdt), existing_out.astype(out_dtype)
+    if interpret:  # see gmm_mosaic_tpu: pad the edges the interpreter mishandles
+        lhs = _pad_to(lhs, (tk, tm))
+        rhs = _pad_to(rhs, (tm, tn))
+        existing_out = _pad_to(existing_out, (1, tk, tn))
+
+    def lhs_map(i, j, v, gids, tids, *_):
+        return i, tids[v]
+
+    def rhs_map(i, j, v, gids, tids, *_):
+        return tids[v], j
+
+    def out_map(i, j, v, gids, tids, *_):
+        return gids[v], i, j
+
+    call = pl.pallas_call(
+        functools.partial(_tgmm_kernel, tm=tm),
+        out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5, grid=grid,
+            in_specs=[pl.BlockSpec((tk, tm), lhs_map), pl.BlockSpec((tm, tn), rhs_map),
+                      pl.BlockSpec((None, tk, tn), out_map)],
+            out_specs=pl.BlockSpec((None, tk, tn), out_map),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)]),
+        input_output_aliases={7: 0},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=_interpret(interpret),
+        name="conveyor_tgmm")
+    out = call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
+               lhs, rhs, existing_out)
+    return out[:, :k, :n]
