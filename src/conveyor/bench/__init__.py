@@ -1,0 +1,1 @@
+"""Benchmarks runnable from the CLI: `conveyor bench gmm` (or `python -m conveyor.bench gmm`)."""

@@ -1,0 +1,186 @@
+"""`conveyor bench gmm`: grouped matmul against the dense floor, a per-group BLAS loop and ragged_dot.
+
+One run prints one table; every ratio compares numbers measured in that run (see timing.py).
+Rows: m=4096, k=n=1024, f32 and bf16, G in {1, 8, 64, 256}, Dirichlet(1)-skewed group sizes.
+"""
+from __future__ import annotations
+
+import datetime
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import conveyor as cv
+from conveyor.bench.timing import interleaved_medians
+from conveyor.problems import BENCH_GMM, GmmProblem, skewed_group_sizes
+
+# Baselines slower than this are measured once (after a warm-up); above RAGGED_MAX_G they are not
+# run at all: lax.ragged_dot's G-times dense expansion takes ~30 s per call at G=256.
+RAGGED_MAX_G = 64
+REFERENCE_MAX_G = 64
+
+
+def copy_bandwidth(reps: int) -> float:
+    """Bytes per second of a large streaming read+write (256 MiB each way)."""
+    x = jnp.ones((64 * 1024 * 1024,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    t = interleaved_medians({"copy": lambda: f(x)}, reps)["copy"]
+    return 2 * x.nbytes / t
+
+
+def numpy_group_loop(lhs: np.ndarray, rhs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """What a CPU user writes by hand: one BLAS matmul per group into a preallocated output."""
+    out = np.zeros((lhs.shape[0], rhs.shape[2]), np.float32)
+    start = 0
+    for g, size in enumerate(sizes):
+        np.matmul(lhs[start:start + size], rhs[g], out=out[start:start + size])
+        start += size
+    return out
+
+
+def numpy_tgroup_loop(lhs_t: np.ndarray, rhs: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    out = np.empty((len(sizes), lhs_t.shape[0], rhs.shape[1]), np.float32)
+    start = 0
+    for g, size in enumerate(sizes):
+        np.matmul(lhs_t[:, start:start + size], rhs[start:start + size], out=out[g])
+        start += size
+    return out
+
+
+def _fmt(x: float | None, digits=1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _ratio(t: float | None, base: float) -> str:
+    return "-" if t is None else f"{t / base:.2f}x"
+
+
+def bench_gmm_forward(p: GmmProblem, dtype, reps: int) -> dict:
+    rng = np.random.default_rng(p.groups)
+    sizes = skewed_group_sizes(p.m, p.groups, seed=p.groups, alpha=p.alpha)
+    lhs = jnp.asarray(rng.standard_normal((p.m, p.k)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((p.groups, p.k, p.n)) / np.sqrt(p.k), dtype)
+    gs = jnp.asarray(sizes)
+    lhs_np = np.asarray(lhs, np.float32)
+    rhs_np = np.asarray(rhs, np.float32)
+    dense = jax.jit(lambda a, b: jnp.dot(a, b[0], preferred_element_type=jnp.float32))
+    ours = jax.jit(lambda a, b, s: cv.gmm(a, b, s))
+    ragged = jax.jit(lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32))
+    ref = jax.jit(lambda a, b, s: cv.gmm(a, b, s, backend="reference"))
+    fns = {"dense": lambda: dense(lhs, rhs), "numpy": lambda: numpy_group_loop(lhs_np, rhs_np, sizes),
+           "gmm": lambda: ours(lhs, rhs, gs)}
+    if p.groups <= RAGGED_MAX_G:
+        fns["ragged_dot"] = lambda: ragged(lhs, rhs, gs)
+    if p.groups <= REFERENCE_MAX_G:
+        fns["reference"] = lambda: ref(lhs, rhs, gs)
+    slow = {"ragged_dot": 1 if p.groups > 8 else 2, "reference": 1 if p.groups > 8 else 2}
+    t = interleaved_medians(fns, reps, slow)
+    err = float(np.abs(np.asarray(ours(lhs, rhs, gs)) - numpy_group_loop(lhs_np, rhs_np, sizes)).max())
+    return dict(t=t, err=err)
+
+
+def bench_tgmm(p: GmmProblem, dtype, reps: int) -> dict:
+    rng = np.random.default_rng(100 + p.groups)
+    sizes = skewed_group_sizes(p.m, p.groups, seed=p.groups, alpha=p.alpha)
+    lhs_t = jnp.asarray(rng.standard_normal((p.k, p.m)), dtype)
+    rhs = jnp.asarray(rng.standard_normal((p.m, p.n)), dtype)
+    gs = jnp.asarray(sizes)
+    lhs_np, rhs_np = np.asarray(lhs_t, np.float32), np.asarray(rhs, np.float32)
+    dense = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+    ours = jax.jit(lambda a, b, s: cv.tgmm(a, b, s))
+    t = interleaved_medians({"dense": lambda: dense(lhs_t, rhs), "numpy": lambda: numpy_tgroup_loop(lhs_np, rhs_np, sizes),
+                             "tgmm": lambda: ours(lhs_t, rhs, gs)}, reps)
+    err = float(np.abs(np.asarray(ours(lhs_t, rhs, gs)) - numpy_tgroup_loop(lhs_np, rhs_np, sizes)).max())
+    return dict(t=t, err=err)
+
+
+def moe_ffn(x, w1, w2, sizes, matmul):
+    """Two-layer MoE feed-forward: gelu(x @ w1[e]) @ w2[e] per expert e."""
+    return matmul(jax.nn.gelu(matmul(x, w1, sizes)), w2, sizes)
+
+
+def ffn_loss_and_grads(matmul):
+    def loss(x, w1, w2, sizes, ct):
+        return jnp.vdot(moe_ffn(x, w1, w2, sizes, matmul), ct)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def bench_moe_ffn(groups: int, reps: int, m=2048, d=512, f=1024) -> dict:
+    rng = np.random.default_rng(200 + groups)
+    sizes = jnp.asarray(skewed_group_sizes(m, groups, seed=groups))
+    x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    w1 = jnp.asarray(rng.standard_normal((groups, d, f)) / np.sqrt(d), jnp.float32)
+    w2 = jnp.asarray(rng.standard_normal((groups, f, d)) / np.sqrt(f), jnp.float32)
+    ct = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
+    ours = ffn_loss_and_grads(lambda a, b, s: cv.gmm(a, b, s))
+    ragged = ffn_loss_and_grads(lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32))
+    t = interleaved_medians({"gmm": lambda: ours(x, w1, w2, sizes, ct),
+                             "ragged_dot": lambda: ragged(x, w1, w2, sizes, ct)}, reps,
+                            {"ragged_dot": 1 if groups > 8 else 3})
+    g_ours, g_ragged = ours(x, w1, w2, sizes, ct)[1], ragged(x, w1, w2, sizes, ct)[1]
+    rel = max(float(jnp.abs(a - b).max() / jnp.abs(b).max()) for a, b in zip(g_ours, g_ragged))
+    return dict(t=t, rel=rel, shape=(m, d, f))
+
+
+def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float32", "bfloat16"),
+        ffn_groups: tuple[int, ...] = (8, 64)) -> str:
+    """Run the whole gmm benchmark and return it as a markdown report."""
+    lines = [f"# gmm benchmark, {datetime.date.today().isoformat()}", "",
+             f"Machine: {platform.machine()}, {jax.device_count()} JAX CPU device(s), "
+             f"jax {jax.__version__}, numpy {np.__version__}. Command: `conveyor bench gmm`.",
+             f"Medians of {reps} interleaved runs (slow baselines: 1-2 runs). Times in ms.", ""]
+    bw = copy_bandwidth(reps)
+    lines.append(f"Measured copy bandwidth: {bw / 1e9:.1f} GB/s (read+write).")
+    lines.append("")
+    lines += ["## gmm forward (m=4096, k=n=1024)", "",
+              "| dtype | G | dense floor | roofline | numpy loop | cv.gmm | ragged_dot | reference | "
+              "gmm/dense | gmm/numpy | ragged/gmm | max err vs numpy |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    problems = [p for p in BENCH_GMM if p.groups in groups]
+    for dt in dtypes:
+        dtype = jnp.dtype(dt)
+        for p in problems:
+            r = bench_gmm_forward(p, dtype, reps)
+            t = r["t"]
+            rate = 2 * p.m * p.k * p.n / t["dense"]  # measured in the same interleaved set
+            isz = dtype.itemsize
+            must_move = isz * (p.m * p.k + p.groups * p.k * p.n) + 4 * p.m * p.n
+            floor = max(2 * p.m * p.k * p.n / rate, must_move / bw)
+            ragged, ref = t.get("ragged_dot"), t.get("reference")
+            lines.append(
+                f"| {dt} | {p.groups} | {_fmt(t['dense'] * 1e3)} | {_fmt(floor * 1e3)} | {_fmt(t['numpy'] * 1e3)} | "
+                f"{_fmt(t['gmm'] * 1e3)} | {_fmt(ragged and ragged * 1e3)} | {_fmt(ref and ref * 1e3)} | "
+                f"{_ratio(t['gmm'], t['dense'])} | {_ratio(t['gmm'], t['numpy'])} | "
+                f"{'-' if ragged is None else f'{ragged / t['gmm']:.1f}x'} | {r['err']:.1e} |")
+            print(lines[-1], flush=True)
+    lines += ["", "numpy loop: one `np.matmul` per group on float32 copies (NumPy has no fast bf16 matmul);"
+              " ragged_dot and reference are skipped above G=64 (about 30 s and 12 s per call).", "",
+              "## tgmm (lhs [k, m], rhs [m, n] -> [G, k, n])", "",
+              "| dtype | G | dense floor | roofline | numpy loop | cv.tgmm | tgmm/dense | tgmm/numpy | max err |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for dt in dtypes:
+        dtype = jnp.dtype(dt)
+        for p in problems:
+            if p.groups == 1:
+                continue
+            r = bench_tgmm(p, dtype, reps)
+            t = r["t"]
+            rate = 2 * p.m * p.k * p.n / t["dense"]
+            must_move = dtype.itemsize * (p.m * p.k + p.m * p.n) + 4 * p.groups * p.k * p.n
+            floor = max(2 * p.m * p.k * p.n / rate, must_move / bw)
+            lines.append(f"| {dt} | {p.groups} | {_fmt(t['dense'] * 1e3)} | {_fmt(floor * 1e3)} | "
+                         f"{_fmt(t['numpy'] * 1e3)} | {_fmt(t['tgmm'] * 1e3)} | {_ratio(t['tgmm'], t['dense'])} | "
+                         f"{_ratio(t['tgmm'], t['numpy'])} | {r['err']:.1e} |")
+            print(lines[-1], flush=True)
+    lines += ["", "## Two-layer MoE FFN, forward + backward (f32)", "",
+              "| G | tokens, d, f | cv.gmm | ragged_dot | speed-up | max rel. grad diff |", "|---|---|---|---|---|---|"]
+    for g in ffn_groups:
+        r = bench_moe_ffn(g, reps)
+        t = r["t"]
+        lines.append(f"| {g} | {r['shape']} | {_fmt(t['gmm'] * 1e3)} | {_fmt(t['ragged_dot'] * 1e3)} | "
+                     f"{t['ragged_dot'] / t['gmm']:.1f}x | {r['rel']:.1e} |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines) + "\n"

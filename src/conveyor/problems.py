@@ -1,0 +1,33 @@
+"""Named problem shapes and the skewed group-size distribution, shared by demo, benchmarks and docs."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GmmProblem:
+    name: str
+    m: int
+    k: int
+    n: int
+    groups: int
+    alpha: float = 1.0  # Dirichlet concentration of group sizes: smaller is more skewed
+
+
+def skewed_group_sizes(m: int, groups: int, *, seed: int = 0, alpha: float = 1.0) -> np.ndarray:
+    """int32[groups] summing to m, drawn from a seeded Dirichlet(alpha) split (as MoE routers skew).
+
+    An even split flatters every kernel; real routers give some experts many tokens and some none.
+    """
+    rng = np.random.default_rng(seed)
+    sizes = np.floor(rng.dirichlet(np.full(groups, alpha)) * m).astype(np.int32)
+    sizes[np.argmax(sizes)] += m - int(sizes.sum())
+    return sizes
+
+
+# The benchmark table of issue #2: m=4096, k=n=1024, G in {1, 8, 64, 256}.
+BENCH_GMM = tuple(GmmProblem(name=f"moe-g{g}", m=4096, k=1024, n=1024, groups=g) for g in (1, 8, 64, 256))
+# The demo's MoE feed-forward layer: small enough to run in seconds.
+DEMO_MOE = GmmProblem(name="demo-moe", m=2048, k=512, n=1024, groups=8)
