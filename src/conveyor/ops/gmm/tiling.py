@@ -6,9 +6,8 @@ from typing import Union
 
 Tiling = Union[None, tuple[int, int, int], Callable[[int, int, int], "tuple[int, int, int] | None"]]
 
-# XLA backend: 128-row tiles measured best on the 2-core CPU for m=4096, k=n=1024 (see
-# benchmarks/results); k and n are left whole because XLA's dot emitter tiles them itself.
-XLA_DEFAULT_TM = 128
+# The XLA backend's default row tile comes from xla.default_tm (k and n are left whole: XLA's
+# dot emitter tiles them itself).
 # Mosaic TPU: megablox-like defaults that fit VMEM comfortably (f32: 2x(128x512 + 512x512) inputs).
 TPU_DEFAULT = (128, 512, 512)
 
