@@ -2,6 +2,10 @@
 
 This machine's speed drifts by tens of percent over seconds (other tenants); running candidates
 round-robin and taking medians keeps the ratios between them stable even when absolute times move.
+Before every timed call we also `settle()`: evict the 32 MiB L3 (so weights come from DRAM, as in a
+real layer, and no candidate inherits another's warm cache) and pause briefly so the spinning
+worker threads of the previous candidate (OpenBLAS, XLA's Eigen pool) go idle instead of stealing
+one of the two cores. Without this, a NumPy call right before an XLA call slowed it by up to 1.5x.
 """
 from __future__ import annotations
 
@@ -12,7 +16,18 @@ import jax
 import numpy as np
 
 
+_EVICT = np.zeros(64 * 1024 * 1024 // 8)  # 64 MiB: twice the L3 of the reference machine
+SETTLE_SECONDS = 0.05
+
+
+def settle() -> None:
+    """Evict caches and let other libraries' spinning threads fall asleep (single-threaded)."""
+    _EVICT.fill(1.0)
+    time.sleep(SETTLE_SECONDS)
+
+
 def run_once(fn: Callable[[], object]) -> float:
+    settle()
     t0 = time.perf_counter()
     jax.block_until_ready(fn())
     return time.perf_counter() - t0

@@ -1,0 +1,24 @@
+"""The command line: demo runs and checks itself; bench runs a small table."""
+import subprocess
+import sys
+
+
+def _run(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "conveyor", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_demo_checks_against_reference_and_times_ragged_dot():
+    r = _run("demo")
+    assert r.returncode == 0, r.stderr
+    assert "OK" in r.stdout and "lax.ragged_dot" in r.stdout
+
+
+def test_bench_gmm_small(tmp_path):
+    # A reduced table (G=1 and 8, f32, no FFN rows) exercises the whole pipeline of the benchmark.
+    out = tmp_path / "gmm.md"
+    r = _run("bench", "gmm", "--reps", "1", "--groups", "8", "--dtypes", "float32", "--ffn-groups", "",
+             "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    text = out.read_text()
+    assert "| float32 | 8 |" in text and "cv.tgmm" in text
