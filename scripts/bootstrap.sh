@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv with a Python >= 3.12 and install Conveyor with its test extras.
-# Interpreter search order: $PYTHON, python3.13/python3.12/python3 on PATH, then pyenv's versions.
+# Interpreter search order: $PYTHON, python3.12/python3.13/python3 on PATH, then pyenv's versions
+# (3.12 first: the version jax 0.12.0.1 was validated with here, then newer ones).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -15,7 +16,7 @@ find_python() {
     if is_ok "$PYTHON"; then echo "$PYTHON"; return 0; fi
     echo "bootstrap: PYTHON=$PYTHON is not a working Python >= 3.12" >&2; return 1
   fi
-  for c in python3.13 python3.12 python3; do
+  for c in python3.12 python3.13 python3; do
     if command -v "$c" >/dev/null 2>&1 && is_ok "$(command -v "$c")"; then command -v "$c"; return 0; fi
   done
   local roots=()
@@ -23,8 +24,8 @@ find_python() {
   roots+=("${PYENV_ROOT:-}" "$HOME/.pyenv")
   for r in "${roots[@]}"; do
     [ -n "$r" ] && [ -d "$r/versions" ] || continue
-    # newest first: 3.13.x before 3.12.x
-    for d in $(ls -1 "$r/versions" | grep -E '^3\.(1[2-9]|[2-9][0-9])\.[0-9]+$' | sort -t. -k2,2nr -k3,3nr); do
+    # 3.12.x first (newest patch first), then 3.13 and later
+    for d in $(ls -1 "$r/versions" | grep -E '^3\.(1[2-9]|[2-9][0-9])\.[0-9]+$' | sort -t. -k2,2n -k3,3nr); do
       for exe in "$r/versions/$d/bin/python3" "$r/versions/$d/bin/python"; do
         if [ -x "$exe" ] && is_ok "$exe"; then echo "$exe"; return 0; fi
       done

@@ -17,7 +17,7 @@ import numpy as np
 
 
 _EVICT = np.zeros(64 * 1024 * 1024 // 8)  # 64 MiB: twice the L3 of the reference machine
-SETTLE_SECONDS = 0.05
+SETTLE_SECONDS = 0.3  # OpenBLAS threads spin for 2^28 cycles (~0.1 s) before sleeping
 
 
 def settle() -> None:
