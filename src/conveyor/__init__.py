@@ -3,7 +3,11 @@
     import conveyor as cv
     out = cv.gmm(lhs, rhs, group_sizes)
 """
+from conveyor import pipeline
+from conveyor.kernel import kernel
 from conveyor.ops.gmm import GroupMetadata, gmm, make_group_metadata, tgmm
+from conveyor.pipeline import BlockSpec, emit_pipeline
 
 __version__ = "0.1.0"
-__all__ = ["gmm", "tgmm", "make_group_metadata", "GroupMetadata", "__version__"]
+__all__ = ["gmm", "tgmm", "make_group_metadata", "GroupMetadata", "kernel", "emit_pipeline", "BlockSpec",
+           "pipeline", "__version__"]

@@ -17,3 +17,9 @@ Zero = ad.Zero
 def register_lowering_from_function(prim: Primitive, impl) -> None:
     """Lower `prim` on every platform by tracing `impl(*args, **params)`."""
     mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
+
+
+# ---- JAX state (refs) for the XLA kernel executor ----------------------------------------------
+from jax._src.state.discharge import run_state  # noqa: E402  (no public alias in jax 0.12)
+
+__all__ += ["run_state"]

@@ -1,0 +1,256 @@
+"""The pipeline plan: a pure, immutable description of what happens at every step of a pipeline.
+
+`plan(...)` turns a grid, block specs and the buffering options into a `PipelinePlan`. Its rules
+(`block_indices`, `slot`, `fetch_at`, `writes_back`) work on Python ints and on traced JAX ints
+alike, so lowerings ask them inside the kernel loop, the XLA executor runs them with ordinary
+slicing, and the checker/simulator replay `events()`; all of them follow one schedule.
+
+Schedule (inputs): an input with `S = max_concurrent_steps` slots keeps `L = S - delay_release`
+fetches in flight. Before step 0 the prologue fetches steps 0..L-1; at step s the body reads slot
+s % S, and the fetch for step s + L is issued into slot (s + L) % S, the slot step s - delay_release
+used, so a slot is refilled `delay_release` steps after its last use.
+Index-invariant operands (index map ignores the grid) have one slot, fetched once.
+Outputs: the block stays resident while its block index does not change (so a body can accumulate
+across a reduction axis) and is written back when the next step's index differs, or at the last
+step; it then moves to the other of its two slots so the write-back can overlap the next step.
+Index-invariant outputs are written once, at the end.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+
+Int = Any  # a Python int or a traced int32 scalar
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSpec:
+    """A block of an array visited by a pipeline: `block_shape` and `index_map(*grid_indices)`.
+
+    `index_map` returns block indices (array offset = block index * block size per dimension).
+    A `None` in `block_shape` squeezes that dimension (block size 1, dropped from the block ref).
+    """
+    block_shape: tuple[int | None, ...]
+    index_map: Callable[..., tuple[Int, ...]]
+
+
+def as_block_spec(spec: Any, name: str) -> BlockSpec:
+    """Accept a cv.BlockSpec or a Pallas BlockSpec (anything with block_shape and index_map)."""
+    if isinstance(spec, BlockSpec):
+        return spec
+    shape = getattr(spec, "block_shape", None)
+    imap = getattr(spec, "index_map", None)
+    if shape is None or imap is None:
+        raise TypeError(f"{name}: expected a cv.BlockSpec or pl.BlockSpec with block_shape and index_map, got {spec!r}")
+    shape = tuple(None if (d is None or type(d).__name__ == "Squeezed") else int(d) for d in shape)
+    return BlockSpec(shape, imap)
+
+
+@dataclasses.dataclass(frozen=True)
+class OperandPlan:
+    """One pipelined operand: an input or an output, with its buffering decided."""
+    name: str
+    is_input: bool
+    block_shape: tuple[int | None, ...]
+    index_map: Callable[..., tuple[Int, ...]]
+    invariant: bool       # the index map ignores the grid: fetched / written exactly once
+    num_slots: int
+
+    @property
+    def block_dims(self) -> tuple[int, ...]:
+        """Block size per array dimension (squeezed dims count as 1)."""
+        return tuple(1 if d is None else d for d in self.block_shape)
+
+    @property
+    def ref_shape(self) -> tuple[int, ...]:
+        """Shape of the on-chip block ref the body sees (squeezed dims dropped)."""
+        return tuple(d for d in self.block_shape if d is not None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One step of the schedule, for the checker and the simulator (pure data)."""
+    step: int            # grid step at which it happens (-1: prologue, num_steps: epilogue)
+    kind: str            # "fetch" | "wait_fetch" | "compute" | "writeback" | "wait_writeback"
+    operand: str | None
+    slot: int | None
+    target_step: int     # the grid step whose block it moves / computes
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelinePlan:
+    grid: tuple[int, ...]
+    inputs: tuple[OperandPlan, ...]
+    outputs: tuple[OperandPlan, ...]
+    max_concurrent_steps: int
+    delay_release: int
+
+    @property
+    def num_steps(self) -> int:
+        return math.prod(self.grid)
+
+    @property
+    def lookahead(self) -> int:
+        """How many fetches per input are in flight: max_concurrent_steps - delay_release."""
+        return self.max_concurrent_steps - self.delay_release
+
+    # ---- rules: valid on Python ints and on traced int32 scalars ----
+    def grid_indices(self, step: Int) -> tuple[Int, ...]:
+        """Row-major grid indices of a linear step."""
+        idx = []
+        for size in reversed(self.grid):
+            idx.append(step % size)
+            step = step // size
+        return tuple(reversed(idx))
+
+    def block_indices(self, op: OperandPlan, step: Int) -> tuple[Int, ...]:
+        out = op.index_map(*self.grid_indices(step))
+        out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        if len(out) != len(op.block_shape):
+            raise ValueError(f"{op.name}: index_map returned {len(out)} indices for a "
+                             f"{len(op.block_shape)}-d block_shape {op.block_shape}")
+        return out
+
+    def offsets(self, op: OperandPlan, step: Int) -> tuple[Int, ...]:
+        """Element offsets of the operand's block at `step`."""
+        return tuple(i * d for i, d in zip(self.block_indices(op, step), op.block_dims))
+
+    def slot(self, op: OperandPlan, step: Int) -> Int:
+        """The buffer slot the body uses for `op` at `step` (outputs: see `output_slot`)."""
+        return 0 if op.invariant else step % op.num_slots
+
+    def fetch_at(self, step: Int) -> Int:
+        """The step whose input blocks are fetched while `step` runs (may be >= num_steps: none)."""
+        return step + self.lookahead
+
+    def block_changes(self, op: OperandPlan, step: Int) -> Any:
+        """True when `op`'s block index at step + 1 differs from step's (False at the last step)."""
+        if op.invariant:
+            return False
+        nxt = jnp.minimum(step + 1, self.num_steps - 1) if not isinstance(step, int) else min(step + 1, self.num_steps - 1)
+        a, b = self.block_indices(op, step), self.block_indices(op, nxt)
+        if all(isinstance(x, int) for x in a + b):
+            return a != b
+        diff = False
+        for x, y in zip(a, b):
+            diff = jnp.logical_or(diff, jnp.asarray(x) != jnp.asarray(y))
+        return diff
+
+    def writes_back(self, op: OperandPlan, step: Int) -> Any:
+        """An output block is written back after `step` when its index changes next, or at the end."""
+        last = step == self.num_steps - 1
+        if op.invariant:
+            return last
+        changes = self.block_changes(op, step)
+        if isinstance(last, bool) and isinstance(changes, bool):
+            return last or changes
+        return jnp.logical_or(last, changes)
+
+    def output_slot(self, op: OperandPlan, writebacks_before: Int) -> Int:
+        """Outputs alternate between their slots at each write-back."""
+        return 0 if op.invariant else writebacks_before % op.num_slots
+
+    # ---- the schedule as data ----
+    def events(self) -> tuple[Event, ...]:
+        """The whole schedule with concrete steps (for the checker and the simulator)."""
+        ev: list[Event] = []
+        n, la = self.num_steps, self.lookahead
+        for op in self.inputs:
+            for t in ([0] if op.invariant else range(min(la, n))):
+                ev.append(Event(-1, "fetch", op.name, self.slot(op, t), t))
+        wb_count = {op.name: 0 for op in self.outputs}
+        for s in range(n):
+            for op in self.inputs:
+                if not op.invariant or s == 0:
+                    ev.append(Event(s, "wait_fetch", op.name, self.slot(op, s), s))
+            ev.append(Event(s, "compute", None, None, s))
+            for op in self.outputs:
+                if self.writes_back(op, s):
+                    ev.append(Event(s, "writeback", op.name, self.output_slot(op, wb_count[op.name]), s))
+                    wb_count[op.name] += 1
+            t = self.fetch_at(s)
+            if t < n:
+                for op in self.inputs:
+                    if not op.invariant:
+                        ev.append(Event(s, "fetch", op.name, self.slot(op, t), t))
+        for op in self.outputs:
+            ev.append(Event(n, "wait_writeback", op.name, None, n - 1))
+        return tuple(ev)
+
+
+def _is_invariant(index_map: Callable, grid: tuple[int, ...], name: str) -> bool:
+    """Does the index map ignore the grid? Decided by evaluating it on every grid point when small,
+    else on the corners and a sample of points (index maps are affine in practice)."""
+    points = _probe_points(grid)
+    try:
+        values = {tuple(int(v) for v in _as_tuple(index_map(*p))) for p in points}
+    except Exception as e:  # a map that needs scalar prefetch or tracing: treat as grid-dependent
+        if isinstance(e, (TypeError,)) and "positional" in str(e):
+            raise TypeError(f"{name}: index_map must take {len(grid)} grid indices: {e}") from e
+        return False
+    return len(values) == 1
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _probe_points(grid):
+    total = math.prod(grid)
+    if total <= 512:
+        pts = [()]
+        for g in grid:
+            pts = [p + (i,) for p in pts for i in range(g)]
+        return pts
+    pts = [tuple(0 for _ in grid), tuple(g - 1 for g in grid)]
+    for axis, g in enumerate(grid):
+        for i in (1, g // 2, g - 1):
+            p = [0] * len(grid)
+            p[axis] = min(i, g - 1)
+            pts.append(tuple(p))
+    return pts
+
+
+def plan(*, grid: Sequence[int], in_specs: Sequence[Any] = (), out_specs: Sequence[Any] = (),
+         max_concurrent_steps: int = 1, delay_release: int = 0) -> PipelinePlan:
+    """Build the pipeline plan (see the module docstring for the schedule it encodes).
+
+    Raises:
+      ValueError: non-positive grid sizes, max_concurrent_steps < 1, delay_release < 0, or
+        max_concurrent_steps <= delay_release (no slot would ever be free to prefetch into).
+    """
+    grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
+    for g in grid:
+        if isinstance(g, bool) or not isinstance(g, int) or g <= 0:
+            raise ValueError(f"grid: expected positive static ints, got {grid!r}")
+    if not isinstance(max_concurrent_steps, int) or max_concurrent_steps < 1:
+        raise ValueError(f"max_concurrent_steps: expected an int >= 1, got {max_concurrent_steps!r}")
+    if not isinstance(delay_release, int) or delay_release < 0:
+        raise ValueError(f"delay_release: expected an int >= 0, got {delay_release!r}")
+    if max_concurrent_steps <= delay_release:
+        raise ValueError(
+            f"max_concurrent_steps={max_concurrent_steps} must be greater than delay_release={delay_release}: "
+            f"a slot is held for delay_release steps after its use, so with max_concurrent_steps <= "
+            f"delay_release no slot is ever free to prefetch into")
+    steps = math.prod(grid)
+    if max_concurrent_steps > steps:  # documented: shrink to the number of steps
+        max_concurrent_steps, delay_release = steps, 0
+
+    def build(specs, is_input):
+        ops = []
+        for i, spec in enumerate(specs):
+            name = f"{'in' if is_input else 'out'}[{i}]"
+            bs = as_block_spec(spec, name)
+            inv = _is_invariant(bs.index_map, grid, name)
+            if is_input:
+                slots = 1 if inv else max_concurrent_steps
+            else:
+                slots = 1 if inv else 2
+            ops.append(OperandPlan(name, is_input, tuple(bs.block_shape), bs.index_map, inv, slots))
+        return tuple(ops)
+
+    return PipelinePlan(grid, build(in_specs, True), build(out_specs, False), max_concurrent_steps, delay_release)
