@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from conveyor import backends
 from conveyor._compat import run_state
 
-AVAILABLE = ("xla",)
+AVAILABLE = ("xla", "mosaic_tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,9 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
     Args:
       body: writes its outputs through refs and returns None.
       out_shape: a ShapeDtypeStruct or a sequence of them.
-      backend: "xla" (the CPU default). Mosaic backends are not built yet (see issue #3).
+      backend: "xla" (the CPU default) or "mosaic_tpu" (a Pallas TPU kernel whose refs live in HBM;
+        pipelines copy blocks into VMEM). mosaic_gpu is not built yet (see issue #3).
+      interpret: run a mosaic backend through its Pallas interpreter (True or InterpretParams).
       scratch_shapes: ShapeDtypeStructs of extra on-chip buffers passed after the outputs.
       grid, num_threads, thread_name: accepted for API compatibility; only () / None are supported
         on the xla backend for now (NotImplementedError otherwise).
@@ -87,6 +89,10 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
     single = not isinstance(out_shape, (tuple, list))
     outs = _shapes(out_shape, "out_shape")
     scratch = _shapes(tuple(scratch_shapes), "scratch_shapes")
+
+    if backend == "mosaic_tpu":
+        from conveyor import kernel_tpu
+        return kernel_tpu.launch(body, outs, scratch, single, interpret, _entered(KernelContext(backend, interpret)))
 
     def run(*inputs):
         for i, x in enumerate(inputs):

@@ -44,6 +44,9 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[int], in_specs: Se
         _check_shapes(p, refs)
         if ctx.backend == "xla":
             return xla_exec.run_pipeline(p, body, refs[:n_in], refs[n_in:], init_carry, init_carry is not None)
+        if ctx.backend == "mosaic_tpu":
+            from conveyor.pipeline import mosaic_tpu
+            return mosaic_tpu.run_pipeline(p, body, refs[:n_in], refs[n_in:], init_carry, init_carry is not None)
         raise NotImplementedError(f"emit_pipeline: backend {ctx.backend!r} is not implemented yet")
 
     run.plan = p

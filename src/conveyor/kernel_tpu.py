@@ -1,0 +1,52 @@
+"""cv.kernel on the mosaic_tpu backend: one pallas_call with every operand left in HBM (pl.ANY).
+
+On CPU (`interpret=True` or a `pltpu.InterpretParams`) the kernel runs through the Pallas TPU
+interpreter. Whenever the process has no TPU (interpreting, or exporting with
+`jax.export(..., platforms=["tpu"])` from a CPU machine) it is traced under a TPU v5e abstract
+mesh: DMA lowering asks for the TPU generation and refuses device kind 'cpu' otherwise (measured
+with jax 0.12.0.1, see shared FACTS).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import jax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+
+def _interpret(interpret):
+    if not interpret:
+        return False
+    return pltpu.InterpretParams() if interpret is True else interpret
+
+
+def _tpu_mesh():
+    return jax.sharding.use_abstract_mesh(AbstractMesh(
+        (1,), ("_cv_tpu",), (AxisType.Auto,), abstract_device=AbstractDevice("TPU v5 lite", 1, "tpu")))
+
+
+def launch(body, outs, scratch, single, interpret, context):
+    def run(*inputs):
+        n_in = len(inputs)
+
+        def wrapped(*refs):
+            with context:
+                if body(*refs) is not None:
+                    raise TypeError("kernel body must return None (it writes outputs through refs)")
+
+        call = pl.pallas_call(
+            wrapped,
+            out_shape=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in outs),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * n_in,
+            out_specs=tuple(pl.BlockSpec(memory_space=pl.ANY) for _ in outs),
+            scratch_shapes=[pltpu.VMEM(s.shape, s.dtype) for s in scratch],
+            interpret=_interpret(interpret),
+            name="conveyor_kernel")
+        mesh = _tpu_mesh() if interpret or jax.default_backend() != "tpu" else contextlib.nullcontext()
+        with mesh:
+            results = call(*inputs)
+        return results[0] if single else tuple(results)
+
+    return run

@@ -1,0 +1,139 @@
+"""One table of pipelined kernels, run on every backend and checked against jnp.
+
+xla runs natively; mosaic_tpu runs through the Pallas TPU interpreter with the race detector on
+(a reported race raises). Outputs start poisoned (NaN) on both, so a block the pipeline fails to
+write back shows up as NaN.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+import conveyor as cv
+
+RNG = np.random.default_rng(123)
+BACKENDS = ["xla", "mosaic_tpu"]
+
+
+def arr(*shape):
+    return jnp.asarray(RNG.standard_normal(shape), jnp.float32)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def run(kernel_body, out_shape, *args, backend="xla", dma_mode="on_wait"):
+    interpret = (pltpu.InterpretParams(detect_races=True, dma_execution_mode=dma_mode)
+                 if backend == "mosaic_tpu" else False)
+    return jax.jit(cv.kernel(kernel_body, out_shape, backend=backend, interpret=interpret))(*args)
+
+
+@pytest.mark.parametrize("mcs, delay", [(1, 0), (2, 0), (3, 0), (2, 1), (3, 1), (50, 0)])
+def test_elementwise_add_1d_grid(backend, mcs, delay):
+    x, y = arr(64, 128), arr(64, 128)
+
+    def k(x_ref, y_ref, o_ref):
+        def body(idx, xb, yb, ob):
+            ob[...] = xb[...] + yb[...]
+        spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
+        cv.emit_pipeline(body, grid=(8,), in_specs=[spec, spec], out_specs=[spec],
+                         max_concurrent_steps=mcs, delay_release=delay)(x_ref, y_ref, o_ref)
+
+    np.testing.assert_array_equal(run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, y, backend=backend), x + y)
+
+
+@pytest.mark.parametrize("mcs, dma_mode", [(1, "on_wait"), (2, "on_wait"), (3, "on_wait"), (2, "eager")])
+def test_tiled_matmul_accumulates_in_resident_output(backend, mcs, dma_mode):
+    x, y = arr(32, 384), arr(384, 256)
+
+    def k(x_ref, y_ref, o_ref):
+        def body(idx, xb, yb, ob):
+            _, _, kk = idx
+            ob[...] = jnp.where(kk == 0, 0.0, ob[...]) + xb[...] @ yb[...]
+        cv.emit_pipeline(body, grid=(2, 2, 3),
+                         in_specs=[cv.BlockSpec((16, 128), lambda i, j, k: (i, k)),
+                                   cv.BlockSpec((128, 128), lambda i, j, k: (k, j))],
+                         out_specs=[cv.BlockSpec((16, 128), lambda i, j, k: (i, j))],
+                         max_concurrent_steps=mcs)(x_ref, y_ref, o_ref)
+
+    out = run(k, jax.ShapeDtypeStruct((32, 256), jnp.float32), x, y, backend=backend, dma_mode=dma_mode)
+    np.testing.assert_allclose(out, x @ y, rtol=1e-5, atol=1e-4)
+
+
+def test_invariant_input_and_output_bias_and_column_sum(backend):
+    x, b = arr(64, 128), arr(1, 128)
+
+    def k(x_ref, b_ref, o_ref, s_ref):
+        def body(idx, xb, bb, ob, sb):
+            (i,) = idx
+            ob[...] = xb[...] + bb[...]
+            sb[...] = jnp.where(i == 0, 0.0, sb[...]) + jnp.sum(xb[...], axis=0, keepdims=True)
+        cv.emit_pipeline(body, grid=(4,),
+                         in_specs=[cv.BlockSpec((16, 128), lambda i: (i, 0)), cv.BlockSpec((1, 128), lambda i: (0, 0))],
+                         out_specs=[cv.BlockSpec((16, 128), lambda i: (i, 0)), cv.BlockSpec((1, 128), lambda i: (0, 0))],
+                         max_concurrent_steps=2)(x_ref, b_ref, o_ref, s_ref)
+
+    out, colsum = run(k, (jax.ShapeDtypeStruct((64, 128), jnp.float32), jax.ShapeDtypeStruct((1, 128), jnp.float32)),
+                      x, b, backend=backend)
+    np.testing.assert_allclose(out, x + b, rtol=1e-6)
+    np.testing.assert_allclose(colsum, x.sum(0, keepdims=True), rtol=1e-5, atol=1e-5)
+
+
+def test_3d_grid_with_squeezed_dim_and_carry(backend):
+    x = arr(4, 32, 256)
+
+    def k(x_ref, o_ref, t_ref):
+        def body(idx, xb, ob, carry):
+            ob[...] = xb[...] * 2
+            return carry + jnp.sum(xb[...])
+        total = cv.emit_pipeline(body, grid=(4, 2, 2),
+                                 in_specs=[cv.BlockSpec((None, 16, 128), lambda b, i, j: (b, i, j))],
+                                 out_specs=[cv.BlockSpec((None, 16, 128), lambda b, i, j: (b, i, j))],
+                                 init_carry=jnp.float32(0))(x_ref, o_ref)
+        # The final carry comes back; global refs are written through pipelines (HBM on TPU).
+        def store(idx, tb):
+            tb[...] = jnp.full(tb.shape, total)
+        cv.emit_pipeline(store, grid=(1,), out_specs=[cv.BlockSpec((8, 128), lambda i: (0, 0))])(t_ref)
+
+    out, total = run(k, (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((8, 128), jnp.float32)), x,
+                     backend=backend)
+    np.testing.assert_array_equal(out, x * 2)
+    np.testing.assert_allclose(total, np.full((8, 128), float(jnp.sum(x))), rtol=1e-5)
+
+
+def test_bad_input_errors():
+    x = arr(30, 8)
+    spec = cv.BlockSpec((8, 8), lambda i: (i, 0))
+
+    def not_dividing(x_ref, o_ref):
+        cv.emit_pipeline(lambda idx, a, b: None, grid=(4,), in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+
+    with pytest.raises(ValueError, match=r"in\[0\]: block_shape \(8, 8\) does not divide the array shape \(30, 8\)"):
+        run(not_dividing, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    def wrong_count(x_ref, o_ref):
+        cv.emit_pipeline(lambda idx, a, b: None, grid=(4,), in_specs=[spec], out_specs=[spec])(x_ref)
+
+    with pytest.raises(ValueError, match=r"expected 1 input refs and 1 output refs"):
+        run(wrong_count, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+    with pytest.raises(RuntimeError, match="inside a kernel body"):
+        cv.emit_pipeline(lambda idx, a: None, grid=(1,), in_specs=[spec])(x)
+
+
+def test_unwritten_output_is_poisoned_not_zero(backend):
+    x = arr(16, 128)
+
+    def k(x_ref, o_ref):
+        def body(idx, xb, ob):
+            (i,) = idx
+            ob[...] = jnp.where(i == 0, xb[...], ob[...])  # step 1 never writes its block
+        spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
+        cv.emit_pipeline(body, grid=(2,), in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+
+    out = run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, backend=backend)
+    np.testing.assert_array_equal(out[:8], x[:8])
+    assert np.isnan(np.asarray(out[8:])).all()
