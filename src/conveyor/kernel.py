@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from conveyor import backends
 from conveyor._compat import run_state
 
-AVAILABLE = ("xla", "mosaic_tpu")
+AVAILABLE = ("xla", "mosaic_tpu", "mosaic_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +76,8 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
       body: writes its outputs through refs and returns None.
       out_shape: a ShapeDtypeStruct or a sequence of them.
       backend: "xla" (the CPU default) or "mosaic_tpu" (a Pallas TPU kernel whose refs live in HBM;
-        pipelines copy blocks into VMEM). mosaic_gpu is not built yet (see issue #3).
+        pipelines copy blocks into VMEM) or "mosaic_gpu" (a Mosaic GPU kernel, operands in GMEM,
+        pipelines copy blocks into SMEM with TMA).
       interpret: run a mosaic backend through its Pallas interpreter (True or InterpretParams).
       scratch_shapes: ShapeDtypeStructs of extra on-chip buffers passed after the outputs.
       grid, num_threads, thread_name: accepted for API compatibility; only () / None are supported
@@ -93,6 +94,9 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
     if backend == "mosaic_tpu":
         from conveyor import kernel_tpu
         return kernel_tpu.launch(body, outs, scratch, single, interpret, _entered(KernelContext(backend, interpret)))
+    if backend == "mosaic_gpu":
+        from conveyor import kernel_gpu
+        return kernel_gpu.launch(body, outs, scratch, single, interpret, _entered(KernelContext(backend, interpret)))
 
     def run(*inputs):
         for i, x in enumerate(inputs):

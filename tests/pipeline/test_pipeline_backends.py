@@ -1,19 +1,20 @@
 """One table of pipelined kernels, run on every backend and checked against jnp.
 
-xla runs natively; mosaic_tpu runs through the Pallas TPU interpreter with the race detector on
-(a reported race raises). Outputs start poisoned (NaN) on both, so a block the pipeline fails to
+xla runs natively; mosaic_tpu and mosaic_gpu run through their Pallas interpreters with the race
+detector on (a reported race raises). Outputs start poisoned (NaN) on both, so a block the pipeline fails to
 write back shows up as NaN.
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
 
 RNG = np.random.default_rng(123)
-BACKENDS = ["xla", "mosaic_tpu"]
+BACKENDS = ["xla", "mosaic_tpu", "mosaic_gpu"]
 
 
 def arr(*shape):
@@ -26,8 +27,9 @@ def backend(request):
 
 
 def run(kernel_body, out_shape, *args, backend="xla", dma_mode="on_wait"):
-    interpret = (pltpu.InterpretParams(detect_races=True, dma_execution_mode=dma_mode)
-                 if backend == "mosaic_tpu" else False)
+    interpret = {"xla": False,
+                 "mosaic_tpu": pltpu.InterpretParams(detect_races=True, dma_execution_mode=dma_mode),
+                 "mosaic_gpu": plgpu.InterpretGPUParams(detect_races=True)}[backend]
     return jax.jit(cv.kernel(kernel_body, out_shape, backend=backend, interpret=interpret))(*args)
 
 
@@ -137,3 +139,19 @@ def test_unwritten_output_is_poisoned_not_zero(backend):
     out = run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, backend=backend)
     np.testing.assert_array_equal(out[:8], x[:8])
     assert np.isnan(np.asarray(out[8:])).all()
+
+
+@pytest.mark.parametrize("backend_name, platform", [("mosaic_tpu", "tpu"), ("mosaic_gpu", "cuda")])
+def test_pipeline_exports_for_hardware(backend_name, platform):
+    x = arr(256, 128)
+
+    def k(x_ref, o_ref):
+        def body(idx, xb, ob):
+            ob[...] = xb[...] * 2.0 + 1.0
+        spec = cv.BlockSpec((64, 128), lambda i: (i, 0))
+        cv.emit_pipeline(body, grid=(4,), in_specs=[spec], out_specs=[spec], max_concurrent_steps=2)(x_ref, o_ref)
+
+    fn = jax.jit(cv.kernel(k, jax.ShapeDtypeStruct(x.shape, x.dtype), backend=backend_name))
+    exported = jax.export.export(fn, platforms=[platform])(x)
+    assert exported.platforms == (platform,)
+    assert ("tpu_custom_call" if platform == "tpu" else "mosaic_gpu") in exported.mlir_module()

@@ -47,6 +47,9 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[int], in_specs: Se
         if ctx.backend == "mosaic_tpu":
             from conveyor.pipeline import mosaic_tpu
             return mosaic_tpu.run_pipeline(p, body, refs[:n_in], refs[n_in:], init_carry, init_carry is not None)
+        if ctx.backend == "mosaic_gpu":
+            from conveyor.pipeline import mosaic_gpu
+            return mosaic_gpu.run_pipeline(p, body, refs[:n_in], refs[n_in:], init_carry, init_carry is not None)
         raise NotImplementedError(f"emit_pipeline: backend {ctx.backend!r} is not implemented yet")
 
     run.plan = p

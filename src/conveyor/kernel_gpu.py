@@ -1,0 +1,32 @@
+"""cv.kernel on the mosaic_gpu backend: a Pallas Mosaic GPU kernel (plgpu.kernel), operands in GMEM.
+
+On CPU it runs through the Mosaic GPU interpreter (`interpret=True` or `plgpu.InterpretGPUParams`);
+`jax.export(..., platforms=["cuda"])` compiles it for sm_90 without a GPU.
+"""
+from __future__ import annotations
+
+import jax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def _interpret(interpret):
+    if not interpret:
+        return None
+    return plgpu.InterpretGPUParams() if interpret is True else interpret
+
+
+def launch(body, outs, scratch, single, interpret, context):
+    def wrapped(*refs):
+        with context:
+            if body(*refs) is not None:
+                raise TypeError("kernel body must return None (it writes outputs through refs)")
+
+    call = plgpu.kernel(wrapped, out_type=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in outs),
+                        scratch_types=[plgpu.SMEM(s.shape, s.dtype) for s in scratch],
+                        interpret=_interpret(interpret))
+
+    def run(*inputs):
+        results = call(*inputs)
+        return results[0] if single else tuple(results)
+
+    return run
