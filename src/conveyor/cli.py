@@ -11,7 +11,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="MoE layer forward+backward through cv.gmm, checked and timed")
     b = sub.add_parser("bench", help="run a benchmark and print its table")
-    b.add_argument("which", choices=["gmm"])
+    b.add_argument("which", choices=["gmm", "pipeline"])
     b.add_argument("--reps", type=int, default=5, help="interleaved repetitions per candidate (median)")
     b.add_argument("--groups", default="1,8,64,256", help="comma-separated group counts")
     b.add_argument("--dtypes", default="float32,bfloat16")
@@ -26,10 +26,14 @@ def main(argv: list[str] | None = None) -> int:
         from conveyor import demo
         return demo.run()
     if args.command == "bench":
-        from conveyor.bench import gmm as bench_gmm
-        ints = lambda s: tuple(int(v) for v in s.split(",") if v)
-        report = bench_gmm.run(reps=args.reps, groups=ints(args.groups), dtypes=tuple(args.dtypes.split(",")),
-                               ffn_groups=ints(args.ffn_groups))
+        if args.which == "pipeline":
+            from conveyor.bench import pipeline as bench_pipeline
+            report = bench_pipeline.run(reps=args.reps)
+        else:
+            from conveyor.bench import gmm as bench_gmm
+            ints = lambda s: tuple(int(v) for v in s.split(",") if v)
+            report = bench_gmm.run(reps=args.reps, groups=ints(args.groups), dtypes=tuple(args.dtypes.split(",")),
+                                   ffn_groups=ints(args.ffn_groups))
         print(report)
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -93,10 +93,10 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
 
     if backend == "mosaic_tpu":
         from conveyor import kernel_tpu
-        return kernel_tpu.launch(body, outs, scratch, single, interpret, _entered(KernelContext(backend, interpret)))
+        return kernel_tpu.launch(body, outs, scratch, single, interpret, lambda: _entered(KernelContext(backend, interpret)))
     if backend == "mosaic_gpu":
         from conveyor import kernel_gpu
-        return kernel_gpu.launch(body, outs, scratch, single, interpret, _entered(KernelContext(backend, interpret)))
+        return kernel_gpu.launch(body, outs, scratch, single, interpret, lambda: _entered(KernelContext(backend, interpret)))
 
     def run(*inputs):
         for i, x in enumerate(inputs):

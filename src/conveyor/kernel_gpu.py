@@ -15,9 +15,9 @@ def _interpret(interpret):
     return plgpu.InterpretGPUParams() if interpret is True else interpret
 
 
-def launch(body, outs, scratch, single, interpret, context):
+def launch(body, outs, scratch, single, interpret, enter_context):
     def wrapped(*refs):
-        with context:
+        with enter_context():
             if body(*refs) is not None:
                 raise TypeError("kernel body must return None (it writes outputs through refs)")
 

@@ -27,12 +27,12 @@ def _tpu_mesh():
         (1,), ("_cv_tpu",), (AxisType.Auto,), abstract_device=AbstractDevice("TPU v5 lite", 1, "tpu")))
 
 
-def launch(body, outs, scratch, single, interpret, context):
+def launch(body, outs, scratch, single, interpret, enter_context):
     def run(*inputs):
         n_in = len(inputs)
 
         def wrapped(*refs):
-            with context:
+            with enter_context():
                 if body(*refs) is not None:
                     raise TypeError("kernel body must return None (it writes outputs through refs)")
 

@@ -155,3 +155,17 @@ def test_pipeline_exports_for_hardware(backend_name, platform):
     exported = jax.export.export(fn, platforms=[platform])(x)
     assert exported.platforms == (platform,)
     assert ("tpu_custom_call" if platform == "tpu" else "mosaic_gpu") in exported.mlir_module()
+
+
+def test_a_kernel_function_can_be_traced_more_than_once(backend):
+    def k(x_ref, o_ref):
+        spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
+        cv.emit_pipeline(lambda idx, xb, ob: ob.__setitem__(..., xb[...] + 1), grid=(x_ref.shape[0] // 8,),
+                         in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+
+    interpret = {"xla": False, "mosaic_tpu": True, "mosaic_gpu": True}[backend]
+    fn = jax.jit(cv.kernel(k, jax.ShapeDtypeStruct((16, 128), jnp.float32), backend=backend, interpret=interpret))
+    for scale in (1.0, 2.0):  # one launcher, traced twice (jit retraces on the weak-typed scalar)
+        x = arr(16, 128) * scale
+        np.testing.assert_array_equal(fn(x), x + 1)
+        jax.clear_caches()

@@ -1,0 +1,84 @@
+"""`conveyor bench pipeline`: the xla pipeline executor against plain jnp and the Mosaic GPU interpreter.
+
+Kernels: a tiled matmul with the K reduction in the resident output block, and an elementwise add.
+Ratios come from one interleaved run (see timing.py).
+"""
+from __future__ import annotations
+
+import datetime
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import conveyor as cv
+from conveyor.bench.timing import interleaved_medians
+
+
+def tiled_matmul(m, k, n, bm, bk, bn, backend, interpret=False):
+    def kernel(x_ref, y_ref, o_ref):
+        def body(idx, xb, yb, ob):
+            part = jnp.dot(xb[...], yb[...], preferred_element_type=jnp.float32)
+            ob[...] = jnp.where(idx[2] == 0, 0.0, ob[...]) + part
+        cv.emit_pipeline(body, grid=(m // bm, n // bn, k // bk),
+                         in_specs=[cv.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+                                   cv.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
+                         out_specs=[cv.BlockSpec((bm, bn), lambda i, j, kk: (i, j))],
+                         max_concurrent_steps=2)(x_ref, y_ref, o_ref)
+    return jax.jit(cv.kernel(kernel, jax.ShapeDtypeStruct((m, n), jnp.float32), backend=backend, interpret=interpret))
+
+
+def elementwise_add(m, n, bm, backend, interpret=False):
+    def kernel(x_ref, y_ref, o_ref):
+        def body(idx, xb, yb, ob):
+            ob[...] = xb[...] + yb[...]
+        spec = cv.BlockSpec((bm, n), lambda i: (i, 0))
+        cv.emit_pipeline(body, grid=(m // bm,), in_specs=[spec, spec], out_specs=[spec],
+                         max_concurrent_steps=2)(x_ref, y_ref, o_ref)
+    return jax.jit(cv.kernel(kernel, jax.ShapeDtypeStruct((m, n), jnp.float32), backend=backend, interpret=interpret))
+
+
+def run(reps: int = 5) -> str:
+    rng = np.random.default_rng(0)
+    rows = [f"# pipeline benchmark, {datetime.date.today().isoformat()}", "",
+            f"jax {jax.__version__}, {jax.device_count()} CPU device(s). Command: `conveyor bench pipeline`. "
+            f"Medians of {reps} interleaved runs, ms.", "",
+            "| kernel | size | blocks | steps | jnp | cv xla | xla/jnp | GPU interpreter | interp/xla |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    gpu = plgpu.InterpretGPUParams()
+    cases = [
+        ("matmul", (2048, 2048, 2048), (256, 256, 256), True),
+        ("matmul", (512, 512, 512), (128, 128, 128), True),
+        ("add", (8192, 1024), (512,), True),
+    ]
+    for name, size, blocks, with_interp in cases:
+        if name == "matmul":
+            m, k, n = size
+            x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+            y = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+            ours = tiled_matmul(m, k, n, *blocks, backend="xla")
+            ref = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
+            steps = (m // blocks[0]) * (n // blocks[2]) * (k // blocks[1])
+            interp = tiled_matmul(m, k, n, *blocks, backend="mosaic_gpu", interpret=gpu) if with_interp and steps <= 64 else None
+        else:
+            m, n = size
+            x = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+            y = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+            ours = elementwise_add(m, n, blocks[0], backend="xla")
+            ref = jax.jit(jnp.add)
+            steps = m // blocks[0]
+            interp = elementwise_add(m, n, blocks[0], backend="mosaic_gpu", interpret=gpu) if with_interp else None
+        err = float(jnp.abs(ours(x, y) - ref(x, y)).max())
+        assert err < 1e-2, (name, err)
+        fns = {"jnp": lambda: ref(x, y), "xla": lambda: ours(x, y)}
+        if interp is not None:
+            fns["interp"] = lambda: interp(x, y)
+        t = interleaved_medians(fns, reps, {"interp": 2})
+        it = t.get("interp")
+        rows.append(f"| {name} | {size} | {blocks} | {steps} | {t['jnp'] * 1e3:.1f} | {t['xla'] * 1e3:.1f} | "
+                    f"{t['xla'] / t['jnp']:.2f}x | {'-' if it is None else f'{it * 1e3:.0f}'} | "
+                    f"{'-' if it is None else f'{it / t['xla']:.0f}x'} |")
+        print(rows[-1], flush=True)
+    rows += ["", "The GPU interpreter runs only where the grid has at most 64 steps (about 3 ms per step)."]
+    return "\n".join(rows) + "\n"
