@@ -16,14 +16,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from conveyor.pipeline.plan import OperandPlan, PipelinePlan
-
-
-def _gmem_block(p: PipelinePlan, op: OperandPlan, ref, step):
-    idx = []
-    for off, size, spec in zip(p.offsets(op, step), op.block_dims, op.block_shape):
-        idx.append(off if spec is None else pl.ds(off, size))
-    return ref.at[tuple(idx)]
+from conveyor.pipeline.lowering import block_view, call_body
+from conveyor.pipeline.plan import PipelinePlan
 
 
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
@@ -41,7 +35,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         def fetch(i, step):
             op = p.inputs[i]
             slot = p.slot(op, step)
-            plgpu.copy_gmem_to_smem(_gmem_block(p, op, in_refs[i], step), in_bufs[i].at[slot], barriers[i].at[slot])
+            plgpu.copy_gmem_to_smem(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], barriers[i].at[slot])
 
         for i, op in enumerate(p.inputs):
             for t in ([0] if op.invariant else range(min(lookahead, n))):
@@ -59,10 +53,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
             in_blocks = [in_bufs[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
             out_blocks = [out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
             indices = p.grid_indices(s)
-            if has_carry:
-                carry = body(indices, *in_blocks, *out_blocks, carry)
-            elif body(indices, *in_blocks, *out_blocks) is not None:
-                raise TypeError("pipeline body returned a value but no init_carry was given")
+            carry = call_body(body, indices, (*in_blocks, *out_blocks), carry, has_carry)
             if n_out:
                 plgpu.commit_smem()  # make the body's SMEM writes visible to the TMA engine
             new_counts = []
@@ -72,7 +63,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 
                 @pl.when(wb)
                 def _():
-                    plgpu.copy_smem_to_gmem(out_bufs[j].at[p.output_slot(op, w)], _gmem_block(p, op, out_refs[j], s),
+                    plgpu.copy_smem_to_gmem(out_bufs[j].at[p.output_slot(op, w)], block_view(p, op, out_refs[j], s),
                                             commit_group=False)
 
                 new_counts.append(w + jnp.where(wb, 1, 0).astype(jnp.int32))

@@ -8,21 +8,13 @@ before the body writes into the other slot the write-back that last used it is a
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from conveyor.pipeline.plan import OperandPlan, PipelinePlan
-
-
-def _hbm_block(p: PipelinePlan, op: OperandPlan, ref, step):
-    """The HBM view of op's block at `step`; squeezed dims are indexed by an integer."""
-    idx = []
-    for off, size, spec in zip(p.offsets(op, step), op.block_dims, op.block_shape):
-        idx.append(off if spec is None else pl.ds(off, size))
-    return ref.at[tuple(idx)]
+from conveyor.pipeline.lowering import block_view, call_body
+from conveyor.pipeline.plan import PipelinePlan
 
 
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
@@ -40,11 +32,11 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         def fetch(i, step):
             op = p.inputs[i]
             slot = p.slot(op, step)
-            return pltpu.make_async_copy(_hbm_block(p, op, in_refs[i], step), in_bufs[i].at[slot], in_sems.at[i, slot])
+            return pltpu.make_async_copy(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], in_sems.at[i, slot])
 
         def writeback(j, step, slot):
             op = p.outputs[j]
-            return pltpu.make_async_copy(out_bufs[j].at[slot], _hbm_block(p, op, out_refs[j], step), out_sems.at[j, slot])
+            return pltpu.make_async_copy(out_bufs[j].at[slot], block_view(p, op, out_refs[j], step), out_sems.at[j, slot])
 
         # prologue
         for i, op in enumerate(p.inputs):
@@ -63,10 +55,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
             in_blocks = [in_bufs[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
             out_blocks = [out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
             indices = p.grid_indices(s)
-            if has_carry:
-                carry = body(indices, *in_blocks, *out_blocks, carry)
-            elif body(indices, *in_blocks, *out_blocks) is not None:
-                raise TypeError("pipeline body returned a value but no init_carry was given")
+            carry = call_body(body, indices, (*in_blocks, *out_blocks), carry, has_carry)
             new_counts = []
             for j, op in enumerate(p.outputs):
                 w = wb_counts[j]

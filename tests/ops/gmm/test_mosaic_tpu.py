@@ -11,7 +11,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
 from tests.ops.gmm.base import GmmBackendTests, assert_close
-from tests.ops.gmm.problems import numpy_gmm, numpy_tgmm, operands, skewed_sizes
+from tests.ops.gmm.problems import numpy_gmm, numpy_tgmm, operands
 
 
 class TestMosaicTpuInterpreter(GmmBackendTests):

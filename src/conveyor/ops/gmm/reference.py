@@ -5,7 +5,6 @@ Works in float64 when x64 is enabled. Shares no code with the tiled backends.
 """
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
