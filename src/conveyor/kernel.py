@@ -79,7 +79,9 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         pipelines copy blocks into VMEM) or "mosaic_gpu" (a Mosaic GPU kernel, operands in GMEM,
         pipelines copy blocks into SMEM with TMA).
       interpret: run a mosaic backend through its Pallas interpreter (True or InterpretParams).
-      scratch_shapes: ShapeDtypeStructs of extra on-chip buffers passed after the outputs.
+      scratch_shapes: ShapeDtypeStructs of extra on-chip buffers passed after the outputs (VMEM on
+        TPU, SMEM on GPU). Mosaic backends also take their native scratch types as they are
+        (e.g. `pltpu.SemaphoreType.DMA((2,))`, `plgpu.Barrier(...)`).
       grid, num_threads, thread_name: accepted for API compatibility; only () / None are supported
         on the xla backend for now (NotImplementedError otherwise).
     """
@@ -89,7 +91,9 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
                                   f"(got grid={tuple(grid)}, num_threads={num_threads}, thread_name={thread_name})")
     single = not isinstance(out_shape, (tuple, list))
     outs = _shapes(out_shape, "out_shape")
-    scratch = _shapes(tuple(scratch_shapes), "scratch_shapes")
+    scratch = tuple(scratch_shapes)
+    if backend == "xla":
+        _shapes(scratch, "scratch_shapes")
 
     if backend == "mosaic_tpu":
         from conveyor import kernel_tpu

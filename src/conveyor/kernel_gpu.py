@@ -22,7 +22,7 @@ def launch(body, outs, scratch, single, interpret, enter_context):
                 raise TypeError("kernel body must return None (it writes outputs through refs)")
 
     call = plgpu.kernel(wrapped, out_type=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in outs),
-                        scratch_types=[plgpu.SMEM(s.shape, s.dtype) for s in scratch],
+                        scratch_types=[plgpu.SMEM(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s for s in scratch],
                         interpret=_interpret(interpret))
 
     def run(*inputs):

@@ -41,7 +41,7 @@ def launch(body, outs, scratch, single, interpret, enter_context):
             out_shape=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in outs),
             in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * n_in,
             out_specs=tuple(pl.BlockSpec(memory_space=pl.ANY) for _ in outs),
-            scratch_shapes=[pltpu.VMEM(s.shape, s.dtype) for s in scratch],
+            scratch_shapes=[pltpu.VMEM(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s for s in scratch],
             interpret=_interpret(interpret),
             name="conveyor_kernel")
         mesh = _tpu_mesh() if interpret or jax.default_backend() != "tpu" else contextlib.nullcontext()
