@@ -23,3 +23,16 @@ def register_lowering_from_function(prim: Primitive, impl) -> None:
 from jax._src.state.discharge import run_state  # noqa: E402  (no public alias in jax 0.12)
 
 __all__ += ["run_state"]
+
+
+def varying_axes(x) -> frozenset:
+    """Mesh axes over which `x` varies inside shard_map (jax 0.12: aval.mat.varying; older: aval.vma)."""
+    import jax
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None and hasattr(mat, "varying"):
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+__all__ += ["varying_axes"]

@@ -1,0 +1,166 @@
+"""Public collective matmuls (inside shard_map): validation, backend choice, autodiff.
+
+The VJP of each is built from the other: the gradient of an all-gather matmul is a matmul
+reduce-scatter (and an all-gather matmul for the stationary operand), and vice versa.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from conveyor import backends
+from conveyor._compat import varying_axes
+from conveyor.ops.collective_matmul import reference, xla
+from conveyor.ops.collective_matmul.ring import RingPlan
+
+AVAILABLE = ("xla", "reference")
+
+
+def _axis_size(axis_name) -> int:
+    try:
+        return lax.axis_size(axis_name)
+    except (NameError, KeyError, ValueError) as e:
+        raise ValueError(f"axis_name: {axis_name!r} is not a mesh axis of the enclosing shard_map ({e})") from e
+
+
+def _check_common(lhs, rhs, buffering, backend, interpret, op):
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        if not hasattr(x, "ndim") or x.ndim != 2:
+            raise ValueError(f"{name}: expected a 2-D array, got shape {getattr(x, 'shape', type(x).__name__)}")
+    if isinstance(buffering, bool) or not isinstance(buffering, int) or buffering < 1:
+        raise ValueError(f"buffering: expected an int >= 1 (receive buffers per direction), got {buffering!r}")
+    if interpret:
+        raise NotImplementedError(f"interpret: {op} has no Mosaic backend yet, so there is nothing to interpret")
+    return backends.check_backend(backend, AVAILABLE, op)
+
+
+def _out_dtype(lhs, rhs, preferred_element_type):
+    return jnp.dtype(preferred_element_type) if preferred_element_type is not None else jnp.result_type(lhs, rhs)
+
+
+def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, *, axis_name, gather_dim: int = 1, bidirectional: bool = True,
+                      buffering: int = 2, preferred_element_type=None, backend: str | None = None,
+                      interpret=False) -> jax.Array:
+    """`jnp.dot(lax.all_gather(lhs, axis_name, axis=gather_dim, tiled=True), rhs)` as a ring.
+
+    Call inside `shard_map` over `axis_name` (other mesh axes give independent rings).
+      gather_dim=1: lhs [n, K/D] shards of the contraction, rhs [K, m] stationary -> [n, m].
+      gather_dim=0: lhs [M/D, K] row shards, rhs [K, n] -> [M, n].
+    `bidirectional` sends shards both ways (floor(D/2) steps; any ring size, odd included).
+    `buffering` (>= 1) is the receive-buffer depth of kernel backends; the xla ring holds one
+    shard in flight per direction whatever its value.
+    """
+    backend = _check_common(lhs, rhs, buffering, backend, interpret, "all_gather_matmul")
+    if gather_dim not in (0, 1):
+        raise ValueError(f"gather_dim: expected 0 or 1, got {gather_dim!r}")
+    size = _axis_size(axis_name)
+    want = size * lhs.shape[1] if gather_dim == 1 else lhs.shape[1]
+    if rhs.shape[0] != want:
+        what = f"{size} devices x lhs.shape[1]={lhs.shape[1]}" if gather_dim == 1 else f"lhs.shape[1]={lhs.shape[1]}"
+        raise ValueError(f"rhs: contraction size rhs.shape[0] must be {want} ({what}), got rhs shape {tuple(rhs.shape)}")
+    cfg = (axis_name, size, gather_dim, bool(bidirectional), buffering, _out_dtype(lhs, rhs, preferred_element_type),
+           backend)
+    return _agm(cfg, lhs, rhs)
+
+
+def matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, *, axis_name, scatter_dim: int = 0,
+                          bidirectional: bool = True, buffering: int = 2, preferred_element_type=None,
+                          backend: str | None = None, interpret=False) -> jax.Array:
+    """`lax.psum_scatter(lhs @ rhs, axis_name, scatter_dimension=scatter_dim, tiled=True)` as a ring.
+
+    Partial sums travel the ring: each device adds its partial for the block passing by. With
+    `bidirectional`, the other output dimension is split in two halves travelling opposite ways
+    (one direction when that dimension has a single element).
+    """
+    backend = _check_common(lhs, rhs, buffering, backend, interpret, "matmul_reduce_scatter")
+    if scatter_dim not in (0, 1):
+        raise ValueError(f"scatter_dim: expected 0 or 1, got {scatter_dim!r}")
+    if lhs.shape[1] != rhs.shape[0]:
+        raise ValueError(f"rhs: contraction size rhs.shape[0] must match lhs.shape[1]={lhs.shape[1]}, "
+                         f"got rhs shape {tuple(rhs.shape)}")
+    size = _axis_size(axis_name)
+    dim = (lhs.shape[0], rhs.shape[1])[scatter_dim]
+    if dim % size:
+        raise ValueError(f"scatter_dim: the scattered dimension ({dim}) must be divisible by the ring size {size}")
+    cfg = (axis_name, size, scatter_dim, bool(bidirectional), buffering, _out_dtype(lhs, rhs, preferred_element_type),
+           backend)
+    return _mrs(cfg, lhs, rhs)
+
+
+def _run_agm(cfg, lhs, rhs):
+    axis_name, size, gather_dim, bidi, buffering, out_dtype, backend = cfg
+    if backend == "reference":
+        return reference.all_gather_matmul_reference(lhs, rhs, axis_name=axis_name, gather_dim=gather_dim,
+                                                     out_dtype=out_dtype)
+    return xla.all_gather_matmul_xla(lhs, rhs, axis_name=axis_name, size=size, gather_dim=gather_dim,
+                                     plan=RingPlan(size, bidi, buffering), out_dtype=out_dtype)
+
+
+def _run_mrs(cfg, lhs, rhs):
+    axis_name, size, scatter_dim, bidi, buffering, out_dtype, backend = cfg
+    if backend == "reference":
+        return reference.matmul_reduce_scatter_reference(lhs, rhs, axis_name=axis_name, scatter_dim=scatter_dim,
+                                                         out_dtype=out_dtype)
+    return xla.matmul_reduce_scatter_xla(lhs, rhs, axis_name=axis_name, size=size, scatter_dim=scatter_dim,
+                                         plan=RingPlan(size, bidi, buffering), out_dtype=out_dtype)
+
+
+def _match_vma(ct, primal):
+    """An operand that is the same on every device of an axis (e.g. a replicated rhs) gets the sum
+    of all devices' cotangents, as JAX's own collectives do; otherwise its cotangent is local."""
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+    return lax.psum(ct, extra) if extra else ct
+
+
+def _with(cfg, dim, dtype):
+    """The same ring configuration for a derived op: another gather/scatter dim and output dtype."""
+    axis_name, size, _, bidi, buffering, _, backend = cfg
+    return (axis_name, size, dim, bidi, buffering, jnp.dtype(dtype), backend)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _agm(cfg, lhs, rhs):
+    return _run_agm(cfg, lhs, rhs)
+
+
+def _agm_fwd(cfg, lhs, rhs):
+    return _run_agm(cfg, lhs, rhs), (lhs, rhs)
+
+
+def _agm_bwd(cfg, res, ct):
+    lhs, rhs = res
+    gather_dim = cfg[2]
+    if gather_dim == 1:   # out = AG1(lhs) @ rhs
+        d_lhs = _mrs(_with(cfg, 1, lhs.dtype), ct, rhs.T)
+        d_rhs = _agm(_with(cfg, 0, rhs.dtype), lhs.T, ct)
+    else:                 # out = AG0(lhs) @ rhs
+        d_lhs = _mrs(_with(cfg, 0, lhs.dtype), ct, rhs.T)
+        d_rhs = _agm(_with(cfg, 1, rhs.dtype), lhs.T, ct)
+    return _match_vma(d_lhs, lhs), _match_vma(d_rhs, rhs)
+
+
+_agm.defvjp(_agm_fwd, _agm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _mrs(cfg, lhs, rhs):
+    return _run_mrs(cfg, lhs, rhs)
+
+
+def _mrs_fwd(cfg, lhs, rhs):
+    return _run_mrs(cfg, lhs, rhs), (lhs, rhs)
+
+
+def _mrs_bwd(cfg, res, ct):
+    lhs, rhs = res
+    scatter_dim = cfg[2]
+    # d partial = all_gather(ct) along scatter_dim; both gradients are all-gather matmuls.
+    d_lhs = _agm(_with(cfg, scatter_dim, lhs.dtype), ct, rhs.T)
+    d_rhs = _agm(_with(cfg, 1 - scatter_dim, rhs.dtype), ct.T, lhs).T
+    return _match_vma(d_lhs, lhs), _match_vma(d_rhs, rhs)
+
+
+_mrs.defvjp(_mrs_fwd, _mrs_bwd)

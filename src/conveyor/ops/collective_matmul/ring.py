@@ -1,0 +1,61 @@
+"""The ring plan of a collective matmul: which shard each device holds, sends and uses at each step.
+
+Pure data over ring offsets (relative to the device): every device follows the same plan, so a
+device `d` at step `t` works on the shard of device `(d + offset) % D`. Lowerings ask it for the
+permutations to issue; the checker and simulator (issue 5) replay it.
+
+All-gather (shards travel, the product accumulates locally):
+  unidirectional: step t uses the shard of device d - t (received from the left neighbour).
+  bidirectional: step t uses d - t (from the left) and d + t (from the right); the ring finishes
+  in floor(D / 2) steps after the local step 0, and for even D the last step has one shard only
+  (d + D/2 == d - D/2). Works for odd and even rings.
+Reduce-scatter (partial sums travel): the accumulator for block j starts at device j + 1 and moves
+right, so at step t device d adds its partial for block d - 1 - t and passes it on; after D - 1
+hops it arrives at device j. Bidirectional splits the output columns in two halves that travel in
+opposite directions (block d + 1 + t going left).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherStep:
+    """Shards used at one step: (direction, ring offset of the source device)."""
+    uses: tuple[tuple[str, int], ...]   # direction in {"local", "from_left", "from_right"}
+    sends: tuple[str, ...]               # directions the held shards travel on after this step
+
+
+@dataclasses.dataclass(frozen=True)
+class RingPlan:
+    num_devices: int
+    bidirectional: bool
+    buffering: int
+
+    def gather_steps(self) -> tuple[GatherStep, ...]:
+        d = self.num_devices
+        if not self.bidirectional:
+            return tuple(GatherStep(((("local", 0),) if t == 0 else (("from_left", -t),)),
+                                    ("right",) if t < d - 1 else ()) for t in range(d))
+        steps = [GatherStep((("local", 0),), ("right", "left") if d > 1 else ())]
+        half = d // 2
+        for t in range(1, half + 1):
+            uses = [("from_left", -t)]
+            if d - t != t:           # even ring: the last step's two shards are the same one
+                uses.append(("from_right", t))
+            more = t < half
+            steps.append(GatherStep(tuple(uses), ("right", "left") if more else ()))
+        return tuple(steps)
+
+    def scatter_block(self, step: int, direction: str = "right") -> int:
+        """Ring offset of the block a device adds into the travelling accumulator at `step`."""
+        return -1 - step if direction == "right" else 1 + step
+
+    @property
+    def num_gather_steps(self) -> int:
+        return len(self.gather_steps())
+
+    def check_covers_ring(self) -> None:
+        """Every source shard is used exactly once (a plan invariant, checked in tests)."""
+        used = [off % self.num_devices for s in self.gather_steps() for _, off in s.uses]
+        assert sorted(used) == list(range(self.num_devices)), used

@@ -1,0 +1,87 @@
+"""XLA backend of the collective matmuls: a ppermute ring under shard_map, following the ring plan.
+
+Each step issues the ppermute that brings the next shard before the dot that uses the current one,
+so on platforms with asynchronous collectives XLA can overlap them. XLA:CPU runs collective
+permutes synchronously (shared FACTS): on CPU this proves correctness, not overlap.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from conveyor.ops.collective_matmul.ring import RingPlan
+
+
+def _shift(x, axis_name, size, direction):
+    """Send `x` to the right (d -> d + 1) or left (d -> d - 1) neighbour."""
+    step = 1 if direction == "right" else -1
+    return lax.ppermute(x, axis_name, [(d, (d + step) % size) for d in range(size)])
+
+
+def _dot(a, b, out_dtype):
+    acc = jnp.float32 if jnp.dtype(out_dtype).itemsize < 4 else out_dtype
+    return jnp.dot(a, b, preferred_element_type=acc)
+
+
+def all_gather_matmul_xla(lhs, rhs, *, axis_name, size, gather_dim, plan: RingPlan, out_dtype):
+    me = lax.axis_index(axis_name)
+    steps = plan.gather_steps()
+    if gather_dim == 1:
+        kd = lhs.shape[1]
+
+        def contribute(acc, shard, offset):
+            w = lax.dynamic_slice_in_dim(rhs, ((me + offset) % size) * kd, kd, 0)
+            part = _dot(shard, w, out_dtype)
+            return part if acc is None else acc + part
+    else:
+        mb = lhs.shape[0]
+
+        def contribute(acc, shard, offset):
+            if acc is None:
+                acc = jnp.zeros((size * mb, rhs.shape[1]), _dot(shard[:1], rhs[:, :1], out_dtype).dtype)
+            return lax.dynamic_update_slice_in_dim(acc, _dot(shard, rhs, out_dtype), ((me + offset) % size) * mb, 0)
+
+    held = {"local": lhs}
+    acc = None
+    for i, step in enumerate(steps):
+        # Issue the transfers for the next step first, then compute on what is here.
+        nxt = {}
+        if i + 1 < len(steps):
+            for _, offset in steps[i + 1].uses:
+                src = "from_left" if offset < 0 else "from_right"
+                prev = held.get(src, lhs)
+                nxt[src] = _shift(prev, axis_name, size, "right" if src == "from_left" else "left")
+        for where, offset in step.uses:
+            acc = contribute(acc, held[where], offset)
+        held = nxt
+    return acc.astype(out_dtype)
+
+
+def matmul_reduce_scatter_xla(lhs, rhs, *, axis_name, size, scatter_dim, plan: RingPlan, out_dtype):
+    me = lax.axis_index(axis_name)
+    other = 1 - scatter_dim
+    n_other = (lhs.shape[0], rhs.shape[1])[other]
+    halves = [(0, n_other)]
+    if plan.bidirectional and n_other >= 2 and size > 1:
+        h = n_other // 2
+        halves = [(0, h), (h, n_other - h)]
+    directions = ["right", "left"][:len(halves)]
+    blk = (lhs.shape[0] if scatter_dim == 0 else rhs.shape[1]) // size
+
+    def partial(block, lo, width):
+        """This device's partial sum for output block `block`, columns/rows [lo, lo + width) of the other dim."""
+        if scatter_dim == 0:
+            a = lax.dynamic_slice_in_dim(lhs, block * blk, blk, 0)
+            return _dot(a, rhs[:, lo:lo + width], out_dtype)
+        b = lax.dynamic_slice_in_dim(rhs, block * blk, blk, 1)
+        return _dot(lhs[lo:lo + width], b, out_dtype)
+
+    results = []
+    for (lo, width), direction in zip(halves, directions):
+        acc = partial((me + plan.scatter_block(0, direction)) % size, lo, width)
+        for t in range(1, size):
+            incoming = _shift(acc, axis_name, size, direction)
+            acc = incoming + partial((me + plan.scatter_block(t, direction)) % size, lo, width)
+        results.append(acc)
+    out = results[0] if len(results) == 1 else jnp.concatenate(results, axis=other)
+    return out.astype(out_dtype)
