@@ -11,7 +11,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="MoE layer forward+backward through cv.gmm, checked and timed")
     b = sub.add_parser("bench", help="run a benchmark and print its table")
-    b.add_argument("which", choices=["gmm", "pipeline"])
+    b.add_argument("which", choices=["gmm", "pipeline", "collective"])
     b.add_argument("--reps", type=int, default=5, help="interleaved repetitions per candidate (median)")
     b.add_argument("--groups", default="1,8,64,256", help="comma-separated group counts")
     b.add_argument("--dtypes", default="float32,bfloat16")
@@ -20,13 +20,36 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _bench_collective(args):
+    """Run the collective benchmark on 8 simulated devices, re-launching with XLA_FLAGS if needed."""
+    import os
+    import subprocess
+    import jax
+    if jax.device_count() >= 8:
+        from conveyor.bench import collective
+        return collective.run(reps=args.reps)
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                                      " --xla_force_host_platform_device_count=8").strip())
+    code = ("import sys; from conveyor.bench import collective; "
+            f"sys.stdout.write(collective.run(reps={int(args.reps)}))")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode:
+        print(proc.stderr, file=sys.stderr)
+        return None
+    return proc.stdout
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
         from conveyor import demo
         return demo.run()
     if args.command == "bench":
-        if args.which == "pipeline":
+        if args.which == "collective":
+            report = _bench_collective(args)
+            if report is None:
+                return 1
+        elif args.which == "pipeline":
             from conveyor.bench import pipeline as bench_pipeline
             report = bench_pipeline.run(reps=args.reps)
         else:
