@@ -16,7 +16,18 @@ from conveyor._compat import varying_axes
 from conveyor.ops.collective_matmul import reference, xla
 from conveyor.ops.collective_matmul.ring import RingPlan
 
-AVAILABLE = ("xla", "reference")
+AVAILABLE = ("xla", "mosaic_tpu", "reference")
+
+
+def _mosaic_tpu_reason(op: str, dim: int, bidirectional: bool) -> str | None:
+    """Why the Mosaic TPU ring cannot run this configuration (None when it can)."""
+    if op != "all_gather_matmul":
+        return f"mosaic_tpu: {op} has no TPU ring kernel yet"
+    if dim != 1:
+        return "mosaic_tpu: only gather_dim=1 (the contraction-sharded form) has a TPU ring kernel yet"
+    if bidirectional:
+        return "mosaic_tpu: the TPU ring kernel is unidirectional so far; pass bidirectional=False"
+    return None
 
 
 def _axis_size(axis_name) -> int:
@@ -26,15 +37,30 @@ def _axis_size(axis_name) -> int:
         raise ValueError(f"axis_name: {axis_name!r} is not a mesh axis of the enclosing shard_map ({e})") from e
 
 
-def _check_common(lhs, rhs, buffering, backend, interpret, op):
+def _choose(backend, interpret, op, dim, bidirectional):
+    """Backend choice: a named backend that cannot run the configuration raises; the default
+    (backend=None) moves from mosaic_tpu to xla, which computes the same values."""
+    named = backend is not None
+    if backend is None and interpret:
+        backend = "mosaic_tpu"
+    backend = backends.check_backend(backend, AVAILABLE, op)
+    if backend == "mosaic_tpu":
+        reason = _mosaic_tpu_reason(op, dim, bidirectional)
+        if reason and (named or interpret):
+            raise NotImplementedError(reason)
+        if reason:
+            backend = "xla"
+    elif interpret:
+        raise ValueError(f"interpret: only the mosaic_tpu backend has an interpreter, got backend={backend!r}")
+    return backend
+
+
+def _check_common(lhs, rhs, buffering, op):
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if not hasattr(x, "ndim") or x.ndim != 2:
             raise ValueError(f"{name}: expected a 2-D array, got shape {getattr(x, 'shape', type(x).__name__)}")
     if isinstance(buffering, bool) or not isinstance(buffering, int) or buffering < 1:
         raise ValueError(f"buffering: expected an int >= 1 (receive buffers per direction), got {buffering!r}")
-    if interpret:
-        raise NotImplementedError(f"interpret: {op} has no Mosaic backend yet, so there is nothing to interpret")
-    return backends.check_backend(backend, AVAILABLE, op)
 
 
 def _out_dtype(lhs, rhs, preferred_element_type):
@@ -53,16 +79,17 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, *, axis_name, gather_dim: 
     `buffering` (>= 1) is the receive-buffer depth of kernel backends; the xla ring holds one
     shard in flight per direction whatever its value.
     """
-    backend = _check_common(lhs, rhs, buffering, backend, interpret, "all_gather_matmul")
+    _check_common(lhs, rhs, buffering, "all_gather_matmul")
     if gather_dim not in (0, 1):
         raise ValueError(f"gather_dim: expected 0 or 1, got {gather_dim!r}")
+    backend = _choose(backend, interpret, "all_gather_matmul", gather_dim, bidirectional)
     size = _axis_size(axis_name)
     want = size * lhs.shape[1] if gather_dim == 1 else lhs.shape[1]
     if rhs.shape[0] != want:
         what = f"{size} devices x lhs.shape[1]={lhs.shape[1]}" if gather_dim == 1 else f"lhs.shape[1]={lhs.shape[1]}"
         raise ValueError(f"rhs: contraction size rhs.shape[0] must be {want} ({what}), got rhs shape {tuple(rhs.shape)}")
     cfg = (axis_name, size, gather_dim, bool(bidirectional), buffering, _out_dtype(lhs, rhs, preferred_element_type),
-           backend)
+           backend, _hashable(interpret))
     return _agm(cfg, lhs, rhs)
 
 
@@ -75,9 +102,10 @@ def matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, *, axis_name, scatter_
     `bidirectional`, the other output dimension is split in two halves travelling opposite ways
     (one direction when that dimension has a single element).
     """
-    backend = _check_common(lhs, rhs, buffering, backend, interpret, "matmul_reduce_scatter")
+    _check_common(lhs, rhs, buffering, "matmul_reduce_scatter")
     if scatter_dim not in (0, 1):
         raise ValueError(f"scatter_dim: expected 0 or 1, got {scatter_dim!r}")
+    backend = _choose(backend, interpret, "matmul_reduce_scatter", scatter_dim, bidirectional)
     if lhs.shape[1] != rhs.shape[0]:
         raise ValueError(f"rhs: contraction size rhs.shape[0] must match lhs.shape[1]={lhs.shape[1]}, "
                          f"got rhs shape {tuple(rhs.shape)}")
@@ -86,12 +114,21 @@ def matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, *, axis_name, scatter_
     if dim % size:
         raise ValueError(f"scatter_dim: the scattered dimension ({dim}) must be divisible by the ring size {size}")
     cfg = (axis_name, size, scatter_dim, bool(bidirectional), buffering, _out_dtype(lhs, rhs, preferred_element_type),
-           backend)
+           backend, _hashable(interpret))
     return _mrs(cfg, lhs, rhs)
 
 
+def _hashable(interpret):
+    return interpret if interpret else None
+
+
 def _run_agm(cfg, lhs, rhs):
-    axis_name, size, gather_dim, bidi, buffering, out_dtype, backend = cfg
+    axis_name, size, gather_dim, bidi, buffering, out_dtype, backend, interpret = cfg
+    if backend == "mosaic_tpu":
+        from conveyor.ops.collective_matmul import mosaic_tpu
+        return mosaic_tpu.all_gather_matmul_mosaic_tpu(lhs, rhs, axis_name=axis_name, size=size,
+                                                       plan=RingPlan(size, bidi, buffering), out_dtype=out_dtype,
+                                                       interpret=interpret)
     if backend == "reference":
         return reference.all_gather_matmul_reference(lhs, rhs, axis_name=axis_name, gather_dim=gather_dim,
                                                      out_dtype=out_dtype)
@@ -100,7 +137,7 @@ def _run_agm(cfg, lhs, rhs):
 
 
 def _run_mrs(cfg, lhs, rhs):
-    axis_name, size, scatter_dim, bidi, buffering, out_dtype, backend = cfg
+    axis_name, size, scatter_dim, bidi, buffering, out_dtype, backend, _ = cfg
     if backend == "reference":
         return reference.matmul_reduce_scatter_reference(lhs, rhs, axis_name=axis_name, scatter_dim=scatter_dim,
                                                          out_dtype=out_dtype)
@@ -115,10 +152,13 @@ def _match_vma(ct, primal):
     return lax.psum(ct, extra) if extra else ct
 
 
-def _with(cfg, dim, dtype):
-    """The same ring configuration for a derived op: another gather/scatter dim and output dtype."""
-    axis_name, size, _, bidi, buffering, _, backend = cfg
-    return (axis_name, size, dim, bidi, buffering, jnp.dtype(dtype), backend)
+def _with(cfg, dim, dtype, op):
+    """The same ring configuration for a derived op (another dim and output dtype); a derived op
+    the Mosaic kernel cannot run uses the xla ring, which gives the same values."""
+    axis_name, size, _, bidi, buffering, _, backend, interpret = cfg
+    if backend == "mosaic_tpu" and _mosaic_tpu_reason(op, dim, bidi):
+        backend, interpret = "xla", None
+    return (axis_name, size, dim, bidi, buffering, jnp.dtype(dtype), backend, interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -134,11 +174,11 @@ def _agm_bwd(cfg, res, ct):
     lhs, rhs = res
     gather_dim = cfg[2]
     if gather_dim == 1:   # out = AG1(lhs) @ rhs
-        d_lhs = _mrs(_with(cfg, 1, lhs.dtype), ct, rhs.T)
-        d_rhs = _agm(_with(cfg, 0, rhs.dtype), lhs.T, ct)
+        d_lhs = _mrs(_with(cfg, 1, lhs.dtype, "matmul_reduce_scatter"), ct, rhs.T)
+        d_rhs = _agm(_with(cfg, 0, rhs.dtype, "all_gather_matmul"), lhs.T, ct)
     else:                 # out = AG0(lhs) @ rhs
-        d_lhs = _mrs(_with(cfg, 0, lhs.dtype), ct, rhs.T)
-        d_rhs = _agm(_with(cfg, 1, rhs.dtype), lhs.T, ct)
+        d_lhs = _mrs(_with(cfg, 0, lhs.dtype, "matmul_reduce_scatter"), ct, rhs.T)
+        d_rhs = _agm(_with(cfg, 1, rhs.dtype, "all_gather_matmul"), lhs.T, ct)
     return _match_vma(d_lhs, lhs), _match_vma(d_rhs, rhs)
 
 
@@ -158,8 +198,8 @@ def _mrs_bwd(cfg, res, ct):
     lhs, rhs = res
     scatter_dim = cfg[2]
     # d partial = all_gather(ct) along scatter_dim; both gradients are all-gather matmuls.
-    d_lhs = _agm(_with(cfg, scatter_dim, lhs.dtype), ct, rhs.T)
-    d_rhs = _agm(_with(cfg, 1 - scatter_dim, rhs.dtype), ct.T, lhs).T
+    d_lhs = _agm(_with(cfg, scatter_dim, lhs.dtype, "all_gather_matmul"), ct, rhs.T)
+    d_rhs = _agm(_with(cfg, 1 - scatter_dim, rhs.dtype, "all_gather_matmul"), ct.T, lhs).T
     return _match_vma(d_lhs, lhs), _match_vma(d_rhs, rhs)
 
 

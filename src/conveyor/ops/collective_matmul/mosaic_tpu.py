@@ -1,0 +1,92 @@
+"""Mosaic TPU ring kernel for all_gather_matmul (gather_dim=1, unidirectional), with credits.
+
+Step t of the grid multiplies the shard of device (me - t) by the matching K-block of the
+stationary rhs, which a BlockSpec driven by the step fetches. Shards travel right through
+`buffering` receive slots per device. Flow control: a device may write into its right
+neighbour's slot only after that neighbour granted a credit on the sender's capacity semaphore.
+Each device grants its left neighbour `buffering - 1` credits on entry (the handshake that plays
+the barrier before the first send: nobody writes into a device that has not started the kernel),
+then one credit each time a slot is free again (its shard multiplied and forwarded), but only as
+many as the left neighbour will still use, so every semaphore is back to zero at the end.
+Receive and send semaphores are per slot, never shared between in-flight transfers.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from conveyor.ops.collective_matmul.ring import RingPlan
+
+
+def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_sem, local_sem, *, size, buffering):
+    t = pl.program_id(0)
+    me = me_ref[0]
+    left, right = lax.rem(me + size - 1, size), lax.rem(me + 1, size)
+    slot = lax.rem(t, buffering)
+    nxt = lax.rem(t + 1, buffering)
+
+    def transfer(src_slot, dst_slot):
+        return pltpu.make_async_remote_copy(bufs.at[src_slot], bufs.at[dst_slot], send_sems.at[src_slot],
+                                            recv_sems.at[dst_slot], device_id=(right,))
+
+    @pl.when(t == 0)
+    def _():
+        local = pltpu.make_async_copy(lhs_hbm, bufs.at[0], local_sem)
+        local.start()
+        local.wait()
+        out_ref[...] = jnp.zeros_like(out_ref)
+        if buffering > 1 and size > 1:
+            pl.semaphore_signal(cap_sem, buffering - 1, device_id=(left,))
+
+    @pl.when(t > 0)
+    def _():
+        transfer(slot, slot).wait_recv()   # the shard of device me - t has landed in `slot`
+
+    @pl.when(t < size - 1)
+    def _():
+        pl.semaphore_wait(cap_sem, 1)   # the right neighbour's slot `nxt` is free
+        transfer(slot, nxt).start()
+
+    out_ref[...] += jnp.dot(bufs[slot], rhs_blk[...], preferred_element_type=jnp.float32)
+
+    @pl.when(t < size - 1)
+    def _():
+        transfer(slot, nxt).wait_send()
+
+    @pl.when(t + buffering <= size - 1)
+    def _():   # slot is free again and the left neighbour will send into it once more
+        pl.semaphore_signal(cap_sem, 1, device_id=(left,))
+
+
+def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, out_dtype, interpret):
+    n, kd = lhs.shape
+    m = rhs.shape[1]
+    buffering = max(1, min(plan.buffering, size))
+    if buffering < 2 and size > 1:
+        raise NotImplementedError("mosaic_tpu: all_gather_matmul needs buffering >= 2 (one slot computes "
+                                  "while the next shard lands)")
+    me = lax.axis_index(axis_name).astype(jnp.int32)[None]
+
+    def rhs_map(t, me_ref):
+        return lax.rem(me_ref[0] - t + size, size), 0
+
+    call = pl.pallas_call(
+        functools.partial(_kernel, size=size, buffering=buffering),
+        out_shape=jax.ShapeDtypeStruct((n, m), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(size,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((kd, m), rhs_map)],
+            out_specs=pl.BlockSpec((n, m), lambda t, me_ref: (0, 0)),
+            scratch_shapes=[pltpu.VMEM((buffering, n, kd), lhs.dtype),
+                            pltpu.SemaphoreType.DMA((buffering,)), pltpu.SemaphoreType.DMA((buffering,)),
+                            pltpu.SemaphoreType.REGULAR, pltpu.SemaphoreType.DMA]),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
+                                             has_side_effects=True),
+        interpret=(pltpu.InterpretParams() if interpret is True else interpret) if interpret else False,
+        name="conveyor_all_gather_matmul")
+    return call(me, lhs, rhs).astype(out_dtype)
