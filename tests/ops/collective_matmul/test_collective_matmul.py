@@ -40,6 +40,21 @@ def test_ring_plan_uses_every_shard_once(d, bidi):
     assert plan.num_gather_steps == (d // 2 + 1 if bidi else d)
 
 
+@pytest.mark.parametrize("d", range(1, 10))
+@pytest.mark.parametrize("buffering", [2, 3, 5])
+def test_ring_plan_credits_balance(d, buffering):
+    plan = RingPlan(d, False, min(buffering, d))
+    assert plan.credit_balance() == 0
+    # a sender never needs more credits than have been granted by then
+    granted, used = plan.initial_credits, 0
+    for s in range(d):
+        if plan.sends_at(s):
+            used += 1
+            assert used <= granted + sum(bool(plan.grants_credit_after(r)) for r in range(s)), (d, buffering, s)
+        if plan.grants_credit_after(s):
+            granted += 1
+
+
 def _variants():
     for ring, other in [(8, 1), (4, 2), (3, 1), (2, 1)]:
         for bidi in (False, True):

@@ -4,10 +4,8 @@ Step t of the grid multiplies the shard of device (me - t) by the matching K-blo
 stationary rhs, which a BlockSpec driven by the step fetches. Shards travel right through
 `buffering` receive slots per device. Flow control: a device may write into its right
 neighbour's slot only after that neighbour granted a credit on the sender's capacity semaphore.
-Each device grants its left neighbour `buffering - 1` credits on entry (the handshake that plays
-the barrier before the first send: nobody writes into a device that has not started the kernel),
-then one credit each time a slot is free again (its shard multiplied and forwarded), but only as
-many as the left neighbour will still use, so every semaphore is back to zero at the end.
+The schedule (slots, when to send, the credits granted on entry and after each step) comes from
+`RingPlan`, whose `credit_balance()` is zero: every semaphore is back to zero at the end.
 Receive and send semaphores are per slot, never shared between in-flight transfers.
 """
 from __future__ import annotations
@@ -23,12 +21,12 @@ from jax.experimental.pallas import tpu as pltpu
 from conveyor.ops.collective_matmul.ring import RingPlan
 
 
-def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_sem, local_sem, *, size, buffering):
+def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_sem, local_sem, *, plan: RingPlan):
+    size = plan.num_devices
     t = pl.program_id(0)
     me = me_ref[0]
     left, right = lax.rem(me + size - 1, size), lax.rem(me + 1, size)
-    slot = lax.rem(t, buffering)
-    nxt = lax.rem(t + 1, buffering)
+    slot, nxt = plan.slot(t), plan.slot(t + 1)
 
     def transfer(src_slot, dst_slot):
         return pltpu.make_async_remote_copy(bufs.at[src_slot], bufs.at[dst_slot], send_sems.at[src_slot],
@@ -40,25 +38,25 @@ def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_s
         local.start()
         local.wait()
         out_ref[...] = jnp.zeros_like(out_ref)
-        if buffering > 1 and size > 1:
-            pl.semaphore_signal(cap_sem, buffering - 1, device_id=(left,))
+        if plan.initial_credits:
+            pl.semaphore_signal(cap_sem, plan.initial_credits, device_id=(left,))
 
     @pl.when(t > 0)
     def _():
         transfer(slot, slot).wait_recv()   # the shard of device me - t has landed in `slot`
 
-    @pl.when(t < size - 1)
+    @pl.when(plan.sends_at(t))
     def _():
         pl.semaphore_wait(cap_sem, 1)   # the right neighbour's slot `nxt` is free
         transfer(slot, nxt).start()
 
     out_ref[...] += jnp.dot(bufs[slot], rhs_blk[...], preferred_element_type=jnp.float32)
 
-    @pl.when(t < size - 1)
+    @pl.when(plan.sends_at(t))
     def _():
         transfer(slot, nxt).wait_send()
 
-    @pl.when(t + buffering <= size - 1)
+    @pl.when(plan.grants_credit_after(t))
     def _():   # slot is free again and the left neighbour will send into it once more
         pl.semaphore_signal(cap_sem, 1, device_id=(left,))
 
@@ -67,6 +65,7 @@ def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, o
     n, kd = lhs.shape
     m = rhs.shape[1]
     buffering = max(1, min(plan.buffering, size))
+    plan = RingPlan(size, False, buffering)
     if buffering < 2 and size > 1:
         raise NotImplementedError("mosaic_tpu: all_gather_matmul needs buffering >= 2 (one slot computes "
                                   "while the next shard lands)")
@@ -76,7 +75,7 @@ def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, o
         return lax.rem(me_ref[0] - t + size, size), 0
 
     call = pl.pallas_call(
-        functools.partial(_kernel, size=size, buffering=buffering),
+        functools.partial(_kernel, plan=plan),
         out_shape=jax.ShapeDtypeStruct((n, m), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(size,),

@@ -47,6 +47,32 @@ class RingPlan:
             steps.append(GatherStep(tuple(uses), ("right", "left") if more else ()))
         return tuple(steps)
 
+    # ---- flow control of kernels with `buffering` receive slots (unidirectional gather) ----
+    def slot(self, step):
+        """Receive slot holding the shard used at `step` (step 0: the local shard, slot 0)."""
+        return step % self.buffering
+
+    @property
+    def initial_credits(self) -> int:
+        """Credits a device grants its left neighbour on entry: its free slots. Granting them is
+        the handshake that replaces a barrier: nobody writes into a device not yet in the kernel."""
+        return min(self.buffering, self.num_devices) - 1 if self.num_devices > 1 else 0
+
+    def sends_at(self, step):
+        """Whether a device forwards its current shard to the right at `step` (all but the last)."""
+        return step < self.num_devices - 1
+
+    def grants_credit_after(self, step):
+        """Whether the slot freed after `step` gets a new credit: only if the left neighbour will
+        send into it again, so every capacity semaphore ends the kernel at zero."""
+        return step + self.buffering <= self.num_devices - 1
+
+    def credit_balance(self) -> int:
+        """Credits granted minus credits consumed per device (0 for a plan that ends clean)."""
+        grants = self.initial_credits + sum(bool(self.grants_credit_after(s)) for s in range(self.num_devices))
+        uses = sum(bool(self.sends_at(s)) for s in range(self.num_devices))
+        return grants - uses
+
     def scatter_block(self, step: int, direction: str = "right") -> int:
         """Ring offset of the block a device adds into the travelling accumulator at `step`."""
         return -1 - step if direction == "right" else 1 + step
