@@ -75,3 +75,29 @@ def test_exports_for_tpu():
                                                        jax.ShapeDtypeStruct((512, 128), jnp.float32))
     assert exported.platforms == ("tpu",)
     assert "tpu_custom_call" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("ring", [2, 4, 8])
+@pytest.mark.parametrize("mode", ["on_wait", "eager"])
+def test_reduce_scatter_ring_is_correct_and_race_free(ring, mode):
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("x",))
+    a = jnp.asarray(RNG.standard_normal((8 * ring, 128 * ring)), jnp.float32)
+    b = jnp.asarray(RNG.standard_normal((128 * ring, 128)), jnp.float32)
+    ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
+    fn = jax.jit(jax.shard_map(
+        lambda l, r: cv.matmul_reduce_scatter(l, r, axis_name="x", bidirectional=False, backend="mosaic_tpu",
+                                              interpret=ip),
+        mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P("x", None), check_vma=False))
+    out = fn(jax.device_put(a, NamedSharding(mesh, P(None, "x"))), jax.device_put(b, NamedSharding(mesh, P("x", None))))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(a @ b), rtol=1e-5, atol=1e-4)
+
+
+def test_reduce_scatter_exports_for_tpu():
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+    mesh = AbstractMesh((4,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice("TPU v5 lite", 4, "tpu"))
+    f = jax.jit(jax.shard_map(
+        lambda a, b: cv.matmul_reduce_scatter(a, b, axis_name="x", bidirectional=False, backend="mosaic_tpu"),
+        mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P("x", None), check_vma=False))
+    exported = jax.export.export(f, platforms=["tpu"])(jax.ShapeDtypeStruct((32, 512), jnp.float32),
+                                                       jax.ShapeDtypeStruct((512, 128), jnp.float32))
+    assert "tpu_custom_call" in exported.mlir_module()

@@ -21,10 +21,10 @@ AVAILABLE = ("xla", "mosaic_tpu", "reference")
 
 def _mosaic_tpu_reason(op: str, dim: int, bidirectional: bool) -> str | None:
     """Why the Mosaic TPU ring cannot run this configuration (None when it can)."""
-    if op != "all_gather_matmul":
-        return f"mosaic_tpu: {op} has no TPU ring kernel yet"
-    if dim != 1:
+    if op == "all_gather_matmul" and dim != 1:
         return "mosaic_tpu: only gather_dim=1 (the contraction-sharded form) has a TPU ring kernel yet"
+    if op == "matmul_reduce_scatter" and dim != 0:
+        return "mosaic_tpu: only scatter_dim=0 has a TPU ring kernel yet"
     if bidirectional:
         return "mosaic_tpu: the TPU ring kernel is unidirectional so far; pass bidirectional=False"
     return None
@@ -137,7 +137,12 @@ def _run_agm(cfg, lhs, rhs):
 
 
 def _run_mrs(cfg, lhs, rhs):
-    axis_name, size, scatter_dim, bidi, buffering, out_dtype, backend, _ = cfg
+    axis_name, size, scatter_dim, bidi, buffering, out_dtype, backend, interpret = cfg
+    if backend == "mosaic_tpu":
+        from conveyor.ops.collective_matmul import mosaic_tpu
+        return mosaic_tpu.matmul_reduce_scatter_mosaic_tpu(lhs, rhs, axis_name=axis_name, size=size,
+                                                           plan=RingPlan(size, bidi, buffering),
+                                                           out_dtype=out_dtype, interpret=interpret)
     if backend == "reference":
         return reference.matmul_reduce_scatter_reference(lhs, rhs, axis_name=axis_name, scatter_dim=scatter_dim,
                                                          out_dtype=out_dtype)

@@ -89,3 +89,77 @@ def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, o
         interpret=(pltpu.InterpretParams() if interpret is True else interpret) if interpret else False,
         name="conveyor_all_gather_matmul")
     return call(me, lhs, rhs).astype(out_dtype)
+
+
+def _rs_kernel(me_ref, lhs_blk, rhs_ref, out_ref, bufs, send_sems, recv_sems, cap_sem, *, plan: RingPlan):
+    """Step t: add this device's partial for block (me - 1 - t) into the accumulator that arrived
+    from the left, then forward it right; at the last step the accumulator is this device's block."""
+    size = plan.num_devices
+    t = pl.program_id(0)
+    me = me_ref[0]
+    left, right = lax.rem(me + size - 1, size), lax.rem(me + 1, size)
+    slot, nxt = plan.slot(t), plan.slot(t + 1)
+
+    def transfer(src_slot, dst_slot):
+        return pltpu.make_async_remote_copy(bufs.at[src_slot], bufs.at[dst_slot], send_sems.at[src_slot],
+                                            recv_sems.at[dst_slot], device_id=(right,))
+
+    @pl.when(t == 0)
+    def _():
+        if plan.initial_credits:
+            pl.semaphore_signal(cap_sem, plan.initial_credits, device_id=(left,))
+
+    partial = jnp.dot(lhs_blk[...], rhs_ref[...], preferred_element_type=jnp.float32)
+
+    @pl.when(t == 0)
+    def _():
+        bufs[slot] = partial
+
+    @pl.when(t > 0)
+    def _():
+        transfer(slot, slot).wait_recv()
+        bufs[slot] = bufs[slot] + partial
+
+    @pl.when(plan.sends_at(t))
+    def _():
+        pl.semaphore_wait(cap_sem, 1)
+        transfer(slot, nxt).start()
+        transfer(slot, nxt).wait_send()
+
+    @pl.when(t == size - 1)
+    def _():
+        out_ref[...] = bufs[slot]
+
+    @pl.when(plan.grants_credit_after(t))
+    def _():
+        pl.semaphore_signal(cap_sem, 1, device_id=(left,))
+
+
+def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, out_dtype, interpret):
+    """scatter_dim=0, unidirectional: lhs [M, K_local] row blocks fetched by a step-driven BlockSpec."""
+    m, k = lhs.shape
+    n = rhs.shape[1]
+    mb = m // size
+    buffering = max(1, min(plan.buffering, size))
+    plan = RingPlan(size, False, buffering)
+    if buffering < 2 and size > 1:
+        raise NotImplementedError("mosaic_tpu: matmul_reduce_scatter needs buffering >= 2")
+    me = lax.axis_index(axis_name).astype(jnp.int32)[None]
+
+    def lhs_map(t, me_ref):
+        return lax.rem(me_ref[0] - 1 - t + 2 * size, size), 0
+
+    call = pl.pallas_call(
+        functools.partial(_rs_kernel, plan=plan),
+        out_shape=jax.ShapeDtypeStruct((mb, n), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(size,),
+            in_specs=[pl.BlockSpec((mb, k), lhs_map), pl.BlockSpec((k, n), lambda t, me_ref: (0, 0))],
+            out_specs=pl.BlockSpec((mb, n), lambda t, me_ref: (0, 0)),
+            scratch_shapes=[pltpu.VMEM((buffering, mb, n), jnp.float32),
+                            pltpu.SemaphoreType.DMA((buffering,)), pltpu.SemaphoreType.DMA((buffering,)),
+                            pltpu.SemaphoreType.REGULAR]),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), has_side_effects=True),
+        interpret=(pltpu.InterpretParams() if interpret is True else interpret) if interpret else False,
+        name="conveyor_matmul_reduce_scatter")
+    return call(me, lhs, rhs).astype(out_dtype)
