@@ -42,17 +42,22 @@ def test_ring_plan_uses_every_shard_once(d, bidi):
 
 @pytest.mark.parametrize("d", range(1, 10))
 @pytest.mark.parametrize("buffering", [2, 3, 5])
-def test_ring_plan_credits_balance(d, buffering):
-    plan = RingPlan(d, False, min(buffering, d))
-    assert plan.credit_balance() == 0
-    # a sender never needs more credits than have been granted by then
-    granted, used = plan.initial_credits, 0
-    for s in range(d):
-        if plan.sends_at(s):
-            used += 1
-            assert used <= granted + sum(bool(plan.grants_credit_after(r)) for r in range(s)), (d, buffering, s)
-        if plan.grants_credit_after(s):
-            granted += 1
+@pytest.mark.parametrize("bidi", [False, True])
+def test_ring_plan_credits_balance(d, buffering, bidi):
+    plan = RingPlan(d, bidi, min(buffering, d))
+    for direction in (["right", "left"] if bidi else ["right"]):
+        assert plan.credit_balance(direction) == 0
+        # in lockstep, a sender never needs more credits than its neighbour has granted by then
+        granted = plan.initial_credits(direction)
+        used = 0
+        for s in range(d):
+            if plan.sends_at(s, direction):
+                used += 1
+                assert used <= granted, (d, buffering, direction, s)
+            if plan.grants_credit_after(s, direction):
+                granted += 1
+    uses = plan.stream_uses("right") + plan.stream_uses("left")
+    assert uses == d - 1   # every other device's shard arrives exactly once
 
 
 def _variants():

@@ -1,4 +1,5 @@
-"""Mosaic TPU ring kernel for all_gather_matmul (gather_dim=1, unidirectional), with credits.
+"""Mosaic TPU ring kernels with credits: all_gather_matmul (gather_dim=1, uni- and bidirectional)
+and matmul_reduce_scatter (scatter_dim=0, unidirectional).
 
 Step t of the grid multiplies the shard of device (me - t) by the matching K-block of the
 stationary rhs, which a BlockSpec driven by the step fetches. Shards travel right through
@@ -38,8 +39,8 @@ def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_s
         local.start()
         local.wait()
         out_ref[...] = jnp.zeros_like(out_ref)
-        if plan.initial_credits:
-            pl.semaphore_signal(cap_sem, plan.initial_credits, device_id=(left,))
+        if plan.initial_credits():
+            pl.semaphore_signal(cap_sem, plan.initial_credits(), device_id=(left,))
 
     @pl.when(t > 0)
     def _():
@@ -61,34 +62,98 @@ def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_s
         pl.semaphore_signal(cap_sem, 1, device_id=(left,))
 
 
+def _bidi_kernel(me_ref, lhs_hbm, rhs_r, rhs_l, out_ref, bufs_r, bufs_l, send_r, recv_r, send_l, recv_l,
+                 cap_r, cap_l, local_sem, *, plan: RingPlan):
+    """Two streams: shards moving right (used at step t: device me - t) and moving left (me + t)."""
+    size = plan.num_devices
+    t = pl.program_id(0)
+    me = me_ref[0]
+    left, right = lax.rem(me + size - 1, size), lax.rem(me + 1, size)
+    slot, nxt = plan.slot(t), plan.slot(t + 1)
+    streams = (("right", bufs_r, send_r, recv_r, cap_r, right, left, rhs_r),
+               ("left", bufs_l, send_l, recv_l, cap_l, left, right, rhs_l))
+
+    def transfer(bufs, send, recv, dst_dev, src_slot, dst_slot):
+        return pltpu.make_async_remote_copy(bufs.at[src_slot], bufs.at[dst_slot], send.at[src_slot],
+                                            recv.at[dst_slot], device_id=(dst_dev,))
+
+    @pl.when(t == 0)
+    def _():
+        for bufs in (bufs_r, bufs_l):
+            local = pltpu.make_async_copy(lhs_hbm, bufs.at[0], local_sem)
+            local.start()
+            local.wait()
+        out_ref[...] = jnp.dot(bufs_r[0], rhs_r[...], preferred_element_type=jnp.float32)
+        for direction, _, _, _, cap, _, upstream, _ in streams:
+            if plan.initial_credits(direction):
+                pl.semaphore_signal(cap, plan.initial_credits(direction), device_id=(upstream,))
+
+    for direction, bufs, send, recv, cap, downstream, upstream, rhs_blk in streams:
+        uses = plan.stream_uses(direction)
+
+        @pl.when((t > 0) & (t <= uses))
+        def _():
+            transfer(bufs, send, recv, downstream, slot, slot).wait_recv()
+
+        @pl.when(plan.sends_at(t, direction))
+        def _():
+            pl.semaphore_wait(cap, 1)
+            transfer(bufs, send, recv, downstream, slot, nxt).start()
+
+        @pl.when((t > 0) & (t <= uses))
+        def _():
+            out_ref[...] += jnp.dot(bufs[slot], rhs_blk[...], preferred_element_type=jnp.float32)
+
+        @pl.when(plan.sends_at(t, direction))
+        def _():
+            transfer(bufs, send, recv, downstream, slot, nxt).wait_send()
+
+        @pl.when(plan.grants_credit_after(t, direction))
+        def _():
+            pl.semaphore_signal(cap, 1, device_id=(upstream,))
+
+
 def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, out_dtype, interpret):
     n, kd = lhs.shape
     m = rhs.shape[1]
     buffering = max(1, min(plan.buffering, size))
-    plan = RingPlan(size, False, buffering)
+    plan = RingPlan(size, plan.bidirectional and size > 2, buffering)
     if buffering < 2 and size > 1:
         raise NotImplementedError("mosaic_tpu: all_gather_matmul needs buffering >= 2 (one slot computes "
                                   "while the next shard lands)")
     me = lax.axis_index(axis_name).astype(jnp.int32)[None]
+    steps = plan.num_gather_steps
 
-    def rhs_map(t, me_ref):
+    def from_left(t, me_ref):
         return lax.rem(me_ref[0] - t + size, size), 0
 
+    def from_right(t, me_ref):
+        return lax.rem(me_ref[0] + t, size), 0
+
+    sems = [pltpu.SemaphoreType.DMA((buffering,)), pltpu.SemaphoreType.DMA((buffering,))]
+    if plan.bidirectional:
+        kernel = _bidi_kernel
+        in_specs = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((kd, m), from_left),
+                    pl.BlockSpec((kd, m), from_right)]
+        scratch = [pltpu.VMEM((buffering, n, kd), lhs.dtype)] * 2 + sems * 2 + \
+                  [pltpu.SemaphoreType.REGULAR] * 2 + [pltpu.SemaphoreType.DMA]
+        args = (me, lhs, rhs, rhs)
+    else:
+        kernel = _kernel
+        in_specs = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((kd, m), from_left)]
+        scratch = [pltpu.VMEM((buffering, n, kd), lhs.dtype)] + sems + \
+                  [pltpu.SemaphoreType.REGULAR, pltpu.SemaphoreType.DMA]
+        args = (me, lhs, rhs)
     call = pl.pallas_call(
-        functools.partial(_kernel, plan=plan),
+        functools.partial(kernel, plan=plan),
         out_shape=jax.ShapeDtypeStruct((n, m), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(size,),
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((kd, m), rhs_map)],
-            out_specs=pl.BlockSpec((n, m), lambda t, me_ref: (0, 0)),
-            scratch_shapes=[pltpu.VMEM((buffering, n, kd), lhs.dtype),
-                            pltpu.SemaphoreType.DMA((buffering,)), pltpu.SemaphoreType.DMA((buffering,)),
-                            pltpu.SemaphoreType.REGULAR, pltpu.SemaphoreType.DMA]),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",),
-                                             has_side_effects=True),
+            num_scalar_prefetch=1, grid=(steps,), in_specs=in_specs,
+            out_specs=pl.BlockSpec((n, m), lambda t, me_ref: (0, 0)), scratch_shapes=scratch),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), has_side_effects=True),
         interpret=(pltpu.InterpretParams() if interpret is True else interpret) if interpret else False,
         name="conveyor_all_gather_matmul")
-    return call(me, lhs, rhs).astype(out_dtype)
+    return call(*args).astype(out_dtype)
 
 
 def _rs_kernel(me_ref, lhs_blk, rhs_ref, out_ref, bufs, send_sems, recv_sems, cap_sem, *, plan: RingPlan):
@@ -106,8 +171,8 @@ def _rs_kernel(me_ref, lhs_blk, rhs_ref, out_ref, bufs, send_sems, recv_sems, ca
 
     @pl.when(t == 0)
     def _():
-        if plan.initial_credits:
-            pl.semaphore_signal(cap_sem, plan.initial_credits, device_id=(left,))
+        if plan.initial_credits():
+            pl.semaphore_signal(cap_sem, plan.initial_credits(), device_id=(left,))
 
     partial = jnp.dot(lhs_blk[...], rhs_ref[...], preferred_element_type=jnp.float32)
 

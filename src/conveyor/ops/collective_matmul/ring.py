@@ -47,30 +47,42 @@ class RingPlan:
             steps.append(GatherStep(tuple(uses), ("right", "left") if more else ()))
         return tuple(steps)
 
-    # ---- flow control of kernels with `buffering` receive slots (unidirectional gather) ----
+    # ---- flow control of kernels with `buffering` receive slots per stream ----
+    # A stream is one direction of travel; it delivers `uses` shards (or accumulators) to each
+    # device, one per step 1..uses, into slot step % buffering (slot 0 holds the local shard).
+    def stream_uses(self, direction: str = "right") -> int:
+        """Shards a device receives on the stream travelling `direction` (shards move right = they
+        arrive from the left)."""
+        d = self.num_devices
+        if not self.bidirectional:
+            return d - 1 if direction == "right" else 0
+        half = d // 2
+        return half if direction == "right" else (half if d % 2 else half - 1)
+
     def slot(self, step):
         """Receive slot holding the shard used at `step` (step 0: the local shard, slot 0)."""
         return step % self.buffering
 
-    @property
-    def initial_credits(self) -> int:
-        """Credits a device grants its left neighbour on entry: its free slots. Granting them is
-        the handshake that replaces a barrier: nobody writes into a device not yet in the kernel."""
-        return min(self.buffering, self.num_devices) - 1 if self.num_devices > 1 else 0
+    def initial_credits(self, direction: str = "right") -> int:
+        """Credits a device grants its upstream neighbour on entry: its free slots that will be used.
+        Granting them is the handshake that replaces a barrier: nobody writes into a device that is
+        not yet in the kernel."""
+        return max(min(self.buffering, self.stream_uses(direction) + 1) - 1, 0)
 
-    def sends_at(self, step):
-        """Whether a device forwards its current shard to the right at `step` (all but the last)."""
-        return step < self.num_devices - 1
+    def sends_at(self, step, direction: str = "right"):
+        """Whether a device forwards its current shard downstream after `step`."""
+        return step < self.stream_uses(direction)
 
-    def grants_credit_after(self, step):
-        """Whether the slot freed after `step` gets a new credit: only if the left neighbour will
+    def grants_credit_after(self, step, direction: str = "right"):
+        """Whether the slot freed after `step` gets a new credit: only if the upstream neighbour will
         send into it again, so every capacity semaphore ends the kernel at zero."""
-        return step + self.buffering <= self.num_devices - 1
+        return step + self.buffering <= self.stream_uses(direction)
 
-    def credit_balance(self) -> int:
+    def credit_balance(self, direction: str = "right") -> int:
         """Credits granted minus credits consumed per device (0 for a plan that ends clean)."""
-        grants = self.initial_credits + sum(bool(self.grants_credit_after(s)) for s in range(self.num_devices))
-        uses = sum(bool(self.sends_at(s)) for s in range(self.num_devices))
+        steps = range(self.num_devices)
+        grants = self.initial_credits(direction) + sum(bool(self.grants_credit_after(s, direction)) for s in steps)
+        uses = sum(bool(self.sends_at(s, direction)) for s in steps)
         return grants - uses
 
     def scatter_block(self, step: int, direction: str = "right") -> int:
