@@ -22,16 +22,25 @@ from jax.experimental.pallas import tpu as pltpu
 from conveyor.ops.collective_matmul.ring import RingPlan
 
 
-def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_sem, local_sem, *, plan: RingPlan):
+def _remote_copy(bufs, send, recv, dst_dev, src_slot, dst_slot):
+    """DMA of slot `src_slot` into slot `dst_slot` of the same buffer on device `dst_dev`."""
+    return pltpu.make_async_remote_copy(bufs.at[src_slot], bufs.at[dst_slot], send.at[src_slot], recv.at[dst_slot],
+                                        device_id=(dst_dev,))
+
+
+def _ring_position(me_ref, plan: RingPlan):
+    """(step, left neighbour, right neighbour, this step's slot, next step's slot)."""
     size = plan.num_devices
     t = pl.program_id(0)
     me = me_ref[0]
-    left, right = lax.rem(me + size - 1, size), lax.rem(me + 1, size)
-    slot, nxt = plan.slot(t), plan.slot(t + 1)
+    return t, lax.rem(me + size - 1, size), lax.rem(me + 1, size), plan.slot(t), plan.slot(t + 1)
+
+
+def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_sem, local_sem, *, plan: RingPlan):
+    t, left, right, slot, nxt = _ring_position(me_ref, plan)
 
     def transfer(src_slot, dst_slot):
-        return pltpu.make_async_remote_copy(bufs.at[src_slot], bufs.at[dst_slot], send_sems.at[src_slot],
-                                            recv_sems.at[dst_slot], device_id=(right,))
+        return _remote_copy(bufs, send_sems, recv_sems, right, src_slot, dst_slot)
 
     @pl.when(t == 0)
     def _():
@@ -65,17 +74,9 @@ def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_s
 def _bidi_kernel(me_ref, lhs_hbm, rhs_r, rhs_l, out_ref, bufs_r, bufs_l, send_r, recv_r, send_l, recv_l,
                  cap_r, cap_l, local_sem, *, plan: RingPlan):
     """Two streams: shards moving right (used at step t: device me - t) and moving left (me + t)."""
-    size = plan.num_devices
-    t = pl.program_id(0)
-    me = me_ref[0]
-    left, right = lax.rem(me + size - 1, size), lax.rem(me + 1, size)
-    slot, nxt = plan.slot(t), plan.slot(t + 1)
+    t, left, right, slot, nxt = _ring_position(me_ref, plan)
     streams = (("right", bufs_r, send_r, recv_r, cap_r, right, left, rhs_r),
                ("left", bufs_l, send_l, recv_l, cap_l, left, right, rhs_l))
-
-    def transfer(bufs, send, recv, dst_dev, src_slot, dst_slot):
-        return pltpu.make_async_remote_copy(bufs.at[src_slot], bufs.at[dst_slot], send.at[src_slot],
-                                            recv.at[dst_slot], device_id=(dst_dev,))
 
     @pl.when(t == 0)
     def _():
@@ -93,12 +94,12 @@ def _bidi_kernel(me_ref, lhs_hbm, rhs_r, rhs_l, out_ref, bufs_r, bufs_l, send_r,
 
         @pl.when((t > 0) & (t <= uses))
         def _():
-            transfer(bufs, send, recv, downstream, slot, slot).wait_recv()
+            _remote_copy(bufs, send, recv, downstream, slot, slot).wait_recv()
 
         @pl.when(plan.sends_at(t, direction))
         def _():
             pl.semaphore_wait(cap, 1)
-            transfer(bufs, send, recv, downstream, slot, nxt).start()
+            _remote_copy(bufs, send, recv, downstream, slot, nxt).start()
 
         @pl.when((t > 0) & (t <= uses))
         def _():
@@ -106,7 +107,7 @@ def _bidi_kernel(me_ref, lhs_hbm, rhs_r, rhs_l, out_ref, bufs_r, bufs_l, send_r,
 
         @pl.when(plan.sends_at(t, direction))
         def _():
-            transfer(bufs, send, recv, downstream, slot, nxt).wait_send()
+            _remote_copy(bufs, send, recv, downstream, slot, nxt).wait_send()
 
         @pl.when(plan.grants_credit_after(t, direction))
         def _():
@@ -160,14 +161,10 @@ def _rs_kernel(me_ref, lhs_blk, rhs_ref, out_ref, bufs, send_sems, recv_sems, ca
     """Step t: add this device's partial for block (me - 1 - t) into the accumulator that arrived
     from the left, then forward it right; at the last step the accumulator is this device's block."""
     size = plan.num_devices
-    t = pl.program_id(0)
-    me = me_ref[0]
-    left, right = lax.rem(me + size - 1, size), lax.rem(me + 1, size)
-    slot, nxt = plan.slot(t), plan.slot(t + 1)
+    t, left, right, slot, nxt = _ring_position(me_ref, plan)
 
     def transfer(src_slot, dst_slot):
-        return pltpu.make_async_remote_copy(bufs.at[src_slot], bufs.at[dst_slot], send_sems.at[src_slot],
-                                            recv_sems.at[dst_slot], device_id=(right,))
+        return _remote_copy(bufs, send_sems, recv_sems, right, src_slot, dst_slot)
 
     @pl.when(t == 0)
     def _():
