@@ -64,8 +64,8 @@ def test_unsupported_configurations_are_refused_when_named():
     bad = jax.shard_map(lambda a, b: cv.matmul_reduce_scatter(a, b, axis_name="x", backend="mosaic_tpu",
                                                                interpret=True),
                         mesh=mesh, in_specs=(P(None, "x"), P()), out_specs=P(), check_vma=False)
-    with pytest.raises(NotImplementedError, match="reduce-scatter ring is unidirectional so far"):
-        jax.jit(bad)(x, jax.device_put(jnp.ones((128, 128)), NamedSharding(mesh, P())))
+    with pytest.raises(NotImplementedError, match="needs an even count; pass bidirectional=False"):
+        jax.jit(bad)(x, jax.device_put(jnp.ones((128, 127)), NamedSharding(mesh, P())))
     bad0 = jax.shard_map(lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", gather_dim=0, backend="mosaic_tpu",
                                                            interpret=True),
                          mesh=mesh, in_specs=(P(None, "x"), P()), out_specs=P(), check_vma=False)
@@ -85,16 +85,17 @@ def test_exports_for_tpu():
     assert "tpu_custom_call" in exported.mlir_module()
 
 
-@pytest.mark.parametrize("ring", [2, 4, 8])
+@pytest.mark.parametrize("ring", [2, 3, 4, 8])
 @pytest.mark.parametrize("mode", ["on_wait", "eager"])
-def test_reduce_scatter_ring_is_correct_and_race_free(ring, mode):
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_reduce_scatter_ring_is_correct_and_race_free(ring, mode, bidirectional):
     mesh = Mesh(np.array(jax.devices()[:ring]), ("x",))
     a = jnp.asarray(RNG.standard_normal((8 * ring, 128 * ring)), jnp.float32)
     b = jnp.asarray(RNG.standard_normal((128 * ring, 128)), jnp.float32)
     ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
     fn = jax.jit(jax.shard_map(
-        lambda l, r: cv.matmul_reduce_scatter(l, r, axis_name="x", bidirectional=False, backend="mosaic_tpu",
-                                              interpret=ip),
+        lambda l, r: cv.matmul_reduce_scatter(l, r, axis_name="x", bidirectional=bidirectional,
+                                              backend="mosaic_tpu", interpret=ip),
         mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P("x", None), check_vma=False))
     out = fn(jax.device_put(a, NamedSharding(mesh, P(None, "x"))), jax.device_put(b, NamedSharding(mesh, P("x", None))))
     np.testing.assert_allclose(np.asarray(out), np.asarray(a @ b), rtol=1e-5, atol=1e-4)

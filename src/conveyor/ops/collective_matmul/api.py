@@ -25,8 +25,6 @@ def _mosaic_tpu_reason(op: str, dim: int, bidirectional: bool) -> str | None:
         return "mosaic_tpu: only gather_dim=1 (the contraction-sharded form) has a TPU ring kernel yet"
     if op == "matmul_reduce_scatter" and dim != 0:
         return "mosaic_tpu: only scatter_dim=0 has a TPU ring kernel yet"
-    if bidirectional and op == "matmul_reduce_scatter":
-        return "mosaic_tpu: the TPU reduce-scatter ring is unidirectional so far; pass bidirectional=False"
     return None
 
 

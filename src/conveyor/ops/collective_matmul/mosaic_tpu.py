@@ -1,5 +1,5 @@
 """Mosaic TPU ring kernels with credits: all_gather_matmul (gather_dim=1, uni- and bidirectional)
-and matmul_reduce_scatter (scatter_dim=0, unidirectional).
+and matmul_reduce_scatter (scatter_dim=0, uni- and bidirectional).
 
 Step t of the grid multiplies the shard of device (me - t) by the matching K-block of the
 stationary rhs, which a BlockSpec driven by the step fetches. Shards travel right through
@@ -197,31 +197,89 @@ def _rs_kernel(me_ref, lhs_blk, rhs_ref, out_ref, bufs, send_sems, recv_sems, ca
         pl.semaphore_signal(cap_sem, 1, device_id=(left,))
 
 
+def _rs_bidi_kernel(me_ref, lhs_r, lhs_l, rhs_r, rhs_l, out_ref, bufs_r, bufs_l, send_r, recv_r, send_l, recv_l,
+                    cap_r, cap_l, *, plan: RingPlan, half: int):
+    """Columns [0, half) travel right (block me - 1 - t), columns [half, n) travel left (me + 1 + t)."""
+    size = plan.num_devices
+    t, left, right, slot, nxt = _ring_position(me_ref, plan)
+    streams = (("right", lhs_r, rhs_r, bufs_r, send_r, recv_r, cap_r, right, left, slice(0, half)),
+               ("left", lhs_l, rhs_l, bufs_l, send_l, recv_l, cap_l, left, right, slice(half, None)))
+
+    @pl.when(t == 0)
+    def _():
+        for direction, *_, cap, _, upstream, _ in streams:
+            if plan.initial_credits(direction):
+                pl.semaphore_signal(cap, plan.initial_credits(direction), device_id=(upstream,))
+
+    for direction, lhs_blk, rhs_blk, bufs, send, recv, cap, downstream, upstream, cols in streams:
+        partial = jnp.dot(lhs_blk[...], rhs_blk[...], preferred_element_type=jnp.float32)
+
+        @pl.when(t == 0)
+        def _():
+            bufs[slot] = partial
+
+        @pl.when(t > 0)
+        def _():
+            _remote_copy(bufs, send, recv, downstream, slot, slot).wait_recv()
+            bufs[slot] = bufs[slot] + partial
+
+        @pl.when(plan.sends_at(t, direction))
+        def _():
+            pl.semaphore_wait(cap, 1)
+            _remote_copy(bufs, send, recv, downstream, slot, nxt).start()
+            _remote_copy(bufs, send, recv, downstream, slot, nxt).wait_send()
+
+        @pl.when(t == size - 1)
+        def _():
+            out_ref[:, cols] = bufs[slot]
+
+        @pl.when(plan.grants_credit_after(t, direction))
+        def _():
+            pl.semaphore_signal(cap, 1, device_id=(upstream,))
+
+
 def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, out_dtype, interpret):
-    """scatter_dim=0, unidirectional: lhs [M, K_local] row blocks fetched by a step-driven BlockSpec."""
+    """scatter_dim=0: lhs [M, K_local] row blocks fetched by step-driven BlockSpecs. Bidirectional
+    splits the n output columns in two halves travelling opposite ways (n must be even)."""
     m, k = lhs.shape
     n = rhs.shape[1]
     mb = m // size
     buffering = max(1, min(plan.buffering, size))
-    plan = RingPlan(size, False, buffering)
+    bidi = plan.bidirectional and size > 1
+    if bidi and n % 2:
+        raise NotImplementedError(f"mosaic_tpu: bidirectional matmul_reduce_scatter splits the {n} output "
+                                  f"columns in halves and needs an even count; pass bidirectional=False")
+    plan = RingPlan(size, bidi, buffering, collective="scatter")
     if buffering < 2 and size > 1:
         raise NotImplementedError("mosaic_tpu: matmul_reduce_scatter needs buffering >= 2")
     me = lax.axis_index(axis_name).astype(jnp.int32)[None]
 
-    def lhs_map(t, me_ref):
-        return lax.rem(me_ref[0] - 1 - t + 2 * size, size), 0
+    def block_from(direction):
+        def index(t, me_ref):
+            off = plan.scatter_block(t, direction)
+            return lax.rem(me_ref[0] + off + 2 * size, size), 0
+        return index
 
+    sems = [pltpu.SemaphoreType.DMA((buffering,)), pltpu.SemaphoreType.DMA((buffering,))]
+    if bidi:
+        h = n // 2
+        kernel = functools.partial(_rs_bidi_kernel, plan=plan, half=h)
+        in_specs = [pl.BlockSpec((mb, k), block_from("right")), pl.BlockSpec((mb, k), block_from("left")),
+                    pl.BlockSpec((k, h), lambda t, me_ref: (0, 0)), pl.BlockSpec((k, h), lambda t, me_ref: (0, 1))]
+        scratch = [pltpu.VMEM((buffering, mb, h), jnp.float32)] * 2 + sems * 2 + [pltpu.SemaphoreType.REGULAR] * 2
+        args = (me, lhs, lhs, rhs, rhs)
+    else:
+        kernel = functools.partial(_rs_kernel, plan=plan)
+        in_specs = [pl.BlockSpec((mb, k), block_from("right")), pl.BlockSpec((k, n), lambda t, me_ref: (0, 0))]
+        scratch = [pltpu.VMEM((buffering, mb, n), jnp.float32)] + sems + [pltpu.SemaphoreType.REGULAR]
+        args = (me, lhs, rhs)
     call = pl.pallas_call(
-        functools.partial(_rs_kernel, plan=plan),
+        kernel,
         out_shape=jax.ShapeDtypeStruct((mb, n), jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(size,),
-            in_specs=[pl.BlockSpec((mb, k), lhs_map), pl.BlockSpec((k, n), lambda t, me_ref: (0, 0))],
-            out_specs=pl.BlockSpec((mb, n), lambda t, me_ref: (0, 0)),
-            scratch_shapes=[pltpu.VMEM((buffering, mb, n), jnp.float32),
-                            pltpu.SemaphoreType.DMA((buffering,)), pltpu.SemaphoreType.DMA((buffering,)),
-                            pltpu.SemaphoreType.REGULAR]),
+            num_scalar_prefetch=1, grid=(size,), in_specs=in_specs,
+            out_specs=pl.BlockSpec((mb, n), lambda t, me_ref: (0, 0)), scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), has_side_effects=True),
         interpret=(pltpu.InterpretParams() if interpret is True else interpret) if interpret else False,
         name="conveyor_matmul_reduce_scatter")
-    return call(me, lhs, rhs).astype(out_dtype)
+    return call(*args).astype(out_dtype)

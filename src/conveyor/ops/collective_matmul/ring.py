@@ -31,6 +31,7 @@ class RingPlan:
     num_devices: int
     bidirectional: bool
     buffering: int
+    collective: str = "gather"   # "gather": shards travel; "scatter": partial-sum accumulators travel
 
     def gather_steps(self) -> tuple[GatherStep, ...]:
         d = self.num_devices
@@ -56,6 +57,8 @@ class RingPlan:
         d = self.num_devices
         if not self.bidirectional:
             return d - 1 if direction == "right" else 0
+        if self.collective == "scatter":   # each half of the columns makes the whole trip
+            return d - 1
         half = d // 2
         return half if direction == "right" else (half if d % 2 else half - 1)
 
