@@ -21,10 +21,9 @@ AVAILABLE = ("xla", "mosaic_tpu", "reference")
 
 def _mosaic_tpu_reason(op: str, dim: int, bidirectional: bool) -> str | None:
     """Why the Mosaic TPU ring cannot run this configuration (None when it can)."""
-    if op == "all_gather_matmul" and dim != 1:
-        return "mosaic_tpu: only gather_dim=1 (the contraction-sharded form) has a TPU ring kernel yet"
-    if op == "matmul_reduce_scatter" and dim != 0:
-        return "mosaic_tpu: only scatter_dim=0 has a TPU ring kernel yet"
+    if bidirectional and dim == (0 if op == "all_gather_matmul" else 1):
+        what = "gather_dim=0" if op == "all_gather_matmul" else "scatter_dim=1"
+        return f"mosaic_tpu: the {what} TPU ring is unidirectional so far; pass bidirectional=False"
     return None
 
 
@@ -126,7 +125,7 @@ def _run_agm(cfg, lhs, rhs):
         from conveyor.ops.collective_matmul import mosaic_tpu
         return mosaic_tpu.all_gather_matmul_mosaic_tpu(lhs, rhs, axis_name=axis_name, size=size,
                                                        plan=RingPlan(size, bidi, buffering), out_dtype=out_dtype,
-                                                       interpret=interpret)
+                                                       interpret=interpret, gather_dim=gather_dim)
     if backend == "reference":
         return reference.all_gather_matmul_reference(lhs, rhs, axis_name=axis_name, gather_dim=gather_dim,
                                                      out_dtype=out_dtype)
@@ -140,7 +139,8 @@ def _run_mrs(cfg, lhs, rhs):
         from conveyor.ops.collective_matmul import mosaic_tpu
         return mosaic_tpu.matmul_reduce_scatter_mosaic_tpu(lhs, rhs, axis_name=axis_name, size=size,
                                                            plan=RingPlan(size, bidi, buffering),
-                                                           out_dtype=out_dtype, interpret=interpret)
+                                                           out_dtype=out_dtype, interpret=interpret,
+                                                           scatter_dim=scatter_dim)
     if backend == "reference":
         return reference.matmul_reduce_scatter_reference(lhs, rhs, axis_name=axis_name, scatter_dim=scatter_dim,
                                                          out_dtype=out_dtype)

@@ -1,5 +1,6 @@
-"""Mosaic TPU ring kernels with credits: all_gather_matmul (gather_dim=1, uni- and bidirectional)
-and matmul_reduce_scatter (scatter_dim=0, uni- and bidirectional).
+"""Mosaic TPU ring kernels with credits: all_gather_matmul (gather_dim=1 uni- and bidirectional,
+gather_dim=0 unidirectional) and matmul_reduce_scatter (scatter_dim=0 uni- and bidirectional,
+scatter_dim=1 unidirectional).
 
 Step t of the grid multiplies the shard of device (me - t) by the matching K-block of the
 stationary rhs, which a BlockSpec driven by the step fetches. Shards travel right through
@@ -36,7 +37,10 @@ def _ring_position(me_ref, plan: RingPlan):
     return t, lax.rem(me + size - 1, size), lax.rem(me + 1, size), plan.slot(t), plan.slot(t + 1)
 
 
-def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_sem, local_sem, *, plan: RingPlan):
+def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_sem, local_sem, *, plan: RingPlan,
+            accumulate: bool = True):
+    """accumulate=True (gather_dim=1): out += shard @ K-block. False (gather_dim=0): the step's
+    output row block (chosen by the out BlockSpec) = shard @ rhs."""
     t, left, right, slot, nxt = _ring_position(me_ref, plan)
 
     def transfer(src_slot, dst_slot):
@@ -47,7 +51,8 @@ def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_s
         local = pltpu.make_async_copy(lhs_hbm, bufs.at[0], local_sem)
         local.start()
         local.wait()
-        out_ref[...] = jnp.zeros_like(out_ref)
+        if accumulate:
+            out_ref[...] = jnp.zeros_like(out_ref)
         if plan.initial_credits():
             pl.semaphore_signal(cap_sem, plan.initial_credits(), device_id=(left,))
 
@@ -60,7 +65,10 @@ def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_s
         pl.semaphore_wait(cap_sem, 1)   # the right neighbour's slot `nxt` is free
         transfer(slot, nxt).start()
 
-    out_ref[...] += jnp.dot(bufs[slot], rhs_blk[...], preferred_element_type=jnp.float32)
+    if accumulate:
+        out_ref[...] += jnp.dot(bufs[slot], rhs_blk[...], preferred_element_type=jnp.float32)
+    else:
+        out_ref[...] = jnp.dot(bufs[slot], rhs_blk[...], preferred_element_type=jnp.float32)
 
     @pl.when(plan.sends_at(t))
     def _():
@@ -114,9 +122,13 @@ def _bidi_kernel(me_ref, lhs_hbm, rhs_r, rhs_l, out_ref, bufs_r, bufs_l, send_r,
             pl.semaphore_signal(cap, 1, device_id=(upstream,))
 
 
-def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, out_dtype, interpret):
+def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, out_dtype, interpret,
+                                 gather_dim: int = 1):
     n, kd = lhs.shape
     m = rhs.shape[1]
+    if gather_dim == 0 and plan.bidirectional and size > 2:
+        raise NotImplementedError("mosaic_tpu: the gather_dim=0 TPU ring is unidirectional so far; "
+                                  "pass bidirectional=False")
     buffering = max(1, min(plan.buffering, size))
     plan = RingPlan(size, plan.bidirectional and size > 2, buffering)
     if buffering < 2 and size > 1:
@@ -139,25 +151,34 @@ def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, o
         scratch = [pltpu.VMEM((buffering, n, kd), lhs.dtype)] * 2 + sems * 2 + \
                   [pltpu.SemaphoreType.REGULAR] * 2 + [pltpu.SemaphoreType.DMA]
         args = (me, lhs, rhs, rhs)
+    elif gather_dim == 0:   # lhs [Mb, K] row shards travel; each step writes output row block me - t
+        kernel = functools.partial(_kernel, accumulate=False)
+        in_specs = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((kd, m), lambda t, me_ref: (0, 0))]
+        scratch = [pltpu.VMEM((buffering, n, kd), lhs.dtype)] + sems + \
+                  [pltpu.SemaphoreType.REGULAR, pltpu.SemaphoreType.DMA]
+        args = (me, lhs, rhs)
     else:
         kernel = _kernel
         in_specs = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((kd, m), from_left)]
         scratch = [pltpu.VMEM((buffering, n, kd), lhs.dtype)] + sems + \
                   [pltpu.SemaphoreType.REGULAR, pltpu.SemaphoreType.DMA]
         args = (me, lhs, rhs)
+    if gather_dim == 0:
+        out_shape, out_spec = (size * n, m), pl.BlockSpec((n, m), from_left)
+    else:
+        out_shape, out_spec = (n, m), pl.BlockSpec((n, m), lambda t, me_ref: (0, 0))
     call = pl.pallas_call(
         functools.partial(kernel, plan=plan),
-        out_shape=jax.ShapeDtypeStruct((n, m), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(steps,), in_specs=in_specs,
-            out_specs=pl.BlockSpec((n, m), lambda t, me_ref: (0, 0)), scratch_shapes=scratch),
+            num_scalar_prefetch=1, grid=(steps,), in_specs=in_specs, out_specs=out_spec, scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), has_side_effects=True),
         interpret=(pltpu.InterpretParams() if interpret is True else interpret) if interpret else False,
         name="conveyor_all_gather_matmul")
     return call(*args).astype(out_dtype)
 
 
-def _rs_kernel(me_ref, lhs_blk, rhs_ref, out_ref, bufs, send_sems, recv_sems, cap_sem, *, plan: RingPlan):
+def _rs_kernel(me_ref, lhs_blk, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_sem, *, plan: RingPlan):
     """Step t: add this device's partial for block (me - 1 - t) into the accumulator that arrived
     from the left, then forward it right; at the last step the accumulator is this device's block."""
     size = plan.num_devices
@@ -171,7 +192,7 @@ def _rs_kernel(me_ref, lhs_blk, rhs_ref, out_ref, bufs, send_sems, recv_sems, ca
         if plan.initial_credits():
             pl.semaphore_signal(cap_sem, plan.initial_credits(), device_id=(left,))
 
-    partial = jnp.dot(lhs_blk[...], rhs_ref[...], preferred_element_type=jnp.float32)
+    partial = jnp.dot(lhs_blk[...], rhs_blk[...], preferred_element_type=jnp.float32)
 
     @pl.when(t == 0)
     def _():
@@ -238,7 +259,8 @@ def _rs_bidi_kernel(me_ref, lhs_r, lhs_l, rhs_r, rhs_l, out_ref, bufs_r, bufs_l,
             pl.semaphore_signal(cap, 1, device_id=(upstream,))
 
 
-def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, out_dtype, interpret):
+def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, out_dtype, interpret,
+                                     scatter_dim: int = 0):
     """scatter_dim=0: lhs [M, K_local] row blocks fetched by step-driven BlockSpecs. Bidirectional
     splits the n output columns in two halves travelling opposite ways (n must be even)."""
     m, k = lhs.shape
@@ -246,6 +268,9 @@ def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPla
     mb = m // size
     buffering = max(1, min(plan.buffering, size))
     bidi = plan.bidirectional and size > 1
+    if scatter_dim == 1 and bidi:
+        raise NotImplementedError("mosaic_tpu: the scatter_dim=1 TPU ring is unidirectional so far; "
+                                  "pass bidirectional=False")
     if bidi and n % 2:
         raise NotImplementedError(f"mosaic_tpu: bidirectional matmul_reduce_scatter splits the {n} output "
                                   f"columns in halves and needs an even count; pass bidirectional=False")
@@ -268,17 +293,26 @@ def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPla
                     pl.BlockSpec((k, h), lambda t, me_ref: (0, 0)), pl.BlockSpec((k, h), lambda t, me_ref: (0, 1))]
         scratch = [pltpu.VMEM((buffering, mb, h), jnp.float32)] * 2 + sems * 2 + [pltpu.SemaphoreType.REGULAR] * 2
         args = (me, lhs, lhs, rhs, rhs)
+    elif scatter_dim == 1:   # column blocks of rhs are the step-driven operand
+        nb = n // size
+        right = block_from("right")
+        kernel = functools.partial(_rs_kernel, plan=plan)
+        in_specs = [pl.BlockSpec((m, k), lambda t, me_ref: (0, 0)),
+                    pl.BlockSpec((k, nb), lambda t, me_ref: (0, right(t, me_ref)[0]))]
+        scratch = [pltpu.VMEM((buffering, m, nb), jnp.float32)] + sems + [pltpu.SemaphoreType.REGULAR]
+        args = (me, lhs, rhs)
     else:
         kernel = functools.partial(_rs_kernel, plan=plan)
         in_specs = [pl.BlockSpec((mb, k), block_from("right")), pl.BlockSpec((k, n), lambda t, me_ref: (0, 0))]
         scratch = [pltpu.VMEM((buffering, mb, n), jnp.float32)] + sems + [pltpu.SemaphoreType.REGULAR]
         args = (me, lhs, rhs)
+    out_shape = (m, n // size) if scatter_dim == 1 else (mb, n)
     call = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((mb, n), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(size,), in_specs=in_specs,
-            out_specs=pl.BlockSpec((mb, n), lambda t, me_ref: (0, 0)), scratch_shapes=scratch),
+            out_specs=pl.BlockSpec(out_shape, lambda t, me_ref: (0, 0)), scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), has_side_effects=True),
         interpret=(pltpu.InterpretParams() if interpret is True else interpret) if interpret else False,
         name="conveyor_matmul_reduce_scatter")
