@@ -22,7 +22,7 @@ from conveyor.pipeline.plan import PipelinePlan
 
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
     n_in, n_out = len(p.inputs), len(p.outputs)
-    n, lookahead = p.num_steps, p.lookahead
+    n = p.num_steps
     scratch = [plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.inputs, in_refs)]
     scratch += [plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.outputs, out_refs)]
     scratch += [plgpu.Barrier(num_barriers=op.num_slots) for op in p.inputs]
@@ -38,7 +38,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
             plgpu.copy_gmem_to_smem(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], barriers[i].at[slot])
 
         for i, op in enumerate(p.inputs):
-            for t in ([0] if op.invariant else range(min(lookahead, n))):
+            for t in p.prologue_steps(op):
                 fetch(i, t)
 
         def step(s, state):

@@ -23,7 +23,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     scratch = [pltpu.VMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.inputs, in_refs)]
     scratch += [pltpu.VMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.outputs, out_refs)]
     scratch += [pltpu.SemaphoreType.DMA((max(n_in, 1), in_slots)), pltpu.SemaphoreType.DMA((max(n_out, 1), 2))]
-    n, lookahead = p.num_steps, p.lookahead
+    n = p.num_steps
 
     def scoped(*args):
         in_bufs, out_bufs = args[:n_in], args[n_in:n_in + n_out]
@@ -40,7 +40,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 
         # prologue
         for i, op in enumerate(p.inputs):
-            for t in ([0] if op.invariant else range(min(lookahead, n))):
+            for t in p.prologue_steps(op):
                 fetch(i, t).start()
 
         def step(s, state):

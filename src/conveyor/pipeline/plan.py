@@ -123,6 +123,10 @@ class PipelinePlan:
         """The buffer slot the body uses for `op` at `step` (outputs: see `output_slot`)."""
         return 0 if op.invariant else step % op.num_slots
 
+    def prologue_steps(self, op: OperandPlan) -> range:
+        """Steps whose blocks of input `op` are fetched before step 0 runs."""
+        return range(1) if op.invariant else range(min(self.lookahead, self.num_steps))
+
     def fetch_at(self, step: Int) -> Int:
         """The step whose input blocks are fetched while `step` runs (may be >= num_steps: none)."""
         return step + self.lookahead
@@ -158,9 +162,9 @@ class PipelinePlan:
     def events(self) -> tuple[Event, ...]:
         """The whole schedule with concrete steps (for the checker and the simulator)."""
         ev: list[Event] = []
-        n, la = self.num_steps, self.lookahead
+        n = self.num_steps
         for op in self.inputs:
-            for t in ([0] if op.invariant else range(min(la, n))):
+            for t in self.prologue_steps(op):
                 ev.append(Event(-1, "fetch", op.name, self.slot(op, t), t))
         wb_count = {op.name: 0 for op in self.outputs}
         for s in range(n):

@@ -178,62 +178,31 @@ def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, o
     return call(*args).astype(out_dtype)
 
 
-def _rs_kernel(me_ref, lhs_blk, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_sem, *, plan: RingPlan):
-    """Step t: add this device's partial for block (me - 1 - t) into the accumulator that arrived
-    from the left, then forward it right; at the last step the accumulator is this device's block."""
+def _rs_kernel(me_ref, *refs, plan: RingPlan, columns: tuple[slice, ...]):
+    """One stream per column range: the stream going right adds block me - 1 - t, the one going
+    left (bidirectional only) block me + 1 + t; each accumulator makes the whole D - 1 hop trip.
+
+    refs: lhs blocks, rhs blocks (one per stream), out, then per stream: receive slots, send
+    semaphores, receive semaphores, capacity semaphore.
+    """
+    k = len(columns)
+    lhs_blks, rhs_blks, (out_ref,) = refs[:k], refs[k:2 * k], refs[2 * k:2 * k + 1]
+    bufs_s, send_s, recv_s, cap_s = (refs[2 * k + 1 + i * k:2 * k + 1 + (i + 1) * k] for i in range(4))
     size = plan.num_devices
     t, left, right, slot, nxt = _ring_position(me_ref, plan)
-
-    def transfer(src_slot, dst_slot):
-        return _remote_copy(bufs, send_sems, recv_sems, right, src_slot, dst_slot)
-
-    @pl.when(t == 0)
-    def _():
-        if plan.initial_credits():
-            pl.semaphore_signal(cap_sem, plan.initial_credits(), device_id=(left,))
-
-    partial = jnp.dot(lhs_blk[...], rhs_blk[...], preferred_element_type=jnp.float32)
+    directions = ("right", "left")[:k]
+    neighbours = {"right": (right, left), "left": (left, right)}   # (downstream, upstream)
 
     @pl.when(t == 0)
     def _():
-        bufs[slot] = partial
-
-    @pl.when(t > 0)
-    def _():
-        transfer(slot, slot).wait_recv()
-        bufs[slot] = bufs[slot] + partial
-
-    @pl.when(plan.sends_at(t))
-    def _():
-        pl.semaphore_wait(cap_sem, 1)
-        transfer(slot, nxt).start()
-        transfer(slot, nxt).wait_send()
-
-    @pl.when(t == size - 1)
-    def _():
-        out_ref[...] = bufs[slot]
-
-    @pl.when(plan.grants_credit_after(t))
-    def _():
-        pl.semaphore_signal(cap_sem, 1, device_id=(left,))
-
-
-def _rs_bidi_kernel(me_ref, lhs_r, lhs_l, rhs_r, rhs_l, out_ref, bufs_r, bufs_l, send_r, recv_r, send_l, recv_l,
-                    cap_r, cap_l, *, plan: RingPlan, half: int):
-    """Columns [0, half) travel right (block me - 1 - t), columns [half, n) travel left (me + 1 + t)."""
-    size = plan.num_devices
-    t, left, right, slot, nxt = _ring_position(me_ref, plan)
-    streams = (("right", lhs_r, rhs_r, bufs_r, send_r, recv_r, cap_r, right, left, slice(0, half)),
-               ("left", lhs_l, rhs_l, bufs_l, send_l, recv_l, cap_l, left, right, slice(half, None)))
-
-    @pl.when(t == 0)
-    def _():
-        for direction, *_, cap, _, upstream, _ in streams:
+        for direction, cap in zip(directions, cap_s):
             if plan.initial_credits(direction):
-                pl.semaphore_signal(cap, plan.initial_credits(direction), device_id=(upstream,))
+                pl.semaphore_signal(cap, plan.initial_credits(direction), device_id=(neighbours[direction][1],))
 
-    for direction, lhs_blk, rhs_blk, bufs, send, recv, cap, downstream, upstream, cols in streams:
-        partial = jnp.dot(lhs_blk[...], rhs_blk[...], preferred_element_type=jnp.float32)
+    for i, direction in enumerate(directions):
+        bufs, send, recv, cap = bufs_s[i], send_s[i], recv_s[i], cap_s[i]
+        downstream, upstream = neighbours[direction]
+        partial = jnp.dot(lhs_blks[i][...], rhs_blks[i][...], preferred_element_type=jnp.float32)
 
         @pl.when(t == 0)
         def _():
@@ -252,7 +221,7 @@ def _rs_bidi_kernel(me_ref, lhs_r, lhs_l, rhs_r, rhs_l, out_ref, bufs_r, bufs_l,
 
         @pl.when(t == size - 1)
         def _():
-            out_ref[:, cols] = bufs[slot]
+            out_ref[:, columns[i]] = bufs[slot]
 
         @pl.when(plan.grants_credit_after(t, direction))
         def _():
@@ -285,27 +254,27 @@ def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPla
             return lax.rem(me_ref[0] + off + 2 * size, size), 0
         return index
 
-    sems = [pltpu.SemaphoreType.DMA((buffering,)), pltpu.SemaphoreType.DMA((buffering,))]
     if bidi:
         h = n // 2
-        kernel = functools.partial(_rs_bidi_kernel, plan=plan, half=h)
+        columns = (slice(0, h), slice(h, None))
         in_specs = [pl.BlockSpec((mb, k), block_from("right")), pl.BlockSpec((mb, k), block_from("left")),
                     pl.BlockSpec((k, h), lambda t, me_ref: (0, 0)), pl.BlockSpec((k, h), lambda t, me_ref: (0, 1))]
-        scratch = [pltpu.VMEM((buffering, mb, h), jnp.float32)] * 2 + sems * 2 + [pltpu.SemaphoreType.REGULAR] * 2
-        args = (me, lhs, lhs, rhs, rhs)
+        acc_shape, args = (mb, h), (me, lhs, lhs, rhs, rhs)
     elif scatter_dim == 1:   # column blocks of rhs are the step-driven operand
         nb = n // size
         right = block_from("right")
-        kernel = functools.partial(_rs_kernel, plan=plan)
+        columns = (slice(None),)
         in_specs = [pl.BlockSpec((m, k), lambda t, me_ref: (0, 0)),
                     pl.BlockSpec((k, nb), lambda t, me_ref: (0, right(t, me_ref)[0]))]
-        scratch = [pltpu.VMEM((buffering, m, nb), jnp.float32)] + sems + [pltpu.SemaphoreType.REGULAR]
-        args = (me, lhs, rhs)
+        acc_shape, args = (m, nb), (me, lhs, rhs)
     else:
-        kernel = functools.partial(_rs_kernel, plan=plan)
+        columns = (slice(None),)
         in_specs = [pl.BlockSpec((mb, k), block_from("right")), pl.BlockSpec((k, n), lambda t, me_ref: (0, 0))]
-        scratch = [pltpu.VMEM((buffering, mb, n), jnp.float32)] + sems + [pltpu.SemaphoreType.REGULAR]
-        args = (me, lhs, rhs)
+        acc_shape, args = (mb, n), (me, lhs, rhs)
+    streams = len(columns)
+    scratch = ([pltpu.VMEM((buffering, *acc_shape), jnp.float32)] * streams
+               + [pltpu.SemaphoreType.DMA((buffering,))] * (2 * streams) + [pltpu.SemaphoreType.REGULAR] * streams)
+    kernel = functools.partial(_rs_kernel, plan=plan, columns=columns)
     out_shape = (m, n // size) if scatter_dim == 1 else (mb, n)
     call = pl.pallas_call(
         kernel,
