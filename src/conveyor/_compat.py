@@ -20,7 +20,10 @@ def register_lowering_from_function(prim: Primitive, impl) -> None:
 
 
 # ---- JAX state (refs) for the XLA kernel executor ----------------------------------------------
-from jax._src.state.discharge import run_state  # noqa: E402  (no public alias in jax 0.12)
+# `run_state_reference` discharges the stateful function at trace time (the plain `run_state`
+# defers it to lowering, where the axis names of an enclosing vmap are gone, so
+# `lax.axis_index(thread_name)` inside a threaded xla kernel would fail).
+from jax._src.state.discharge import run_state_reference as run_state  # noqa: E402  (no public alias)
 
 __all__ += ["run_state"]
 

@@ -28,6 +28,8 @@ AVAILABLE = ("xla", "mosaic_tpu", "mosaic_gpu")
 class KernelContext:
     backend: str
     interpret: Any
+    num_threads: int = 1
+    thread_name: str | None = None
 
 
 _CONTEXT: contextvars.ContextVar[KernelContext | None] = contextvars.ContextVar("conveyor_kernel", default=None)
@@ -67,6 +69,43 @@ def _shapes(x, name):
     return leaves
 
 
+def _check_threads(num_threads, thread_name, backend) -> int:
+    if num_threads is None:
+        if thread_name is not None:
+            raise ValueError(f"cv.kernel: thread_name={thread_name!r} given without num_threads")
+        return 1
+    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
+        raise ValueError(f"cv.kernel: num_threads must be an int >= 1, got {num_threads!r}")
+    if not isinstance(thread_name, str):
+        raise ValueError(f"cv.kernel: num_threads={num_threads} needs thread_name (a str naming the axis that "
+                         f"lax.axis_index reads), got {thread_name!r}")
+    if backend == "mosaic_tpu":
+        raise NotImplementedError("cv.kernel: num_threads is not supported on mosaic_tpu (a TPU core has no "
+                                  "warpgroups; its DMA engine already runs copies asynchronously). Use "
+                                  "cv.emit_pipeline, or backend='mosaic_gpu' / 'xla'")
+    return num_threads
+
+
+def _bits(x):
+    """A view of `x` whose equality is bitwise (so NaN == NaN and -0.0 != 0.0)."""
+    if x.dtype == jnp.bool_:
+        return x
+    width = jnp.dtype(x.dtype).itemsize * 8
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{width}"))
+
+
+def merge_thread_writes(before: jax.Array, per_thread: jax.Array) -> jax.Array:
+    """Combine the memories of threads that ran on private copies of `before` ([threads, ...]).
+
+    Each element takes the value of the (last) thread whose copy differs bitwise from `before`;
+    for race-free kernels at most one thread writes any element, so this is exact.
+    """
+    out = before
+    for t in range(per_thread.shape[0]):
+        out = jnp.where(_bits(per_thread[t]) != _bits(before), per_thread[t], out)
+    return out
+
+
 def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = None, interpret: Any = False,
            num_threads: int | None = None, thread_name: str | None = None,
            scratch_shapes: Sequence[Any] = (), grid: Sequence[int] = ()) -> Callable[..., Any]:
@@ -82,13 +121,20 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
       scratch_shapes: ShapeDtypeStructs of extra on-chip buffers passed after the outputs (VMEM on
         TPU, SMEM on GPU). Mosaic backends also take their native scratch types as they are
         (e.g. `pltpu.SemaphoreType.DMA((2,))`, `plgpu.Barrier(...)`).
-      grid, num_threads, thread_name: accepted for API compatibility; only () / None are supported
-        on the xla backend for now (NotImplementedError otherwise).
+      num_threads, thread_name: run the body on `num_threads` concurrent threads (GPU warpgroups),
+        each seeing its index as `lax.axis_index(thread_name)`; needed by
+        `cv.emit_pipeline_warp_specialized`. On xla the threads run as a vmap over private copies
+        of memory whose writes are merged afterwards (each element takes the value of the thread
+        that changed it): exact for race-free kernels, where threads write disjoint elements.
+        Threads cannot exchange data through memory within one xla kernel. Not on mosaic_tpu
+        (TPU cores have no warpgroups).
+      grid: accepted for API compatibility; only () for now (NotImplementedError otherwise).
     """
     backend = backends.check_backend(backend, AVAILABLE, "cv.kernel")
-    if tuple(grid) != () or num_threads not in (None, 1) or thread_name is not None:
-        raise NotImplementedError("cv.kernel: grid, num_threads and thread_name are not implemented yet "
-                                  f"(got grid={tuple(grid)}, num_threads={num_threads}, thread_name={thread_name})")
+    if tuple(grid) != ():
+        raise NotImplementedError(f"cv.kernel: grid is not implemented yet (got grid={tuple(grid)}); "
+                                  f"loop over blocks with cv.emit_pipeline inside the body instead")
+    threads = _check_threads(num_threads, thread_name, backend)
     single = not isinstance(out_shape, (tuple, list))
     outs = _shapes(out_shape, "out_shape")
     scratch = tuple(scratch_shapes)
@@ -98,9 +144,10 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
     if backend == "mosaic_tpu":
         from conveyor import kernel_tpu
         return kernel_tpu.launch(body, outs, scratch, single, interpret, lambda: _entered(KernelContext(backend, interpret)))
+    ctx = KernelContext(backend, interpret, threads, thread_name)
     if backend == "mosaic_gpu":
         from conveyor import kernel_gpu
-        return kernel_gpu.launch(body, outs, scratch, single, interpret, lambda: _entered(KernelContext(backend, interpret)))
+        return kernel_gpu.launch(body, outs, scratch, single, interpret, lambda: _entered(ctx), threads, thread_name)
 
     def run(*inputs):
         for i, x in enumerate(inputs):
@@ -115,9 +162,13 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
 
         init = (*[jnp.asarray(x) for x in inputs], *[poison(s.shape, s.dtype) for s in outs],
                 *[poison(s.shape, s.dtype) for s in scratch])
-        with _entered(KernelContext(backend, interpret)):
-            final = run_state(stateful)(init)
-        results = tuple(final[n_in:n_in + n_out])
+        with _entered(ctx):
+            if thread_name is None:
+                results = tuple(run_state(stateful)(init)[n_in:n_in + n_out])
+            else:
+                per_thread = jax.vmap(lambda: tuple(run_state(stateful)(init)[n_in:n_in + n_out]),
+                                      axis_size=threads, axis_name=thread_name)()
+                results = tuple(merge_thread_writes(x, xs) for x, xs in zip(init[n_in:n_in + n_out], per_thread))
         return results[0] if single else results
 
     return run

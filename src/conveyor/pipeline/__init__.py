@@ -1,5 +1,6 @@
 """Software pipelines: the plan (pure data) and its executors."""
-from conveyor.pipeline.api import emit_pipeline
+from conveyor.pipeline.api import emit_pipeline, emit_pipeline_warp_specialized
 from conveyor.pipeline.plan import BlockSpec, Event, OperandPlan, PipelinePlan, plan
+from conveyor.pipeline.warp import WarpSpecializedPlan
 
-__all__ = ["emit_pipeline", "plan", "BlockSpec", "PipelinePlan", "OperandPlan", "Event"]
+__all__ = ["emit_pipeline", "emit_pipeline_warp_specialized", "WarpSpecializedPlan", "plan", "BlockSpec", "PipelinePlan", "OperandPlan", "Event"]

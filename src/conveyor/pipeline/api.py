@@ -5,7 +5,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from conveyor.kernel import current_context
-from conveyor.pipeline import plan as plan_lib, xla as xla_exec
+from conveyor.pipeline import plan as plan_lib, warp, xla as xla_exec
 
 
 def _check_shapes(p: plan_lib.PipelinePlan, refs):
@@ -18,6 +18,15 @@ def _check_shapes(p: plan_lib.PipelinePlan, refs):
                 raise ValueError(f"{op.name}: block_shape {op.block_shape} does not divide the array shape "
                                  f"{tuple(ref.shape)} (dimension {d}: {s} % {b} != 0); pad the array or "
                                  f"choose a dividing block")
+
+
+def _split_refs(p: plan_lib.PipelinePlan, refs, api: str):
+    n_in, n_out = len(p.inputs), len(p.outputs)
+    if len(refs) != n_in + n_out:
+        raise ValueError(f"{api}: expected {n_in} input refs and {n_out} output refs "
+                         f"({n_in + n_out} in all, matching in_specs/out_specs), got {len(refs)}")
+    _check_shapes(p, refs)
+    return refs[:n_in], refs[n_in:]
 
 
 def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[int], in_specs: Sequence[Any] = (),
@@ -37,20 +46,73 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[int], in_specs: Se
 
     def run(*refs):
         ctx = current_context("emit_pipeline(...)(refs)")
-        n_in, n_out = len(p.inputs), len(p.outputs)
-        if len(refs) != n_in + n_out:
-            raise ValueError(f"pipeline: expected {n_in} input refs and {n_out} output refs "
-                             f"({n_in + n_out} in all, matching in_specs/out_specs), got {len(refs)}")
-        _check_shapes(p, refs)
+        ins, outs = _split_refs(p, refs, "pipeline")
         if ctx.backend == "xla":
-            return xla_exec.run_pipeline(p, body, refs[:n_in], refs[n_in:], init_carry, init_carry is not None)
+            return xla_exec.run_pipeline(p, body, ins, outs, init_carry, init_carry is not None)
         if ctx.backend == "mosaic_tpu":
             from conveyor.pipeline import mosaic_tpu
-            return mosaic_tpu.run_pipeline(p, body, refs[:n_in], refs[n_in:], init_carry, init_carry is not None)
+            return mosaic_tpu.run_pipeline(p, body, ins, outs, init_carry, init_carry is not None)
         if ctx.backend == "mosaic_gpu":
             from conveyor.pipeline import mosaic_gpu
-            return mosaic_gpu.run_pipeline(p, body, refs[:n_in], refs[n_in:], init_carry, init_carry is not None)
+            return mosaic_gpu.run_pipeline(p, body, ins, outs, init_carry, init_carry is not None)
         raise NotImplementedError(f"emit_pipeline: backend {ctx.backend!r} is not implemented yet")
 
     run.plan = p
+    return run
+
+
+def emit_pipeline_warp_specialized(
+        body: Callable[..., Any], *, grid: Sequence[int], memory_registers: int, in_specs: Sequence[Any] = (),
+        out_specs: Sequence[Any] = (), max_concurrent_steps: int = 2, delay_release: int = 0, wg_axis: str,
+        num_compute_wgs: int, manual_consumed_barriers: bool = False,
+        carry_coroutine: Callable[[], Any] | None = None, memory_thread_idx: int | None = None) -> Callable[..., Any]:
+    """A pipeline whose fetches are issued by one memory thread while `num_compute_wgs` threads compute.
+
+    Call the result inside a `cv.kernel(..., num_threads=num_compute_wgs + 1, thread_name=wg_axis)`
+    body with the global refs (inputs, then outputs). Every thread calls it; the thread whose
+    `lax.axis_index(wg_axis)` is `memory_thread_idx` (default: the last) fetches, the others run
+    `body(indices, *in_block_refs, *out_block_refs[, *consumed_barriers][, carry])` at each step and
+    pick their share with `lax.axis_index(wg_axis)` (their raw thread index: with
+    `memory_thread_idx=0` the compute threads are 1..num_compute_wgs).
+
+    Args:
+      memory_registers: the memory thread's register budget on GPU (a multiple of 8 in [24, 256]);
+        the compute threads get the rest of the register file, rounded down to a multiple of 8.
+      max_concurrent_steps, delay_release: as in `emit_pipeline` (default 2 slots).
+      manual_consumed_barriers: pass one consumed barrier per input to the body (after the output
+        refs); the body must `cv.barrier_arrive` on each once it no longer reads that step's block.
+        Otherwise each compute thread arrives after the body (delayed by `delay_release` steps).
+      carry_coroutine: a generator function run by each compute thread: it yields the initial carry,
+        receives the final carry as the value of that yield (`final = yield init`) and returns
+        (an epilogue, e.g. storing the carry). The body then takes and returns the carry.
+    Outputs may be shared by several compute threads (each writing its part); they are stored once
+    all compute threads are done with the block. Protocol: see `conveyor.pipeline.warp`.
+    Not available on mosaic_tpu (NotImplementedError): TPU cores have no warpgroups.
+    """
+    mem_idx = warp.check_options(memory_registers=memory_registers, num_compute_wgs=num_compute_wgs,
+                                 wg_axis=wg_axis, memory_thread_idx=memory_thread_idx)
+    if carry_coroutine is not None and not callable(carry_coroutine):
+        raise TypeError(f"carry_coroutine: expected a generator function, got {carry_coroutine!r}")
+    p = plan_lib.plan(grid=grid, in_specs=in_specs, out_specs=out_specs,
+                      max_concurrent_steps=max_concurrent_steps, delay_release=delay_release)
+    wp = warp.WarpSpecializedPlan(p, wg_axis, num_compute_wgs, mem_idx, memory_registers,
+                                  bool(manual_consumed_barriers))
+
+    def run(*refs):
+        ctx = current_context("emit_pipeline_warp_specialized(...)(refs)")
+        if ctx.backend == "mosaic_tpu":
+            raise NotImplementedError("emit_pipeline_warp_specialized: not available on mosaic_tpu (a TPU core has "
+                                      "no warpgroups; its DMA engine already overlaps copies with compute): use "
+                                      "cv.emit_pipeline")
+        if ctx.thread_name != wg_axis or ctx.num_threads != wp.num_threads:
+            raise ValueError(f"emit_pipeline_warp_specialized: wg_axis={wg_axis!r} with num_compute_wgs={num_compute_wgs} "
+                             f"needs a kernel launched with num_threads={wp.num_threads}, thread_name={wg_axis!r}; "
+                             f"this kernel has num_threads={ctx.num_threads}, thread_name={ctx.thread_name!r}")
+        ins, outs = _split_refs(p, refs, "warp-specialized pipeline")
+        if ctx.backend == "xla":
+            return xla_exec.run_warp_specialized(wp, body, ins, outs, carry_coroutine)
+        from conveyor.pipeline import mosaic_gpu
+        return mosaic_gpu.run_warp_specialized(wp, body, ins, outs, carry_coroutine)
+
+    run.plan = wp
     return run

@@ -16,8 +16,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.lowering import block_view, call_body
 from conveyor.pipeline.plan import PipelinePlan
+from conveyor.pipeline.warp import WarpSpecializedPlan
 
 
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
@@ -87,3 +89,128 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         return carry
 
     return pl.run_scoped(scoped, *scratch)
+
+
+def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry_coroutine):
+    """The warp-specialized protocol of `conveyor.pipeline.warp` in Mosaic GPU primitives."""
+    p = wp.pipeline
+    n_in, n_out, n = len(p.inputs), len(p.outputs), p.num_steps
+    S = p.max_concurrent_steps
+    cycling = [i for i, op in enumerate(p.inputs) if not op.invariant]
+    n_consumed = n_in if wp.manual_consumed_barriers else int(bool(cycling))
+    scratch = [plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.inputs, in_refs)]
+    scratch += [plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.outputs, out_refs)]
+    scratch += [plgpu.Barrier(num_barriers=op.num_slots) for op in p.inputs]                     # produced
+    scratch += [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=S) for _ in range(n_consumed)]
+    scratch += [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=1)] if n_out else []  # outputs ready
+
+    def scoped(*args):
+        in_bufs, out_bufs = args[:n_in], args[n_in:n_in + n_out]
+        produced = args[n_in + n_out:2 * n_in + n_out]
+        consumed = args[2 * n_in + n_out:2 * n_in + n_out + n_consumed]
+        out_ready = args[-1] if n_out else None
+        tid = lax.axis_index(wp.wg_axis)
+
+        def consumed_barrier(i):
+            return consumed[i] if wp.manual_consumed_barriers else consumed[0]
+
+        def fetch(i, step):
+            op = p.inputs[i]
+            slot = p.slot(op, step)
+            plgpu.copy_gmem_to_smem(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], produced[i].at[slot])
+
+        @pl.when(tid == wp.memory_thread_idx)
+        def _memory_thread():
+            plgpu.set_max_registers(wp.memory_registers, action="decrease")
+            for i, op in enumerate(p.inputs):
+                for t in p.prologue_steps(op):
+                    fetch(i, t)
+
+            def step(s, _):
+                t = p.fetch_at(s)
+
+                @pl.when(t < n)
+                def _():
+                    tt = jnp.minimum(t, n - 1)
+                    waited = set()
+                    for i in cycling:
+                        b = consumed_barrier(i)
+                        if id(b) not in waited:
+                            waited.add(id(b))
+
+                            @pl.when(wp.refill_waits(tt))
+                            def _():
+                                plgpu.barrier_wait(b.at[tt % S])
+                                # Order the compute threads' reads of the slot (generic proxy)
+                                # before the TMA write into it (async proxy).
+                                plgpu.commit_smem()
+                        fetch(i, tt)
+                return _
+
+            lax.fori_loop(0, n, step, None)
+            # Consume the arrivals nobody waited for, so every barrier ends at a phase boundary.
+            last_arrival = n if wp.manual_consumed_barriers else n - p.delay_release
+            for b in {id(consumed_barrier(i)): consumed_barrier(i) for i in cycling}.values():
+                for u in range(max(0, n - S), last_arrival):
+                    plgpu.barrier_wait(b.at[u % S])
+
+        @pl.when(tid != wp.memory_thread_idx)
+        def _compute_thread():
+            plgpu.set_max_registers(wp.compute_registers, action="increase")
+            gen, init = carry_lib.start(carry_coroutine)
+            is_leader = tid == wp.leader
+
+            def step(s, state):
+                wb_counts, carry = state
+                for i, op in enumerate(p.inputs):
+                    if op.invariant:
+                        @pl.when(s == 0)
+                        def _():
+                            plgpu.barrier_wait(produced[i].at[0])
+                    else:
+                        plgpu.barrier_wait(produced[i].at[p.slot(op, s)])
+                in_blocks = [in_bufs[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
+                out_blocks = [out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
+                manual = [consumed[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)] if wp.manual_consumed_barriers else []
+                carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks, *manual), carry, gen is not None)
+                if cycling and not wp.manual_consumed_barriers:
+                    @pl.when(wp.releases_after(s))
+                    def _():
+                        plgpu.barrier_arrive(consumed[0].at[wp.released_slot(s)])
+                new_counts = []
+                if n_out:
+                    wbs = [p.writes_back(op, s) for op in p.outputs]
+                    any_wb = wbs[0]
+                    for w in wbs[1:]:
+                        any_wb = jnp.logical_or(any_wb, w)
+
+                    @pl.when(any_wb)
+                    def _():
+                        plgpu.commit_smem()  # this thread's SMEM writes become visible to the TMA engine
+
+                        @pl.when(is_leader)
+                        def _():  # the slot the other threads write next was stored two write-backs ago
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        plgpu.barrier_arrive(out_ready.at[0])
+                        plgpu.barrier_wait(out_ready.at[0])
+
+                        @pl.when(is_leader)
+                        def _():
+                            for j, op in enumerate(p.outputs):
+                                @pl.when(wbs[j])
+                                def _():
+                                    plgpu.copy_smem_to_gmem(out_bufs[j].at[p.output_slot(op, wb_counts[j])],
+                                                            block_view(p, op, out_refs[j], s), commit_group=False)
+                            plgpu.commit_smem_to_gmem_group()
+                    new_counts = [w + jnp.where(wb, 1, 0).astype(jnp.int32) for w, wb in zip(wb_counts, wbs)]
+                return tuple(new_counts), carry
+
+            counts0 = tuple(jnp.int32(0) for _ in p.outputs)
+            _, final = lax.fori_loop(0, n, step, (counts0, init))
+            carry_lib.finish(gen, final)
+            if n_out:
+                @pl.when(is_leader)
+                def _():
+                    plgpu.wait_smem_to_gmem(0)
+
+    pl.run_scoped(scoped, *scratch, collective_axes=wp.wg_axis)

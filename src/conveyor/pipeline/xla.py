@@ -15,7 +15,9 @@ from jax.experimental import pallas as pl
 
 from conveyor._compat import run_state
 from conveyor.kernel import poison
+from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.plan import OperandPlan, PipelinePlan
+from conveyor.sync import TraceTimeBarrier
 
 
 def _index(p: PipelinePlan, op: OperandPlan, step):
@@ -68,3 +70,30 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     init_carry = jax.tree_util.tree_map(jnp.asarray, init_carry)
     _, carry = lax.fori_loop(0, p.num_steps, step, (resident0, init_carry))
     return carry if has_carry else None
+
+
+def run_warp_specialized(wp, body, in_refs, out_refs, carry_coroutine):
+    """The warp-specialized pipeline on xla: compute threads run the plan's steps; the memory
+    thread has nothing to do (reads are synchronous here). Runs inside `cv.kernel`'s thread vmap,
+    so `lax.axis_index(wp.wg_axis)` in the body is the thread's index, as on GPU."""
+    p = wp.pipeline
+    is_compute = lax.axis_index(wp.wg_axis) != wp.memory_thread_idx
+
+    def compute():
+        gen, init = carry_lib.start(carry_coroutine)
+        barriers = [TraceTimeBarrier(op.name) for op in p.inputs] if wp.manual_consumed_barriers else []
+        n_blocks = len(p.inputs) + len(p.outputs)
+
+        def with_barriers(indices, *args):
+            result = body(indices, *args[:n_blocks], *barriers, *args[n_blocks:])
+            for b in barriers:
+                if b.arrivals == 0:
+                    raise ValueError(f"manual_consumed_barriers=True but the body never arrives on the consumed barrier "
+                                     f"of {b.name} (call cv.barrier_arrive on it): the memory thread would wait forever "
+                                     f"before refilling that slot")
+            return result
+
+        final = run_pipeline(p, with_barriers, in_refs, out_refs, init, gen is not None)
+        carry_lib.finish(gen, final)
+
+    lax.cond(is_compute, compute, lambda: None)

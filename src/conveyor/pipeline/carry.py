@@ -1,0 +1,32 @@
+"""Carry coroutines of warp-specialized pipelines: prologue, then the final carry sent back."""
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any
+
+
+def start(carry_coroutine: Callable[[], Generator] | None) -> tuple[Generator | None, Any]:
+    """Run the coroutine up to its (only) yield; returns it and the initial carry it yielded."""
+    if carry_coroutine is None:
+        return None, None
+    gen = carry_coroutine()
+    if not hasattr(gen, "send"):
+        raise TypeError(f"carry_coroutine must be a generator function (one that yields the initial carry), "
+                        f"calling it returned {type(gen).__name__}")
+    try:
+        init = next(gen)
+    except StopIteration:
+        raise ValueError("carry_coroutine finished without yielding the initial carry (it must yield exactly once)") from None
+    return gen, init
+
+
+def finish(gen: Generator | None, final: Any) -> None:
+    """Send the final carry into the coroutine, which must then return."""
+    if gen is None:
+        return
+    try:
+        gen.send(final)
+    except StopIteration:
+        return
+    raise ValueError("carry_coroutine yielded a second time; it must yield exactly once (the initial carry) "
+                     "and receive the final carry as the value of that yield")
