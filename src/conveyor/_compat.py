@@ -39,3 +39,53 @@ def varying_axes(x) -> frozenset:
 
 
 __all__ += ["varying_axes"]
+
+
+# ---- running code "as thread t": lax.axis_index(name) evaluated to a constant ------------------
+def call_as_thread(fn, axis_name: str, axis_size: int, index: int):
+    """Run `fn()` with `lax.axis_index(axis_name)` meaning `index` (of `axis_size`).
+
+    Traces `fn` to a jaxpr with the axis bound, replaces every `axis_index(axis_name)` (also in
+    nested jaxprs: loops, conds, pjit) by the literal `index`, and evaluates the result in the
+    current trace, so refs and tracers `fn` closes over are used as they are.
+    """
+    import jax
+    import numpy as np
+    from jax._src import core
+    from jax._src.lax import parallel
+
+    closed, out_shape = jax.make_jaxpr(fn, axis_env=[(axis_name, axis_size)], return_shape=True)()
+
+    def names(eqn):
+        n = eqn.params.get("axis_name")
+        return n if isinstance(n, (tuple, list)) else (n,)
+
+    def substitute(jaxpr):
+        env = {}
+
+        def read(v):
+            return env.get(v, v) if isinstance(v, core.Var) else v
+
+        eqns = []
+        for eqn in jaxpr.eqns:
+            if eqn.primitive is parallel.axis_index_p and tuple(names(eqn)) == (axis_name,):
+                out = eqn.outvars[0]
+                env[out] = core.Literal(np.asarray(index, out.aval.dtype), out.aval)
+                continue
+            params = {k: convert(v) for k, v in eqn.params.items()}
+            eqns.append(eqn.replace(invars=[read(v) for v in eqn.invars], params=params))
+        return jaxpr.replace(eqns=eqns, outvars=[read(v) for v in jaxpr.outvars])
+
+    def convert(v):  # jax 0.12: a Jaxpr carries its consts (ClosedJaxpr is gone)
+        if isinstance(v, core.Jaxpr):
+            return substitute(v)
+        if isinstance(v, tuple) and any(isinstance(x, core.Jaxpr) for x in v):
+            return tuple(convert(x) for x in v)
+        return v
+
+    jaxpr = substitute(closed)
+    flat = core.eval_jaxpr(jaxpr, jaxpr.consts)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), flat)
+
+
+__all__ += ["call_as_thread"]

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from conveyor import backends
-from conveyor._compat import run_state
+from conveyor._compat import call_as_thread, run_state
 
 AVAILABLE = ("xla", "mosaic_tpu", "mosaic_gpu")
 
@@ -30,6 +30,7 @@ class KernelContext:
     interpret: Any
     num_threads: int = 1
     thread_name: str | None = None
+    thread_index: int | None = None  # xla: the (static) thread being traced; None elsewhere
 
 
 _CONTEXT: contextvars.ContextVar[KernelContext | None] = contextvars.ContextVar("conveyor_kernel", default=None)
@@ -86,26 +87,6 @@ def _check_threads(num_threads, thread_name, backend) -> int:
     return num_threads
 
 
-def _bits(x):
-    """A view of `x` whose equality is bitwise (so NaN == NaN and -0.0 != 0.0)."""
-    if x.dtype == jnp.bool_:
-        return x
-    width = jnp.dtype(x.dtype).itemsize * 8
-    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{width}"))
-
-
-def merge_thread_writes(before: jax.Array, per_thread: jax.Array) -> jax.Array:
-    """Combine the memories of threads that ran on private copies of `before` ([threads, ...]).
-
-    Each element takes the value of the (last) thread whose copy differs bitwise from `before`;
-    for race-free kernels at most one thread writes any element, so this is exact.
-    """
-    out = before
-    for t in range(per_thread.shape[0]):
-        out = jnp.where(_bits(per_thread[t]) != _bits(before), per_thread[t], out)
-    return out
-
-
 def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = None, interpret: Any = False,
            num_threads: int | None = None, thread_name: str | None = None,
            scratch_shapes: Sequence[Any] = (), grid: Sequence[int] = ()) -> Callable[..., Any]:
@@ -123,11 +104,10 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         (e.g. `pltpu.SemaphoreType.DMA((2,))`, `plgpu.Barrier(...)`).
       num_threads, thread_name: run the body on `num_threads` concurrent threads (GPU warpgroups),
         each seeing its index as `lax.axis_index(thread_name)`; needed by
-        `cv.emit_pipeline_warp_specialized`. On xla the threads run as a vmap over private copies
-        of memory whose writes are merged afterwards (each element takes the value of the thread
-        that changed it): exact for race-free kernels, where threads write disjoint elements.
-        Threads cannot exchange data through memory within one xla kernel. Not on mosaic_tpu
-        (TPU cores have no warpgroups).
+        `cv.emit_pipeline_warp_specialized`. On xla the threads run one after the other on the
+        same memory, each traced with its own constant thread index: exact for race-free kernels
+        (and the warp-specialized pipeline interleaves its compute threads step by step). Not on
+        mosaic_tpu (TPU cores have no warpgroups).
       grid: accepted for API compatibility; only () for now (NotImplementedError otherwise).
     """
     backend = backends.check_backend(backend, AVAILABLE, "cv.kernel")
@@ -162,13 +142,16 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
 
         init = (*[jnp.asarray(x) for x in inputs], *[poison(s.shape, s.dtype) for s in outs],
                 *[poison(s.shape, s.dtype) for s in scratch])
-        with _entered(ctx):
-            if thread_name is None:
-                results = tuple(run_state(stateful)(init)[n_in:n_in + n_out])
-            else:
-                per_thread = jax.vmap(lambda: tuple(run_state(stateful)(init)[n_in:n_in + n_out]),
-                                      axis_size=threads, axis_name=thread_name)()
-                results = tuple(merge_thread_writes(x, xs) for x, xs in zip(init[n_in:n_in + n_out], per_thread))
+        if thread_name is None:
+            with _entered(ctx):
+                final = run_state(stateful)(init)
+        else:
+            def all_threads(refs):
+                for t in range(threads):
+                    with _entered(dataclasses.replace(ctx, thread_index=t)):
+                        call_as_thread(lambda: stateful(refs), thread_name, threads, t)
+            final = run_state(all_threads)(init)
+        results = tuple(final[n_in:n_in + n_out])
         return results[0] if single else results
 
     return run

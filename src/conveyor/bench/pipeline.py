@@ -10,6 +10,8 @@ import datetime
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
@@ -27,6 +29,23 @@ def tiled_matmul(m, k, n, bm, bk, bn, backend, interpret=False):
                          out_specs=[cv.BlockSpec((bm, bn), lambda i, j, kk: (i, j))],
                          max_concurrent_steps=2)(x_ref, y_ref, o_ref)
     return jax.jit(cv.kernel(kernel, jax.ShapeDtypeStruct((m, n), jnp.float32), backend=backend, interpret=interpret))
+
+
+def warp_specialized_matmul(m, k, n, bm, bk, bn, backend, interpret=False, compute_threads=2):
+    """The tiled matmul with `compute_threads` compute warpgroups, each owning bm / threads rows."""
+    rows = bm // compute_threads
+
+    def kernel(x_ref, y_ref, o_ref):
+        def body(idx, xb, yb, ob):
+            mine = pl.ds(lax.axis_index("wg") * rows, rows)
+            part = jnp.dot(xb[mine, :], yb[...], preferred_element_type=jnp.float32)
+            ob[mine, :] = jnp.where(idx[2] == 0, 0.0, ob[mine, :]) + part
+        cv.emit_pipeline_warp_specialized(
+            body, grid=(m // bm, n // bn, k // bk), memory_registers=40, wg_axis="wg", num_compute_wgs=compute_threads,
+            in_specs=[cv.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)), cv.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
+            out_specs=[cv.BlockSpec((bm, bn), lambda i, j, kk: (i, j))])(x_ref, y_ref, o_ref)
+    return jax.jit(cv.kernel(kernel, jax.ShapeDtypeStruct((m, n), jnp.float32), backend=backend, interpret=interpret,
+                             num_threads=compute_threads + 1, thread_name="wg"))
 
 
 def elementwise_add(m, n, bm, backend, interpret=False):
@@ -51,16 +70,19 @@ def run(reps: int = 5) -> str:
         ("matmul", (2048, 2048, 2048), (256, 256, 256), True),
         ("matmul", (512, 512, 512), (128, 128, 128), True),
         ("add", (8192, 1024), (512,), True),
+        ("ws-matmul", (2048, 2048, 2048), (256, 256, 256), True),
+        ("ws-matmul", (512, 512, 512), (128, 128, 128), True),
     ]
     for name, size, blocks, with_interp in cases:
-        if name == "matmul":
+        if name.endswith("matmul"):
             m, k, n = size
             x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
             y = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
-            ours = tiled_matmul(m, k, n, *blocks, backend="xla")
+            build = tiled_matmul if name == "matmul" else warp_specialized_matmul
+            ours = build(m, k, n, *blocks, backend="xla")
             ref = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
             steps = (m // blocks[0]) * (n // blocks[2]) * (k // blocks[1])
-            interp = tiled_matmul(m, k, n, *blocks, backend="mosaic_gpu", interpret=gpu) if with_interp and steps <= 64 else None
+            interp = build(m, k, n, *blocks, backend="mosaic_gpu", interpret=gpu) if with_interp and steps <= 64 else None
         else:
             m, n = size
             x = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)

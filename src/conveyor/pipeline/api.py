@@ -110,7 +110,7 @@ def emit_pipeline_warp_specialized(
                              f"this kernel has num_threads={ctx.num_threads}, thread_name={ctx.thread_name!r}")
         ins, outs = _split_refs(p, refs, "warp-specialized pipeline")
         if ctx.backend == "xla":
-            return xla_exec.run_warp_specialized(wp, body, ins, outs, carry_coroutine)
+            return xla_exec.run_warp_specialized(wp, body, ins, outs, carry_coroutine, ctx.thread_index)
         from conveyor.pipeline import mosaic_gpu
         return mosaic_gpu.run_warp_specialized(wp, body, ins, outs, carry_coroutine)
 

@@ -5,28 +5,43 @@ from collections.abc import Callable, Generator
 from typing import Any
 
 
-def start(carry_coroutine: Callable[[], Generator] | None) -> tuple[Generator | None, Any]:
-    """Run the coroutine up to its (only) yield; returns it and the initial carry it yielded."""
+def _direct(fn):
+    return fn()
+
+
+def start(carry_coroutine: Callable[[], Generator] | None, run: Callable = _direct) -> tuple[Generator | None, Any]:
+    """Run the coroutine up to its (only) yield; returns it and the initial carry it yielded.
+
+    `run(thunk)` executes the coroutine's code (the xla backend runs it as a given thread)."""
     if carry_coroutine is None:
         return None, None
     gen = carry_coroutine()
     if not hasattr(gen, "send"):
         raise TypeError(f"carry_coroutine must be a generator function (one that yields the initial carry), "
                         f"calling it returned {type(gen).__name__}")
-    try:
-        init = next(gen)
-    except StopIteration:
-        raise ValueError("carry_coroutine finished without yielding the initial carry (it must yield exactly once)") from None
+    def first():
+        try:
+            return True, next(gen)
+        except StopIteration:
+            return False, None
+    yielded, init = run(first)
+    if not yielded:
+        raise ValueError("carry_coroutine finished without yielding the initial carry (it must yield exactly once)")
     return gen, init
 
 
-def finish(gen: Generator | None, final: Any) -> None:
+def finish(gen: Generator | None, final: Any, run: Callable = _direct) -> None:
     """Send the final carry into the coroutine, which must then return."""
     if gen is None:
         return
-    try:
-        gen.send(final)
-    except StopIteration:
+
+    def send():
+        try:
+            gen.send(final)
+        except StopIteration:
+            return True
+        return False
+    if run(send):
         return
     raise ValueError("carry_coroutine yielded a second time; it must yield exactly once (the initial carry) "
                      "and receive the final carry as the value of that yield")

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from conveyor._compat import run_state
+from conveyor._compat import call_as_thread, run_state
 from conveyor.kernel import poison
 from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.plan import OperandPlan, PipelinePlan
@@ -72,28 +72,46 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     return carry if has_carry else None
 
 
-def run_warp_specialized(wp, body, in_refs, out_refs, carry_coroutine):
-    """The warp-specialized pipeline on xla: compute threads run the plan's steps; the memory
-    thread has nothing to do (reads are synchronous here). Runs inside `cv.kernel`'s thread vmap,
-    so `lax.axis_index(wp.wg_axis)` in the body is the thread's index, as on GPU."""
+def run_warp_specialized(wp, body, in_refs, out_refs, carry_coroutine, thread_index: int):
+    """The warp-specialized pipeline on xla.
+
+    `cv.kernel` traces its threads one after the other; the pipeline runs once, in the leader's
+    trace, and at every step runs the body for each compute thread in turn on the same blocks
+    (each traced with its own `lax.axis_index(wg_axis)`), so compute threads share output blocks
+    exactly as on GPU. The memory thread has nothing to do: reads are synchronous here.
+    """
+    if thread_index != wp.leader:
+        return None
     p = wp.pipeline
-    is_compute = lax.axis_index(wp.wg_axis) != wp.memory_thread_idx
+    threads = wp.compute_threads
 
-    def compute():
-        gen, init = carry_lib.start(carry_coroutine)
-        barriers = [TraceTimeBarrier(op.name) for op in p.inputs] if wp.manual_consumed_barriers else []
-        n_blocks = len(p.inputs) + len(p.outputs)
+    def as_thread(c, fn):
+        return call_as_thread(fn, wp.wg_axis, wp.num_threads, c)
 
-        def with_barriers(indices, *args):
-            result = body(indices, *args[:n_blocks], *barriers, *args[n_blocks:])
+    gens, inits = [], []
+    for c in threads:
+        gen, init = carry_lib.start(carry_coroutine, lambda fn, c=c: as_thread(c, fn))
+        gens.append(gen)
+        inits.append(init)
+    has_carry = carry_coroutine is not None
+    n_blocks = len(p.inputs) + len(p.outputs)
+
+    def every_thread(indices, *args):
+        blocks, carries = args[:n_blocks], (args[n_blocks] if has_carry else [None] * len(threads))
+        new = []
+        for c, carry in zip(threads, carries):
+            barriers = [TraceTimeBarrier(op.name) for op in p.inputs] if wp.manual_consumed_barriers else []
+            extra = (carry,) if has_carry else ()
+            new.append(as_thread(c, lambda: body(indices, *blocks, *barriers, *extra)))
             for b in barriers:
                 if b.arrivals == 0:
-                    raise ValueError(f"manual_consumed_barriers=True but the body never arrives on the consumed barrier "
-                                     f"of {b.name} (call cv.barrier_arrive on it): the memory thread would wait forever "
-                                     f"before refilling that slot")
-            return result
+                    raise ValueError(f"manual_consumed_barriers=True but the body never arrives on the consumed "
+                                     f"barrier of {b.name} (call cv.barrier_arrive on it): the memory thread would "
+                                     f"wait forever before refilling that slot")
+            if not has_carry and new[-1] is not None:
+                raise TypeError("pipeline body returned a value but no carry_coroutine was given")
+        return tuple(new) if has_carry else None
 
-        final = run_pipeline(p, with_barriers, in_refs, out_refs, init, gen is not None)
-        carry_lib.finish(gen, final)
-
-    lax.cond(is_compute, compute, lambda: None)
+    finals = run_pipeline(p, every_thread, in_refs, out_refs, tuple(inits) if has_carry else None, has_carry)
+    for c, gen, final in zip(threads, gens, finals if has_carry else [None] * len(threads)):
+        carry_lib.finish(gen, final, lambda fn, c=c: as_thread(c, fn))

@@ -1,0 +1,209 @@
+"""Warp-specialized pipelines: one table on xla and mosaic_gpu (GPU interpreter, race detection on).
+
+Outputs start poisoned (NaN), so a block no compute thread wrote, or one stored before every
+compute thread finished, shows up in the comparison. Interpreter runs are under a timeout because
+a barrier nobody arrives at hangs the GPU interpreter.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import conveyor as cv
+
+BACKENDS = ["xla", "mosaic_gpu"]
+
+
+def arr(seed, *shape):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def run(kernel_body, out_shape, *args, threads, backend):
+    interpret = plgpu.InterpretGPUParams(detect_races=True) if backend == "mosaic_gpu" else False
+    return jax.jit(cv.kernel(kernel_body, out_shape, backend=backend, interpret=interpret,
+                             num_threads=threads, thread_name="wg"))(*args)
+
+
+def share(compute_idx, rows, num_compute):
+    """The rows a compute thread owns: an equal slice of the block."""
+    per = rows // num_compute
+    return pl.ds(compute_idx * per, per)
+
+
+def compute_index(memory_idx):
+    """This compute thread's position among the compute threads (skipping the memory thread)."""
+    t = lax.axis_index("wg")
+    return jnp.where(t > memory_idx, t - 1, t) if memory_idx is not None else t
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("num_compute, mcs, delay, memory_idx, manual", [
+    (1, 2, 0, None, False), (2, 2, 0, None, False), (2, 3, 1, None, False), (2, 2, 0, 0, False),
+    (1, 2, 0, None, True), (2, 3, 0, 1, True)])
+def test_elementwise_scale_shift(backend, num_compute, mcs, delay, memory_idx, manual):
+    x, y = arr(num_compute + 10 * mcs, 96, 128), arr(delay + 7, 96, 128)
+
+    def k(x_ref, y_ref, o_ref):
+        def body(idx, xb, yb, ob, *barriers):
+            rows = share(compute_index(memory_idx), 16, num_compute)
+            ob[rows, :] = 2.0 * xb[rows, :] - yb[rows, :]
+            for b in barriers:
+                cv.barrier_arrive(b)
+        spec = cv.BlockSpec((16, 128), lambda i: (i, 0))
+        cv.emit_pipeline_warp_specialized(
+            body, grid=(6,), memory_registers=40, in_specs=[spec, spec], out_specs=[spec], max_concurrent_steps=mcs,
+            delay_release=delay, wg_axis="wg", num_compute_wgs=num_compute, manual_consumed_barriers=manual,
+            memory_thread_idx=memory_idx)(x_ref, y_ref, o_ref)
+
+    out = run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, y, threads=num_compute + 1, backend=backend)
+    np.testing.assert_array_equal(out, 2.0 * x - y)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("num_compute", [1, 2])
+def test_matmul_accumulates_in_resident_output_shared_by_compute_threads(backend, num_compute):
+    x, w = arr(1, 32, 256), arr(2, 256, 128)
+
+    def k(x_ref, w_ref, o_ref):
+        def body(idx, xb, wb, ob):
+            _, kk = idx
+            rows = share(compute_index(None), 16, num_compute)
+            ob[rows, :] = jnp.where(kk == 0, 0.0, ob[rows, :]) + xb[rows, :] @ wb[...]
+        cv.emit_pipeline_warp_specialized(
+            body, grid=(2, 4), memory_registers=40, wg_axis="wg", num_compute_wgs=num_compute,
+            in_specs=[cv.BlockSpec((16, 64), lambda i, k: (i, k)), cv.BlockSpec((64, 128), lambda i, k: (k, 0))],
+            out_specs=[cv.BlockSpec((16, 128), lambda i, k: (i, 0))])(x_ref, w_ref, o_ref)
+
+    out = run(k, jax.ShapeDtypeStruct((32, 128), jnp.float32), x, w, threads=num_compute + 1, backend=backend)
+    np.testing.assert_allclose(out, x @ w, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.timeout(240)
+def test_carry_coroutine_and_invariant_input(backend):
+    """Each compute thread keeps a running sum of its rows in the carry; the coroutine's epilogue
+    stores it. An index-invariant bias is fetched once."""
+    x, b = arr(3, 64, 128), arr(4, 8, 128)
+
+    def k(x_ref, b_ref, o_ref, s_ref):
+        def body(idx, xb, bb, ob, carry):
+            rows = share(compute_index(None), 8, 2)
+            ob[rows, :] = xb[rows, :] + bb[rows, :]
+            return carry + xb[rows, :]
+
+        def coroutine():
+            final = yield jnp.zeros((4, 128), jnp.float32)
+            s_ref[share(compute_index(None), 8, 2), :] = final
+
+        cv.emit_pipeline_warp_specialized(
+            body, grid=(8,), memory_registers=40, wg_axis="wg", num_compute_wgs=2, carry_coroutine=coroutine,
+            in_specs=[cv.BlockSpec((8, 128), lambda i: (i, 0)), cv.BlockSpec((8, 128), lambda i: (0, 0))],
+            out_specs=[cv.BlockSpec((8, 128), lambda i: (i, 0))])(x_ref, b_ref, o_ref)
+
+    out, sums = run(k, (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((8, 128), jnp.float32)),
+                    x, b, threads=3, backend=backend)
+    np.testing.assert_array_equal(out, x + jnp.tile(b, (8, 1)))
+    np.testing.assert_allclose(sums, x.reshape(8, 8, 128).sum(0), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.timeout(240)
+def test_exports_for_cuda():
+    def k(x_ref, o_ref):
+        def body(idx, xb, ob):
+            rows = share(lax.axis_index("wg"), 64, 2)
+            ob[rows, :] = xb[rows, :] + 1.0
+        spec = cv.BlockSpec((64, 128), lambda i: (i, 0))
+        cv.emit_pipeline_warp_specialized(body, grid=(4,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+                                          in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+
+    shape = jax.ShapeDtypeStruct((256, 128), jnp.float32)
+    f = cv.kernel(k, shape, backend="mosaic_gpu", num_threads=3, thread_name="wg")
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(shape)
+    assert "cuda" in exported.platforms and exported.mlir_module()
+
+
+def _simple(body=None, **options):
+    spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
+    body = body or (lambda idx, xb, ob: ob.__setitem__(..., xb[...]))
+    kw = dict(grid=(4,), memory_registers=40, wg_axis="wg", num_compute_wgs=1, in_specs=[spec], out_specs=[spec])
+    kw.update(options)
+    return cv.emit_pipeline_warp_specialized(body, **kw)
+
+
+def _launch(pipeline, threads=2, thread_name="wg", backend="xla"):
+    x = jnp.ones((32, 128), jnp.float32)
+    return cv.kernel(lambda x_ref, o_ref: pipeline(x_ref, o_ref), jax.ShapeDtypeStruct(x.shape, x.dtype),
+                     num_threads=threads, thread_name=thread_name, backend=backend)(x)
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(memory_registers=41), "memory_registers: expected a multiple of 8"),
+    (dict(memory_registers=8), "memory_registers"),
+    (dict(num_compute_wgs=0), "num_compute_wgs: expected an int >= 1"),
+    (dict(memory_thread_idx=2), r"memory_thread_idx: expected an int in \[0, 1\]"),
+    (dict(wg_axis=3), "wg_axis"),
+    (dict(max_concurrent_steps=1, delay_release=1), "must be greater than delay_release"),
+    (dict(carry_coroutine=3), "carry_coroutine: expected a generator function"),
+])
+def test_bad_options(options, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        _simple(**options)
+
+
+def test_kernel_thread_count_must_match():
+    with pytest.raises(ValueError, match="needs a kernel launched with num_threads=2, thread_name='wg'"):
+        _launch(_simple(), threads=3)
+    with pytest.raises(ValueError, match="thread_name='other'"):
+        _launch(_simple(), thread_name="other")
+
+
+def test_coroutine_must_yield_exactly_once():
+    def body(idx, xb, ob, carry):
+        ob[...] = xb[...]
+        return carry
+
+    def never():
+        return
+        yield
+
+    def twice():
+        yield 0.0
+        yield 1.0
+
+    with pytest.raises(ValueError, match="without yielding"):
+        _launch(_simple(body, carry_coroutine=never))
+    with pytest.raises(ValueError, match="yielded a second time"):
+        _launch(_simple(body, carry_coroutine=twice))
+
+
+def test_manual_barrier_never_arrived_is_reported_not_hung():
+    def body(idx, xb, ob, consumed):
+        ob[...] = xb[...]
+    with pytest.raises(ValueError, match="never arrives on the consumed barrier of in\\[0\\]"):
+        _launch(_simple(body, manual_consumed_barriers=True))
+
+
+def test_not_on_tpu_and_threads_need_a_name():
+    with pytest.raises(NotImplementedError, match="mosaic_tpu"):
+        cv.kernel(lambda x, o: None, jax.ShapeDtypeStruct((8,), jnp.float32), num_threads=2, thread_name="wg",
+                  backend="mosaic_tpu")
+    with pytest.raises(ValueError, match="needs thread_name"):
+        cv.kernel(lambda x, o: None, jax.ShapeDtypeStruct((8,), jnp.float32), num_threads=2)
+
+
+def test_plan_roles_and_registers():
+    wp = _simple(num_compute_wgs=2, memory_thread_idx=0, max_concurrent_steps=3, delay_release=1).plan
+    assert wp.compute_threads == (1, 2) and wp.leader == 1 and wp.num_threads == 3
+    assert wp.compute_registers == 232  # (512 - 40) // 2 = 236, rounded down to a multiple of 8
+    kinds = [(e.kind, e.operand, e.target_step) for e in wp.events() if e.kind in ("wait_consumed", "arrive_consumed")]
+    # 4 steps, 3 slots, lookahead 2: the fetch of step 3 refills the slot of step 0 and waits for it.
+    assert ("wait_consumed", "memory", 0) in kinds
+    assert ("arrive_consumed", "compute[1]", 0) in kinds and ("arrive_consumed", "compute[2]", 2) in kinds
+    assert not any(k == "arrive_consumed" and t == 3 for k, _, t in kinds)  # released one step late: never
