@@ -9,3 +9,4 @@ def test_pipelined_matmul_example_on_every_backend(capsys):
     runpy.run_path(str(EXAMPLES / "pipelined_matmul.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert "xla" in out and "mosaic_tpu" in out and "mosaic_gpu" in out and "exported for ('tpu',)" in out
+    assert "warp-specialized xla" in out and "warp-specialized mosaic_gpu" in out

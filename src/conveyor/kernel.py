@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,25 @@ class KernelContext:
     num_threads: int = 1
     thread_name: str | None = None
     thread_index: int | None = None  # xla: the (static) thread being traced; None elsewhere
+    grid: tuple[int, ...] = ()
+    program_ids: tuple[Any, ...] = ()  # xla: the traced grid point being run
+
+
+GRID_NAMES = ("_cv_grid0", "_cv_grid1", "_cv_grid2")  # Mosaic GPU names the CTA grid axes
+
+
+def program_id(axis: int) -> Any:
+    """The index of the current grid point along `axis` of `cv.kernel(..., grid=...)` (int32)."""
+    ctx = current_context("cv.program_id")
+    if not isinstance(axis, int) or not 0 <= axis < len(ctx.grid):
+        raise ValueError(f"cv.program_id: axis must be in [0, {len(ctx.grid)}) for this kernel's grid "
+                         f"{ctx.grid}, got {axis!r}")
+    if ctx.backend == "xla":
+        return ctx.program_ids[axis]
+    if ctx.backend == "mosaic_tpu":
+        from jax.experimental import pallas as pl
+        return pl.program_id(axis)
+    return jax.lax.axis_index(GRID_NAMES[axis])
 
 
 _CONTEXT: contextvars.ContextVar[KernelContext | None] = contextvars.ContextVar("conveyor_kernel", default=None)
@@ -108,12 +128,14 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         same memory, each traced with its own constant thread index: exact for race-free kernels
         (and the warp-specialized pipeline interleaves its compute threads step by step). Not on
         mosaic_tpu (TPU cores have no warpgroups).
-      grid: accepted for API compatibility; only () for now (NotImplementedError otherwise).
+      grid: run the body once per point of this grid (up to 3 axes), in parallel on hardware
+        (TPU grid iterations, GPU thread blocks) and one after the other on xla; the body reads its
+        point with `cv.program_id(axis)`. Points should write disjoint parts of the outputs.
     """
     backend = backends.check_backend(backend, AVAILABLE, "cv.kernel")
-    if tuple(grid) != ():
-        raise NotImplementedError(f"cv.kernel: grid is not implemented yet (got grid={tuple(grid)}); "
-                                  f"loop over blocks with cv.emit_pipeline inside the body instead")
+    grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
+    if len(grid) > 3 or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in grid):
+        raise ValueError(f"cv.kernel: grid must be up to 3 positive ints, got {grid!r}")
     threads = _check_threads(num_threads, thread_name, backend)
     single = not isinstance(out_shape, (tuple, list))
     outs = _shapes(out_shape, "out_shape")
@@ -123,11 +145,13 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
 
     if backend == "mosaic_tpu":
         from conveyor import kernel_tpu
-        return kernel_tpu.launch(body, outs, scratch, single, interpret, lambda: _entered(KernelContext(backend, interpret)))
-    ctx = KernelContext(backend, interpret, threads, thread_name)
+        return kernel_tpu.launch(body, outs, scratch, single, interpret,
+                                 lambda: _entered(KernelContext(backend, interpret, grid=grid)), grid)
+    ctx = KernelContext(backend, interpret, threads, thread_name, grid=grid)
     if backend == "mosaic_gpu":
         from conveyor import kernel_gpu
-        return kernel_gpu.launch(body, outs, scratch, single, interpret, lambda: _entered(ctx), threads, thread_name)
+        return kernel_gpu.launch(body, outs, scratch, single, interpret, lambda: _entered(ctx), threads, thread_name,
+                                 grid, GRID_NAMES[:len(grid)])
 
     def run(*inputs):
         for i, x in enumerate(inputs):
@@ -142,15 +166,29 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
 
         init = (*[jnp.asarray(x) for x in inputs], *[poison(s.shape, s.dtype) for s in outs],
                 *[poison(s.shape, s.dtype) for s in scratch])
-        if thread_name is None:
-            with _entered(ctx):
-                final = run_state(stateful)(init)
-        else:
-            def all_threads(refs):
-                for t in range(threads):
-                    with _entered(dataclasses.replace(ctx, thread_index=t)):
-                        call_as_thread(lambda: stateful(refs), thread_name, threads, t)
-            final = run_state(all_threads)(init)
+        def one_point(refs, program_ids):
+            point = dataclasses.replace(ctx, program_ids=program_ids)
+            if thread_name is None:
+                with _entered(point):
+                    stateful(refs)
+                return
+            for t in range(threads):  # threads one after the other, each with its own axis index
+                with _entered(dataclasses.replace(point, thread_index=t)):
+                    call_as_thread(lambda: stateful(refs), thread_name, threads, t)
+
+        def every_point(refs):
+            if not grid:
+                return one_point(refs, ())
+
+            def step(i, _):
+                ids = []
+                for size in reversed(grid):
+                    ids.append(i % size)
+                    i = i // size
+                one_point(refs, tuple(reversed(ids)))
+            jax.lax.fori_loop(0, math.prod(grid), step, None)
+
+        final = run_state(every_point)(init)
         results = tuple(final[n_in:n_in + n_out])
         return results[0] if single else results
 

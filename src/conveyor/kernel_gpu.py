@@ -15,7 +15,8 @@ def _interpret(interpret):
     return plgpu.InterpretGPUParams() if interpret is True else interpret
 
 
-def launch(body, outs, scratch, single, interpret, enter_context, num_threads=1, thread_name=None):
+def launch(body, outs, scratch, single, interpret, enter_context, num_threads=1, thread_name=None, grid=(),
+           grid_names=()):
     def wrapped(*refs):
         with enter_context():
             if body(*refs) is not None:
@@ -24,7 +25,8 @@ def launch(body, outs, scratch, single, interpret, enter_context, num_threads=1,
     call = plgpu.kernel(wrapped, out_type=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in outs),
                         scratch_types=[plgpu.SMEM(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s for s in scratch],
                         interpret=_interpret(interpret),
-                        **({"num_threads": num_threads, "thread_name": thread_name} if thread_name is not None else {}))
+                        **({"num_threads": num_threads, "thread_name": thread_name} if thread_name is not None else {}),
+                        **({"grid": grid, "grid_names": grid_names} if grid else {}))
 
     def run(*inputs):
         results = call(*inputs)

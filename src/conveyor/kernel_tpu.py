@@ -27,7 +27,7 @@ def _tpu_mesh():
         (1,), ("_cv_tpu",), (AxisType.Auto,), abstract_device=AbstractDevice("TPU v5 lite", 1, "tpu")))
 
 
-def launch(body, outs, scratch, single, interpret, enter_context):
+def launch(body, outs, scratch, single, interpret, enter_context, grid=()):
     def run(*inputs):
         n_in = len(inputs)
 
@@ -43,6 +43,7 @@ def launch(body, outs, scratch, single, interpret, enter_context):
             out_specs=tuple(pl.BlockSpec(memory_space=pl.ANY) for _ in outs),
             scratch_shapes=[pltpu.VMEM(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s for s in scratch],
             interpret=_interpret(interpret),
+            grid=grid,
             name="conveyor_kernel")
         mesh = _tpu_mesh() if interpret or jax.default_backend() != "tpu" else contextlib.nullcontext()
         with mesh:

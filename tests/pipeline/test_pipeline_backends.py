@@ -169,3 +169,50 @@ def test_a_kernel_function_can_be_traced_more_than_once(backend):
         x = arr(16, 128) * scale
         np.testing.assert_array_equal(fn(x), x + 1)
         jax.clear_caches()
+
+
+def test_kernel_grid_runs_every_point_with_its_program_id(backend):
+    """cv.kernel(grid=...) runs the body per point; each point pipelines over its own slab."""
+    x = jnp.asarray(RNG.standard_normal((4, 3, 16, 128)), jnp.float32)
+
+    def k(x_ref, o_ref):
+        i, j = cv.program_id(0), cv.program_id(1)
+
+        def body(idx, xb, ob):
+            ob[...] = xb[...] * 2 + (i * 10 + j).astype(jnp.float32)
+        spec = cv.BlockSpec((None, None, 8, 128), lambda s: (i, j, s, 0))
+        cv.emit_pipeline(body, grid=(2,), in_specs=[spec], out_specs=[spec], max_concurrent_steps=2)(x_ref, o_ref)
+
+    interpret = {"xla": False, "mosaic_tpu": pltpu.InterpretParams(detect_races=True),
+                 "mosaic_gpu": plgpu.InterpretGPUParams(detect_races=True)}[backend]
+    out = jax.jit(cv.kernel(k, jax.ShapeDtypeStruct(x.shape, x.dtype), backend=backend, interpret=interpret,
+                            grid=(4, 3)))(x)
+    expect = x * 2 + (jnp.arange(4)[:, None] * 10 + jnp.arange(3)[None])[:, :, None, None].astype(jnp.float32)
+    np.testing.assert_array_equal(out, expect)
+
+
+def test_kernel_grid_and_program_id_errors():
+    shape = jax.ShapeDtypeStruct((8,), jnp.float32)
+    with pytest.raises(ValueError, match="grid must be up to 3 positive ints"):
+        cv.kernel(lambda x, o: None, shape, grid=(0,))
+    with pytest.raises(ValueError, match=r"cv.program_id: axis must be in \[0, 1\)"):
+        cv.kernel(lambda x, o: cv.program_id(1), shape, grid=(2,))(jnp.zeros(8))
+
+
+def test_tpu_block_tiling_is_checked_before_the_compiler_refuses_it():
+    x = arr(32, 256)
+
+    def k(x_ref, o_ref):
+        spec = cv.BlockSpec((8, 64), lambda i, j: (i, j))
+        cv.emit_pipeline(lambda idx, a, b: None, grid=(4, 4), in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+
+    with pytest.raises(ValueError, match=r"dimension 1 is 64, expected a multiple of 128 or the whole dimension \(256\)"):
+        run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, backend="mosaic_tpu")
+    xb = x.astype(jnp.bfloat16)
+
+    def k16(x_ref, o_ref):
+        spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
+        cv.emit_pipeline(lambda idx, a, b: None, grid=(4,), in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+
+    with pytest.raises(ValueError, match="expected a multiple of 16"):
+        run(k16, jax.ShapeDtypeStruct((32, 128), jnp.bfloat16), xb[:, :128], backend="mosaic_tpu")

@@ -4,6 +4,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
+
 from conveyor.kernel import current_context
 from conveyor.pipeline import plan as plan_lib, warp, xla as xla_exec
 
@@ -18,6 +20,24 @@ def _check_shapes(p: plan_lib.PipelinePlan, refs):
                 raise ValueError(f"{op.name}: block_shape {op.block_shape} does not divide the array shape "
                                  f"{tuple(ref.shape)} (dimension {d}: {s} % {b} != 0); pad the array or "
                                  f"choose a dividing block")
+
+
+def _check_tpu_tiling(p: plan_lib.PipelinePlan, refs):
+    """Mosaic TPU lays VMEM blocks out in (sublane, 128-lane) tiles: the last block dim must be a
+    multiple of 128 and the second-to-last a multiple of 8 (32-bit), 16 (16-bit) or 32 (8-bit),
+    unless the block spans the whole array dimension. The TPU interpreter does not check this
+    (shared FACTS), so we do, before a real TPU compile would refuse."""
+    for op, ref in zip(p.inputs + p.outputs, refs):
+        shape = tuple(ref.shape)
+        sublanes = {4: 8, 2: 16, 1: 32}.get(jnp.dtype(ref.dtype).itemsize, 8)
+        for d, need in ((len(shape) - 1, 128), (len(shape) - 2, sublanes)):
+            if d < 0 or op.block_shape[d] is None:
+                continue
+            b = op.block_shape[d]
+            if b % need and b != shape[d]:
+                raise ValueError(
+                    f"{op.name}: block_shape {op.block_shape} does not fit Mosaic TPU tiling for {ref.dtype}: "
+                    f"dimension {d} is {b}, expected a multiple of {need} or the whole dimension ({shape[d]})")
 
 
 def _split_refs(p: plan_lib.PipelinePlan, refs, api: str):
@@ -51,6 +71,7 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[int], in_specs: Se
             return xla_exec.run_pipeline(p, body, ins, outs, init_carry, init_carry is not None)
         if ctx.backend == "mosaic_tpu":
             from conveyor.pipeline import mosaic_tpu
+            _check_tpu_tiling(p, refs)
             return mosaic_tpu.run_pipeline(p, body, ins, outs, init_carry, init_carry is not None)
         if ctx.backend == "mosaic_gpu":
             from conveyor.pipeline import mosaic_gpu
