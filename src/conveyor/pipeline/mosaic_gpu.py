@@ -22,6 +22,20 @@ from conveyor.pipeline.plan import PipelinePlan
 from conveyor.pipeline.warp import WarpSpecializedPlan
 
 
+def _await_blocks(p: PipelinePlan, s, produced, in_bufs, out_bufs, wb_counts):
+    """Wait until step s's input copies landed; return the input and output slot views of step s."""
+    for i, op in enumerate(p.inputs):
+        if op.invariant:
+            @pl.when(s == 0)
+            def _():
+                plgpu.barrier_wait(produced[i].at[0])
+        else:
+            plgpu.barrier_wait(produced[i].at[p.slot(op, s)])
+    in_blocks = [in_bufs[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
+    out_blocks = [out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
+    return in_blocks, out_blocks
+
+
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
     n_in, n_out = len(p.inputs), len(p.outputs)
     n = p.num_steps
@@ -45,15 +59,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 
         def step(s, state):
             wb_counts, carry = state
-            for i, op in enumerate(p.inputs):
-                if op.invariant:
-                    @pl.when(s == 0)
-                    def _():
-                        plgpu.barrier_wait(barriers[i].at[0])
-                else:
-                    plgpu.barrier_wait(barriers[i].at[p.slot(op, s)])
-            in_blocks = [in_bufs[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
-            out_blocks = [out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
+            in_blocks, out_blocks = _await_blocks(p, s, barriers, in_bufs, out_bufs, wb_counts)
             indices = p.grid_indices(s)
             carry = call_body(body, indices, (*in_blocks, *out_blocks), carry, has_carry)
             if n_out:
@@ -162,15 +168,7 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
 
             def step(s, state):
                 wb_counts, carry = state
-                for i, op in enumerate(p.inputs):
-                    if op.invariant:
-                        @pl.when(s == 0)
-                        def _():
-                            plgpu.barrier_wait(produced[i].at[0])
-                    else:
-                        plgpu.barrier_wait(produced[i].at[p.slot(op, s)])
-                in_blocks = [in_bufs[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
-                out_blocks = [out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
+                in_blocks, out_blocks = _await_blocks(p, s, produced, in_bufs, out_bufs, wb_counts)
                 manual = [consumed[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)] if wp.manual_consumed_barriers else []
                 carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks, *manual), carry, gen is not None)
                 if cycling and not wp.manual_consumed_barriers:
