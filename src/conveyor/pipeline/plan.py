@@ -160,29 +160,40 @@ class PipelinePlan:
 
     # ---- the schedule as data ----
     def events(self) -> tuple[Event, ...]:
-        """The whole schedule with concrete steps (for the checker and the simulator)."""
+        """The whole schedule with concrete steps (for the checker and the simulator).
+
+        Per step: wait for the inputs' copies; wait for the write-back that last used each output
+        slot the body is about to write; compute; issue write-backs; issue the next fetches.
+        The epilogue waits for the write-backs still in flight."""
         ev: list[Event] = []
         n = self.num_steps
         for op in self.inputs:
             for t in self.prologue_steps(op):
                 ev.append(Event(-1, "fetch", op.name, self.slot(op, t), t))
         wb_count = {op.name: 0 for op in self.outputs}
+        in_flight: dict[tuple[str, int], int] = {}   # (output, slot) -> step of its pending write-back
         for s in range(n):
             for op in self.inputs:
                 if not op.invariant or s == 0:
                     ev.append(Event(s, "wait_fetch", op.name, self.slot(op, s), s))
+            for op in self.outputs:
+                key = (op.name, self.output_slot(op, wb_count[op.name]))
+                if key in in_flight:
+                    ev.append(Event(s, "wait_writeback", op.name, key[1], in_flight.pop(key)))
             ev.append(Event(s, "compute", None, None, s))
             for op in self.outputs:
                 if self.writes_back(op, s):
-                    ev.append(Event(s, "writeback", op.name, self.output_slot(op, wb_count[op.name]), s))
+                    slot = self.output_slot(op, wb_count[op.name])
+                    ev.append(Event(s, "writeback", op.name, slot, s))
+                    in_flight[(op.name, slot)] = s
                     wb_count[op.name] += 1
             t = self.fetch_at(s)
             if t < n:
                 for op in self.inputs:
                     if not op.invariant:
                         ev.append(Event(s, "fetch", op.name, self.slot(op, t), t))
-        for op in self.outputs:
-            ev.append(Event(n, "wait_writeback", op.name, None, n - 1))
+        for (name, slot), target in in_flight.items():
+            ev.append(Event(n, "wait_writeback", name, slot, target))
         return tuple(ev)
 
 

@@ -1,0 +1,386 @@
+"""The protocol checker: replay a plan under every interleaving and report races and deadlocks.
+
+A plan is turned into a few sequential processes (a pipeline's thread, a warp-specialized
+pipeline's memory and compute threads, a ring's devices) that issue asynchronous copies, wait on
+counters (copy completions, semaphores, barriers, credits), signal them, and read or write buffer
+slots. An asynchronous copy may land at any moment between its issue and its completion, so the
+checker treats that whole window as a write of its destination (and a read of its source), and
+explores every order of process steps and copy completions (depth-first, with visited states
+remembered). Found:
+
+- race: a slot read while a copy into it may still be landing (a read before its copy completed,
+  or a slot refilled while still read), or written while a copy out of it is still reading it;
+- deadlock: processes still running, none can move, and no copy is in flight to wake them.
+
+Each finding carries the shortest trace the search saw. Bodies that leave asynchronous work in
+flight (an un-awaited matmul reading its input slots) are modelled with `in_flight_steps`: the
+reads of step s end during step s + in_flight_steps.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from conveyor.ops.collective_matmul.ring import RingPlan
+from conveyor.pipeline.plan import PipelinePlan
+from conveyor.pipeline.warp import WarpSpecializedPlan
+
+
+# ---- the process model ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Copy:
+    """Issue an asynchronous copy; on completion it adds 1 to each counter in `signals`."""
+    name: str
+    writes: tuple[Any, ...]
+    reads: tuple[Any, ...] = ()
+    signals: tuple[Any, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """Block until `counter` >= `amount`; consume it (a semaphore) or not (a barrier phase)."""
+    counter: Any
+    amount: int = 1
+    consume: bool = False
+    what: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Signal:
+    counter: Any
+    amount: int = 1
+    what: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """Begin (`end=False`) or end a read of `slot` by this process, tagged for the report."""
+    slot: Any
+    tag: str
+    end: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Write:
+    slot: Any
+    tag: str
+
+
+Action = Copy | Wait | Signal | Read | Write
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    kind: str            # "race" | "deadlock"
+    message: str
+    trace: tuple[str, ...]
+
+    def __str__(self, last: int = 15) -> str:
+        skipped = max(0, len(self.trace) - last)
+        steps = "\n".join(f"    {skipped + i + 1:3d}. {t}" for i, t in enumerate(self.trace[skipped:]))
+        more = f"    ... ({skipped} earlier steps)\n" if skipped else ""
+        return f"{self.kind.upper()}: {self.message}\n  trace:\n{more}{steps}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckReport:
+    subject: str
+    findings: tuple[Finding, ...]
+    states: int
+    exhaustive: bool
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def __str__(self) -> str:
+        how = "every interleaving" if self.exhaustive else "a seeded sample of interleavings"
+        head = f"{self.subject}: {self.states} states explored ({how}): "
+        if self.ok:
+            return head + "no race, no deadlock"
+        shown = "\n".join(str(f) for f in self.findings[:3])
+        rest = "".join(f"\n{f.kind.upper()}: {f.message}" for f in self.findings[3:])
+        return head + f"{len(self.findings)} finding(s)\n" + shown + rest
+
+
+def _describe(proc: str, a: Action) -> str:
+    if isinstance(a, Copy):
+        return f"{proc}: issue copy {a.name} (writes {_fmt(a.writes)})"
+    if isinstance(a, Wait):
+        return f"{proc}: wait {a.what or _fmt((a.counter,))}"
+    if isinstance(a, Signal):
+        return f"{proc}: signal {a.what or _fmt((a.counter,))}"
+    if isinstance(a, Read):
+        return f"{proc}: {'end' if a.end else 'begin'} read of {_fmt((a.slot,))} ({a.tag})"
+    return f"{proc}: write {_fmt((a.slot,))} ({a.tag})"
+
+
+def _fmt(keys) -> str:
+    return ", ".join("/".join(str(x) for x in k) if isinstance(k, tuple) else str(k) for k in keys)
+
+
+def explore(processes: dict[str, Sequence[Action]], subject: str, *, max_states: int = 200_000,
+            samples: int = 2_000, seed: int = 0) -> CheckReport:
+    """Search the interleavings of `processes`; exhaustive up to `max_states`, then sampled."""
+    names = tuple(processes)
+    progs = tuple(tuple(processes[n]) for n in names)
+    findings: dict[tuple[str, str], Finding] = {}
+
+    def enabled(state):
+        pcs, counters, pending, reads = state
+        moves = []
+        for i, prog in enumerate(progs):
+            if pcs[i] < len(prog):
+                a = prog[pcs[i]]
+                if isinstance(a, Wait) and dict(counters).get(a.counter, 0) < a.amount:
+                    continue
+                moves.append(("proc", i))
+        moves += [("land", c) for c in sorted(pending, key=lambda c: c.name)]
+        return moves
+
+    def apply(state, move, trace):
+        """Next state, or a Finding."""
+        pcs, counters, pending, reads = state
+        counters = dict(counters)
+        if move[0] == "land":
+            c = move[1]
+            for k in c.signals:
+                counters[k] = counters.get(k, 0) + 1
+            return (pcs, tuple(sorted(counters.items(), key=repr)), pending - {c}, reads), \
+                trace + (f"copy {c.name} lands",)
+        i = move[1]
+        a = progs[i][pcs[i]]
+        proc = names[i]
+        line = _describe(proc, a)
+        trace = trace + (line,)
+        if isinstance(a, Copy):
+            for slot in a.writes:
+                for (rslot, who, tag) in reads:
+                    if rslot == slot:
+                        return Finding("race", f"copy {a.name} into {_fmt((slot,))} was issued while {who} still "
+                                       f"reads it ({tag}): the slot is refilled while still read", trace)
+                for other in pending:
+                    if slot in other.reads:
+                        return Finding("race", f"copy {a.name} writes {_fmt((slot,))} while copy {other.name} "
+                                       f"may still be reading it", trace)
+            for slot in a.reads:
+                for other in pending:
+                    if slot in other.writes:
+                        return Finding("race", f"copy {a.name} reads {_fmt((slot,))} while copy {other.name} "
+                                       f"may still be landing in it", trace)
+            pending = pending | {a}
+        elif isinstance(a, Wait):
+            if a.consume:
+                counters[a.counter] -= a.amount
+        elif isinstance(a, Signal):
+            counters[a.counter] = counters.get(a.counter, 0) + a.amount
+        elif isinstance(a, Read):
+            entry = (a.slot, proc, a.tag)
+            if a.end:
+                reads = reads - {entry}
+            else:
+                for c in pending:
+                    if a.slot in c.writes:
+                        return Finding("race", f"{proc} reads {_fmt((a.slot,))} ({a.tag}) before copy {c.name} "
+                                       f"into it completed", trace)
+                reads = reads | {entry}
+        elif isinstance(a, Write):
+            for c in pending:
+                if a.slot in c.reads or a.slot in c.writes:
+                    return Finding("race", f"{proc} writes {_fmt((a.slot,))} ({a.tag}) while copy {c.name} may "
+                                   f"still be using it", trace)
+        new_pcs = pcs[:i] + (pcs[i] + 1,) + pcs[i + 1:]
+        return (new_pcs, tuple(sorted(counters.items(), key=repr)), pending, reads), trace
+
+    def stuck(state, trace):
+        pcs = state[0]
+        waiting = [f"{names[i]} waits {_describe(names[i], progs[i][pc]).split(': wait ', 1)[-1]} "
+                   f"(step {pc + 1} of {len(progs[i])})" for i, pc in enumerate(pcs) if pc < len(progs[i])]
+        return Finding("deadlock", "nothing can move: " + "; ".join(waiting), trace)
+
+    def record(f: Finding):
+        key = (f.kind, f.message)
+        if key not in findings or len(f.trace) < len(findings[key].trace):
+            findings[key] = f
+
+    start = (tuple(0 for _ in progs), (), frozenset(), frozenset())
+    seen = set()
+    stack = [(start, ())]
+    exhaustive = True
+    while stack:
+        state, trace = stack.pop()
+        if state in seen:
+            continue
+        if len(seen) >= max_states:
+            exhaustive = False
+            break
+        seen.add(state)
+        moves = enabled(state)
+        if not moves:
+            if any(pc < len(p) for pc, p in zip(state[0], progs)):
+                record(stuck(state, trace))
+            continue
+        for move in reversed(moves):
+            nxt = apply(state, move, trace)
+            if isinstance(nxt, Finding):
+                record(nxt)
+            else:
+                stack.append(nxt)
+    if not exhaustive:
+        rng = random.Random(seed)
+        for _ in range(samples):
+            state, trace = start, ()
+            while True:
+                moves = enabled(state)
+                if not moves:
+                    if any(pc < len(p) for pc, p in zip(state[0], progs)):
+                        record(stuck(state, trace))
+                    break
+                nxt = apply(state, rng.choice(moves), trace)
+                if isinstance(nxt, Finding):
+                    record(nxt)
+                    break
+                state, trace = nxt
+    return CheckReport(subject, tuple(findings.values()), len(seen), exhaustive)
+
+
+# ---- plans as processes -----------------------------------------------------------------------
+def pipeline_processes(p: PipelinePlan, in_flight_steps: int = 0) -> dict[str, list[Action]]:
+    """One thread issuing copies and running the body, following `p.events()`."""
+    acts: list[Action] = []
+    open_reads: dict[int, list[Read]] = {}
+    wb = {op.name: 0 for op in p.outputs}
+    out_slot = {op.name: p.output_slot(op, 0) for op in p.outputs}
+    for e in p.events():
+        if e.kind == "fetch":
+            acts.append(Copy(f"{e.operand}@step{e.target_step}", writes=((e.operand, e.slot),),
+                             signals=(("landed", e.operand, e.target_step),)))
+        elif e.kind == "wait_fetch":
+            acts.append(Wait(("landed", e.operand, e.target_step), what=f"copy {e.operand}@step{e.target_step}"))
+        elif e.kind == "wait_writeback":
+            acts.append(Wait(("stored", e.operand, e.target_step), what=f"write-back {e.operand}@step{e.target_step}"))
+        elif e.kind == "compute":
+            s = e.step
+            reads = [Read((op.name, p.slot(op, s)), f"body of step {s}") for op in p.inputs]
+            acts += reads
+            acts += [Write((op.name, out_slot[op.name]), f"body of step {s}") for op in p.outputs]
+            open_reads[s] = reads
+            done = s - in_flight_steps        # async work of that step is awaited now
+            if done in open_reads:
+                acts += [dataclasses.replace(r, end=True) for r in open_reads.pop(done)]
+        elif e.kind == "writeback":
+            acts.append(Copy(f"{e.operand}@step{e.target_step}->hbm", writes=(("hbm", e.operand, e.target_step),),
+                             reads=((e.operand, e.slot),), signals=(("stored", e.operand, e.target_step),)))
+            wb[e.operand] += 1
+            op = next(o for o in p.outputs if o.name == e.operand)
+            out_slot[e.operand] = p.output_slot(op, wb[e.operand])
+    for reads in open_reads.values():
+        acts += [dataclasses.replace(r, end=True) for r in reads]
+    return {"thread": acts}
+
+
+def warp_processes(wp: WarpSpecializedPlan, in_flight_steps: int = 0) -> dict[str, list[Action]]:
+    """Memory thread and compute threads with produced (copy landed) and consumed barriers."""
+    p = wp.pipeline
+    n, S = p.num_steps, p.max_concurrent_steps
+    memory: list[Action] = []
+
+    def fetch(t):
+        return [Copy(f"{op.name}@step{t}", writes=((op.name, p.slot(op, t)),), signals=(("landed", op.name, t),))
+                for op in p.inputs if not op.invariant or t == 0]
+
+    for t in range(min(p.lookahead, n)):
+        memory += fetch(t)
+    for s in range(n):
+        t = p.fetch_at(s)
+        if t < n:
+            if wp.refill_waits(t):
+                memory.append(Wait(("consumed", t - S), wp.num_compute_wgs, what=f"consumed barrier of step {t - S}"))
+            memory += [c for c in fetch(t) if c.name.split("@")[0] in {o.name for o in p.inputs if not o.invariant}]
+    procs = {"memory": memory}
+    for c in wp.compute_threads:
+        acts: list[Action] = []
+        open_reads: dict[int, list[Read]] = {}
+        for s in range(n):
+            for op in p.inputs:
+                if not op.invariant or s == 0:
+                    acts.append(Wait(("landed", op.name, 0 if op.invariant else s), what=f"produced barrier {op.name}@step{s}"))
+            reads = [Read((op.name, p.slot(op, s)), f"compute[{c}] body of step {s}") for op in p.inputs]
+            acts += reads
+            open_reads[s] = reads
+            if s - in_flight_steps in open_reads:
+                acts += [dataclasses.replace(r, end=True) for r in open_reads.pop(s - in_flight_steps)]
+            if wp.releases_after(s):
+                acts.append(Signal(("consumed", s - p.delay_release), what=f"consumed barrier of step {s - p.delay_release}"))
+        for reads in open_reads.values():
+            acts += [dataclasses.replace(r, end=True) for r in reads]
+        procs[f"compute[{c}]"] = acts
+    return procs
+
+
+def ring_processes(plan: RingPlan, direction: str = "right", credits: bool = True) -> dict[str, list[Action]]:
+    """One stream of a ring collective: each device receives into slot step % buffering, uses it,
+    forwards it to its downstream neighbour (remote copy), and grants credits upstream.
+
+    With `credits=False` a device sends as soon as it has its shard, as in JAX's example ring
+    kernel whose receive semaphores are reused across steps: the checker must find the race."""
+    d, B = plan.num_devices, plan.buffering
+    uses = plan.stream_uses(direction)
+    procs = {}
+    for dev in range(d):
+        down, up = (dev + 1) % d, (dev - 1) % d
+        acts: list[Action] = []
+        if credits and plan.initial_credits(direction):
+            acts.append(Signal(("credit", up), plan.initial_credits(direction), what=f"grant {plan.initial_credits(direction)} credit(s) to dev{up}"))
+        for t in range(uses + 1):
+            slot = (dev, plan.slot(t))
+            if t > 0:
+                acts.append(Wait(("recv", dev), 1, consume=True, what=f"receive semaphore of dev{dev} (shard of step {t})"))
+            acts.append(Read(slot, f"dev{dev} multiplies the shard of step {t}"))
+            acts.append(Read(slot, f"dev{dev} multiplies the shard of step {t}", end=True))
+            if plan.sends_at(t, direction):
+                if credits:
+                    acts.append(Wait(("credit", dev), 1, consume=True, what=f"a credit from dev{down}"))
+                acts.append(Copy(f"dev{dev}->dev{down}#{t + 1}", writes=((down, plan.slot(t + 1)),), reads=(slot,),
+                                 signals=(("recv", down), ("sent", dev, t))))
+                acts.append(Wait(("sent", dev, t), what=f"its send of step {t}"))
+            if credits and plan.grants_credit_after(t, direction):
+                acts.append(Signal(("credit", up), what=f"a credit to dev{up}"))
+        procs[f"dev{dev}"] = acts
+    return procs
+
+
+def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_states: int = 200_000,
+          seed: int = 0) -> CheckReport:
+    """Check a `PipelinePlan`, a `WarpSpecializedPlan` or a `RingPlan` (every stream) for races and deadlocks.
+
+    Args:
+      in_flight_steps: pipelines: the body leaves asynchronous work reading its input slots that
+        is awaited this many steps later (e.g. 1 for an un-awaited matmul).
+      credits: rings: model the credit (capacity semaphore) protocol; False models a ring without
+        flow control.
+    """
+    if hasattr(plan, "plan") and not isinstance(plan, (PipelinePlan, WarpSpecializedPlan, RingPlan)):
+        plan = plan.plan   # the function returned by emit_pipeline(...)
+    if isinstance(plan, PipelinePlan):
+        return explore(pipeline_processes(plan, in_flight_steps), _pipeline_subject(plan, in_flight_steps),
+                       max_states=max_states, seed=seed)
+    if isinstance(plan, WarpSpecializedPlan):
+        return explore(warp_processes(plan, in_flight_steps),
+                       f"warp-specialized ({plan.num_compute_wgs} compute) " + _pipeline_subject(plan.pipeline, in_flight_steps),
+                       max_states=max_states, seed=seed)
+    if isinstance(plan, RingPlan):
+        directions = ["right"] + (["left"] if plan.bidirectional and plan.stream_uses("left") else [])
+        reports = [explore(ring_processes(plan, dr, credits), "", max_states=max_states, seed=seed) for dr in directions]
+        subject = (f"ring {plan.collective} D={plan.num_devices} buffering={plan.buffering} "
+                   f"{'bidirectional' if plan.bidirectional else 'unidirectional'}{'' if credits else ' WITHOUT credits'}")
+        return CheckReport(subject, tuple(f for r in reports for f in r.findings), sum(r.states for r in reports),
+                           all(r.exhaustive for r in reports))
+    raise TypeError(f"check: expected a PipelinePlan, WarpSpecializedPlan or RingPlan, got {type(plan).__name__}")
+
+
+def _pipeline_subject(p: PipelinePlan, k: int) -> str:
+    return (f"pipeline grid={p.grid} max_concurrent_steps={p.max_concurrent_steps} delay_release={p.delay_release}"
+            f"{f' body in flight {k} step(s)' if k else ''}")

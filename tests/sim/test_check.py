@@ -1,0 +1,85 @@
+"""The protocol checker finds the races and deadlocks it should, and passes the plans Conveyor runs."""
+import pytest
+
+import conveyor as cv
+from conveyor.cli import main
+from conveyor.ops.collective_matmul.ring import RingPlan
+from conveyor.pipeline.warp import WarpSpecializedPlan
+from conveyor.sim import check
+from conveyor.sim.check import Copy, Read, Signal, Wait, explore
+
+SPEC = cv.BlockSpec((8, 128), lambda i: (i, 0))
+BIAS = cv.BlockSpec((8, 128), lambda i: (0, 0))
+
+
+def pipeline(grid=5, mcs=2, delay=0, ins=(SPEC, SPEC)):
+    return cv.pipeline.plan(grid=(grid,), in_specs=list(ins), out_specs=[SPEC], max_concurrent_steps=mcs,
+                            delay_release=delay)
+
+
+@pytest.mark.parametrize("mcs, delay", [(1, 0), (2, 0), (3, 0), (2, 1), (3, 1), (3, 2), (9, 0)])
+def test_conveyor_pipeline_plans_are_clean(mcs, delay):
+    report = check(pipeline(mcs=mcs, delay=delay, ins=(SPEC, BIAS)), in_flight_steps=delay)
+    assert report.ok and report.exhaustive, str(report)
+
+
+def test_matmul_left_in_flight_races_without_delay_release_and_is_clean_with_it():
+    report = check(pipeline(mcs=2, delay=0), in_flight_steps=1)
+    assert not report.ok
+    race = report.findings[0]
+    assert race.kind == "race" and "refilled while still read" in race.message and "in[0]@step2" in race.message
+    assert any("issue copy in[0]@step2" in line for line in race.trace)
+    assert check(pipeline(mcs=2, delay=1), in_flight_steps=1).ok
+    assert not check(pipeline(mcs=3, delay=1), in_flight_steps=2).ok
+
+
+def test_read_before_copy_completed_and_unsatisfiable_wait():
+    procs = {"t": [Copy("a", writes=("slot",), signals=("landed",)), Read("slot", "body")]}
+    report = explore(procs, "missing wait")
+    assert [f.kind for f in report.findings] == ["race"] and "before copy a into it completed" in report.findings[0].message
+    procs = {"p": [Wait("never", what="a signal nobody sends")], "q": [Signal("other")]}
+    report = explore(procs, "deadlock")
+    assert report.findings[0].kind == "deadlock" and "p waits a signal nobody sends" in report.findings[0].message
+
+
+@pytest.mark.parametrize("compute, mcs, delay", [(1, 2, 0), (2, 2, 0), (2, 3, 1)])
+def test_warp_specialized_plans_are_clean_and_in_flight_bodies_race(compute, mcs, delay):
+    wp = WarpSpecializedPlan(pipeline(grid=4, mcs=mcs, delay=delay), "wg", compute, compute, 40, False)
+    assert check(wp, in_flight_steps=delay).ok
+    if delay == 0:
+        assert not check(wp, in_flight_steps=1).ok
+
+
+@pytest.mark.parametrize("d, buffering, bidi", [(2, 2, False), (3, 2, False), (4, 2, False), (4, 3, False),
+                                                (4, 2, True), (3, 3, True)])
+def test_ring_plans_with_credits_are_clean(d, buffering, bidi):
+    for collective in ("gather", "scatter"):
+        report = check(RingPlan(d, bidi, buffering, collective), max_states=60_000)
+        assert report.ok, str(report)
+
+
+def test_ring_without_credits_races_and_single_buffering_deadlocks():
+    report = check(RingPlan(4, False, 2), credits=False)
+    assert not report.ok and all(f.kind == "race" for f in report.findings)
+    assert any("may still be reading it" in f.message or "refilled" in f.message for f in report.findings)
+    # One receive slot: every device waits for a credit its downstream neighbour can only grant
+    # after sending its own shard: the reason the TPU ring kernels refuse buffering=1.
+    report = check(RingPlan(4, False, 1))
+    assert [f.kind for f in report.findings] == ["deadlock"]
+    assert "dev0 waits a credit from dev1" in report.findings[0].message
+
+
+def test_check_accepts_the_pipeline_function_and_refuses_other_things():
+    fn = cv.emit_pipeline(lambda *a: None, grid=(3,), in_specs=[SPEC], out_specs=[SPEC])
+    assert check(fn).ok
+    with pytest.raises(TypeError, match="expected a PipelinePlan"):
+        check(3)
+
+
+def test_cli_exit_codes(capsys):
+    assert main(["check", "pipeline", "--grid", "4", "--in-flight", "1"]) == 1
+    assert "RACE" in capsys.readouterr().out
+    assert main(["check", "pipeline", "--grid", "4", "--in-flight", "1", "--delay-release", "1"]) == 0
+    assert main(["check", "pipeline", "--grid", "3", "--warp-specialized", "--compute-threads", "2"]) == 0
+    assert main(["check", "ring", "--devices", "3", "--unidirectional", "--no-credits"]) == 1
+    assert main(["check", "ring", "--devices", "3", "--unidirectional"]) == 0
