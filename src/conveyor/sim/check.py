@@ -326,7 +326,7 @@ def ring_processes(plan: RingPlan, direction: str = "right", credits: bool = Tru
 
     With `credits=False` a device sends as soon as it has its shard, as in JAX's example ring
     kernel whose receive semaphores are reused across steps: the checker must find the race."""
-    d, B = plan.num_devices, plan.buffering
+    d = plan.num_devices
     uses = plan.stream_uses(direction)
     procs = {}
     for dev in range(d):
