@@ -3,7 +3,7 @@
     import conveyor as cv
     out = cv.gmm(lhs, rhs, group_sizes)
 """
-from conveyor import pipeline
+from conveyor import pipeline, sim
 from conveyor.kernel import kernel, program_id
 from conveyor.ops.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from conveyor.ops.gmm import GroupMetadata, gmm, make_group_metadata, tgmm
@@ -12,4 +12,4 @@ from conveyor.sync import barrier_arrive
 
 __version__ = "0.1.0"
 __all__ = ["gmm", "tgmm", "make_group_metadata", "GroupMetadata", "kernel", "program_id", "emit_pipeline", "emit_pipeline_warp_specialized", "barrier_arrive", "BlockSpec",
-           "pipeline", "all_gather_matmul", "matmul_reduce_scatter", "__version__"]
+           "pipeline", "sim", "all_gather_matmul", "matmul_reduce_scatter", "__version__"]

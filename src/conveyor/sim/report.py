@@ -1,0 +1,117 @@
+"""A simulation report: predicted time, roofline, bottleneck, busy fractions, and the timeline."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from conveyor.sim.hardware import Hardware
+
+
+@dataclasses.dataclass(frozen=True)
+class Box:
+    """One interval on one actor's row of the timeline."""
+    actor: str      # "copy engine", "memory thread", "compute[0]", "link right", "compute", ...
+    kind: str       # "copy" | "compute" | "wait" | "barrier" | "link"
+    label: str
+    start: float    # seconds
+    end: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    workload: str
+    hardware: Hardware
+    time_s: float
+    flops: float
+    hbm_bytes: float
+    link_bytes: float
+    onchip_bytes: int
+    config: dict[str, Any]
+    boxes: tuple[Box, ...]
+    notes: tuple[str, ...] = ()
+    floor_s: float | None = None  # the workload's own roofline time, when the chip-level one does not apply
+
+    @property
+    def time_us(self) -> float:
+        return self.time_s * 1e6
+
+    @property
+    def roofline_s(self) -> float:
+        """The time the hardware's peaks allow: max of compute, HBM and link time at peak rates."""
+        if self.floor_s is not None:
+            return self.floor_s
+        hw = self.hardware
+        dtype = self.config.get("dtype", "bf16")
+        compute = self.flops / hw.matrix_peak[_dtype_key(hw, dtype)].value if self.flops else 0.0
+        memory = self.hbm_bytes / hw.hbm_bandwidth.value
+        devices = self.config.get("devices", 1)
+        links = 2 if self.config.get("bidirectional") else 1
+        link = self.link_bytes / (hw.link_bandwidth.value * links) if self.link_bytes and devices > 1 else 0.0
+        return max(compute, memory, link)
+
+    @property
+    def utilization(self) -> float:
+        """Achieved fraction of the roofline (1.0: as fast as the peaks allow)."""
+        return self.roofline_s / self.time_s if self.time_s else 0.0
+
+    @property
+    def busy(self) -> dict[str, float]:
+        """Fraction of the predicted time each resource kind is busy (compute, copy, link)."""
+        out = {}
+        for kind in ("compute", "copy", "link"):
+            actors = {b.actor for b in self.boxes if b.kind == kind}
+            if not actors:
+                continue
+            per_actor = [sum(b.end - b.start for b in self.boxes if b.actor == a and b.kind == kind) for a in actors]
+            out[kind] = min(1.0, max(per_actor) / self.time_s)
+        return out
+
+    @property
+    def bottleneck(self) -> str:
+        """The resource the time is spent on: compute, memory, interconnect, or latency/synchronization
+        when no resource is busy for most of the time (fill, drain, waits)."""
+        names = {"compute": "compute", "copy": "memory", "link": "interconnect"}
+        busy = self.busy
+        if not busy:
+            return "latency/synchronization"
+        kind, frac = max(busy.items(), key=lambda kv: kv[1])
+        return names[kind] if frac >= 0.6 else "latency/synchronization"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"workload": self.workload, "hardware": self.hardware.name, "time_us": self.time_us,
+                "utilization": self.utilization, "bottleneck": self.bottleneck, "busy": self.busy,
+                "roofline_us": self.roofline_s * 1e6, "tflops": self.flops / self.time_s / 1e12 if self.flops else 0.0,
+                "onchip_bytes": self.onchip_bytes, "config": self.config, "notes": list(self.notes)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
+
+    def save_trace(self, path) -> None:
+        """Chrome / Perfetto trace (open in ui.perfetto.dev or chrome://tracing)."""
+        actors = sorted({b.actor for b in self.boxes}, key=_actor_order)
+        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": a}}
+                  for i, a in enumerate(actors)]
+        tid = {a: i for i, a in enumerate(actors)}
+        events += [{"name": b.label, "cat": b.kind, "ph": "X", "pid": 0, "tid": tid[b.actor],
+                    "ts": b.start * 1e6, "dur": max(b.end - b.start, 0.0) * 1e6} for b in self.boxes]
+        with open(path, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ns",
+                       "otherData": {"workload": self.workload, "hardware": self.hardware.name}}, f)
+
+    def save_png(self, path, *, max_boxes: int = 4000, title: str | None = None) -> None:
+        from conveyor.sim.timeline import draw
+        draw(self, path, max_boxes=max_boxes, title=title)
+
+
+def _dtype_key(hw: Hardware, dtype: str) -> str:
+    from conveyor.sim.hardware import _DTYPE_ALIASES
+    return _DTYPE_ALIASES.get(dtype, dtype)
+
+
+def _actor_order(actor: str):
+    order = ["memory thread", "copy engine", "thread", "compute", "link right", "link left"]
+    for i, prefix in enumerate(order):
+        if actor.startswith(prefix):
+            return (i, actor)
+    return (len(order), actor)

@@ -1,0 +1,423 @@
+"""Replaying plans against a hardware model to predict time and draw the timeline.
+
+One core (SM / TensorCore) is simulated: the grid of output tiles is spread over the chip's
+cores, and the busiest core's share is replayed through the pipeline plan Conveyor's kernels run
+(`PipelinePlan` rules: slots, lookahead, delay_release, resident outputs, write-backs). A copy
+occupies the copy engine for bytes / bandwidth and lands `copy_latency` later, so several copies
+in flight hide the latency; a step computes for flops / (achievable matrix rate / cores). Rings
+replay the collective's ring plan: per step a chunk matmul on the whole chip (itself simulated as
+a pipelined matmul) and one shard per link direction.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from conveyor.ops.collective_matmul.ring import RingPlan
+from conveyor.pipeline.plan import BlockSpec, PipelinePlan, plan as make_plan
+from conveyor.pipeline.warp import WarpSpecializedPlan
+from conveyor.sim.hardware import Hardware, get as get_hardware
+from conveyor.sim.report import Box, Report
+
+BYTES = {"bf16": 2, "bfloat16": 2, "f16": 2, "float16": 2, "fp8": 1, "int8": 1, "f32": 4, "float32": 4}
+
+
+class DoesNotFit(ValueError):
+    """A configuration needs more on-chip memory than a core has."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCosts:
+    """What one pipeline step moves and computes, per operand (bytes) and in total (flops)."""
+    in_bytes: tuple[float, ...]
+    out_bytes: tuple[float, ...]
+    flops: float
+    compute_rate: float      # FLOP/s of one core
+    load_bandwidth: float    # B/s of one core's loads
+    store_bandwidth: float   # B/s of one core's stores
+
+
+class _CopyEngine:
+    """Copies in issue order at the given bandwidth; loads and stores queue separately (a store
+    does not hold up the next fetch), each lands `copy_latency` after its transfer."""
+
+    def __init__(self, hw: Hardware, boxes: list[Box]):
+        self.free = {"loads": 0.0, "stores": 0.0}
+        self.hw, self.boxes = hw, boxes
+
+    def copy(self, issue: float, nbytes: float, bandwidth: float, label: str, queue: str = "loads") -> float:
+        """Transfer after `issue`; returns when the data has landed."""
+        start = max(issue, self.free[queue])
+        self.free[queue] = start + nbytes / bandwidth
+        self.boxes.append(Box(f"copy engine ({queue})", "copy", label, start, self.free[queue]))
+        return self.free[queue] + self.hw.copy_latency.value
+
+    @property
+    def done(self) -> float:
+        return max(self.free.values())
+
+
+def replay_pipeline(p: PipelinePlan, costs: StepCosts, hw: Hardware, thread: str = "thread") -> tuple[float, list[Box]]:
+    """Replay a plain pipeline's events on one core: the thread issues copies and runs the body."""
+    boxes: list[Box] = []
+    engine = _CopyEngine(hw, boxes)
+    t = 0.0
+    landed: dict[tuple[str, int], float] = {}
+    stored: dict[tuple[str, int], float] = {}
+    idx = {op.name: i for i, op in enumerate(p.inputs)}
+    oidx = {op.name: i for i, op in enumerate(p.outputs)}
+    for e in p.events():
+        if e.kind == "fetch":
+            landed[(e.operand, e.target_step)] = engine.copy(t, costs.in_bytes[idx[e.operand]], costs.load_bandwidth,
+                                                             f"{e.operand} step {e.target_step}")
+        elif e.kind in ("wait_fetch", "wait_writeback"):
+            ready = (landed if e.kind == "wait_fetch" else stored)[(e.operand, e.target_step)]
+            if ready > t:
+                boxes.append(Box(thread, "wait", f"wait {e.operand}", t, ready))
+                t = ready
+        elif e.kind == "compute":
+            dur = costs.flops / costs.compute_rate + hw.sync_latency.value
+            boxes.append(Box(thread, "compute", f"step {e.step}", t, t + dur))
+            t += dur
+        elif e.kind == "writeback":
+            stored[(e.operand, e.target_step)] = engine.copy(t, costs.out_bytes[oidx[e.operand]],
+                                                             costs.store_bandwidth, f"store {e.operand}", "stores")
+    return max(t, engine.done), boxes
+
+
+def replay_warp_specialized(wp: WarpSpecializedPlan, costs: StepCosts, hw: Hardware) -> tuple[float, list[Box]]:
+    """Replay a warp-specialized pipeline: the memory thread refills a slot as soon as every compute
+    thread released it; compute threads split each step's work and run concurrently."""
+    p = wp.pipeline
+    n, S = p.num_steps, p.max_concurrent_steps
+    boxes: list[Box] = []
+    engine = _CopyEngine(hw, boxes)
+    mem_t = 0.0
+    landed: dict[int, float] = {}
+    released: dict[int, float] = {}
+    comp_t = {c: 0.0 for c in wp.compute_threads}
+    issue = hw.sync_latency.value / 4
+    cycling = [i for i, op in enumerate(p.inputs) if not op.invariant]
+
+    def fetch(step, ops):
+        nonlocal mem_t
+        done = mem_t
+        for i in ops:
+            done = max(done, engine.copy(mem_t, costs.in_bytes[i], costs.load_bandwidth, f"{p.inputs[i].name} step {step}"))
+            boxes.append(Box("memory thread", "copy", f"issue step {step}", mem_t, mem_t + issue))
+            mem_t += issue
+        landed[step] = max(landed.get(step, 0.0), done)
+
+    fetch(0, range(len(p.inputs)))
+    for t in range(1, min(p.lookahead, n)):
+        fetch(t, cycling)
+    share = costs.flops / len(wp.compute_threads)
+    rate = costs.compute_rate / len(wp.compute_threads)
+    for s in range(n):
+        ends = []
+        for c in wp.compute_threads:
+            if landed[s] > comp_t[c]:
+                boxes.append(Box(f"compute[{c}]", "wait", "wait produced", comp_t[c], landed[s]))
+                comp_t[c] = landed[s]
+            dur = share / rate + hw.sync_latency.value
+            boxes.append(Box(f"compute[{c}]", "compute", f"step {s}", comp_t[c], comp_t[c] + dur))
+            comp_t[c] += dur
+            ends.append(comp_t[c])
+        step_end = max(ends)
+        for j, op in enumerate(p.outputs):
+            if p.writes_back(op, s):   # every compute thread arrives on the output barrier, then one stores
+                for c in wp.compute_threads:
+                    if step_end > comp_t[c]:
+                        boxes.append(Box(f"compute[{c}]", "barrier", "output barrier", comp_t[c], step_end))
+                    comp_t[c] = step_end + hw.sync_latency.value
+                engine.copy(step_end, costs.out_bytes[j], costs.store_bandwidth, f"store {op.name}", "stores")
+        if wp.releases_after(s):
+            released[s - p.delay_release] = step_end
+        t = p.fetch_at(s)
+        if t < n:
+            if wp.refill_waits(t):
+                ready = released[t - S] + hw.sync_latency.value
+                if ready > mem_t:
+                    boxes.append(Box("memory thread", "wait", "wait consumed", mem_t, ready))
+                    mem_t = ready
+            fetch(t, cycling)
+    return max(max(comp_t.values()), engine.done), boxes
+
+
+# ---- workloads --------------------------------------------------------------------------------
+def _matmul_plan(tiles: int, k_steps: int, tile: tuple[int, int, int], stages: int) -> PipelinePlan:
+    bm, bn, bk = tile
+    return make_plan(grid=(tiles, k_steps),
+                     in_specs=[BlockSpec((bm, bk), lambda t, kk: (t, kk)), BlockSpec((bk, bn), lambda t, kk: (t, kk))],
+                     out_specs=[BlockSpec((bm, bn), lambda t, kk: (t, 0))],
+                     max_concurrent_steps=stages)
+
+
+def _onchip(tile, stages, in_b, out_b) -> int:
+    """Input slots plus one output staging block (the accumulator itself lives in registers on GPU
+    and in VMEM-resident output blocks on TPU; one output block either way)."""
+    bm, bn, bk = tile
+    return stages * (bm * bk + bk * bn) * in_b + bm * bn * out_b
+
+
+def simulate_matmul(m: int, k: int, n: int, *, dtype: str = "bf16", hardware: str | Hardware = "h100",
+                    tile: Sequence[int] | None = None, stages: int | None = None, warp_specialized: bool = False,
+                    compute_threads: int = 2, delay_release: int = 0, tiles: int | None = None,
+                    cores: int | None = None) -> Report:
+    """A pipelined matmul [m, k] @ [k, n]: output tiles spread over the cores, K pipelined.
+
+    `tile` is (bm, bn, bk); without `tile`/`stages` a small search picks the fastest configuration
+    that fits (reported in `config["searched"]`). `tiles` overrides the tile count (gmm).
+    """
+    hw = get_hardware(hardware)
+    if tile is None or stages is None:
+        return _search(m, k, n, dtype=dtype, hw=hw, tile=tile, stages=stages, warp_specialized=warp_specialized,
+                       compute_threads=compute_threads, tiles=tiles, cores=cores)
+    bm, bn, bk = (int(x) for x in tile)
+    in_b, out_b = BYTES[dtype], BYTES[dtype]
+    used = _onchip((bm, bn, bk), stages, in_b, out_b)
+    if used > hw.onchip_bytes.value:
+        raise DoesNotFit(f"tile {bm}x{bn}x{bk} with {stages} stages needs {used / 1024:.0f} KiB of on-chip memory per "
+                         f"core; {hw.name} has {hw.onchip_bytes.value / 1024:.0f} KiB")
+    ncores = cores or int(hw.cores.value)
+    total_tiles = tiles if tiles is not None else math.ceil(m / bm) * math.ceil(n / bn)
+    per_core = max(1, math.ceil(total_tiles / ncores))
+    active = min(ncores, total_tiles)
+    k_steps = math.ceil(k / bk)
+    rate = hw.matrix_rate(dtype) / int(hw.cores.value)
+    load_bw = hw.reuse_bandwidth.value / active
+    store_bw = hw.hbm_bandwidth.value * hw.hbm_efficiency.value / active
+    costs = StepCosts(((bm * bk) * in_b, (bk * bn) * in_b), (bm * bn * out_b,), 2.0 * bm * bn * bk, rate, load_bw, store_bw)
+    p = _matmul_plan(per_core, k_steps, (bm, bn, bk), stages)
+    if warp_specialized:
+        wp = WarpSpecializedPlan(p, "wg", compute_threads, compute_threads, 40, False)
+        time, boxes = replay_warp_specialized(wp, costs, hw)
+    else:
+        time, boxes = replay_pipeline(p, costs, hw)
+    # Every operand crosses HBM at least once: a chip-wide floor under the per-core replay.
+    hbm_bytes = (m * k + k * n) * in_b + m * n * out_b
+    floor = hbm_bytes / (hw.hbm_bandwidth.value * hw.hbm_efficiency.value)
+    notes = []
+    if floor > time:
+        notes.append(f"HBM floor {floor * 1e6:.1f} us exceeds the core replay {time * 1e6:.1f} us")
+        boxes.append(Box("copy engine (loads)", "copy", "HBM-bound remainder", time, floor))
+        time = floor
+    flops = 2.0 * m * n * k
+    config = {"m": m, "k": k, "n": n, "dtype": dtype, "tile": [bm, bn, bk], "stages": stages,
+              "warp_specialized": warp_specialized, "compute_threads": compute_threads if warp_specialized else 0,
+              "tiles": total_tiles, "tiles_per_core": per_core, "waves_efficiency": total_tiles / (per_core * ncores),
+              "cores": ncores}
+    return Report("matmul", hw, time, flops, hbm_bytes, 0.0, used, config, tuple(boxes), tuple(notes))
+
+
+TILES = ((128, 128, 64), (128, 256, 64), (256, 128, 64), (128, 256, 128), (256, 256, 64), (64, 256, 64),
+         (512, 512, 512), (256, 512, 512), (512, 1024, 512))
+
+
+def _search(m, k, n, *, dtype, hw, tile, stages, warp_specialized, compute_threads, tiles, cores):
+    best, tried = None, []
+    for t in ([tuple(tile)] if tile else TILES):
+        for st in ([stages] if stages else (2, 3, 4, 5)):
+            try:
+                r = simulate_matmul(m, k, n, dtype=dtype, hardware=hw, tile=t, stages=st,
+                                    warp_specialized=warp_specialized, compute_threads=compute_threads,
+                                    tiles=tiles, cores=cores)
+            except DoesNotFit:
+                continue
+            tried.append((t, st, r.time_s))
+            if best is None or r.time_s < best.time_s:
+                best = r
+    if best is None:
+        raise DoesNotFit(f"no searched configuration fits {hw.name}'s on-chip memory")
+    config = dict(best.config, searched=len(tried))
+    return dataclasses.replace(best, config=config)
+
+
+def simulate_copy(nbytes: float, *, hardware: str | Hardware = "h100", block_bytes: float = 64 * 1024,
+                  stages: int = 4) -> Report:
+    """A pipelined device-to-device copy of `nbytes` (read + write), spread over the cores."""
+    hw = get_hardware(hardware)
+    ncores = int(hw.cores.value)
+    blocks = math.ceil(nbytes / block_bytes)
+    per_core = max(1, math.ceil(blocks / ncores))
+    bw = hw.hbm_bandwidth.value * hw.hbm_efficiency.value / min(ncores, blocks)
+    costs = StepCosts((block_bytes,), (block_bytes,), 0.0, 1.0, bw / 2, bw / 2)  # reads and writes share HBM
+    p = make_plan(grid=(per_core,), in_specs=[BlockSpec((1,), lambda i: (i,))],
+                  out_specs=[BlockSpec((1,), lambda i: (i,))], max_concurrent_steps=stages)
+    time, boxes = replay_pipeline(p, costs, hw)
+    config = {"bytes": nbytes, "block_bytes": block_bytes, "stages": stages, "dtype": "bf16"}
+    return Report("copy", hw, time, 0.0, 2 * nbytes, 0.0, int(2 * stages * block_bytes), config, tuple(boxes))
+
+
+def simulate_gmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf16",
+                 hardware: str | Hardware = "h100", tile=None, stages=None) -> Report:
+    """Grouped matmul: each group's rows are tiled separately (a partial last tile per group costs a
+    whole tile), all groups' tiles spread over the cores; each group's [k, n] weights cross HBM once."""
+    hw = get_hardware(hardware)
+    m = int(sum(group_sizes))
+
+    def tiles_for(bm, bn):
+        return sum(math.ceil(g / bm) for g in group_sizes if g) * math.ceil(n / bn)
+
+    best = None
+    for t in ([tuple(tile)] if tile else TILES):
+        try:
+            r = simulate_matmul(m, k, n, dtype=dtype, hardware=hw, tile=t, stages=stages,
+                                tiles=tiles_for(t[0], t[1]))
+        except DoesNotFit:
+            continue
+        if best is None or r.time_s < best.time_s:
+            best = r
+    if best is None:
+        raise DoesNotFit(f"no configuration fits {hw.name}")
+    b = BYTES[dtype]
+    groups = sum(1 for g in group_sizes if g)
+    hbm = (m * k + groups * k * n) * b + m * n * b
+    time = max(best.time_s, hbm / (hw.hbm_bandwidth.value * hw.hbm_efficiency.value))
+    config = dict(best.config, groups=len(group_sizes), m=m)
+    return dataclasses.replace(best, workload="gmm", time_s=time, hbm_bytes=hbm, config=config)
+
+
+def simulate_collective_matmul(kind: str, m: int, k: int, n: int, devices: int, *, dtype: str = "bf16",
+                               hardware: str | Hardware = "h100", bidirectional: bool = True, buffering: int = 2,
+                               unfused: bool = False) -> Report:
+    """`all_gather_matmul` (gather rows: m rows per device, [k, n] local) or `matmul_reduce_scatter`
+    (m output rows per device, local [devices*m, k] @ [k, n]); ring, or the unfused baseline
+    (the collective, then the matmul). Each step's chunk matmul runs on the whole chip."""
+    if kind not in ("all_gather_matmul", "matmul_reduce_scatter"):
+        raise ValueError(f"kind: expected 'all_gather_matmul' or 'matmul_reduce_scatter', got {kind!r}")
+    if devices < 1:
+        raise ValueError(f"devices: expected >= 1, got {devices}")
+    hw = get_hardware(hardware)
+    b = BYTES[dtype]
+    shard = m * (k if kind == "all_gather_matmul" else n) * b       # what travels per hop
+    link_bw = hw.link_bandwidth.value * hw.link_efficiency.value
+    hop = shard / link_bw + hw.link_latency.value
+    full = simulate_matmul(m * devices, k, n, dtype=dtype, hardware=hw)
+    if hw.kind == "gpu":
+        # A GPU ring kernel is one persistent matmul whose tiles wait for their shard: no wave
+        # barrier between steps, so a step costs its share of the whole matmul.
+        chunk = dataclasses.replace(full, time_s=full.time_s / devices)
+    else:
+        chunk = simulate_matmul(m, k, n, dtype=dtype, hardware=hw)   # one step's matmul on the core(s)
+    boxes: list[Box] = []
+    flops = 2.0 * m * devices * k * n
+    bidi = bidirectional and devices > 2
+    if unfused:
+        t = 0.0
+        coll = "all-gather" if kind == "all_gather_matmul" else "reduce-scatter"
+        if kind == "matmul_reduce_scatter":
+            boxes.append(Box("compute", "compute", "matmul", 0.0, full.time_s))
+            t = full.time_s
+        for h in range(devices - 1):
+            boxes.append(Box("link right", "link", f"{coll} hop {h + 1}", t, t + hop))
+            t += hop
+        if kind == "all_gather_matmul":
+            boxes.append(Box("compute", "compute", "matmul", t, t + full.time_s))
+            t += full.time_s
+        time = t
+    else:
+        plan = RingPlan(devices, bidi, buffering, "gather" if kind == "all_gather_matmul" else "scatter")
+        time = _replay_ring(plan, chunk.time_s, hop, boxes, kind)
+    config = {"kind": kind, "m": m, "k": k, "n": n, "devices": devices, "dtype": dtype, "bidirectional": bidi,
+              "buffering": buffering, "unfused": unfused, "chunk_tile": chunk.config["tile"],
+              "chunk_us": chunk.time_s * 1e6, "hop_us": hop * 1e6}
+    hbm = (m * devices * k + k * n + m * devices * n) * b
+    return Report(kind, hw, time, flops, hbm, shard * (devices - 1), chunk.onchip_bytes, config, tuple(boxes))
+
+
+def _replay_ring(plan: RingPlan, chunk_s: float, hop_s: float, boxes: list[Box], kind: str) -> float:
+    """Every device is alike: replay one device's ring steps. Gather: step t multiplies the shard
+    received at step t; a shard is forwarded as soon as it arrived and the downstream slot is free
+    (credits: at most `buffering` shards ahead). Scatter: step t adds its partial into the
+    accumulator that arrived and forwards it."""
+    directions = ["right", "left"] if plan.bidirectional else ["right"]
+    uses = {d: plan.stream_uses(d) for d in directions}
+    arrive = {d: [0.0] * (uses[d] + 1) for d in directions}
+    link_free = {d: 0.0 for d in directions}
+    compute_free = 0.0
+    done_step = {d: [0.0] * (uses[d] + 1) for d in directions}
+    steps = max(uses.values()) + 1
+    halves = kind == "matmul_reduce_scatter" and plan.bidirectional   # each stream carries half the columns
+    dur = chunk_s / 2 if halves else chunk_s
+    hop = hop_s / 2 if halves else hop_s
+    for t in range(steps):
+        # this step's chunk matmuls (one per stream with a shard at step t; step 0 is local)
+        for d in directions:
+            if t > uses[d]:
+                continue
+            scatter = kind == "matmul_reduce_scatter"
+            if scatter or t > 0 or d == "right":
+                # gather multiplies the shard that arrived; scatter computes its partial before the
+                # accumulator arrives and only the addition waits for it
+                start = compute_free if scatter else max(compute_free, arrive[d][t])
+                if start > compute_free:
+                    boxes.append(Box("compute", "wait", f"wait shard {t}", compute_free, start))
+                boxes.append(Box("compute", "compute", f"step {t} {d}", start, start + dur))
+                compute_free = start + dur
+            done_step[d][t] = max(compute_free, arrive[d][t]) if scatter else compute_free
+            # forward: gather sends the received shard on as soon as it arrived; scatter sends the sum
+            if t < uses[d]:
+                ready = arrive[d][t] if not scatter else done_step[d][t]
+                credit = done_step[d][t + 1 - plan.buffering] if t + 1 - plan.buffering >= 0 else 0.0
+                start = max(ready, link_free[d], credit)
+                link_free[d] = start + hop
+                boxes.append(Box(f"link {d}", "link", f"shard {t + 1}", start, start + hop))
+                arrive[d][t + 1] = link_free[d]
+    return max(compute_free, *link_free.values())
+
+
+def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16", flops_per_step: float = 0.0,
+             active_cores: int | None = None, **collective: Any) -> Report:
+    """Replay a plan on a hardware model.
+
+    - `PipelinePlan` / `WarpSpecializedPlan` (or the function `emit_pipeline` returned): one core
+      runs the plan; block bytes come from the block shapes and `dtype`, each step computes
+      `flops_per_step`; `active_cores` cores share the load bandwidth (default: all of them).
+    - `RingPlan`: pass `kind`, `m`, `k`, `n` (see `simulate_collective_matmul`).
+    """
+    hw = get_hardware(hardware)
+    if hasattr(plan, "plan") and not isinstance(plan, (PipelinePlan, WarpSpecializedPlan, RingPlan)):
+        plan = plan.plan
+    if isinstance(plan, RingPlan):
+        return simulate_collective_matmul(collective.pop("kind", "all_gather_matmul" if plan.collective == "gather"
+                                                         else "matmul_reduce_scatter"),
+                                          collective.pop("m"), collective.pop("k"), collective.pop("n"),
+                                          plan.num_devices, dtype=dtype, hardware=hw,
+                                          bidirectional=plan.bidirectional, buffering=plan.buffering, **collective)
+    if not isinstance(plan, (PipelinePlan, WarpSpecializedPlan)):
+        raise TypeError(f"simulate: expected a PipelinePlan, WarpSpecializedPlan or RingPlan, got {type(plan).__name__}")
+    p = plan.pipeline if isinstance(plan, WarpSpecializedPlan) else plan
+    b = BYTES[dtype]
+    cores = active_cores or int(hw.cores.value)
+    in_bytes = tuple(math.prod(op.block_dims) * b for op in p.inputs)
+    out_bytes = tuple(math.prod(op.block_dims) * b for op in p.outputs)
+    used = sum(x * op.num_slots for x, op in zip(in_bytes + out_bytes, p.inputs + p.outputs))
+    if used > hw.onchip_bytes.value:
+        raise DoesNotFit(f"the plan's slots need {used / 1024:.0f} KiB of on-chip memory; {hw.name} has "
+                         f"{hw.onchip_bytes.value / 1024:.0f} KiB per core")
+    costs = StepCosts(in_bytes, out_bytes, float(flops_per_step), hw.matrix_rate(dtype) / int(hw.cores.value),
+                      hw.reuse_bandwidth.value / cores, hw.hbm_bandwidth.value * hw.hbm_efficiency.value / cores)
+    if isinstance(plan, WarpSpecializedPlan):
+        time, boxes = replay_warp_specialized(plan, costs, hw)
+    else:
+        time, boxes = replay_pipeline(plan, costs, hw)
+    events = p.events()
+    fetched = sum(in_bytes[[op.name for op in p.inputs].index(e.operand)] for e in events if e.kind == "fetch")
+    stored = sum(out_bytes[[op.name for op in p.outputs].index(e.operand)] for e in events if e.kind == "writeback")
+    moved = fetched + stored
+    config = {"grid": list(p.grid), "max_concurrent_steps": p.max_concurrent_steps, "delay_release": p.delay_release,
+              "dtype": dtype, "flops_per_step": flops_per_step, "active_cores": cores,
+              "warp_specialized": isinstance(plan, WarpSpecializedPlan)}
+    # One core's roofline: its share of the matrix peak, and its share of the load bandwidth.
+    floor = max(float(flops_per_step) * p.num_steps / (hw.matrix_peak[_key(dtype)].value / int(hw.cores.value)),
+                moved / (hw.reuse_bandwidth.value / cores))
+    return Report("pipeline", hw, time, float(flops_per_step) * p.num_steps, moved, 0.0,
+                  int(used), config, tuple(boxes), floor_s=floor)
+
+
+def _key(dtype: str) -> str:
+    from conveyor.sim.hardware import _DTYPE_ALIASES
+    return _DTYPE_ALIASES.get(dtype, dtype)
