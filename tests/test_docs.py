@@ -1,8 +1,11 @@
-"""The README's Python examples run as written."""
+"""The README's and the guides' Python examples run as written."""
 import pathlib
 import re
 
+import pytest
+
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+GUIDES = sorted((README.parent / "docs").glob("*.md"))
 
 
 def test_readme_python_blocks_run():
@@ -19,3 +22,15 @@ def test_readme_starts_with_the_two_commands():
     assert commands == ["make demo", "make test"]
     ci = (README.parent / ".ci" / "run").read_text()
     assert "make test" in ci
+
+
+@pytest.mark.parametrize("guide", GUIDES, ids=lambda p: p.name)
+def test_guide_python_blocks_run(guide):
+    for code in re.findall(r"```python\n(.*?)```", guide.read_text(), flags=re.S):
+        exec(compile(code, str(guide), "exec"), {})
+
+
+def test_guide_figures_exist():
+    for guide in GUIDES:
+        for figure in re.findall(r"\]\((figures/[^)]+\.png)\)", guide.read_text()):
+            assert (guide.parent / figure).stat().st_size > 10_000, figure

@@ -1,4 +1,4 @@
-"""The `conveyor` command: demo | bench | check."""
+"""The `conveyor` command: demo | bench | simulate | check."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +17,27 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--dtypes", default="float32,bfloat16")
     b.add_argument("--ffn-groups", default="8,64", help="group counts for the MoE FFN rows ('' to skip)")
     b.add_argument("--out", type=pathlib.Path, help="also write the markdown report here")
+    sim = sub.add_parser("simulate", help="predict a kernel's time on a hardware model (see docs/simulator.md)")
+    sim.add_argument("which", choices=["matmul", "gmm", "all-gather-matmul", "matmul-reduce-scatter", "copy"])
+    sim.add_argument("--m", type=int, default=4096, help="rows (collectives: rows per device)")
+    sim.add_argument("--k", type=int, default=4096)
+    sim.add_argument("--n", type=int, default=4096, help="columns (all-gather-matmul: local columns)")
+    sim.add_argument("--dtype", default="bf16")
+    sim.add_argument("--hardware", default="h100", help="one of: h100, h200, h800, b200, v5e, v5p")
+    sim.add_argument("--tile", help="bm,bn,bk (default: searched)")
+    sim.add_argument("--stages", type=int, help="max_concurrent_steps (default: searched)")
+    sim.add_argument("--warp-specialized", action="store_true")
+    sim.add_argument("--compute-threads", type=int, default=2)
+    sim.add_argument("--groups", type=int, default=8, help="gmm: number of groups")
+    sim.add_argument("--sizes", help="gmm: comma-separated group sizes (default: m split evenly)")
+    sim.add_argument("--devices", type=int, default=8)
+    sim.add_argument("--unidirectional", action="store_true")
+    sim.add_argument("--unfused", action="store_true", help="the collective, then the matmul")
+    sim.add_argument("--buffering", type=int, default=2)
+    sim.add_argument("--bytes", type=float, default=4e9, help="copy: bytes to copy")
+    sim.add_argument("--json", action="store_true", help="print the report as JSON")
+    sim.add_argument("--png", type=pathlib.Path, help="draw the timeline here")
+    sim.add_argument("--trace", type=pathlib.Path, help="write a Chrome/Perfetto trace here")
     c = sub.add_parser("check", help="replay a pipeline or ring plan under every interleaving; exit 1 on a race "
                                      "or deadlock")
     c.add_argument("which", choices=["pipeline", "ring"])
@@ -35,6 +56,44 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--no-credits", action="store_true", help="drop the credit protocol (expect a race)")
     c.add_argument("--max-states", type=int, default=200_000)
     return p
+
+
+def _simulate(args) -> int:
+    from conveyor import sim
+    tile = tuple(int(v) for v in args.tile.split(",")) if args.tile else None
+    if tile is not None and len(tile) != 3:
+        raise SystemExit(f"--tile: expected bm,bn,bk, got {args.tile!r}")
+    try:
+        if args.which == "matmul":
+            report = sim.simulate_matmul(args.m, args.k, args.n, dtype=args.dtype, hardware=args.hardware, tile=tile,
+                                         stages=args.stages, warp_specialized=args.warp_specialized,
+                                         compute_threads=args.compute_threads)
+        elif args.which == "gmm":
+            sizes = ([int(v) for v in args.sizes.split(",")] if args.sizes else
+                     [args.m // args.groups + (i < args.m % args.groups) for i in range(args.groups)])
+            report = sim.simulate_gmm(sizes, args.k, args.n, dtype=args.dtype, hardware=args.hardware, tile=tile,
+                                      stages=args.stages)
+        elif args.which == "copy":
+            report = sim.simulate_copy(args.bytes, hardware=args.hardware)
+        else:
+            kind = "all_gather_matmul" if args.which == "all-gather-matmul" else "matmul_reduce_scatter"
+            report = sim.simulate_collective_matmul(kind, args.m, args.k, args.n, args.devices, dtype=args.dtype,
+                                                    hardware=args.hardware, bidirectional=not args.unidirectional,
+                                                    buffering=args.buffering, unfused=args.unfused)
+    except ValueError as e:   # unknown hardware or dtype, a configuration that does not fit
+        print(f"conveyor simulate: {e}", file=sys.stderr)
+        return 2
+    if args.png:
+        report.save_png(args.png)
+    if args.trace:
+        report.save_trace(args.trace)
+    if args.json:
+        print(report.to_json())
+    else:
+        d = report.to_dict()
+        print(f"{report.workload} on {report.hardware.name}: {d['time_us']:.1f} us, {d['tflops']:.0f} TFLOP/s, "
+              f"{d['utilization']:.0%} of roofline, {d['bottleneck']}-bound; config {d['config']}")
+    return 0
 
 
 def _check(args) -> int:
@@ -84,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         return demo.run()
     if args.command == "check":
         return _check(args)
+    if args.command == "simulate":
+        return _simulate(args)
     if args.command == "bench":
         if args.which == "collective":
             report = _bench_collective(args)

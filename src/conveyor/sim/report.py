@@ -57,14 +57,16 @@ class Report:
 
     @property
     def busy(self) -> dict[str, float]:
-        """Fraction of the predicted time each resource kind is busy (compute, copy, link)."""
+        """Fraction of the time each resource kind is busy (compute, copy, link), over the replayed
+        timeline (which covers the first tiles when the rest was extrapolated)."""
         out = {}
+        span = max((b.end for b in self.boxes), default=self.time_s) or self.time_s
         for kind in ("compute", "copy", "link"):
             actors = {b.actor for b in self.boxes if b.kind == kind}
             if not actors:
                 continue
             per_actor = [sum(b.end - b.start for b in self.boxes if b.actor == a and b.kind == kind) for a in actors]
-            out[kind] = min(1.0, max(per_actor) / self.time_s)
+            out[kind] = min(1.0, max(per_actor) / span)
         return out
 
     @property

@@ -26,7 +26,8 @@ def draw(report, path, *, max_boxes: int = 4000, title: str | None = None) -> No
         y = row[b.actor]
         ax.broken_barh([(b.start * scale, width)], (y - 0.38, 0.76), facecolors=COLORS.get(b.kind, "#999999"),
                        edgecolors="white", linewidth=0.4)
-        if width > report.time_s * scale / 60 and len(boxes) < 300:
+        span = max((x.end for x in boxes), default=report.time_s) * scale
+        if width > span / (14 if b.kind == "wait" else 28) and len(boxes) < 300:
             ax.text(b.start * scale + width / 2, y, b.label, ha="center", va="center", fontsize=6, clip_on=True)
     ax.set_yticks(range(len(actors)))
     ax.set_yticklabels(list(reversed(actors)))

@@ -1,0 +1,55 @@
+"""The figures of docs/pipelining.md and docs/simulator.md, drawn by the simulator.
+
+Regenerate: `python -m conveyor.sim.figures docs/figures`.
+"""
+from __future__ import annotations
+
+import pathlib
+import sys
+
+from conveyor.pipeline.plan import BlockSpec, plan
+from conveyor.pipeline.warp import WarpSpecializedPlan
+from conveyor.sim.simulate import simulate, simulate_collective_matmul
+
+
+def _matmul_plan(stages: int, delay_release: int = 0, steps: int = 16):
+    """One core's share of a bf16 matmul: two 128x128 output tiles, K in 64-wide steps."""
+    return plan(grid=(2, steps // 2), in_specs=[BlockSpec((128, 64), lambda i, k: (i, k)),
+                                                BlockSpec((64, 128), lambda i, k: (k, i))],
+                out_specs=[BlockSpec((128, 128), lambda i, k: (i, 0))],
+                max_concurrent_steps=stages, delay_release=delay_release)
+
+
+FLOPS = 2 * 128 * 128 * 64
+
+
+def figures() -> dict[str, tuple]:
+    """name -> (report, title)."""
+    out = {}
+    for stages, name in ((1, "no-pipelining"), (2, "double-buffering"), (4, "four-stages")):
+        r = simulate(_matmul_plan(stages), "h100", flops_per_step=FLOPS)
+        out[name] = (r, f"max_concurrent_steps={stages}: {r.time_us:.1f} us for 16 steps ({r.bottleneck}-bound)")
+    r = simulate(_matmul_plan(3, 1), "h100", flops_per_step=FLOPS)
+    out["delay-release"] = (r, f"max_concurrent_steps=3, delay_release=1: {r.time_us:.1f} us "
+                               f"(two fetches in flight, one slot held for the in-flight matmul)")
+    wp = WarpSpecializedPlan(_matmul_plan(3), "wg", 2, 2, 40, False)
+    r = simulate(wp, "h100", flops_per_step=FLOPS)
+    out["warp-specialized"] = (r, f"warp-specialized, 2 compute threads, 3 slots: {r.time_us:.1f} us")
+    for bidi in (False, True):
+        r = simulate_collective_matmul("all_gather_matmul", 1024, 2048, 1024, 8, hardware="v5e", bidirectional=bidi)
+        out["ring-" + ("bidirectional" if bidi else "unidirectional")] = (
+            r, f"all_gather_matmul on 8 TPU v5e, {'bidirectional' if bidi else 'unidirectional'} ring: "
+               f"{r.time_us:.0f} us ({r.bottleneck}-bound)")
+    return out
+
+
+def main(outdir: str) -> None:
+    path = pathlib.Path(outdir)
+    path.mkdir(parents=True, exist_ok=True)
+    for name, (report, title) in figures().items():
+        report.save_png(path / f"{name}.png", title=title)
+        print(f"{path / name}.png: {title}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "docs/figures")

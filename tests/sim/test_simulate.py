@@ -1,0 +1,108 @@
+"""The simulator: cited hardware numbers, sane predictions, validation against published figures."""
+import json
+import pathlib
+
+import pytest
+
+import conveyor as cv
+from conveyor.cli import main
+from conveyor.sim import hardware, validation
+
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
+
+
+def test_every_number_has_a_known_source_and_docs_print_them_all():
+    for hw in cv.sim.HARDWARE.values():
+        for name, value in hw.numbers().items():
+            assert value.source in hardware.SOURCES, (hw.name, name)
+            assert value.value > 0, (hw.name, name)
+    assert hardware.markdown_table() in (DOCS / "hardware.md").read_text()
+
+
+def test_peaks_and_achievable_rates_are_distinct():
+    h100 = cv.sim.HARDWARE["h100"]
+    assert h100.matrix_rate("bf16") < h100.matrix_peak["bf16"].value
+    assert h100.matrix_efficiency.source.startswith("calib")
+    with pytest.raises(ValueError, match="no matrix rate for dtype 'int4'"):
+        h100.matrix_rate("int4")
+
+
+def test_predictions_match_published_measurements_or_explain_the_miss():
+    rows = validation.compare()
+    checked = [r for r in rows if r["role"] == "validation"]
+    assert len(checked) >= 5
+    for r in checked:
+        assert r["within"] or r["miss_explained"], r
+    assert sum(r["within"] for r in checked) >= 4
+    assert validation.markdown() in (DOCS / "simulator.md").read_text()
+
+
+def test_bottlenecks_move_the_way_the_hardware_says():
+    big = cv.sim.simulate_matmul(8192, 8192, 8192, hardware="h100")
+    assert big.bottleneck == "compute" and 0.7 < big.utilization <= 1.0
+    copy = cv.sim.simulate_copy(1e9, hardware="h100")
+    assert copy.bottleneck == "memory"
+    shallow = cv.sim.simulate_matmul(8192, 64, 8192, hardware="h100")   # writing the output dominates
+    assert shallow.bottleneck == "memory"
+    # Two stages cannot hide the copy latency behind a short step; more stages can.
+    two = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tile=(128, 128, 64), stages=2)
+    four = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tile=(128, 128, 64), stages=4)
+    assert four.time_s < 0.95 * two.time_s
+    # Faster HBM makes a memory-bound copy faster; the matmul does not care.
+    assert cv.sim.simulate_copy(1e9, hardware="h200").time_s < 0.8 * copy.time_s
+
+
+def test_search_reports_its_choice_and_configurations_that_do_not_fit_are_errors():
+    r = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100")
+    assert r.config["searched"] > 1 and len(r.config["tile"]) == 3 and r.config["stages"] >= 2
+    with pytest.raises(cv.sim.DoesNotFit, match="needs .* KiB of on-chip memory per core; H100 SXM has 227 KiB"):
+        cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tile=(256, 256, 128), stages=4)
+
+
+def test_warp_specialized_and_plan_replay():
+    plain = cv.sim.simulate_matmul(4096, 4096, 2048, hardware="h100", tile=(128, 256, 64), stages=3)
+    ws = cv.sim.simulate_matmul(4096, 4096, 2048, hardware="h100", tile=(128, 256, 64), stages=3,
+                                warp_specialized=True)
+    assert {b.actor for b in ws.boxes} >= {"memory thread", "compute[0]", "compute[1]"}
+    assert 0.5 < ws.time_s / plain.time_s < 1.5
+    spec = cv.BlockSpec((128, 64), lambda i, k: (i, k))
+    p = cv.pipeline.plan(grid=(2, 8), in_specs=[spec], out_specs=[cv.BlockSpec((128, 64), lambda i, k: (i, 0))],
+                         max_concurrent_steps=3)
+    r = cv.sim.simulate(p, "v5e", flops_per_step=2 * 128 * 64 * 64)
+    assert r.time_s > 0 and r.utilization <= 1.0
+    assert sum(b.kind == "copy" for b in r.boxes) == len([e for e in p.events() if e.kind in ("fetch", "writeback")])
+
+
+def test_ring_overlaps_what_unfused_serializes():
+    kw = dict(dtype="f16", hardware="h800", bidirectional=False)
+    ring = cv.sim.simulate_collective_matmul("all_gather_matmul", 512, 12288, 6144, 8, **kw)
+    unfused = cv.sim.simulate_collective_matmul("all_gather_matmul", 512, 12288, 6144, 8, unfused=True, **kw)
+    assert ring.time_s < 0.7 * unfused.time_s
+    bidi = cv.sim.simulate_collective_matmul("all_gather_matmul", 512, 1024, 1024, 8, hardware="v5e")
+    uni = cv.sim.simulate_collective_matmul("all_gather_matmul", 512, 1024, 1024, 8, hardware="v5e", bidirectional=False)
+    assert bidi.time_s < uni.time_s and bidi.bottleneck == "interconnect" == uni.bottleneck
+    with pytest.raises(ValueError, match="kind"):
+        cv.sim.simulate_collective_matmul("all_reduce", 1, 1, 1, 2)
+
+
+def test_gmm_pays_for_partial_tiles():
+    even = cv.sim.simulate_gmm([512] * 8, 2048, 2048, hardware="h100")
+    ragged = cv.sim.simulate_gmm([1] * 63 + [4096 - 63], 2048, 2048, hardware="h100")
+    assert ragged.time_s > even.time_s
+
+
+def test_cli_json_png_trace(tmp_path, capsys):
+    png, trace = tmp_path / "t.png", tmp_path / "t.json"
+    assert main(["simulate", "matmul", "--m", "2048", "--k", "2048", "--n", "2048", "--hardware", "h100", "--json",
+                 "--png", str(png), "--trace", str(trace)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {"time_us", "utilization", "bottleneck"} <= set(out) and out["time_us"] > 0
+    assert png.stat().st_size > 10_000
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("cat") == "compute" for e in events) and any(e.get("cat") == "copy" for e in events)
+    for args in (["gmm", "--groups", "4", "--sizes", "100,0,900,24"], ["all-gather-matmul", "--devices", "4"],
+                 ["matmul-reduce-scatter", "--unfused", "--hardware", "v5p"]):
+        assert main(["simulate", *args, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["time_us"] > 0
+    assert main(["simulate", "matmul", "--hardware", "a100"]) == 2
+    assert "unknown 'a100'" in capsys.readouterr().err
