@@ -89,3 +89,56 @@ def call_as_thread(fn, axis_name: str, axis_size: int, index: int):
 
 
 __all__ += ["call_as_thread"]
+
+
+# ---- tracing kernels over refs and interpreting their jaxprs (mpmd CPU executor) ---------------
+def trace_ref_program(fn, ref_avals, axis_env):
+    """Trace `fn(*refs)` (refs with the given ShapedArray avals) to a jaxpr, with `axis_env`
+    ([(name, size)]) bound so `lax.axis_index` can be traced."""
+    import jax
+    from jax._src import api_util, core
+    from jax._src.state.discharge import initial_style_jaxpr
+    from jax._src.state.types import AbstractRef
+
+    avals = [AbstractRef(a) for a in ref_avals]
+    tree = jax.tree_util.tree_structure(tuple(range(len(avals))))
+    dbg = api_util.debug_info("mpmd_map", fn, tuple(range(len(avals))), {})
+    with core.extend_axis_env_nd(list(axis_env)):
+        return initial_style_jaxpr(lambda refs: fn(*refs), tree, avals, dbg)
+
+
+def ref_and_transforms(x, api: str):
+    """Split a ref or a view (`ref.at[i]`) into the ref and its flat transform leaves + treedef."""
+    import jax
+    from jax._src.state.primitives import get_ref_and_transforms
+    ref, transforms = get_ref_and_transforms(x, None, api)
+    leaves, tree = jax.tree_util.tree_flatten(transforms)
+    return ref, leaves, tree
+
+
+def state_primitives():
+    """The primitives an interpreter of ref programs must handle itself."""
+    from jax._src import core
+    from jax._src.lax import control_flow, parallel
+    from jax._src.pjit import jit_p
+    from jax._src.state import primitives as sp
+    from jax._src.state.types import AbstractRef
+    return dict(get=sp.get_p, swap=sp.swap_p, addupdate=sp.addupdate_p, axis_index=parallel.axis_index_p,
+                while_=control_flow.loops.while_p, scan=control_flow.loops.scan_p, cond=control_flow.conditionals.cond_p,
+                jit=jit_p, AbstractRef=AbstractRef, Literal=core.Literal, Var=core.Var)
+
+
+def ndindexer_parts(t):
+    """(indices, is_slice flags) of a state NDIndexer; None for other transforms."""
+    from jax._src.state.indexing import NDIndexer, Slice
+    if not isinstance(t, NDIndexer):
+        return None
+    return [(("slice", i.start, i.size, i.stride) if isinstance(i, Slice) else ("index", i)) for i in t.indices]
+
+
+def write_effect(index: int):
+    from jax._src.state.types import WriteEffect
+    return WriteEffect(index)
+
+
+__all__ += ["trace_ref_program", "ref_and_transforms", "state_primitives", "ndindexer_parts", "write_effect"]

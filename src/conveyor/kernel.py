@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from conveyor import backends
 from conveyor._compat import call_as_thread, run_state
@@ -80,6 +81,16 @@ def poison(shape, dtype) -> jax.Array:
     if jnp.issubdtype(dtype, jnp.integer):
         return jnp.full(shape, jnp.iinfo(dtype).min, dtype)
     return jnp.zeros(shape, dtype)
+
+
+def poison_numpy(shape, dtype) -> np.ndarray:
+    """`poison` as a host NumPy array (usable while tracing, e.g. inside host callbacks)."""
+    dtype = jnp.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating):
+        return np.full(shape, np.nan, dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return np.full(shape, jnp.iinfo(dtype).min, dtype)
+    return np.zeros(shape, dtype)
 
 
 def _shapes(x, name):

@@ -26,3 +26,77 @@ def barrier_arrive(barrier: Any) -> None:
         return
     from jax.experimental.pallas import mosaic_gpu as plgpu
     plgpu.barrier_arrive(barrier)
+
+
+# ---- semaphores and barriers shared by the programs of cv.mpmd_map -----------------------------
+import contextvars  # noqa: E402
+import dataclasses  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class SemaphoreType:
+    """Scratch shape for counting semaphores (int32 counters starting at 0), e.g. SemaphoreType((8,))."""
+    shape: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class BarrierType:
+    """Scratch shape for a barrier across every instance of every program of one mpmd_map call."""
+
+
+# The backend tracing a kernel body that may use these ("cpu", "mosaic_tpu", "mosaic_gpu").
+SYNC_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("conveyor_sync_backend", default=None)
+
+
+def _primitive(name):
+    from conveyor._compat import Primitive, write_effect
+    p = Primitive(name)
+    p.multiple_results = True
+    p.def_effectful_abstract_eval(lambda *avals, **params: ([], {write_effect(0)}))
+    return p
+
+
+semaphore_signal_p = _primitive("cv_semaphore_signal")
+semaphore_wait_p = _primitive("cv_semaphore_wait")
+barrier_p = _primitive("cv_barrier")
+
+
+def _backend(api: str) -> str:
+    backend = SYNC_BACKEND.get()
+    if backend is None:
+        raise RuntimeError(f"{api} must be called inside a program of cv.mpmd_map")
+    return backend
+
+
+def semaphore_signal(sem, inc: int | jax.Array = 1) -> None:
+    """Add `inc` to a semaphore (a scratch ref of `SemaphoreType`, or one element of it: `sems.at[i]`)."""
+    backend = _backend("cv.semaphore_signal")
+    if backend != "cpu":
+        from jax.experimental import pallas as pl
+        return pl.semaphore_signal(sem, inc)
+    from conveyor._compat import ref_and_transforms
+    ref, leaves, tree = ref_and_transforms(sem, "cv.semaphore_signal")
+    semaphore_signal_p.bind(ref, jnp.asarray(inc, jnp.int32), *leaves, tree=tree)
+
+
+def semaphore_wait(sem, value: int | jax.Array = 1) -> None:
+    """Block until the semaphore holds at least `value`, then subtract it. On the CPU executor a
+    wait that outlasts the timeout aborts the call with a report of who waits on what."""
+    backend = _backend("cv.semaphore_wait")
+    if backend != "cpu":
+        from jax.experimental import pallas as pl
+        return pl.semaphore_wait(sem, value)
+    from conveyor._compat import ref_and_transforms
+    ref, leaves, tree = ref_and_transforms(sem, "cv.semaphore_wait")
+    semaphore_wait_p.bind(ref, jnp.asarray(value, jnp.int32), *leaves, tree=tree)
+
+
+def barrier_wait(barrier) -> None:
+    """Wait until every instance of every program has reached this barrier (a `BarrierType` scratch)."""
+    backend = _backend("cv.barrier_wait")
+    if backend != "cpu":
+        raise NotImplementedError(f"cv.barrier_wait: not available on {backend}; build it from semaphores")
+    barrier_p.bind(barrier)

@@ -1,0 +1,311 @@
+"""The CPU executor of mpmd_map: every instance of every program runs at once, on shared memory.
+
+Each program is traced once to a jaxpr over refs. One Python thread per (program, mesh point)
+interprets it: reads and writes of refs go straight to shared NumPy buffers, so a write is
+visible to the other instances as soon as it happens (as in on-chip or global memory);
+`lax.axis_index` yields the instance's coordinate; semaphore waits and barriers block on
+condition variables. Equations that touch no ref and no semaphore run through JAX as usual
+(whole loops without refs are compiled). Loops, conds and jit calls that do touch refs are
+interpreted step by step.
+
+A wait that outlasts the timeout aborts every instance and raises `MpmdDeadlock`, which lists
+each program and point with what it was doing or waiting on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from conveyor._compat import ndindexer_parts, state_primitives
+from conveyor.sync import barrier_p, semaphore_signal_p, semaphore_wait_p
+
+P = state_primitives()
+
+
+class MpmdDeadlock(TimeoutError):
+    """A wait in an mpmd_map call was not satisfied within the timeout."""
+
+
+class _Aborted(Exception):
+    pass
+
+
+@dataclasses.dataclass
+class Buffer:
+    name: str
+    array: np.ndarray
+    kind: str = "array"          # "array" | "semaphore" | "barrier"
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """A ref value inside the interpreter: an index into the shared buffers."""
+    index: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Instance:
+    program: int
+    label: str                   # "program 1 ('consumer')"
+    point: tuple[tuple[str, int], ...]
+
+    @property
+    def coords(self) -> dict[str, int]:
+        return dict(self.point)
+
+    def __str__(self):
+        where = ", ".join(f"{k}={v}" for k, v in self.point) or "the single point"
+        return f"{self.label} at {where}"
+
+
+class Shared:
+    """Memory and synchronization state shared by all instances of one call."""
+
+    def __init__(self, buffers: list[Buffer], instances: list[Instance], timeout_s: float):
+        self.buffers = buffers
+        self.cond = threading.Condition()
+        self.timeout_s = timeout_s
+        self.aborted = False
+        self.state: dict[Instance, str] = {i: "running" for i in instances}
+        self.report: str | None = None
+        self.barriers = {i: threading.Barrier(len(instances)) for i, b in enumerate(buffers) if b.kind == "barrier"}
+
+    def set_state(self, inst: Instance, what: str):
+        with self.cond:
+            self.state[inst] = what
+
+    def abort(self, report: str | None = None):
+        with self.cond:
+            if report and self.report is None:
+                self.report = report
+            self.aborted = True
+            self.cond.notify_all()
+        for b in self.barriers.values():
+            b.abort()
+
+    def table(self) -> str:
+        return "\n".join(f"  {inst}: {what}" for inst, what in self.state.items())
+
+
+def _view_index(buf: np.ndarray, transforms) -> tuple[np.ndarray, Any]:
+    """Resolve ref transforms to (array, index) so that array[index] is the viewed element(s)."""
+    base, idx = buf, (Ellipsis,)
+    for t in transforms:
+        parts = ndindexer_parts(t)
+        if parts is None:
+            raise NotImplementedError(f"mpmd_map on CPU: ref transform {type(t).__name__} is not supported")
+        base = base[idx] if idx != (Ellipsis,) else base
+        out = []
+        for part in parts:
+            if part[0] == "slice":
+                _, start, size, stride = part
+                start = int(np.asarray(start))
+                out.append(slice(start, start + int(size) * int(stride), int(stride)))
+            else:
+                a = np.asarray(part[1])
+                out.append(int(a) if a.ndim == 0 else a)
+        idx = tuple(out)
+    return base, idx
+
+
+class Interpreter:
+    def __init__(self, shared: Shared, inst: Instance):
+        self.shared, self.inst = shared, inst
+
+    def run(self, jaxpr, consts, args):
+        env: dict[Any, Any] = {}
+
+        def read(v):
+            return v.val if isinstance(v, P["Literal"]) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            if self.shared.aborted:
+                raise _Aborted()
+            outs = self.eqn(eqn, [read(v) for v in eqn.invars])
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+            for v, x in zip(eqn.outvars, outs):
+                env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def _touches_state(self, eqn) -> bool:
+        return bool(eqn.effects) or any(isinstance(v.aval, P["AbstractRef"]) for v in eqn.invars)
+
+    def eqn(self, eqn, vals):
+        prim, params = eqn.primitive, eqn.params
+        if prim is P["get"]:
+            arr, idx = self._resolve(vals[0], vals[1:], params["tree"])
+            return np.array(arr[idx])
+        if prim is P["swap"]:
+            arr, idx = self._resolve(vals[0], vals[2:], params["tree"])
+            old = np.array(arr[idx])
+            arr[idx] = np.asarray(vals[1])
+            return old
+        if prim is P["addupdate"]:
+            arr, idx = self._resolve(vals[0], vals[2:], params["tree"])
+            arr[idx] += np.asarray(vals[1])
+            return []
+        if prim is P["axis_index"]:
+            name = params["axis_name"]
+            name = name[0] if isinstance(name, (tuple, list)) else name
+            coords = self.inst.coords
+            if name not in coords:
+                raise NameError(f"{self.inst}: lax.axis_index({name!r}) names an axis this program's mesh does not "
+                                f"have (it has {sorted(coords)})")
+            return np.int32(coords[name])
+        if prim is semaphore_signal_p:
+            return self._signal(vals, params)
+        if prim is semaphore_wait_p:
+            return self._wait(vals, params)
+        if prim is barrier_p:
+            return self._barrier(vals[0])
+        if not self._touches_state(eqn):
+            return prim.bind(*vals, **params)
+        if prim is P["while_"]:
+            return self._while(vals, params)
+        if prim is P["scan"]:
+            return self._scan(vals, params)
+        if prim is P["cond"]:
+            index = int(np.asarray(vals[0]))
+            branch = params["branches"][index]
+            return self.run(branch, branch.consts, vals[1:])
+        if prim is P["jit"]:
+            j = params["jaxpr"]
+            return self.run(j, j.consts, vals)
+        raise NotImplementedError(f"mpmd_map on CPU: {prim} over refs is not supported (in {self.inst})")
+
+    def _resolve(self, ref, leaves, tree):
+        if not isinstance(ref, Ref):
+            raise TypeError(f"{self.inst}: expected a ref, got {type(ref).__name__}")
+        transforms = jax.tree_util.tree_unflatten(tree, list(leaves))
+        return _view_index(self.shared.buffers[ref.index].array, transforms)
+
+    def _while(self, vals, params):
+        cn, bn = params["cond_nconsts"], params["body_nconsts"]
+        cconsts, bconsts, carry = vals[:cn], vals[cn:cn + bn], list(vals[cn + bn:])
+        cj, bj = params["cond_jaxpr"], params["body_jaxpr"]
+        while bool(np.asarray(self.run(cj, cj.consts, [*cconsts, *carry])[0])):
+            carry = self.run(bj, bj.consts, [*bconsts, *carry])
+        return carry
+
+    def _scan(self, vals, params):
+        consts, carry, xs = _scan_split(params, vals)
+        n_carry = len(carry)
+        j, length = params["jaxpr"], params["length"]
+        ys = []
+        order = range(length - 1, -1, -1) if params.get("reverse") else range(length)
+        for i in order:
+            out = self.run(j, j.consts, [*consts, *carry, *[np.asarray(x)[i] for x in xs]])
+            carry, y = out[:n_carry], out[n_carry:]
+            ys.append(y)
+        if params.get("reverse"):
+            ys.reverse()
+        n_ys = len(j.outvars) - n_carry
+        stacked = [np.stack([np.asarray(y[k]) for y in ys]) if ys else
+                   np.zeros((0, *j.outvars[n_carry + k].aval.shape), j.outvars[n_carry + k].aval.dtype)
+                   for k in range(n_ys)]
+        return [*carry, *stacked]
+
+    def _sem(self, vals, params, api):
+        ref = vals[0]
+        buf = self.shared.buffers[ref.index]
+        if buf.kind != "semaphore":
+            raise TypeError(f"{self.inst}: {api} needs a cv.SemaphoreType scratch, got {buf.name} ({buf.kind})")
+        arr, idx = _view_index(buf.array, jax.tree_util.tree_unflatten(params["tree"], list(vals[2:])))
+        if np.asarray(arr[idx]).ndim:
+            raise ValueError(f"{self.inst}: {api} on {buf.name} needs one semaphore; index it (sems.at[i])")
+        return buf, arr, idx, int(np.asarray(vals[1]))
+
+    def _signal(self, vals, params):
+        buf, arr, idx, inc = self._sem(vals, params, "cv.semaphore_signal")
+        with self.shared.cond:
+            arr[idx] += inc
+            self.shared.cond.notify_all()
+        return []
+
+    def _wait(self, vals, params):
+        buf, arr, idx, value = self._sem(vals, params, "cv.semaphore_wait")
+        sh = self.shared
+        where = f"{buf.name}{list(i for i in idx) if idx != (Ellipsis,) else ''}"
+        deadline = time.monotonic() + sh.timeout_s
+        with sh.cond:
+            while int(arr[idx]) < value:
+                if sh.aborted:
+                    raise _Aborted()
+                sh.state[self.inst] = f"waits on semaphore {where} >= {value} (holds {int(arr[idx])})"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    report = (f"mpmd_map: a wait was not satisfied within {sh.timeout_s:g} s "
+                              f"(set compiler_params={{'timeout_s': ...}} to change it). Instances:\n{sh.table()}")
+                    sh.report = sh.report or report
+                    sh.aborted = True
+                    sh.cond.notify_all()
+                    raise _Aborted()
+                sh.cond.wait(min(left, 0.5))
+            arr[idx] -= value
+            sh.state[self.inst] = "running"
+        return []
+
+    def _barrier(self, ref):
+        sh = self.shared
+        barrier = sh.barriers[ref.index]
+        sh.set_state(self.inst, f"waits at barrier {sh.buffers[ref.index].name}")
+        try:
+            barrier.wait(timeout=sh.timeout_s)
+        except threading.BrokenBarrierError:
+            if not sh.aborted:
+                sh.abort(f"mpmd_map: the barrier was not reached by every instance within {sh.timeout_s:g} s. "
+                         f"Instances:\n{sh.table()}")
+            raise _Aborted() from None
+        sh.set_state(self.inst, "running")
+        return []
+
+
+def _scan_split(params, vals):
+    """(consts, carry, xs) of a scan's operands (jax 0.12 keeps the split in a flat tree)."""
+    if "num_consts" in params:
+        nc, nk = params["num_consts"], params["num_carry"]
+        return list(vals[:nc]), list(vals[nc:nc + nk]), list(vals[nc + nk:])
+    consts, carry, xs = params["ft_in"].update(list(vals)).unpack()
+    return list(consts), list(carry), list(xs)
+
+
+def execute(programs: list[tuple[Any, list[Instance]]], buffers: list[Buffer], arg_refs: list[Ref],
+            timeout_s: float) -> None:
+    """Run every instance of every program (jaxpr, instances) concurrently; raise on failure."""
+    instances = [inst for _, insts in programs for inst in insts]
+    shared = Shared(buffers, instances, timeout_s)
+    errors: list[tuple[Instance, BaseException]] = []
+
+    def work(jaxpr, inst):
+        try:
+            Interpreter(shared, inst).run(jaxpr, jaxpr.consts, arg_refs)
+            shared.set_state(inst, "done")
+        except _Aborted:
+            pass
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller with the instance named)
+            errors.append((inst, e))
+            shared.set_state(inst, f"failed: {type(e).__name__}")
+            shared.abort()
+
+    threads = [threading.Thread(target=work, args=(j, inst), name=str(inst), daemon=True)
+               for j, insts in programs for inst in insts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        inst, e = errors[0]
+        raise type(e)(f"{inst}: {e}") if isinstance(e, (ValueError, TypeError, NameError, NotImplementedError)) \
+            else RuntimeError(f"{inst} failed: {e!r}") from e
+    if shared.report:
+        raise MpmdDeadlock(shared.report)
