@@ -10,3 +10,8 @@ def test_pipelined_matmul_example_on_every_backend(capsys):
     out = capsys.readouterr().out
     assert "xla" in out and "mosaic_tpu" in out and "mosaic_gpu" in out and "exported for ('tpu',)" in out
     assert "warp-specialized xla" in out and "warp-specialized mosaic_gpu" in out
+
+
+def test_moe_dispatch_example(capsys):
+    runpy.run_path(str(EXAMPLES / "moe_dispatch.py"), run_name="__main__")
+    assert "max |error| vs unfused float64" in capsys.readouterr().out

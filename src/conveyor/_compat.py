@@ -43,10 +43,15 @@ __all__ += ["varying_axes"]
 
 # ---- running code "as thread t": lax.axis_index(name) evaluated to a constant ------------------
 def call_as_thread(fn, axis_name: str, axis_size: int, index: int):
-    """Run `fn()` with `lax.axis_index(axis_name)` meaning `index` (of `axis_size`).
+    """Run `fn()` with `lax.axis_index(axis_name)` meaning `index` (of `axis_size`)."""
+    return call_with_axis_values(fn, {axis_name: (axis_size, index)})
 
-    Traces `fn` to a jaxpr with the axis bound, replaces every `axis_index(axis_name)` (also in
-    nested jaxprs: loops, conds, pjit) by the literal `index`, and evaluates the result in the
+
+def call_with_axis_values(fn, axes: dict):
+    """Run `fn()` with `lax.axis_index(name)` meaning `index` for every `name: (size, index)`.
+
+    Traces `fn` to a jaxpr with the axes bound, replaces every `axis_index(name)` (also in
+    nested jaxprs: loops, conds, pjit) by the literal index, and evaluates the result in the
     current trace, so refs and tracers `fn` closes over are used as they are.
     """
     import jax
@@ -54,11 +59,12 @@ def call_as_thread(fn, axis_name: str, axis_size: int, index: int):
     from jax._src import core
     from jax._src.lax import parallel
 
-    closed, out_shape = jax.make_jaxpr(fn, axis_env=[(axis_name, axis_size)], return_shape=True)()
+    closed, out_shape = jax.make_jaxpr(fn, axis_env=[(k, size) for k, (size, _) in axes.items()],
+                                       return_shape=True)()
 
     def names(eqn):
         n = eqn.params.get("axis_name")
-        return n if isinstance(n, (tuple, list)) else (n,)
+        return tuple(n) if isinstance(n, (tuple, list)) else (n,)
 
     def substitute(jaxpr):
         env = {}
@@ -68,9 +74,9 @@ def call_as_thread(fn, axis_name: str, axis_size: int, index: int):
 
         eqns = []
         for eqn in jaxpr.eqns:
-            if eqn.primitive is parallel.axis_index_p and tuple(names(eqn)) == (axis_name,):
+            if eqn.primitive is parallel.axis_index_p and len(names(eqn)) == 1 and names(eqn)[0] in axes:
                 out = eqn.outvars[0]
-                env[out] = core.Literal(np.asarray(index, out.aval.dtype), out.aval)
+                env[out] = core.Literal(np.asarray(axes[names(eqn)[0]][1], out.aval.dtype), out.aval)
                 continue
             params = {k: convert(v) for k, v in eqn.params.items()}
             eqns.append(eqn.replace(invars=[read(v) for v in eqn.invars], params=params))
@@ -88,7 +94,7 @@ def call_as_thread(fn, axis_name: str, axis_size: int, index: int):
     return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(out_shape), flat)
 
 
-__all__ += ["call_as_thread"]
+__all__ += ["call_as_thread", "call_with_axis_values"]
 
 
 # ---- tracing kernels over refs and interpreting their jaxprs (mpmd CPU executor) ---------------

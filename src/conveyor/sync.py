@@ -97,6 +97,19 @@ def semaphore_wait(sem, value: int | jax.Array = 1) -> None:
 def barrier_wait(barrier) -> None:
     """Wait until every instance of every program has reached this barrier (a `BarrierType` scratch)."""
     backend = _backend("cv.barrier_wait")
+    if backend == "mosaic_gpu":   # an mbarrier expecting one arrival per warpgroup of the kernel
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        plgpu.barrier_arrive(barrier)
+        plgpu.barrier_wait(barrier)
+        return
     if backend != "cpu":
         raise NotImplementedError(f"cv.barrier_wait: not available on {backend}; build it from semaphores")
     barrier_p.bind(barrier)
+
+
+def fence() -> None:
+    """Make this instance's shared-memory writes visible to the hardware's copy engines before it
+    signals another program (Mosaic GPU: `commit_smem`); nothing to do on the CPU executor."""
+    if _backend("cv.fence") == "mosaic_gpu":
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        plgpu.commit_smem()

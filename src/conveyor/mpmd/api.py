@@ -118,9 +118,16 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
             if tuple(a.shape) != tuple(o.shape) or jnp.dtype(a.dtype) != jnp.dtype(o.dtype):
                 raise ValueError(f"mpmd_map: input {src} ({a.dtype}{list(a.shape)}) cannot alias output {dst} "
                                  f"({o.dtype}{list(o.shape)}): shapes and dtypes must match")
-        if backend != "cpu":
-            raise NotImplementedError(f"mpmd_map: the {backend} backend is not implemented yet; the CPU executor "
-                                      f"(the default on CPU) runs every program")
+        if backend == "mosaic_gpu":
+            from conveyor.mpmd import mosaic_gpu
+            outs = mosaic_gpu.build(programs, axes, out_leaves, scratch, scratch_names, dict(input_output_aliases),
+                                    interpret, name)(*in_leaves)
+            return jax.tree_util.tree_unflatten(out_tree, list(outs))
+        if backend == "mosaic_tpu":
+            raise NotImplementedError(
+                "mpmd_map on mosaic_tpu: Pallas TPU (jax 0.12) runs several programs in one kernel only on "
+                "SparseCore (pl.kernel with a list of meshes); TensorCore kernels take one program. Use the CPU "
+                "executor (the default on CPU) or mosaic_gpu")
         from conveyor.mpmd import cpu_call
         outs = cpu_call.run(programs, axes, in_leaves, out_leaves, scratch, scratch_names,
                             dict(input_output_aliases), params, name)

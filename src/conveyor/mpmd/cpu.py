@@ -25,6 +25,8 @@ from conveyor._compat import ndindexer_parts, state_primitives
 from conveyor.sync import barrier_p, semaphore_signal_p, semaphore_wait_p
 
 P = state_primitives()
+# Accelerator memory fences: CPU memory is coherent, so they have nothing to order here.
+NO_OPS_ON_CPU = frozenset({"commit_smem", "commit_smem_to_gmem_group"})
 
 
 class MpmdDeadlock(TimeoutError):
@@ -168,6 +170,8 @@ class Interpreter:
             return self._wait(vals, params)
         if prim is barrier_p:
             return self._barrier(vals[0])
+        if prim.name in NO_OPS_ON_CPU:
+            return []
         if not self._touches_state(eqn):
             return prim.bind(*vals, **params)
         if prim is P["while_"]:

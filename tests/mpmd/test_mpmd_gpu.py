@@ -1,0 +1,54 @@
+"""mpmd_map on Mosaic GPU: programs as warpgroups of one kernel, checked by the GPU interpreter
+(race detection on) against the CPU executor, and exported for cuda."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import conveyor as cv
+from tests.mpmd.programs import NB, R, barrier_lockstep, producer_consumer
+
+GPU = dict(compiler_params=plgpu.CompilerParams())
+
+
+@pytest.mark.timeout(300)
+def test_barrier_producer_consumer_agrees_with_the_cpu_executor():
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((32, 128)), jnp.float32)
+    gpu = jax.jit(barrier_lockstep(interpret=plgpu.InterpretGPUParams(detect_races=True), **GPU))(x)
+    cpu = barrier_lockstep()(x)
+    np.testing.assert_array_equal(gpu, (x + 1.0) * 2.0)
+    np.testing.assert_array_equal(gpu, cpu)
+
+
+@pytest.mark.timeout(300)
+def test_mesh_coordinates_on_warpgroups():
+    def first(o1, o2):
+        o1[lax.axis_index("x"), lax.axis_index("y")] = (lax.axis_index("x") * 10 + lax.axis_index("y")).astype(jnp.float32)
+
+    def second(o1, o2):
+        o2[lax.axis_index("z")] = (lax.axis_index("z") + 100).astype(jnp.float32)
+
+    a, b = cv.mpmd_map([(cv.Mesh(x=2, y=2), first), (cv.Mesh(z=2), second)],
+                       (jax.ShapeDtypeStruct((2, 2), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.float32)),
+                       interpret=plgpu.InterpretGPUParams(detect_races=True), **GPU)()
+    np.testing.assert_array_equal(a, [[0, 1], [10, 11]])
+    np.testing.assert_array_equal(b, [100, 101])
+
+
+def test_semaphore_producer_consumer_exports_for_cuda():
+    f = producer_consumer(**GPU)
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(jax.ShapeDtypeStruct((NB * R, 128), jnp.float32))
+    assert "cuda" in exported.platforms and exported.mlir_module()
+
+
+def test_what_the_gpu_and_tpu_paths_cannot_do_is_a_clear_error():
+    with pytest.raises(NotImplementedError, match="interpreter of jax 0.12 cannot run semaphores"):
+        producer_consumer(interpret=plgpu.InterpretGPUParams(), **GPU)(jnp.zeros((NB * R, 128), jnp.float32))
+    with pytest.raises(NotImplementedError, match="input_output_aliases is not supported by plgpu.kernel"):
+        cv.mpmd_map([(cv.Mesh(c=1), lambda x, o: None)], jax.ShapeDtypeStruct((4,), jnp.float32),
+                    input_output_aliases={0: 0}, **GPU)(jnp.zeros(4))
+    with pytest.raises(NotImplementedError, match="only on SparseCore"):
+        cv.mpmd_map([(cv.Mesh(c=1), lambda o: None)], jax.ShapeDtypeStruct((4,), jnp.float32),
+                    compiler_params={"backend": "mosaic_tpu"})()
