@@ -17,7 +17,7 @@ from jax.experimental.pallas import tpu as pltpu
 import conveyor as cv
 
 
-def matmul(x, y, *, bm=64, bk=64, bn=128, backend=None, interpret=False):
+def matmul(x, y, *, bm=64, bk=128, bn=128, backend=None, interpret=False):
     m, k = x.shape
     _, n = y.shape
 
@@ -37,7 +37,7 @@ def matmul(x, y, *, bm=64, bk=64, bn=128, backend=None, interpret=False):
     return cv.kernel(kernel, jax.ShapeDtypeStruct((m, n), jnp.float32), backend=backend, interpret=interpret)(x, y)
 
 
-def matmul_warp_specialized(x, y, *, bm=64, bk=64, bn=128, compute_threads=2, backend=None, interpret=False):
+def matmul_warp_specialized(x, y, *, bm=64, bk=128, bn=128, compute_threads=2, backend=None, interpret=False):
     """The same matmul with a memory thread feeding `compute_threads` compute threads (GPU style);
     each compute thread owns bm / compute_threads rows of the shared output block."""
     m, k = x.shape
