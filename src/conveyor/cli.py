@@ -11,7 +11,7 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("demo", help="MoE layer forward+backward through cv.gmm, checked and timed")
     b = sub.add_parser("bench", help="run a benchmark and print its table")
-    b.add_argument("which", choices=["gmm", "pipeline", "collective"])
+    b.add_argument("which", choices=["gmm", "pipeline", "collective", "mpmd"])
     b.add_argument("--reps", type=int, default=5, help="interleaved repetitions per candidate (median)")
     b.add_argument("--groups", default="1,8,64,256", help="comma-separated group counts")
     b.add_argument("--dtypes", default="float32,bfloat16")
@@ -26,6 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--hardware", default="h100", help="one of: h100, h200, h800, b200, v5e, v5p")
     sim.add_argument("--tile", help="bm,bn,bk (default: searched)")
     sim.add_argument("--stages", type=int, help="max_concurrent_steps (default: searched)")
+    sim.add_argument("--delay-release", type=int, default=0)
     sim.add_argument("--warp-specialized", action="store_true")
     sim.add_argument("--compute-threads", type=int, default=2)
     sim.add_argument("--groups", type=int, default=8, help="gmm: number of groups")
@@ -67,7 +68,7 @@ def _simulate(args) -> int:
         if args.which == "matmul":
             report = sim.simulate_matmul(args.m, args.k, args.n, dtype=args.dtype, hardware=args.hardware, tile=tile,
                                          stages=args.stages, warp_specialized=args.warp_specialized,
-                                         compute_threads=args.compute_threads)
+                                         compute_threads=args.compute_threads, delay_release=args.delay_release)
         elif args.which == "gmm":
             sizes = ([int(v) for v in args.sizes.split(",")] if args.sizes else
                      [args.m // args.groups + (i < args.m % args.groups) for i in range(args.groups)])
@@ -150,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
             report = _bench_collective(args)
             if report is None:
                 return 1
+        elif args.which == "mpmd":
+            from conveyor.bench import mpmd as bench_mpmd
+            report = bench_mpmd.run(reps=args.reps)
         elif args.which == "pipeline":
             from conveyor.bench import pipeline as bench_pipeline
             report = bench_pipeline.run(reps=args.reps)

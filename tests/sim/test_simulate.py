@@ -48,6 +48,9 @@ def test_bottlenecks_move_the_way_the_hardware_says():
     two = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tile=(128, 128, 64), stages=2)
     four = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tile=(128, 128, 64), stages=4)
     assert four.time_s < 0.95 * two.time_s
+    # delay_release=1 keeps one of four slots out of the lookahead: no faster than four free slots.
+    held = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tile=(128, 128, 64), stages=4, delay_release=1)
+    assert held.time_s >= four.time_s and held.config["delay_release"] == 1
     # Faster HBM makes a memory-bound copy faster; the matmul does not care.
     assert cv.sim.simulate_copy(1e9, hardware="h200").time_s < 0.8 * copy.time_s
 

@@ -148,12 +148,13 @@ def replay_warp_specialized(wp: WarpSpecializedPlan, costs: StepCosts, hw: Hardw
 
 
 # ---- workloads --------------------------------------------------------------------------------
-def _matmul_plan(tiles: int, k_steps: int, tile: tuple[int, int, int], stages: int) -> PipelinePlan:
+def _matmul_plan(tiles: int, k_steps: int, tile: tuple[int, int, int], stages: int,
+                 delay_release: int = 0) -> PipelinePlan:
     bm, bn, bk = tile
     return make_plan(grid=(tiles, k_steps),
                      in_specs=[BlockSpec((bm, bk), lambda t, kk: (t, kk)), BlockSpec((bk, bn), lambda t, kk: (t, kk))],
                      out_specs=[BlockSpec((bm, bn), lambda t, kk: (t, 0))],
-                     max_concurrent_steps=stages)
+                     max_concurrent_steps=stages, delay_release=delay_release)
 
 
 def _onchip(tile, stages, in_b, out_b) -> int:
@@ -175,7 +176,7 @@ def simulate_matmul(m: int, k: int, n: int, *, dtype: str = "bf16", hardware: st
     hw = get_hardware(hardware)
     if tile is None or stages is None:
         return _search(m, k, n, dtype=dtype, hw=hw, tile=tile, stages=stages, warp_specialized=warp_specialized,
-                       compute_threads=compute_threads, tiles=tiles, cores=cores)
+                       compute_threads=compute_threads, tiles=tiles, cores=cores, delay_release=delay_release)
     bm, bn, bk = (int(x) for x in tile)
     in_b, out_b = BYTES[dtype], BYTES[dtype]
     used = _onchip((bm, bn, bk), stages, in_b, out_b)
@@ -192,7 +193,7 @@ def simulate_matmul(m: int, k: int, n: int, *, dtype: str = "bf16", hardware: st
     store_bw = hw.hbm_bandwidth.value * hw.hbm_efficiency.value / active
     costs = StepCosts(((bm * bk) * in_b, (bk * bn) * in_b), (bm * bn * out_b,), 2.0 * bm * bn * bk, rate, load_bw, store_bw)
     def replay(n_tiles):
-        p = _matmul_plan(n_tiles, k_steps, (bm, bn, bk), stages)
+        p = _matmul_plan(n_tiles, k_steps, (bm, bn, bk), stages, delay_release)
         if warp_specialized:
             return replay_warp_specialized(WarpSpecializedPlan(p, "wg", compute_threads, compute_threads, 40, False),
                                            costs, hw)
@@ -216,6 +217,7 @@ def simulate_matmul(m: int, k: int, n: int, *, dtype: str = "bf16", hardware: st
         time = floor
     flops = 2.0 * m * n * k
     config = {"m": m, "k": k, "n": n, "dtype": dtype, "tile": [bm, bn, bk], "stages": stages,
+              "delay_release": delay_release,
               "warp_specialized": warp_specialized, "compute_threads": compute_threads if warp_specialized else 0,
               "tiles": total_tiles, "tiles_per_core": per_core, "waves_efficiency": total_tiles / (per_core * ncores),
               "cores": ncores}
@@ -226,14 +228,14 @@ TILES = ((128, 128, 64), (128, 256, 64), (256, 128, 64), (128, 256, 128), (256, 
          (512, 512, 512), (256, 512, 512), (512, 1024, 512))
 
 
-def _search(m, k, n, *, dtype, hw, tile, stages, warp_specialized, compute_threads, tiles, cores):
+def _search(m, k, n, *, dtype, hw, tile, stages, warp_specialized, compute_threads, tiles, cores, delay_release=0):
     best, tried = None, []
     for t in ([tuple(tile)] if tile else TILES):
-        for st in ([stages] if stages else (2, 3, 4, 5)):
+        for st in ([stages] if stages else tuple(s for s in (2, 3, 4, 5) if s > delay_release)):
             try:
                 r = simulate_matmul(m, k, n, dtype=dtype, hardware=hw, tile=t, stages=st,
                                     warp_specialized=warp_specialized, compute_threads=compute_threads,
-                                    tiles=tiles, cores=cores)
+                                    tiles=tiles, cores=cores, delay_release=delay_release)
             except DoesNotFit:
                 continue
             tried.append((t, st, r.time_s))
