@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import weakref
 from typing import Any
 
 import jax
@@ -25,6 +26,22 @@ from conveyor._compat import ndindexer_parts, state_primitives
 from conveyor.sync import barrier_p, semaphore_signal_p, semaphore_wait_p
 
 P = state_primitives()
+
+
+def _select_n(pred, *cases):
+    pred = np.asarray(pred)
+    return np.where(pred, cases[1], cases[0]) if pred.dtype == np.bool_ else np.choose(pred, cases)
+
+
+# Elementwise primitives evaluated with NumPy: the scalar index arithmetic of loops and
+# semaphores would otherwise pay a JAX dispatch per operation. Same IEEE results; operands of a
+# lax binary op always share one dtype, so NumPy's promotion rules never apply.
+NUMPY_PRIMITIVES = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "rem": np.fmod, "neg": np.negative,
+    "max": np.maximum, "min": np.minimum, "lt": np.less, "le": np.less_equal, "gt": np.greater,
+    "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal, "and": np.bitwise_and, "or": np.bitwise_or,
+    "not": np.invert, "select_n": _select_n,
+}
 # Accelerator memory fences: CPU memory is coherent, so they have nothing to order here.
 NO_OPS_ON_CPU = frozenset({"commit_smem", "commit_smem_to_gmem_group"})
 
@@ -172,6 +189,13 @@ class Interpreter:
             return self._barrier(vals[0])
         if prim.name in NO_OPS_ON_CPU:
             return []
+        if prim.name in NUMPY_PRIMITIVES and not params.get("accumulation_type"):
+            return NUMPY_PRIMITIVES[prim.name](*(np.asarray(v) for v in vals))
+        if prim.name == "convert_element_type":
+            return np.asarray(vals[0]).astype(params["new_dtype"])
+        if prim is P["jit"] and _numpy_only(params["jaxpr"]):
+            j = params["jaxpr"]   # small scalar helpers (jnp.remainder, ...): cheaper in NumPy than a dispatch
+            return self.run(j, j.consts, vals)
         if not self._touches_state(eqn):
             return prim.bind(*vals, **params)
         if prim is P["while_"]:
@@ -272,6 +296,24 @@ class Interpreter:
             raise _Aborted() from None
         sh.set_state(self.inst, "running")
         return []
+
+
+_NUMPY_ONLY: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _numpy_only(jaxpr) -> bool:
+    """A small jaxpr made only of primitives the interpreter evaluates with NumPy."""
+    key = jaxpr
+    if key not in _NUMPY_ONLY:
+        ok = len(jaxpr.eqns) <= 32
+        for e in jaxpr.eqns:
+            name = e.primitive.name
+            if name == "jit":
+                ok = ok and _numpy_only(e.params["jaxpr"])
+            elif name not in NUMPY_PRIMITIVES and name != "convert_element_type":
+                ok = False
+        _NUMPY_ONLY[key] = ok
+    return _NUMPY_ONLY[key]
 
 
 def _scan_split(params, vals):
