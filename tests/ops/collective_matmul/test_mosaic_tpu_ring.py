@@ -66,11 +66,11 @@ def test_unsupported_configurations_are_refused_when_named():
                         mesh=mesh, in_specs=(P(None, "x"), P()), out_specs=P(), check_vma=False)
     with pytest.raises(NotImplementedError, match="needs an even count; pass bidirectional=False"):
         jax.jit(bad)(x, jax.device_put(jnp.ones((128, 127)), NamedSharding(mesh, P())))
-    bad0 = jax.shard_map(lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", gather_dim=0, backend="mosaic_tpu",
-                                                           interpret=True),
-                         mesh=mesh, in_specs=(P(None, "x"), P()), out_specs=P(), check_vma=False)
-    with pytest.raises(NotImplementedError, match="gather_dim=0 TPU ring is unidirectional so far"):
-        jax.jit(bad0)(x, jax.device_put(jnp.ones((128, 128)), NamedSharding(mesh, P())))
+    bad1 = jax.shard_map(lambda a, b: cv.matmul_reduce_scatter(a, b, axis_name="x", scatter_dim=1,
+                                                               backend="mosaic_tpu", interpret=True),
+                         mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P(None, "x"), check_vma=False)
+    with pytest.raises(NotImplementedError, match="splits each device's 3 output columns in halves"):
+        jax.jit(bad1)(x, jax.device_put(jnp.ones((256, 6)), NamedSharding(mesh, P("x", None))))
 
 
 def test_exports_for_tpu():
@@ -112,25 +112,27 @@ def test_reduce_scatter_exports_for_tpu():
     assert "tpu_custom_call" in exported.mlir_module()
 
 
-@pytest.mark.parametrize("ring", [2, 4, 8])
+@pytest.mark.parametrize("ring, bidirectional", [(2, False), (4, False), (8, False), (3, True), (4, True), (8, True)])
 @pytest.mark.parametrize("mode", ["on_wait", "eager"])
-def test_row_gather_and_column_scatter_rings(ring, mode):
-    """gather_dim=0 (output row block per step) and scatter_dim=1 (rhs column blocks per step)."""
+def test_row_gather_and_column_scatter_rings(ring, bidirectional, mode):
+    """gather_dim=0 (uni: an output row block per step; bidi: the output resident, rows filled by
+    both streams) and scatter_dim=1 (rhs column blocks per step; bidi: column halves per direction)."""
     mesh = Mesh(np.array(jax.devices()[:ring]), ("x",))
     ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
     x = jnp.asarray(RNG.standard_normal((8 * ring, 128)), jnp.float32)
     w = jnp.asarray(RNG.standard_normal((128, 128)), jnp.float32)
     ag = jax.jit(jax.shard_map(
-        lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", gather_dim=0, bidirectional=False,
+        lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", gather_dim=0, bidirectional=bidirectional,
                                           backend="mosaic_tpu", interpret=ip)[None],
         mesh=mesh, in_specs=(P("x", None), P()), out_specs=P("x"), check_vma=False))
     out = np.asarray(ag(jax.device_put(x, NamedSharding(mesh, P("x", None))), jax.device_put(w, NamedSharding(mesh, P()))))
     for d in range(ring):
         np.testing.assert_allclose(out[d], x @ w, rtol=1e-5, atol=1e-4)
+    cols = 256 if bidirectional else 128   # bidirectional halves stay 128 lanes wide
     a = jnp.asarray(RNG.standard_normal((8, 128 * ring)), jnp.float32)
-    b = jnp.asarray(RNG.standard_normal((128 * ring, 128 * ring)), jnp.float32)
+    b = jnp.asarray(RNG.standard_normal((128 * ring, cols * ring)), jnp.float32)
     rs = jax.jit(jax.shard_map(
-        lambda l, r: cv.matmul_reduce_scatter(l, r, axis_name="x", scatter_dim=1, bidirectional=False,
+        lambda l, r: cv.matmul_reduce_scatter(l, r, axis_name="x", scatter_dim=1, bidirectional=bidirectional,
                                               backend="mosaic_tpu", interpret=ip),
         mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P(None, "x"), check_vma=False))
     got = rs(jax.device_put(a, NamedSharding(mesh, P(None, "x"))), jax.device_put(b, NamedSharding(mesh, P("x", None))))

@@ -19,14 +19,6 @@ from conveyor.ops.collective_matmul.ring import RingPlan
 AVAILABLE = ("xla", "mosaic_tpu", "reference")
 
 
-def _mosaic_tpu_reason(op: str, dim: int, bidirectional: bool) -> str | None:
-    """Why the Mosaic TPU ring cannot run this configuration (None when it can)."""
-    if bidirectional and dim == (0 if op == "all_gather_matmul" else 1):
-        what = "gather_dim=0" if op == "all_gather_matmul" else "scatter_dim=1"
-        return f"mosaic_tpu: the {what} TPU ring is unidirectional so far; pass bidirectional=False"
-    return None
-
-
 def _axis_size(axis_name) -> int:
     try:
         return lax.axis_size(axis_name)
@@ -35,19 +27,12 @@ def _axis_size(axis_name) -> int:
 
 
 def _choose(backend, interpret, op, dim, bidirectional):
-    """Backend choice: a named backend that cannot run the configuration raises; the default
-    (backend=None) moves from mosaic_tpu to xla, which computes the same values."""
-    named = backend is not None
+    """Backend choice: `interpret` implies mosaic_tpu; otherwise the platform's default. Every
+    gather/scatter dimension and direction runs on every backend."""
     if backend is None and interpret:
         backend = "mosaic_tpu"
     backend = backends.check_backend(backend, AVAILABLE, op)
-    if backend == "mosaic_tpu":
-        reason = _mosaic_tpu_reason(op, dim, bidirectional)
-        if reason and (named or interpret):
-            raise NotImplementedError(reason)
-        if reason:
-            backend = "xla"
-    elif interpret:
+    if backend != "mosaic_tpu" and interpret:
         raise ValueError(f"interpret: only the mosaic_tpu backend has an interpreter, got backend={backend!r}")
     return backend
 
@@ -156,11 +141,8 @@ def _match_vma(ct, primal):
 
 
 def _with(cfg, dim, dtype, op):
-    """The same ring configuration for a derived op (another dim and output dtype); a derived op
-    the Mosaic kernel cannot run uses the xla ring, which gives the same values."""
+    """The same ring configuration (backend included) for a derived op: another dim and output dtype."""
     axis_name, size, _, bidi, buffering, _, backend, interpret = cfg
-    if backend == "mosaic_tpu" and _mosaic_tpu_reason(op, dim, bidi):
-        backend, interpret = "xla", None
     return (axis_name, size, dim, bidi, buffering, jnp.dtype(dtype), backend, interpret)
 
 

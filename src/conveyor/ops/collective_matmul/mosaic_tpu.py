@@ -1,6 +1,5 @@
-"""Mosaic TPU ring kernels with credits: all_gather_matmul (gather_dim=1 uni- and bidirectional,
-gather_dim=0 unidirectional) and matmul_reduce_scatter (scatter_dim=0 uni- and bidirectional,
-scatter_dim=1 unidirectional).
+"""Mosaic TPU ring kernels with credits: all_gather_matmul (gather_dim 1 and 0) and
+matmul_reduce_scatter (scatter_dim 0 and 1), each unidirectional or bidirectional.
 
 Step t of the grid multiplies the shard of device (me - t) by the matching K-block of the
 stationary rhs, which a BlockSpec driven by the step fetches. Shards travel right through
@@ -80,9 +79,19 @@ def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_s
 
 
 def _bidi_kernel(me_ref, lhs_hbm, rhs_r, rhs_l, out_ref, bufs_r, bufs_l, send_r, recv_r, send_l, recv_l,
-                 cap_r, cap_l, local_sem, *, plan: RingPlan):
-    """Two streams: shards moving right (used at step t: device me - t) and moving left (me + t)."""
+                 cap_r, cap_l, local_sem, *, plan: RingPlan, rows: int | None = None):
+    """Two streams: shards moving right (used at step t: device me - t) and moving left (me + t).
+
+    rows=None (gather_dim=1): out += shard @ K-block. rows=n (gather_dim=0): the whole output
+    stays resident and each shard's product fills its own row block (source device * n)."""
     t, left, right, slot, nxt = _ring_position(me_ref, plan)
+    size = plan.num_devices
+
+    def emit(src, value):
+        if rows is None:
+            out_ref[...] += value
+        else:
+            out_ref[pl.ds(pl.multiple_of(src * rows, rows), rows), :] = value
     streams = (("right", bufs_r, send_r, recv_r, cap_r, right, left, rhs_r),
                ("left", bufs_l, send_l, recv_l, cap_l, left, right, rhs_l))
 
@@ -92,7 +101,11 @@ def _bidi_kernel(me_ref, lhs_hbm, rhs_r, rhs_l, out_ref, bufs_r, bufs_l, send_r,
             local = pltpu.make_async_copy(lhs_hbm, bufs.at[0], local_sem)
             local.start()
             local.wait()
-        out_ref[...] = jnp.dot(bufs_r[0], rhs_r[...], preferred_element_type=jnp.float32)
+        local = jnp.dot(bufs_r[0], rhs_r[...], preferred_element_type=jnp.float32)
+        if rows is None:
+            out_ref[...] = local
+        else:
+            emit(me_ref[0], local)
         for direction, _, _, _, cap, _, upstream, _ in streams:
             if plan.initial_credits(direction):
                 pl.semaphore_signal(cap, plan.initial_credits(direction), device_id=(upstream,))
@@ -111,7 +124,8 @@ def _bidi_kernel(me_ref, lhs_hbm, rhs_r, rhs_l, out_ref, bufs_r, bufs_l, send_r,
 
         @pl.when((t > 0) & (t <= uses))
         def _():
-            out_ref[...] += jnp.dot(bufs[slot], rhs_blk[...], preferred_element_type=jnp.float32)
+            src = lax.rem(me_ref[0] + (size - t if direction == "right" else t), size)
+            emit(src, jnp.dot(bufs[slot], rhs_blk[...], preferred_element_type=jnp.float32))
 
         @pl.when(plan.sends_at(t, direction))
         def _():
@@ -126,9 +140,6 @@ def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, o
                                  gather_dim: int = 1):
     n, kd = lhs.shape
     m = rhs.shape[1]
-    if gather_dim == 0 and plan.bidirectional and size > 2:
-        raise NotImplementedError("mosaic_tpu: the gather_dim=0 TPU ring is unidirectional so far; "
-                                  "pass bidirectional=False")
     buffering = max(1, min(plan.buffering, size))
     plan = RingPlan(size, plan.bidirectional and size > 2, buffering)
     if buffering < 2 and size > 1:
@@ -144,7 +155,14 @@ def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, o
         return lax.rem(me_ref[0] + t, size), 0
 
     sems = [pltpu.SemaphoreType.DMA((buffering,)), pltpu.SemaphoreType.DMA((buffering,))]
-    if plan.bidirectional:
+    if plan.bidirectional and gather_dim == 0:   # output resident in VMEM, rows filled by both streams
+        kernel = functools.partial(_bidi_kernel, rows=n)
+        stationary = pl.BlockSpec((kd, m), lambda t, me_ref: (0, 0))
+        in_specs = [pl.BlockSpec(memory_space=pl.ANY), stationary, stationary]
+        scratch = [pltpu.VMEM((buffering, n, kd), lhs.dtype)] * 2 + sems * 2 + \
+                  [pltpu.SemaphoreType.REGULAR] * 2 + [pltpu.SemaphoreType.DMA]
+        args = (me, lhs, rhs, rhs)
+    elif plan.bidirectional:
         kernel = _bidi_kernel
         in_specs = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((kd, m), from_left),
                     pl.BlockSpec((kd, m), from_right)]
@@ -163,7 +181,9 @@ def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, o
         scratch = [pltpu.VMEM((buffering, n, kd), lhs.dtype)] + sems + \
                   [pltpu.SemaphoreType.REGULAR, pltpu.SemaphoreType.DMA]
         args = (me, lhs, rhs)
-    if gather_dim == 0:
+    if gather_dim == 0 and plan.bidirectional:
+        out_shape, out_spec = (size * n, m), pl.BlockSpec((size * n, m), lambda t, me_ref: (0, 0))
+    elif gather_dim == 0:
         out_shape, out_spec = (size * n, m), pl.BlockSpec((n, m), from_left)
     else:
         out_shape, out_spec = (n, m), pl.BlockSpec((n, m), lambda t, me_ref: (0, 0))
@@ -237,10 +257,10 @@ def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPla
     mb = m // size
     buffering = max(1, min(plan.buffering, size))
     bidi = plan.bidirectional and size > 1
-    if scatter_dim == 1 and bidi:
-        raise NotImplementedError("mosaic_tpu: the scatter_dim=1 TPU ring is unidirectional so far; "
-                                  "pass bidirectional=False")
-    if bidi and n % 2:
+    if scatter_dim == 1 and bidi and (n // size) % 2:
+        raise NotImplementedError(f"mosaic_tpu: bidirectional scatter_dim=1 splits each device's {n // size} output "
+                                  f"columns in halves and needs an even count; pass bidirectional=False")
+    if scatter_dim == 0 and bidi and n % 2:
         raise NotImplementedError(f"mosaic_tpu: bidirectional matmul_reduce_scatter splits the {n} output "
                                   f"columns in halves and needs an even count; pass bidirectional=False")
     plan = RingPlan(size, bidi, buffering, collective="scatter")
@@ -254,7 +274,18 @@ def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPla
             return lax.rem(me_ref[0] + off + 2 * size, size), 0
         return index
 
-    if bidi:
+    if bidi and scatter_dim == 1:   # each device's column block split in halves, one per direction
+        hb = n // size // 2
+
+        def half_block(direction, half):
+            index = block_from(direction)
+            return lambda t, me_ref: (0, 2 * index(t, me_ref)[0] + half)
+        columns = (slice(0, hb), slice(hb, None))
+        stationary = pl.BlockSpec((m, k), lambda t, me_ref: (0, 0))
+        in_specs = [stationary, stationary, pl.BlockSpec((k, hb), half_block("right", 0)),
+                    pl.BlockSpec((k, hb), half_block("left", 1))]
+        acc_shape, args = (m, hb), (me, lhs, lhs, rhs, rhs)
+    elif bidi:
         h = n // 2
         columns = (slice(0, h), slice(h, None))
         in_specs = [pl.BlockSpec((mb, k), block_from("right")), pl.BlockSpec((mb, k), block_from("left")),
