@@ -73,24 +73,25 @@ def _entered(ctx: KernelContext):
         _CONTEXT.reset(token)
 
 
-def poison(shape, dtype) -> jax.Array:
-    """Memory that was never written: NaN for floats, the minimum for integers, False for bools."""
-    dtype = jnp.dtype(dtype)
+def _poison_value(dtype):
+    """What never-written memory holds: NaN for floats, the minimum for integers, False for bools."""
     if jnp.issubdtype(dtype, jnp.floating):
-        return jnp.full(shape, jnp.nan, dtype)
+        return np.nan
     if jnp.issubdtype(dtype, jnp.integer):
-        return jnp.full(shape, jnp.iinfo(dtype).min, dtype)
-    return jnp.zeros(shape, dtype)
+        return jnp.iinfo(dtype).min
+    return 0
+
+
+def poison(shape, dtype) -> jax.Array:
+    """Memory that was never written (see `_poison_value`), as a traced array."""
+    dtype = jnp.dtype(dtype)
+    return jnp.full(shape, _poison_value(dtype), dtype)
 
 
 def poison_numpy(shape, dtype) -> np.ndarray:
     """`poison` as a host NumPy array (usable while tracing, e.g. inside host callbacks)."""
     dtype = jnp.dtype(dtype)
-    if jnp.issubdtype(dtype, jnp.floating):
-        return np.full(shape, np.nan, dtype)
-    if jnp.issubdtype(dtype, jnp.integer):
-        return np.full(shape, jnp.iinfo(dtype).min, dtype)
-    return np.zeros(shape, dtype)
+    return np.full(shape, _poison_value(dtype), dtype)
 
 
 def _shapes(x, name):

@@ -6,38 +6,16 @@ from jax.experimental import pallas as pl
 
 import conveyor as cv
 
-NB, R, SLOTS = 64, 8, 4
+from conveyor.bench import mpmd as bench_mpmd
+
+NB, R = 64, bench_mpmd.ROWS
 
 
 def producer_consumer(**options):
     """Program A (one instance) fills slots of a shared scratch buffer and signals each consumer;
-    program B (two instances) waits, transforms its half of the block and releases the slot."""
-    def producer(x_ref, o_ref, buf, ready, done):
-        def body(b, c):
-            @pl.when(b >= SLOTS)
-            def _():
-                cv.semaphore_wait(done.at[b % SLOTS], 2)     # both consumers are done with the slot
-            buf[b % SLOTS] = x_ref[pl.ds(b * R, R), :] + 1.0
-            cv.semaphore_signal(ready.at[0, b % SLOTS])
-            cv.semaphore_signal(ready.at[1, b % SLOTS])
-            return c
-        lax.fori_loop(0, NB, body, 0)
-
-    def consumer(x_ref, o_ref, buf, ready, done):
-        me = lax.axis_index("core")
-        def body(b, c):
-            cv.semaphore_wait(ready.at[me, b % SLOTS])
-            rows = pl.ds(me * (R // 2), R // 2)
-            o_ref[pl.ds(b * R + me * (R // 2), R // 2), :] = buf[b % SLOTS, rows, :] * 2.0
-            cv.semaphore_signal(done.at[b % SLOTS])
-            return c
-        lax.fori_loop(0, NB, body, 0)
-
-    return cv.mpmd_map([(cv.Mesh(p=1), producer), (cv.Mesh(core=2), consumer)],
-                       jax.ShapeDtypeStruct((NB * R, 128), jnp.float32),
-                       scratch_shapes=[jax.ShapeDtypeStruct((SLOTS, R, 128), jnp.float32),
-                                       cv.SemaphoreType((2, SLOTS)), cv.SemaphoreType((SLOTS,))], **options)
-
+    program B (two instances) waits, transforms its half of the block and releases the slot
+    (the same program the mpmd benchmark times)."""
+    return bench_mpmd.producer_consumer(NB, **options)
 
 
 def barrier_lockstep(blocks=4, rows=8, **options):

@@ -21,7 +21,8 @@ from conveyor.bench.timing import interleaved_medians
 ROWS, SLOTS = 8, 4
 
 
-def producer_consumer(blocks: int):
+def producer_consumer(blocks: int, **options):
+    """Producer (mesh of 1) stages blocks through SLOTS shared slots; two consumers transform halves."""
     def producer(x_ref, o_ref, buf, ready, done):
         def body(b, c):
             @pl.when(b >= SLOTS)
@@ -45,7 +46,7 @@ def producer_consumer(blocks: int):
     return cv.mpmd_map([(cv.Mesh(p=1), producer), (cv.Mesh(core=2), consumer)],
                        jax.ShapeDtypeStruct((blocks * ROWS, 128), jnp.float32),
                        scratch_shapes=[jax.ShapeDtypeStruct((SLOTS, ROWS, 128), jnp.float32),
-                                       cv.SemaphoreType((2, SLOTS)), cv.SemaphoreType((SLOTS,))])
+                                       cv.SemaphoreType((2, SLOTS)), cv.SemaphoreType((SLOTS,))], **options)
 
 
 def run(reps: int = 5) -> str:
