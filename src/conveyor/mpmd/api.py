@@ -126,8 +126,10 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
         if backend == "mosaic_tpu":
             raise NotImplementedError(
                 "mpmd_map on mosaic_tpu: Pallas TPU (jax 0.12) runs several programs in one kernel only on "
-                "SparseCore (pl.kernel with a list of meshes); TensorCore kernels take one program. Use the CPU "
-                "executor (the default on CPU) or mosaic_gpu")
+                "SparseCore (pl.kernel with a list of meshes), and mapping instances onto a TensorCore mesh "
+                "needs scratch shared between cores, which its interpreter does not model (HBM scratch fails "
+                "an interpreter assertion; VMEM_SHARED written on one core reads back uninitialized on another). "
+                "Use the CPU executor (the default on CPU) or mosaic_gpu")
         from conveyor.mpmd import cpu_call
         outs = cpu_call.run(programs, axes, in_leaves, out_leaves, scratch, scratch_names,
                             dict(input_output_aliases), params, name)
