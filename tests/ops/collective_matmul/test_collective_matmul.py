@@ -60,6 +60,16 @@ def test_ring_plan_credits_balance(d, buffering, bidi):
     assert uses == d - 1   # every other device's shard arrives exactly once
 
 
+@pytest.fixture(params=["per_step", "merged"])
+def dot_schedule(request, monkeypatch):
+    """Run the xla ring with one dot per step (what GPU/TPU lowerings get) and with the merged dots
+    the CPU lowering gets, whatever platform the test runs on."""
+    from conveyor.ops.collective_matmul import xla
+    merge = request.param == "merged"
+    monkeypatch.setattr(xla, "_per_platform", lambda run, *args: run(*args, merge))
+    return request.param
+
+
 def _variants():
     for ring, other in [(8, 1), (4, 2), (3, 1), (2, 1)]:
         for bidi in (False, True):
@@ -67,7 +77,7 @@ def _variants():
 
 
 @pytest.mark.parametrize("ring, other, bidi", list(_variants()))
-def test_all_gather_matmul_contraction_sharded(ring, other, bidi):
+def test_all_gather_matmul_contraction_sharded(ring, other, bidi, dot_schedule):
     mesh = ring_mesh(ring, other)
     x, w = arr(2 * other * 8, ring * 16), arr(ring * 16, 24)   # lhs [n, K] sharded over K on x, over n on y
     out = per_device(mesh, lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", bidirectional=bidi),
@@ -79,7 +89,7 @@ def test_all_gather_matmul_contraction_sharded(ring, other, bidi):
 
 
 @pytest.mark.parametrize("ring, other, bidi", list(_variants()))
-def test_all_gather_matmul_row_sharded(ring, other, bidi):
+def test_all_gather_matmul_row_sharded(ring, other, bidi, dot_schedule):
     mesh = ring_mesh(ring, other)
     x, w = arr(ring * 8, 32), arr(32, other * 16)
     out = per_device(mesh, lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", gather_dim=0, bidirectional=bidi),
@@ -92,7 +102,7 @@ def test_all_gather_matmul_row_sharded(ring, other, bidi):
 
 @pytest.mark.parametrize("scatter_dim", [0, 1])
 @pytest.mark.parametrize("ring, other, bidi", list(_variants()))
-def test_matmul_reduce_scatter(ring, other, bidi, scatter_dim):
+def test_matmul_reduce_scatter(ring, other, bidi, scatter_dim, dot_schedule):
     mesh = ring_mesh(ring, other)
     a, b = arr(ring * 8, ring * 16), arr(ring * 16, ring * 4 * other)
     out = per_device(mesh, lambda l, r: cv.matmul_reduce_scatter(l, r, axis_name="x", scatter_dim=scatter_dim,
@@ -153,3 +163,19 @@ def test_bad_input_errors():
         run(lambda a, b: cv.matmul_reduce_scatter(a, b, axis_name="x"), [P(), P()], arr(8, 32), arr(16, 8))
     with pytest.raises(ValueError, match=r"gather_dim: expected 0 or 1"):
         run(lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", gather_dim=2), [P(None, "x"), P()], x, w)
+
+
+def test_cpu_lowering_merges_the_dots_and_accelerator_lowerings_keep_one_per_step():
+    mesh = ring_mesh(4)
+    f = jax.jit(jax.shard_map(lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", bidirectional=False),
+                              mesh=mesh, in_specs=(P(None, "x"), P()), out_specs=P(), check_vma=False))
+    args = (jax.ShapeDtypeStruct((8, 64), jnp.float32), jax.ShapeDtypeStruct((64, 32), jnp.float32))
+    cpu_text = f.lower(*args).as_text()
+    assert cpu_text.count("stablehlo.dot_general") == 1 and cpu_text.count("collective_permute") == 3
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+    tpu = AbstractMesh((4,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice("TPU v5 lite", 4, "tpu"))
+    g = jax.jit(jax.shard_map(lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", bidirectional=False,
+                                                                backend="xla"),
+                              mesh=tpu, in_specs=(P(None, "x"), P()), out_specs=P(), check_vma=False))
+    tpu_text = jax.export.export(g, platforms=["tpu"])(*args).mlir_module()
+    assert tpu_text.count("stablehlo.dot_general") == 4

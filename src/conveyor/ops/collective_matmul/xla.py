@@ -2,7 +2,10 @@
 
 Each step issues the ppermute that brings the next shard before the dot that uses the current one,
 so on platforms with asynchronous collectives XLA can overlap them. XLA:CPU runs collective
-permutes synchronously (shared FACTS): on CPU this proves correctness, not overlap.
+permutes synchronously (shared FACTS), so there the overlap cannot happen and the many small dots
+only cost: when lowered for CPU (`lax.platform_dependent`, decided per lowering platform, so an
+export for TPU or GPU keeps the per-step dots) the steps' dots are merged into one. The
+transfers are the same ring of ppermutes either way.
 """
 from __future__ import annotations
 
@@ -23,7 +26,18 @@ def _dot(a, b, out_dtype):
     return jnp.dot(a, b, preferred_element_type=acc)
 
 
+def _per_platform(run, *args):
+    """`run(*args, merge_dots)`: merged dots when lowered for CPU, one dot per ring step elsewhere."""
+    return lax.platform_dependent(*args, cpu=lambda *a: run(*a, True), default=lambda *a: run(*a, False))
+
+
 def all_gather_matmul_xla(lhs, rhs, *, axis_name, size, gather_dim, plan: RingPlan, out_dtype):
+    return _per_platform(lambda l, r, merge: _all_gather_matmul(l, r, axis_name=axis_name, size=size,
+                                                                gather_dim=gather_dim, plan=plan,
+                                                                out_dtype=out_dtype, merge=merge), lhs, rhs)
+
+
+def _all_gather_matmul(lhs, rhs, *, axis_name, size, gather_dim, plan: RingPlan, out_dtype, merge: bool):
     me = lax.axis_index(axis_name)
     steps = plan.gather_steps()
     if gather_dim == 1:
@@ -43,6 +57,7 @@ def all_gather_matmul_xla(lhs, rhs, *, axis_name, size, gather_dim, plan: RingPl
 
     held = {"local": lhs}
     acc = None
+    arrived = []   # (shard, offset) in ring order
     for i, step in enumerate(steps):
         # Issue the transfers for the next step first, then compute on what is here.
         nxt = {}
@@ -52,12 +67,39 @@ def all_gather_matmul_xla(lhs, rhs, *, axis_name, size, gather_dim, plan: RingPl
                 prev = held.get(src, lhs)
                 nxt[src] = _shift(prev, axis_name, size, "right" if src == "from_left" else "left")
         for where, offset in step.uses:
-            acc = contribute(acc, held[where], offset)
+            if merge:
+                arrived.append((held[where], offset))
+            else:
+                acc = contribute(acc, held[where], offset)
         held = nxt
+    if merge:
+        acc = _merged(arrived, rhs, me, size, gather_dim, out_dtype)
     return acc.astype(out_dtype)
 
 
+def _merged(arrived, rhs, me, size, gather_dim, out_dtype):
+    """All steps' products as one dot: shards side by side against their K-blocks (gather_dim=1),
+    or stacked rows placed at their source's row block (gather_dim=0)."""
+    if gather_dim == 1:
+        kd = arrived[0][0].shape[1]
+        a = jnp.concatenate([s for s, _ in arrived], axis=1)
+        w = jnp.concatenate([lax.dynamic_slice_in_dim(rhs, ((me + off) % size) * kd, kd, 0) for _, off in arrived], 0)
+        return _dot(a, w, out_dtype)
+    mb = arrived[0][0].shape[0]
+    prod = _dot(jnp.concatenate([s for s, _ in arrived], axis=0), rhs, out_dtype)
+    out = jnp.zeros((size * mb, rhs.shape[1]), prod.dtype)
+    for j, (_, off) in enumerate(arrived):
+        out = lax.dynamic_update_slice_in_dim(out, prod[j * mb:(j + 1) * mb], ((me + off) % size) * mb, 0)
+    return out
+
+
 def matmul_reduce_scatter_xla(lhs, rhs, *, axis_name, size, scatter_dim, plan: RingPlan, out_dtype):
+    return _per_platform(lambda l, r, merge: _matmul_reduce_scatter(l, r, axis_name=axis_name, size=size,
+                                                                    scatter_dim=scatter_dim, plan=plan,
+                                                                    out_dtype=out_dtype, merge=merge), lhs, rhs)
+
+
+def _matmul_reduce_scatter(lhs, rhs, *, axis_name, size, scatter_dim, plan: RingPlan, out_dtype, merge: bool):
     me = lax.axis_index(axis_name)
     other = 1 - scatter_dim
     n_other = (lhs.shape[0], rhs.shape[1])[other]
@@ -78,10 +120,16 @@ def matmul_reduce_scatter_xla(lhs, rhs, *, axis_name, size, scatter_dim, plan: R
 
     results = []
     for (lo, width), direction in zip(halves, directions):
-        acc = partial((me + plan.scatter_block(0, direction)) % size, lo, width)
+        if merge:   # every step's partial from one dot, then the ring of accumulators
+            full = _dot(lhs, rhs[:, lo:lo + width], out_dtype) if scatter_dim == 0 else _dot(lhs[lo:lo + width], rhs, out_dtype)
+            parts = [lax.dynamic_slice_in_dim(full, ((me + plan.scatter_block(t, direction)) % size) * blk, blk,
+                                              scatter_dim) for t in range(size)]
+        else:
+            parts = None
+        acc = parts[0] if merge else partial((me + plan.scatter_block(0, direction)) % size, lo, width)
         for t in range(1, size):
             incoming = _shift(acc, axis_name, size, direction)
-            acc = incoming + partial((me + plan.scatter_block(t, direction)) % size, lo, width)
+            acc = incoming + (parts[t] if merge else partial((me + plan.scatter_block(t, direction)) % size, lo, width))
         results.append(acc)
     out = results[0] if len(results) == 1 else jnp.concatenate(results, axis=other)
     return out.astype(out_dtype)
