@@ -4,8 +4,8 @@ Each step issues the ppermute that brings the next shard before the dot that use
 so on platforms with asynchronous collectives XLA can overlap them. XLA:CPU runs collective
 permutes synchronously (shared FACTS), so there the overlap cannot happen and the many small dots
 only cost: when lowered for CPU (`lax.platform_dependent`, decided per lowering platform, so an
-export for TPU or GPU keeps the per-step dots) the steps' dots are merged into one. The
-transfers are the same ring of ppermutes either way.
+export for TPU or GPU keeps the per-step dots) the steps' dots are merged into one, and the
+reduce-scatter sends its accumulators one way only. The transfers are a ring of ppermutes either way.
 """
 from __future__ import annotations
 
@@ -104,7 +104,9 @@ def _matmul_reduce_scatter(lhs, rhs, *, axis_name, size, scatter_dim, plan: Ring
     other = 1 - scatter_dim
     n_other = (lhs.shape[0], rhs.shape[1])[other]
     halves = [(0, n_other)]
-    if plan.bidirectional and n_other >= 2 and size > 1:
+    # Two directions halve the bytes per link on hardware; on CPU (merge) they only double the
+    # number of synchronous permutes, so the CPU lowering sends everything one way.
+    if plan.bidirectional and n_other >= 2 and size > 1 and not merge:
         h = n_other // 2
         halves = [(0, h), (h, n_other - h)]
     directions = ["right", "left"][:len(halves)]
