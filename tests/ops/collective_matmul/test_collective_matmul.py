@@ -66,7 +66,7 @@ def dot_schedule(request, monkeypatch):
     the CPU lowering gets, whatever platform the test runs on."""
     from conveyor.ops.collective_matmul import xla
     merge = request.param == "merged"
-    monkeypatch.setattr(xla, "_per_platform", lambda run, *args: run(*args, merge))
+    monkeypatch.setattr(xla, "_per_platform", lambda run, lhs, rhs, **cfg: run(lhs, rhs, merge=merge, **cfg))
     return request.param
 
 

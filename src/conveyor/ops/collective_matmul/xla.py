@@ -26,15 +26,15 @@ def _dot(a, b, out_dtype):
     return jnp.dot(a, b, preferred_element_type=acc)
 
 
-def _per_platform(run, *args):
-    """`run(*args, merge_dots)`: merged dots when lowered for CPU, one dot per ring step elsewhere."""
-    return lax.platform_dependent(*args, cpu=lambda *a: run(*a, True), default=lambda *a: run(*a, False))
+def _per_platform(run, lhs, rhs, **config):
+    """`run(lhs, rhs, merge=..., **config)`: merged dots when lowered for CPU, one per ring step elsewhere."""
+    return lax.platform_dependent(lhs, rhs, cpu=lambda l, r: run(l, r, merge=True, **config),
+                                  default=lambda l, r: run(l, r, merge=False, **config))
 
 
-def all_gather_matmul_xla(lhs, rhs, *, axis_name, size, gather_dim, plan: RingPlan, out_dtype):
-    return _per_platform(lambda l, r, merge: _all_gather_matmul(l, r, axis_name=axis_name, size=size,
-                                                                gather_dim=gather_dim, plan=plan,
-                                                                out_dtype=out_dtype, merge=merge), lhs, rhs)
+def all_gather_matmul_xla(lhs, rhs, **config):
+    """Keyword config: axis_name, size, gather_dim, plan (RingPlan), out_dtype."""
+    return _per_platform(_all_gather_matmul, lhs, rhs, **config)
 
 
 def _all_gather_matmul(lhs, rhs, *, axis_name, size, gather_dim, plan: RingPlan, out_dtype, merge: bool):
@@ -93,10 +93,9 @@ def _merged(arrived, rhs, me, size, gather_dim, out_dtype):
     return out
 
 
-def matmul_reduce_scatter_xla(lhs, rhs, *, axis_name, size, scatter_dim, plan: RingPlan, out_dtype):
-    return _per_platform(lambda l, r, merge: _matmul_reduce_scatter(l, r, axis_name=axis_name, size=size,
-                                                                    scatter_dim=scatter_dim, plan=plan,
-                                                                    out_dtype=out_dtype, merge=merge), lhs, rhs)
+def matmul_reduce_scatter_xla(lhs, rhs, **config):
+    """Keyword config: axis_name, size, scatter_dim, plan (RingPlan), out_dtype."""
+    return _per_platform(_matmul_reduce_scatter, lhs, rhs, **config)
 
 
 def _matmul_reduce_scatter(lhs, rhs, *, axis_name, size, scatter_dim, plan: RingPlan, out_dtype, merge: bool):
