@@ -15,7 +15,7 @@ def test_every_number_has_a_known_source_and_docs_print_them_all():
     for hw in cv.sim.HARDWARE.values():
         for name, value in hw.numbers().items():
             assert value.source in hardware.SOURCES, (hw.name, name)
-            assert value.value > 0, (hw.name, name)
+            assert value.value > 0 or (name == "overlap_slowdown" and value.value == 0), (hw.name, name)
     assert hardware.markdown_table() in (DOCS / "hardware.md").read_text()
 
 
@@ -80,7 +80,7 @@ def test_ring_overlaps_what_unfused_serializes():
     kw = dict(dtype="f16", hardware="h800", bidirectional=False)
     ring = cv.sim.simulate_collective_matmul("all_gather_matmul", 512, 12288, 6144, 8, **kw)
     unfused = cv.sim.simulate_collective_matmul("all_gather_matmul", 512, 12288, 6144, 8, unfused=True, **kw)
-    assert ring.time_s < 0.7 * unfused.time_s
+    assert ring.time_s < 0.75 * unfused.time_s   # overlap wins even with the calibrated contention
     bidi = cv.sim.simulate_collective_matmul("all_gather_matmul", 512, 1024, 1024, 8, hardware="v5e")
     uni = cv.sim.simulate_collective_matmul("all_gather_matmul", 512, 1024, 1024, 8, hardware="v5e", bidirectional=False)
     assert bidi.time_s < uni.time_s and bidi.bottleneck == "interconnect" == uni.bottleneck

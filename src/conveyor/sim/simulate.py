@@ -332,7 +332,7 @@ def simulate_collective_matmul(kind: str, m: int, k: int, n: int, devices: int, 
         time = t
     else:
         plan = RingPlan(devices, bidi, buffering, "gather" if kind == "all_gather_matmul" else "scatter")
-        time = _replay_ring(plan, chunk.time_s, hop, boxes, kind)
+        time = _replay_ring(plan, chunk.time_s, hop, boxes, kind, hw.overlap_slowdown.value)
     config = {"kind": kind, "m": m, "k": k, "n": n, "devices": devices, "dtype": dtype, "bidirectional": bidi,
               "buffering": buffering, "unfused": unfused, "chunk_tile": chunk.config["tile"],
               "chunk_us": chunk.time_s * 1e6, "hop_us": hop * 1e6}
@@ -340,7 +340,8 @@ def simulate_collective_matmul(kind: str, m: int, k: int, n: int, devices: int, 
     return Report(kind, hw, time, flops, hbm, shard * (devices - 1), chunk.onchip_bytes, config, tuple(boxes))
 
 
-def _replay_ring(plan: RingPlan, chunk_s: float, hop_s: float, boxes: list[Box], kind: str) -> float:
+def _replay_ring(plan: RingPlan, chunk_s: float, hop_s: float, boxes: list[Box], kind: str,
+                 slowdown: float = 0.0) -> float:
     """Every device is alike: replay one device's ring steps. Gather: step t multiplies the shard
     received at step t; a shard is forwarded as soon as it arrived and the downstream slot is free
     (credits: at most `buffering` shards ahead). Scatter: step t adds its partial into the
@@ -367,8 +368,10 @@ def _replay_ring(plan: RingPlan, chunk_s: float, hop_s: float, boxes: list[Box],
                 start = compute_free if scatter else max(compute_free, arrive[d][t])
                 if start > compute_free:
                     boxes.append(Box("compute", "wait", f"wait shard {t}", compute_free, start))
-                boxes.append(Box("compute", "compute", f"step {t} {d}", start, start + dur))
-                compute_free = start + dur
+                # a step whose shard is forwarded meanwhile computes slower (transfers share HBM / SMs)
+                busy = dur * (1.0 + slowdown) if plan.sends_at(t, d) else dur
+                boxes.append(Box("compute", "compute", f"step {t} {d}", start, start + busy))
+                compute_free = start + busy
             done_step[d][t] = max(compute_free, arrive[d][t]) if scatter else compute_free
             # forward: gather sends the received shard on as soon as it arrived; scatter sends the sum
             if t < uses[d]:
