@@ -22,7 +22,7 @@ from conveyor.sim.hardware import Hardware, get as get_hardware
 from conveyor.sim.report import Box, Report
 
 REPLAYED_TILES = 4
-BYTES = {"bf16": 2, "bfloat16": 2, "f16": 2, "float16": 2, "fp8": 1, "int8": 1, "f32": 4, "float32": 4}
+BYTES = {"bf16": 2, "bfloat16": 2, "f16": 2, "float16": 2, "fp8": 1, "int8": 1, "f32": 4, "float32": 4, "int32": 4}
 
 
 class DoesNotFit(ValueError):

@@ -51,6 +51,19 @@ def _flux(kind, unfused):
 
 
 FLUX = "ByteDance Flux README: 8xH800, TP=8, fp16, M=4096, K=12288, N=49152 (shared FACTS)"
+SCALING_BOOK = ("How To Scale Your Model, 'Programming TPUs in JAX': TPU v5e-8, mesh 2x4, B, D, F = 1024, 2048, "
+                "8192, int32 (arange) data, all-gather over the 4-chip Y axis (shared FACTS)")
+
+
+def _scaling_book(kind: str) -> float:
+    # Per chip: A[B/X, D/Y] = [512, 512] travels round the 4-chip Y ring (contraction-sharded);
+    # W[D, F/Y] = [2048, 2048] stays; out [512, 2048]. As rows x K-block x n: 512, 512, 2048.
+    if kind == "unsharded":
+        return simulate_matmul(512, 2048, 2048, dtype="int32", hardware="v5e").time_us
+    return simulate_collective_matmul("all_gather_matmul", 512, 512, 2048, 4, dtype="int32", hardware="v5e",
+                                      bidirectional=False, unfused=kind == "blocking").time_us
+
+
 MEASUREMENTS: tuple[Measurement, ...] = (
     Measurement("8192^3 bf16 matmul", "h100", 798.0, "TFLOP/s", "shared FACTS (H100 SXM, PyTorch, 2026)",
                 lambda: _matmul_tflops("h100"), role="calibration"),
@@ -68,6 +81,12 @@ MEASUREMENTS: tuple[Measurement, ...] = (
                 lambda: _flux("matmul_reduce_scatter", True)),
     Measurement("GEMM x reduce-scatter, fused ring", "h800", 932.0, "us", FLUX,
                 lambda: _flux("matmul_reduce_scatter", False)),
+    Measurement("matmul without the sharded contraction", "v5e", 224.0, "us", SCALING_BOOK,
+                lambda: _scaling_book("unsharded"), role="calibration"),
+    Measurement("blocking all-gather then matmul", "v5e", 311.0, "us", SCALING_BOOK,
+                lambda: _scaling_book("blocking")),
+    Measurement("collective matmul, unidirectional ring", "v5e", 244.0, "us", SCALING_BOOK,
+                lambda: _scaling_book("ring")),
 )
 
 
