@@ -178,6 +178,7 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
 
         init = (*[jnp.asarray(x) for x in inputs], *[poison(s.shape, s.dtype) for s in outs],
                 *[poison(s.shape, s.dtype) for s in scratch])
+
         def one_point(refs, program_ids):
             point = dataclasses.replace(ctx, program_ids=program_ids)
             if thread_name is None:
@@ -192,12 +193,10 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
             if not grid:
                 return one_point(refs, ())
 
+            from conveyor.pipeline.plan import unravel  # (conveyor.pipeline imports this module)
+
             def step(i, _):
-                ids = []
-                for size in reversed(grid):
-                    ids.append(i % size)
-                    i = i // size
-                one_point(refs, tuple(reversed(ids)))
+                one_point(refs, unravel(i, grid))
             jax.lax.fori_loop(0, math.prod(grid), step, None)
 
         final = run_state(every_point)(init)

@@ -1,7 +1,12 @@
 """Synchronization objects a kernel body may receive, usable the same way on every backend."""
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 from typing import Any
+
+import jax
+import jax.numpy as jnp
 
 
 class TraceTimeBarrier:
@@ -29,12 +34,6 @@ def barrier_arrive(barrier: Any) -> None:
 
 
 # ---- semaphores and barriers shared by the programs of cv.mpmd_map -----------------------------
-import contextvars  # noqa: E402
-import dataclasses  # noqa: E402
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
 
 @dataclasses.dataclass(frozen=True)
 class SemaphoreType:

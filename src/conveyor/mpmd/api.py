@@ -10,11 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conveyor.kernel import poison_numpy
-from conveyor.sync import SYNC_BACKEND, BarrierType, SemaphoreType
 
 DEFAULT_TIMEOUT_S = 30.0
-MAX_CPU_SCRATCH_BYTES = 4 << 30
 
 
 class Mesh:
@@ -40,6 +37,18 @@ class Mesh:
 
 def _label(i: int, fn: Callable) -> str:
     return f"program {i} ({getattr(fn, '__name__', type(fn).__name__)!r})"
+
+
+def call_program(i: int, fn: Callable, refs: Sequence[Any], scratch: Sequence[Any], scratch_names) -> None:
+    """Run program `i` on its refs (scratch by keyword when scratch_shapes was a dict); it must return None."""
+    if scratch_names is None:
+        result = fn(*refs, *scratch)
+    else:
+        result = fn(*refs, **dict(zip(scratch_names, scratch)))
+    if result is not None:
+        what = "an array" if hasattr(result, "shape") else f"a {type(result).__name__}"
+        raise TypeError(f"mpmd_map: {_label(i, fn)} returned {what}; a program writes its "
+                        f"results through the output refs and returns None")
 
 
 def super_mesh(meshes_and_fns) -> dict[str, int]:
@@ -161,20 +170,4 @@ def _default_backend(interpret) -> str:
     return {"gpu": "mosaic_gpu", "cuda": "mosaic_gpu", "tpu": "mosaic_tpu"}.get(platform, "cpu")
 
 
-def scratch_buffer(i: int, s: Any, label: str):
-    """Initial contents and kind of scratch `i` on the CPU executor."""
-    if isinstance(s, SemaphoreType):
-        return np.zeros(tuple(s.shape), np.int32), "semaphore"
-    if isinstance(s, BarrierType):
-        return np.zeros((), np.int32), "barrier"
-    if hasattr(s, "shape") and hasattr(s, "dtype"):
-        nbytes = math.prod(s.shape) * jnp.dtype(s.dtype).itemsize
-        if nbytes > MAX_CPU_SCRATCH_BYTES:
-            raise ValueError(f"mpmd_map: {label} of {nbytes / 2**30:.1f} GiB is more than the CPU executor holds "
-                             f"({MAX_CPU_SCRATCH_BYTES / 2**30:.0f} GiB)")
-        return poison_numpy(s.shape, s.dtype), "array"
-    raise ValueError(f"mpmd_map: {label} must be a jax.ShapeDtypeStruct, cv.SemaphoreType or cv.BarrierType; the "
-                     f"CPU executor cannot hold {s!r}")
-
-
-__all__ = ["Mesh", "mpmd_map", "super_mesh", "SYNC_BACKEND"]
+__all__ = ["Mesh", "mpmd_map", "super_mesh"]

@@ -271,12 +271,9 @@ class Interpreter:
                     raise _Aborted()
                 sh.state[self.inst] = f"waits on semaphore {where} >= {value} (holds {int(arr[idx])})"
                 left = deadline - time.monotonic()
-                if left <= 0:
-                    report = (f"mpmd_map: a wait was not satisfied within {sh.timeout_s:g} s "
-                              f"(set compiler_params={{'timeout_s': ...}} to change it). Instances:\n{sh.table()}")
-                    sh.report = sh.report or report
-                    sh.aborted = True
-                    sh.cond.notify_all()
+                if left <= 0:   # (the condition's lock is re-entrant: abort may take it again)
+                    sh.abort(f"mpmd_map: a wait was not satisfied within {sh.timeout_s:g} s "
+                             f"(set compiler_params={{'timeout_s': ...}} to change it). Instances:\n{sh.table()}")
                     raise _Aborted()
                 sh.cond.wait(min(left, 0.5))
             arr[idx] -= value

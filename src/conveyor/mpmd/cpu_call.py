@@ -5,6 +5,9 @@ composes with jitted code on CPU; outside jit it runs directly.
 """
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,21 +15,31 @@ import numpy as np
 from conveyor._compat import trace_ref_program
 from conveyor.kernel import poison_numpy
 from conveyor.mpmd import cpu
-from conveyor.mpmd.api import _label, scratch_buffer
-from conveyor.sync import SYNC_BACKEND
+from conveyor.mpmd.api import _label, call_program
+from conveyor.sync import SYNC_BACKEND, BarrierType, SemaphoreType
+
+MAX_CPU_SCRATCH_BYTES = 4 << 30
+
+
+def scratch_buffer(s: Any, label: str):
+    """Initial contents and kind of scratch `i` on the CPU executor."""
+    if isinstance(s, SemaphoreType):
+        return np.zeros(tuple(s.shape), np.int32), "semaphore"
+    if isinstance(s, BarrierType):
+        return np.zeros((), np.int32), "barrier"
+    if hasattr(s, "shape") and hasattr(s, "dtype"):
+        nbytes = math.prod(s.shape) * jnp.dtype(s.dtype).itemsize
+        if nbytes > MAX_CPU_SCRATCH_BYTES:
+            raise ValueError(f"mpmd_map: {label} of {nbytes / 2**30:.1f} GiB is more than the CPU executor holds "
+                             f"({MAX_CPU_SCRATCH_BYTES / 2**30:.0f} GiB)")
+        return poison_numpy(s.shape, s.dtype), "array"
+    raise ValueError(f"mpmd_map: {label} must be a jax.ShapeDtypeStruct, cv.SemaphoreType or cv.BarrierType; the "
+                     f"CPU executor cannot hold {s!r}")
 
 
 def _trace(i, fn, avals, n_fixed, scratch_names, axes, print_jaxpr):
     def program(*refs):
-        fixed, scratch = refs[:n_fixed], refs[n_fixed:]
-        if scratch_names is None:
-            result = fn(*fixed, *scratch)
-        else:
-            result = fn(*fixed, **dict(zip(scratch_names, scratch)))
-        if result is not None:
-            what = "an array" if hasattr(result, "shape") else f"a {type(result).__name__}"
-            raise TypeError(f"mpmd_map: {_label(i, fn)} returned {what}; a program writes its "
-                            f"results through the output refs and returns None")
+        call_program(i, fn, refs[:n_fixed], refs[n_fixed:], scratch_names)
 
     token = SYNC_BACKEND.set("cpu")
     try:
@@ -41,7 +54,7 @@ def _trace(i, fn, avals, n_fixed, scratch_names, axes, print_jaxpr):
 def run(programs, axes, in_leaves, out_leaves, scratch, scratch_names, aliases, params, name):
     avals = ([jax.core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype)) for x in in_leaves]
              + [jax.core.ShapedArray(tuple(s.shape), jnp.dtype(s.dtype)) for s in out_leaves])
-    scratch_init = [scratch_buffer(i, s, f"scratch {scratch_names[i] if scratch_names else i}")
+    scratch_init = [scratch_buffer(s, f"scratch {scratch_names[i] if scratch_names else i}")
                     for i, s in enumerate(scratch)]
     avals += [jax.core.ShapedArray(a.shape, a.dtype) for a, _ in scratch_init]
     n_fixed = len(in_leaves) + len(out_leaves)

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conveyor._compat import call_with_axis_values
-from conveyor.mpmd.api import _label
+from conveyor.mpmd.api import call_program
 from conveyor.sync import SYNC_BACKEND, BarrierType, SemaphoreType
 
 THREAD_AXIS = "_cv_mpmd_instance"
@@ -66,15 +66,8 @@ def build(programs, axes, out_leaves, scratch, scratch_names, aliases, interpret
                         values = {k: (axes[k], v) for k, v in point.items()}
                         values[THREAD_AXIS] = (total, t)
 
-                        def run():
-                            if scratch_names is None:
-                                result = fn(*ins, *outs, *scratch_refs)
-                            else:
-                                result = fn(*ins, *outs, **dict(zip(scratch_names, scratch_refs)))
-                            if result is not None:
-                                raise TypeError(f"mpmd_map: {_label(i, fn)} returned a value; a program writes its "
-                                                f"results through the output refs and returns None")
-                        call_with_axis_values(run, values)
+                        call_with_axis_values(lambda: call_program(i, fn, (*ins, *outs), scratch_refs, scratch_names),
+                                              values)
             finally:
                 SYNC_BACKEND.reset(token)
 

@@ -117,8 +117,12 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
         out_ready = args[-1] if n_out else None
         tid = lax.axis_index(wp.wg_axis)
 
-        def consumed_barrier(i):
-            return consumed[i] if wp.manual_consumed_barriers else consumed[0]
+        # The consumed barrier the memory thread waits on before refilling input i's slot: each
+        # input's own with manual barriers; otherwise one shared barrier, waited before the first.
+        if wp.manual_consumed_barriers:
+            wait_before = {i: consumed[i] for i in cycling}
+        else:
+            wait_before = {cycling[0]: consumed[0]} if cycling else {}
 
         def fetch(i, step):
             op = p.inputs[i]
@@ -138,25 +142,21 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
                 @pl.when(t < n)
                 def _():
                     tt = jnp.minimum(t, n - 1)
-                    waited = set()
                     for i in cycling:
-                        b = consumed_barrier(i)
-                        if id(b) not in waited:
-                            waited.add(id(b))
-
+                        if i in wait_before:
                             @pl.when(wp.refill_waits(tt))
                             def _():
-                                plgpu.barrier_wait(b.at[tt % S])
+                                plgpu.barrier_wait(wait_before[i].at[tt % S])
                                 # Order the compute threads' reads of the slot (generic proxy)
                                 # before the TMA write into it (async proxy).
                                 plgpu.commit_smem()
                         fetch(i, tt)
-                return _
+                return None
 
             lax.fori_loop(0, n, step, None)
             # Consume the arrivals nobody waited for, so every barrier ends at a phase boundary.
             last_arrival = n if wp.manual_consumed_barriers else n - p.delay_release
-            for b in {id(consumed_barrier(i)): consumed_barrier(i) for i in cycling}.values():
+            for b in wait_before.values():
                 for u in range(max(0, n - S), last_arrival):
                     plgpu.barrier_wait(b.at[u % S])
 

@@ -27,6 +27,15 @@ import jax.numpy as jnp
 Int = Any  # a Python int or a traced int32 scalar
 
 
+def unravel(step: Int, grid: Sequence[int]) -> tuple[Int, ...]:
+    """Row-major indices of linear `step` in `grid` (Python or traced ints)."""
+    idx = []
+    for size in reversed(tuple(grid)):
+        idx.append(step % size)
+        step = step // size
+    return tuple(reversed(idx))
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockSpec:
     """A block of an array visited by a pipeline: `block_shape` and `index_map(*grid_indices)`.
@@ -101,11 +110,7 @@ class PipelinePlan:
     # ---- rules: valid on Python ints and on traced int32 scalars ----
     def grid_indices(self, step: Int) -> tuple[Int, ...]:
         """Row-major grid indices of a linear step."""
-        idx = []
-        for size in reversed(self.grid):
-            idx.append(step % size)
-            step = step // size
-        return tuple(reversed(idx))
+        return unravel(step, self.grid)
 
     def block_indices(self, op: OperandPlan, step: Int) -> tuple[Int, ...]:
         out = op.index_map(*self.grid_indices(step))

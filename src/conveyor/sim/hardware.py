@@ -92,13 +92,17 @@ class Hardware:
     link_efficiency: Value                 # achievable fraction of link_bandwidth
     overlap_slowdown: Value                # compute runs this much slower while a transfer runs beside it
 
-    def matrix_rate(self, dtype: str) -> float:
-        """Achievable matrix FLOP/s per chip for operands of `dtype`."""
+    def matrix_peak_rate(self, dtype: str) -> float:
+        """Peak (datasheet) matrix FLOP/s per chip for operands of `dtype`."""
         key = _DTYPE_ALIASES.get(dtype, dtype)
         if key not in self.matrix_peak:
             raise ValueError(f"hardware {self.name}: no matrix rate for dtype {dtype!r}; "
                              f"known: {sorted(self.matrix_peak)}")
-        return self.matrix_peak[key].value * self.matrix_efficiency.value
+        return self.matrix_peak[key].value
+
+    def matrix_rate(self, dtype: str) -> float:
+        """Achievable matrix FLOP/s per chip for operands of `dtype`."""
+        return self.matrix_peak_rate(dtype) * self.matrix_efficiency.value
 
     def numbers(self) -> dict[str, Value]:
         out = {}

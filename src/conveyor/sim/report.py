@@ -43,7 +43,7 @@ class Report:
             return self.floor_s
         hw = self.hardware
         dtype = self.config.get("dtype", "bf16")
-        compute = self.flops / hw.matrix_peak[_dtype_key(hw, dtype)].value if self.flops else 0.0
+        compute = self.flops / hw.matrix_peak_rate(dtype) if self.flops else 0.0
         memory = self.hbm_bytes / hw.hbm_bandwidth.value
         devices = self.config.get("devices", 1)
         links = 2 if self.config.get("bidirectional") else 1
@@ -104,11 +104,6 @@ class Report:
     def save_png(self, path, *, max_boxes: int = 4000, title: str | None = None) -> None:
         from conveyor.sim.timeline import draw
         draw(self, path, max_boxes=max_boxes, title=title)
-
-
-def _dtype_key(hw: Hardware, dtype: str) -> str:
-    from conveyor.sim.hardware import _DTYPE_ALIASES
-    return _DTYPE_ALIASES.get(dtype, dtype)
 
 
 def _actor_order(actor: str):

@@ -427,12 +427,7 @@ def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16
               "dtype": dtype, "flops_per_step": flops_per_step, "active_cores": cores,
               "warp_specialized": isinstance(plan, WarpSpecializedPlan)}
     # One core's roofline: its share of the matrix peak, and its share of the load bandwidth.
-    floor = max(float(flops_per_step) * p.num_steps / (hw.matrix_peak[_key(dtype)].value / int(hw.cores.value)),
+    floor = max(float(flops_per_step) * p.num_steps / (hw.matrix_peak_rate(dtype) / int(hw.cores.value)),
                 moved / (hw.reuse_bandwidth.value / cores))
     return Report("pipeline", hw, time, float(flops_per_step) * p.num_steps, moved, 0.0,
                   int(used), config, tuple(boxes), floor_s=floor)
-
-
-def _key(dtype: str) -> str:
-    from conveyor.sim.hardware import _DTYPE_ALIASES
-    return _DTYPE_ALIASES.get(dtype, dtype)

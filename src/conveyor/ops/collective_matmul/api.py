@@ -26,7 +26,7 @@ def _axis_size(axis_name) -> int:
         raise ValueError(f"axis_name: {axis_name!r} is not a mesh axis of the enclosing shard_map ({e})") from e
 
 
-def _choose(backend, interpret, op, dim, bidirectional):
+def _choose(backend, interpret, op):
     """Backend choice: `interpret` implies mosaic_tpu; otherwise the platform's default. Every
     gather/scatter dimension and direction runs on every backend."""
     if backend is None and interpret:
@@ -64,7 +64,7 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, *, axis_name, gather_dim: 
     _check_common(lhs, rhs, buffering, "all_gather_matmul")
     if gather_dim not in (0, 1):
         raise ValueError(f"gather_dim: expected 0 or 1, got {gather_dim!r}")
-    backend = _choose(backend, interpret, "all_gather_matmul", gather_dim, bidirectional)
+    backend = _choose(backend, interpret, "all_gather_matmul")
     size = _axis_size(axis_name)
     want = size * lhs.shape[1] if gather_dim == 1 else lhs.shape[1]
     if rhs.shape[0] != want:
@@ -87,7 +87,7 @@ def matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, *, axis_name, scatter_
     _check_common(lhs, rhs, buffering, "matmul_reduce_scatter")
     if scatter_dim not in (0, 1):
         raise ValueError(f"scatter_dim: expected 0 or 1, got {scatter_dim!r}")
-    backend = _choose(backend, interpret, "matmul_reduce_scatter", scatter_dim, bidirectional)
+    backend = _choose(backend, interpret, "matmul_reduce_scatter")
     if lhs.shape[1] != rhs.shape[0]:
         raise ValueError(f"rhs: contraction size rhs.shape[0] must match lhs.shape[1]={lhs.shape[1]}, "
                          f"got rhs shape {tuple(rhs.shape)}")
@@ -140,7 +140,7 @@ def _match_vma(ct, primal):
     return lax.psum(ct, extra) if extra else ct
 
 
-def _with(cfg, dim, dtype, op):
+def _with(cfg, dim, dtype):
     """The same ring configuration (backend included) for a derived op: another dim and output dtype."""
     axis_name, size, _, bidi, buffering, _, backend, interpret = cfg
     return (axis_name, size, dim, bidi, buffering, jnp.dtype(dtype), backend, interpret)
@@ -157,13 +157,9 @@ def _agm_fwd(cfg, lhs, rhs):
 
 def _agm_bwd(cfg, res, ct):
     lhs, rhs = res
-    gather_dim = cfg[2]
-    if gather_dim == 1:   # out = AG1(lhs) @ rhs
-        d_lhs = _mrs(_with(cfg, 1, lhs.dtype, "matmul_reduce_scatter"), ct, rhs.T)
-        d_rhs = _agm(_with(cfg, 0, rhs.dtype, "all_gather_matmul"), lhs.T, ct)
-    else:                 # out = AG0(lhs) @ rhs
-        d_lhs = _mrs(_with(cfg, 0, lhs.dtype, "matmul_reduce_scatter"), ct, rhs.T)
-        d_rhs = _agm(_with(cfg, 1, rhs.dtype, "all_gather_matmul"), lhs.T, ct)
+    gather_dim = cfg[2]   # out = AG_gather_dim(lhs) @ rhs
+    d_lhs = _mrs(_with(cfg, gather_dim, lhs.dtype), ct, rhs.T)
+    d_rhs = _agm(_with(cfg, 1 - gather_dim, rhs.dtype), lhs.T, ct)
     return _match_vma(d_lhs, lhs), _match_vma(d_rhs, rhs)
 
 
@@ -183,8 +179,8 @@ def _mrs_bwd(cfg, res, ct):
     lhs, rhs = res
     scatter_dim = cfg[2]
     # d partial = all_gather(ct) along scatter_dim; both gradients are all-gather matmuls.
-    d_lhs = _agm(_with(cfg, scatter_dim, lhs.dtype, "all_gather_matmul"), ct, rhs.T)
-    d_rhs = _agm(_with(cfg, 1 - scatter_dim, rhs.dtype, "all_gather_matmul"), ct.T, lhs).T
+    d_lhs = _agm(_with(cfg, scatter_dim, lhs.dtype), ct, rhs.T)
+    d_rhs = _agm(_with(cfg, 1 - scatter_dim, rhs.dtype), ct.T, lhs).T
     return _match_vma(d_lhs, lhs), _match_vma(d_rhs, rhs)
 
 
