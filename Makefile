@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: demo test bench bootstrap clean
+.PHONY: demo test bench bootstrap clean gpu-check gpu-bench
 
 bootstrap:
 	@bash scripts/bootstrap.sh
@@ -15,6 +15,13 @@ test: bootstrap
 
 bench: bootstrap
 	$(PY) -m conveyor bench gmm
+
+# On a machine with an NVIDIA GPU and JAX's CUDA plugin preinstalled (no .venv needed):
+gpu-check:
+	bash scripts/gpu_check.sh
+
+gpu-bench:
+	bash -c 'source scripts/gpu_env.sh && $$PY -m conveyor bench gmm --platform gpu'
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -2,7 +2,8 @@
 import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if os.environ.get("CONVEYOR_TEST_PLATFORM", "cpu") == "cpu":  # `make gpu-check` runs on the GPU
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import hypothesis  # noqa: E402
 

@@ -17,6 +17,10 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--dtypes", default="float32,bfloat16")
     b.add_argument("--ffn-groups", default="8,64", help="group counts for the MoE FFN rows ('' to skip)")
     b.add_argument("--out", type=pathlib.Path, help="also write the markdown report here")
+    b.add_argument("--platform", choices=["cpu", "gpu"], default="cpu",
+                   help="gmm: 'gpu' runs the bf16 Mixtral-shape table on this machine's GPU")
+    b.add_argument("--backends", default="mosaic_gpu,xla", help="gmm --platform gpu: cv.gmm backends to time")
+    b.add_argument("--no-tgmm", action="store_true", help="gmm --platform gpu: skip the tgmm rows")
     sim = sub.add_parser("simulate", help="predict a kernel's time on a hardware model (see docs/simulator.md)")
     sim.add_argument("which", choices=["matmul", "gmm", "all-gather-matmul", "matmul-reduce-scatter", "copy"])
     sim.add_argument("--m", type=int, default=4096, help="rows (collectives: rows per device)")
@@ -157,6 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         elif args.which == "pipeline":
             from conveyor.bench import pipeline as bench_pipeline
             report = bench_pipeline.run(reps=args.reps)
+        elif args.platform == "gpu":
+            from conveyor.bench import gmm_gpu
+            ints = lambda s: tuple(int(v) for v in s.split(",") if v)
+            groups = ints(args.groups) if args.groups != "1,8,64,256" else (8, 64, 256)
+            report = gmm_gpu.run(reps=args.reps, groups=groups, backends=tuple(args.backends.split(",")),
+                                 tgmm=not args.no_tgmm)
         else:
             from conveyor.bench import gmm as bench_gmm
             ints = lambda s: tuple(int(v) for v in s.split(",") if v)

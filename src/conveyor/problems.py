@@ -31,3 +31,6 @@ def skewed_group_sizes(m: int, groups: int, *, seed: int = 0, alpha: float = 1.0
 BENCH_GMM = tuple(GmmProblem(name=f"moe-g{g}", m=4096, k=1024, n=1024, groups=g) for g in (1, 8, 64, 256))
 # The demo's MoE feed-forward layer: small enough to run in seconds.
 DEMO_MOE = GmmProblem(name="demo-moe", m=2048, k=512, n=1024, groups=8)
+
+# The GPU benchmark of issue #12: the Mixtral-8x7B expert shape (tokens x d_model x d_ff), bf16.
+BENCH_GMM_GPU = tuple(GmmProblem(name=f"mixtral-g{g}", m=8192, k=4096, n=14336, groups=g) for g in (8, 64, 256))

@@ -8,6 +8,7 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
+from tests.platform import gpu_interpret
 from tests.mpmd.programs import NB, R, barrier_lockstep, producer_consumer
 
 GPU = dict(compiler_params=plgpu.CompilerParams())
@@ -16,7 +17,7 @@ GPU = dict(compiler_params=plgpu.CompilerParams())
 @pytest.mark.timeout(300)
 def test_barrier_producer_consumer_agrees_with_the_cpu_executor():
     x = jnp.asarray(np.random.default_rng(3).standard_normal((32, 128)), jnp.float32)
-    gpu = jax.jit(barrier_lockstep(interpret=plgpu.InterpretGPUParams(detect_races=True), **GPU))(x)
+    gpu = jax.jit(barrier_lockstep(interpret=gpu_interpret(detect_races=True), **GPU))(x)
     cpu = barrier_lockstep()(x)
     np.testing.assert_array_equal(gpu, (x + 1.0) * 2.0)
     np.testing.assert_array_equal(gpu, cpu)
@@ -32,7 +33,7 @@ def test_mesh_coordinates_on_warpgroups():
 
     a, b = cv.mpmd_map([(cv.Mesh(x=2, y=2), first), (cv.Mesh(z=2), second)],
                        (jax.ShapeDtypeStruct((2, 2), jnp.float32), jax.ShapeDtypeStruct((2,), jnp.float32)),
-                       interpret=plgpu.InterpretGPUParams(detect_races=True), **GPU)()
+                       interpret=gpu_interpret(detect_races=True), **GPU)()
     np.testing.assert_array_equal(a, [[0, 1], [10, 11]])
     np.testing.assert_array_equal(b, [100, 101])
 

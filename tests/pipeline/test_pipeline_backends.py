@@ -12,6 +12,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
+from tests.platform import gpu_interpret
 
 RNG = np.random.default_rng(123)
 BACKENDS = ["xla", "mosaic_tpu", "mosaic_gpu"]
@@ -29,7 +30,7 @@ def backend(request):
 def run(kernel_body, out_shape, *args, backend="xla", dma_mode="on_wait"):
     interpret = {"xla": False,
                  "mosaic_tpu": pltpu.InterpretParams(detect_races=True, dma_execution_mode=dma_mode),
-                 "mosaic_gpu": plgpu.InterpretGPUParams(detect_races=True)}[backend]
+                 "mosaic_gpu": gpu_interpret(detect_races=True)}[backend]
     return jax.jit(cv.kernel(kernel_body, out_shape, backend=backend, interpret=interpret))(*args)
 
 
@@ -184,7 +185,7 @@ def test_kernel_grid_runs_every_point_with_its_program_id(backend):
         cv.emit_pipeline(body, grid=(2,), in_specs=[spec], out_specs=[spec], max_concurrent_steps=2)(x_ref, o_ref)
 
     interpret = {"xla": False, "mosaic_tpu": pltpu.InterpretParams(detect_races=True),
-                 "mosaic_gpu": plgpu.InterpretGPUParams(detect_races=True)}[backend]
+                 "mosaic_gpu": gpu_interpret(detect_races=True)}[backend]
     out = jax.jit(cv.kernel(k, jax.ShapeDtypeStruct(x.shape, x.dtype), backend=backend, interpret=interpret,
                             grid=(4, 3)))(x)
     expect = x * 2 + (jnp.arange(4)[:, None] * 10 + jnp.arange(3)[None])[:, :, None, None].astype(jnp.float32)

@@ -13,6 +13,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
+from tests.platform import gpu_interpret
 
 BACKENDS = ["xla", "mosaic_gpu"]
 
@@ -27,7 +28,7 @@ def backend(request):
 
 
 def run(kernel_body, out_shape, *args, threads, backend):
-    interpret = plgpu.InterpretGPUParams(detect_races=True) if backend == "mosaic_gpu" else False
+    interpret = gpu_interpret(detect_races=True) if backend == "mosaic_gpu" else False
     return jax.jit(cv.kernel(kernel_body, out_shape, backend=backend, interpret=interpret,
                              num_threads=threads, thread_name="wg"))(*args)
 
