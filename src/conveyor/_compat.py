@@ -4,6 +4,7 @@ Everything else in Conveyor imports these names from here, so a JAX upgrade is m
 """
 from __future__ import annotations
 
+from jax._src import config as _config  # the check_vma switch, for lowering per-device code
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -15,8 +16,25 @@ Zero = ad.Zero
 
 
 def register_lowering_from_function(prim: Primitive, impl) -> None:
-    """Lower `prim` on every platform by tracing `impl(*args, **params)`."""
-    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=False))
+    """Lower `prim` on every platform by tracing `impl(*args, **params)`.
+
+    Inside `shard_map(check_vma=True)` the primitive's avals carry the mesh axes they vary over
+    (its abstract eval gives the output the inputs' common set, see `match_varying`). The
+    implementation is traced without them: it computes per device, where replication is
+    meaningless, and its loops and Pallas calls would otherwise each need the types threaded by hand.
+    """
+    lowered = mlir.lower_fun(impl, multiple_results=False)
+
+    def rule(ctx, *args, **params):
+        inner = ctx.replace(avals_in=[strip_varying(a) for a in ctx.avals_in],
+                            avals_out=[strip_varying(a) for a in ctx.avals_out])
+        with per_device_tracing():
+            out = lowered(inner, *args, **params)
+        if inner.tokens_out is not None:  # effectful (interpreted) kernels thread tokens
+            ctx.set_tokens_out(inner.tokens_out)
+        return out
+
+    mlir.register_lowering(prim, rule)
 
 
 # ---- JAX state (refs) for the XLA kernel executor ----------------------------------------------
@@ -32,13 +50,54 @@ def varying_axes(x) -> frozenset:
     """Mesh axes over which `x` varies inside shard_map (jax 0.12: aval.mat.varying; older: aval.vma)."""
     import jax
     aval = jax.typeof(x)
+    aval = getattr(aval, "inner_aval", aval)  # a ref varies as its contents do
     mat = getattr(aval, "mat", None)
     if mat is not None and hasattr(mat, "varying"):
         return frozenset(mat.varying)
     return frozenset(getattr(aval, "vma", ()))
 
 
-__all__ += ["varying_axes"]
+def per_device_tracing():
+    """A context in which code is traced per device: shard_map's varying-axes checks are off."""
+    return _config._check_vma(False)
+
+
+def strip_varying(aval):
+    """`aval` without manual-axis (varying) information; other avals unchanged."""
+    from jax._src import core
+    if isinstance(aval, core.ShapedArray) and not aval.manual_axis_type.empty:
+        return aval.update(manual_axis_type=core.empty_mat)
+    return aval
+
+
+def match_varying(*xs, like=()):
+    """Cast every array to vary over the union of the mesh axes any of them varies over.
+
+    The rule JAX applies before binding its own primitives inside `shard_map(check_vma=True)`:
+    the cast (pvary) transposes to a psum, so the cotangent of a replicated operand comes back
+    replicated. Outside shard_map, or with check_vma=False, nothing changes. Arrays or refs in
+    `like` add their axes to the union without being cast.
+    """
+    import jax
+    axes = frozenset().union(*(varying_axes(x) for x in (*xs, *like)))
+    if not axes:
+        return xs
+    return tuple(x if varying_axes(x) == axes else
+                 jax.lax.pcast(x, tuple(sorted(axes - varying_axes(x), key=str)), to="varying") for x in xs)
+
+
+def out_struct(shape, dtype, *like):
+    """A ShapeDtypeStruct for a kernel output that varies over the mesh axes its inputs vary over
+    (what `pallas_call` needs inside `shard_map(check_vma=True)`)."""
+    import jax
+    from jax._src import core
+    axes = frozenset().union(*(varying_axes(x) for x in like))
+    if not axes:
+        return jax.ShapeDtypeStruct(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=core.ManualAxisType(varying=axes))
+
+
+__all__ += ["varying_axes", "per_device_tracing", "strip_varying", "match_varying", "out_struct"]
 
 
 # ---- running code "as thread t": lax.axis_index(name) evaluated to a constant ------------------

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conveyor import backends
-from conveyor._compat import call_as_thread, run_state
+from conveyor._compat import call_as_thread, match_varying, run_state
 
 AVAILABLE = ("xla", "mosaic_tpu", "mosaic_gpu")
 
@@ -176,8 +176,10 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
             if result is not None:
                 raise TypeError(f"kernel body must return None (it writes outputs through refs), got {type(result).__name__}")
 
-        init = (*[jnp.asarray(x) for x in inputs], *[poison(s.shape, s.dtype) for s in outs],
-                *[poison(s.shape, s.dtype) for s in scratch])
+        # Inside shard_map(check_vma=True) every buffer is per device: outputs and scratch vary
+        # over the mesh axes any input varies over, so the body may write input-derived values.
+        init = match_varying(*[jnp.asarray(x) for x in inputs], *[poison(s.shape, s.dtype) for s in outs],
+                             *[poison(s.shape, s.dtype) for s in scratch])
 
         def one_point(refs, program_ids):
             point = dataclasses.replace(ctx, program_ids=program_ids)

@@ -15,6 +15,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
+from conveyor._compat import out_struct
+
 
 def _interpret(interpret):
     if not interpret:
@@ -22,9 +24,18 @@ def _interpret(interpret):
     return pltpu.InterpretParams() if interpret is True else interpret
 
 
-def _tpu_mesh():
-    return jax.sharding.use_abstract_mesh(AbstractMesh(
-        (1,), ("_cv_tpu",), (AxisType.Auto,), abstract_device=AbstractDevice("TPU v5 lite", 1, "tpu")))
+def tpu_mesh():
+    """An abstract mesh whose devices are TPU v5e cores, for tracing TPU kernels without a TPU.
+
+    Inside shard_map the current (manual) mesh cannot change size, so the same axes are kept and
+    only the device kind changes; elsewhere a one-device mesh is used.
+    """
+    tpu = AbstractDevice("TPU v5 lite", 1, "tpu")
+    cur = jax.sharding.get_abstract_mesh()
+    if cur.empty:
+        return jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("_cv_tpu",), (AxisType.Auto,), abstract_device=tpu))
+    return jax.sharding.use_abstract_mesh(AbstractMesh(cur.axis_sizes, cur.axis_names, cur.axis_types,
+                                                       abstract_device=tpu))
 
 
 def launch(body, outs, scratch, single, interpret, enter_context, grid=()):
@@ -38,14 +49,14 @@ def launch(body, outs, scratch, single, interpret, enter_context, grid=()):
 
         call = pl.pallas_call(
             wrapped,
-            out_shape=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in outs),
+            out_shape=tuple(out_struct(s.shape, s.dtype, *inputs) for s in outs),
             in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * n_in,
             out_specs=tuple(pl.BlockSpec(memory_space=pl.ANY) for _ in outs),
             scratch_shapes=[pltpu.VMEM(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s for s in scratch],
             interpret=_interpret(interpret),
             grid=grid,
             name="conveyor_kernel")
-        mesh = _tpu_mesh() if interpret or jax.default_backend() != "tpu" else contextlib.nullcontext()
+        mesh = tpu_mesh() if interpret or jax.default_backend() != "tpu" else contextlib.nullcontext()
         with mesh:
             results = call(*inputs)
         return results[0] if single else tuple(results)

@@ -7,7 +7,7 @@ import numpy as np
 
 from conveyor import backends
 from conveyor.ops.gmm import backend_impls, tiling as tiling_lib
-from conveyor.ops.gmm.primitives import gmm_p, tgmm_p
+from conveyor.ops.gmm.primitives import bind_gmm, bind_tgmm
 
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
@@ -150,7 +150,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
             raise ValueError(f"existing_out: expected shape {(m, n)}, got {tuple(existing_out.shape)}")
         _check_float(existing_out, "existing_out")
     backend = _choose_backend(backend, interpret)
-    return gmm_p.bind(lhs, rhs, group_sizes, group_offset, existing_out, transpose_rhs=bool(transpose_rhs),
+    return bind_gmm(lhs, rhs, group_sizes, group_offset, existing_out, transpose_rhs=bool(transpose_rhs),
                       out_dtype=out_dtype, backend=backend, tiling=_hashable(tiling),
                       interpret=_interpret_param(interpret, backend))
 
@@ -211,7 +211,7 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
             raise ValueError(f"existing_out: expected shape {shape}, got {tuple(existing_out.shape)}")
         _check_float(existing_out, "existing_out")
     backend = _choose_backend(backend, interpret)
-    return tgmm_p.bind(lhs, rhs, group_sizes, group_offset, existing_out, num_groups=num_actual_groups,
+    return bind_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, num_groups=num_actual_groups,
                        out_dtype=out_dtype, backend=backend, tiling=_hashable(tiling),
                        interpret=_interpret_param(interpret, backend))
 

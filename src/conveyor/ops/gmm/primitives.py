@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from conveyor._compat import Primitive, Zero, ad, batching, is_undefined_primal, \
+from conveyor._compat import Primitive, Zero, ad, batching, is_undefined_primal, match_varying, per_device_tracing, \
     register_lowering_from_function
 from conveyor.ops.gmm import backend_impls
 from conveyor.ops.gmm.metadata import local_row_mask
@@ -55,12 +55,15 @@ register_lowering_from_function(tgmm_p, _tgmm_impl)
 def _effects(impl, avals, params):
     """Effects of the backend's implementation (the Pallas interpreter's callbacks are ordered IO)."""
     fn = functools.partial(impl, **dict(params))
-    return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]).effects
+    with per_device_tracing():  # as the lowering traces it (see _compat.register_lowering_from_function)
+        return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]).effects
 
 
 def _abstract(impl):
     def rule(*avals, **params):
-        out = jax.core.ShapedArray(avals[4].shape, params["out_dtype"])  # same shape as existing_out
+        # Same shape as existing_out, and (inside shard_map) the mesh axes all operands vary over:
+        # `bind_gmm` / `bind_tgmm` cast the operands to a common set first.
+        out = avals[4].update(dtype=jnp.dtype(params["out_dtype"]), weak_type=False)
         # Only interpreted kernels carry effects; skip the trace for the common case.
         effects = _effects(impl, avals, tuple(sorted(params.items()))) if params.get("interpret") else set()
         return out, effects
@@ -69,6 +72,16 @@ def _abstract(impl):
 
 gmm_p.def_effectful_abstract_eval(_abstract(_gmm_impl))
 tgmm_p.def_effectful_abstract_eval(_abstract(_tgmm_impl))
+
+
+def bind_gmm(lhs, rhs, group_sizes, group_offset, existing_out, **params):
+    """gmm_p on operands cast to vary over the same mesh axes (see `_compat.match_varying`)."""
+    return gmm_p.bind(*match_varying(lhs, rhs, group_sizes, group_offset, existing_out), **params)
+
+
+def bind_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, **params):
+    """tgmm_p on operands cast to vary over the same mesh axes."""
+    return tgmm_p.bind(*match_varying(lhs, rhs, group_sizes, group_offset, existing_out), **params)
 
 
 # ---- differentiation --------------------------------------------------------------------------
@@ -83,13 +96,13 @@ def _sum_tangents(terms, like):
 def _gmm_jvp(primals, tangents, **params):
     lhs, rhs, gs, go, ex = primals
     t_lhs, t_rhs, _, _, t_ex = tangents
-    out = gmm_p.bind(lhs, rhs, gs, go, ex, **params)
+    out = bind_gmm(lhs, rhs, gs, go, ex, **params)
     zeros = jnp.zeros(ex.shape, params["out_dtype"])
     terms = []
     if type(t_lhs) is not Zero:
-        terms.append(gmm_p.bind(t_lhs, rhs, gs, go, zeros, **params))
+        terms.append(bind_gmm(t_lhs, rhs, gs, go, zeros, **params))
     if type(t_rhs) is not Zero:
-        terms.append(gmm_p.bind(lhs, t_rhs, gs, go, zeros, **params))
+        terms.append(bind_gmm(lhs, t_rhs, gs, go, zeros, **params))
     if type(t_ex) is not Zero:
         keep = ~local_row_mask(gs, go, rhs.shape[0], lhs.shape[0])
         terms.append(jnp.where(keep[:, None], t_ex.astype(params["out_dtype"]), 0))
@@ -99,13 +112,13 @@ def _gmm_jvp(primals, tangents, **params):
 def _tgmm_jvp(primals, tangents, **params):
     lhs, rhs, gs, go, ex = primals
     t_lhs, t_rhs, _, _, t_ex = tangents
-    out = tgmm_p.bind(lhs, rhs, gs, go, ex, **params)
+    out = bind_tgmm(lhs, rhs, gs, go, ex, **params)
     zeros = jnp.zeros(ex.shape, params["out_dtype"])
     terms = []
     if type(t_lhs) is not Zero:
-        terms.append(tgmm_p.bind(t_lhs, rhs, gs, go, zeros, **params))
+        terms.append(bind_tgmm(t_lhs, rhs, gs, go, zeros, **params))
     if type(t_rhs) is not Zero:
-        terms.append(tgmm_p.bind(lhs, t_rhs, gs, go, zeros, **params))
+        terms.append(bind_tgmm(lhs, t_rhs, gs, go, zeros, **params))
     if type(t_ex) is not Zero:
         terms.append(t_ex.astype(params["out_dtype"]))
     return out, _sum_tangents(terms, out)
@@ -135,11 +148,11 @@ def _gmm_transpose(ct, lhs, rhs, gs, go, ex, *, transpose_rhs, out_dtype, **para
     if is_undefined_primal(lhs):
         k = lhs.aval.shape[1]
         # d lhs[rows_i] = ct[rows_i] @ rhs[i]^T; rows outside local groups get exactly 0.
-        ct_lhs = gmm_p.bind(ct, rhs, gs, go, jnp.zeros((m, k), lhs.aval.dtype),
+        ct_lhs = bind_gmm(ct, rhs, gs, go, jnp.zeros((m, k), lhs.aval.dtype),
                             transpose_rhs=not transpose_rhs, out_dtype=lhs.aval.dtype, **bp)
     if is_undefined_primal(rhs):
         a, b = (ct.T, lhs) if transpose_rhs else (lhs.T, ct)
-        ct_rhs = tgmm_p.bind(a, b, gs, go, jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
+        ct_rhs = bind_tgmm(a, b, gs, go, jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
                              num_groups=num_groups, out_dtype=rhs.aval.dtype, **bp)
     if is_undefined_primal(ex):
         keep = ~local_row_mask(gs, go, num_groups, m)
@@ -155,12 +168,12 @@ def _tgmm_transpose(ct, lhs, rhs, gs, go, ex, *, num_groups, out_dtype, **params
     if is_undefined_primal(lhs):
         k, m = lhs.aval.shape
         # d lhs[:, rows_i] = (rhs[rows_i] @ ct[i]^T)^T
-        ct_lhs = gmm_p.bind(rhs, ct, gs, go, jnp.zeros((m, k), lhs.aval.dtype),
+        ct_lhs = bind_gmm(rhs, ct, gs, go, jnp.zeros((m, k), lhs.aval.dtype),
                             transpose_rhs=True, out_dtype=lhs.aval.dtype, **bp).T
     if is_undefined_primal(rhs):
         m, n = rhs.aval.shape
         # d rhs[rows_i] = lhs[:, rows_i]^T @ ct[i]
-        ct_rhs = gmm_p.bind(lhs.T, ct, gs, go, jnp.zeros((m, n), rhs.aval.dtype),
+        ct_rhs = bind_gmm(lhs.T, ct, gs, go, jnp.zeros((m, n), rhs.aval.dtype),
                             transpose_rhs=False, out_dtype=rhs.aval.dtype, **bp)
     if is_undefined_primal(ex):
         ct_ex = ct.astype(ex.aval.dtype)
