@@ -97,7 +97,60 @@ def out_struct(shape, dtype, *like):
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=core.ManualAxisType(varying=axes))
 
 
-__all__ += ["varying_axes", "per_device_tracing", "strip_varying", "match_varying", "out_struct"]
+class _Hashable:
+    """A function as a primitive parameter, compared by identity."""
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
+def _per_device_abstract(*avals, fn, out_avals):
+    from jax._src import core
+    axes = frozenset().union(*(varying_axes_of_aval(a) for a in avals))
+    mat = core.ManualAxisType(varying=axes)
+    return [core.ShapedArray(a.shape, a.dtype, sharding=core.get_cur_mesh_sharding(), manual_axis_type=mat)
+            for a in out_avals]
+
+
+def varying_axes_of_aval(aval) -> frozenset:
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying) if mat is not None and hasattr(mat, "varying") else frozenset()
+
+
+per_device_p = Primitive("conveyor_per_device")
+per_device_p.multiple_results = True
+per_device_p.def_abstract_eval(_per_device_abstract)
+
+
+def _per_device_lowering(ctx, *args, fn, out_avals):
+    inner = ctx.replace(avals_in=[strip_varying(a) for a in ctx.avals_in],
+                        avals_out=[strip_varying(a) for a in ctx.avals_out])
+    with per_device_tracing():
+        return mlir.lower_fun(lambda *xs: fn.fn(*xs), multiple_results=True)(inner, *args)
+
+
+mlir.register_lowering(per_device_p, _per_device_lowering)
+
+
+def per_device_call(fn, out_shapes, *args):
+    """`fn(*args)` (a list of arrays of `out_shapes`), traced per device inside shard_map.
+
+    With operands that vary over shard_map axes (check_vma=True), `fn` is staged out as one
+    primitive whose outputs vary over the union of those axes, and traced at lowering time without
+    varying-axes types, so code that cannot carry them (Pallas-style kernels over refs, threads
+    traced with their own `axis_index`) runs unchanged. Elsewhere `fn` is simply called.
+    Not differentiable (kernels over refs are not).
+    """
+    import jax
+    if not frozenset().union(*(varying_axes(x) for x in args)):
+        return fn(*args)
+    out_avals = tuple(jax.core.ShapedArray(tuple(s.shape), s.dtype) for s in out_shapes)
+    return per_device_p.bind(*args, fn=_Hashable(fn), out_avals=out_avals)
+
+
+__all__ += ["varying_axes", "per_device_tracing", "strip_varying", "match_varying", "out_struct",
+            "per_device_call"]
 
 
 # ---- running code "as thread t": lax.axis_index(name) evaluated to a constant ------------------
@@ -207,3 +260,39 @@ def write_effect(index: int):
 
 
 __all__ += ["trace_ref_program", "ref_and_transforms", "state_primitives", "ndindexer_parts", "write_effect"]
+
+
+# ---- the Mosaic GPU interpreter on several devices (shard_map) ----------------------------------
+_GPU_INTERPRETER_PATCHED = False
+
+
+def gpu_interpreter_multi_device_fix() -> None:
+    """Let the jax 0.12 Mosaic GPU interpreter run one kernel on several devices at once.
+
+    At the end of a kernel each device's interpreter asserts that *no* barrier is allocated in the
+    interpreter's shared state, which holds every device's barriers: a device that finishes
+    first sees another device's live barriers and fails ("Barrier remains allocated"; seen with
+    `cv.kernel` inside `shard_map` over 4 CPU devices, intermittently). We make every device reach
+    that point (the interpreter's own cross-device `threading.Barrier`) before the check runs, so
+    the check keeps its meaning: all barriers of all devices were deallocated.
+    """
+    global _GPU_INTERPRETER_PATCHED
+    if _GPU_INTERPRETER_PATCHED:
+        return
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    @gpu_callbacks.fail_on_exception
+    def _assert_no_barriers_allocated(token):
+        shared = gpu_callbacks._get_shared_memory()
+        if shared.num_devices > 1:
+            shared.barrier.wait()  # every device has finished its kernel and freed its barriers
+        shared.assert_no_barriers_allocated()
+        if shared.num_devices > 1:
+            shared.barrier.wait()  # nobody starts cleaning up while another device still checks
+        return token
+
+    gpu_callbacks._assert_no_barriers_allocated = _assert_no_barriers_allocated
+    _GPU_INTERPRETER_PATCHED = True
+
+
+__all__ += ["gpu_interpreter_multi_device_fix"]

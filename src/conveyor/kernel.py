@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conveyor import backends
-from conveyor._compat import call_as_thread, match_varying, run_state
+from conveyor._compat import call_as_thread, per_device_call, run_state
 
 AVAILABLE = ("xla", "mosaic_tpu", "mosaic_gpu")
 
@@ -176,10 +176,10 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
             if result is not None:
                 raise TypeError(f"kernel body must return None (it writes outputs through refs), got {type(result).__name__}")
 
-        # Inside shard_map(check_vma=True) every buffer is per device: outputs and scratch vary
-        # over the mesh axes any input varies over, so the body may write input-derived values.
-        init = match_varying(*[jnp.asarray(x) for x in inputs], *[poison(s.shape, s.dtype) for s in outs],
-                             *[poison(s.shape, s.dtype) for s in scratch])
+        def execute(*arrays):
+            init = (*arrays, *[poison(s.shape, s.dtype) for s in outs], *[poison(s.shape, s.dtype) for s in scratch])
+            final = run_state(every_point)(init)
+            return list(final[n_in:n_in + n_out])
 
         def one_point(refs, program_ids):
             point = dataclasses.replace(ctx, program_ids=program_ids)
@@ -201,8 +201,8 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
                 one_point(refs, unravel(i, grid))
             jax.lax.fori_loop(0, math.prod(grid), step, None)
 
-        final = run_state(every_point)(init)
-        results = tuple(final[n_in:n_in + n_out])
+        # Inside shard_map the kernel runs per device (outputs vary as its inputs do).
+        results = tuple(per_device_call(execute, outs, *[jnp.asarray(x) for x in inputs]))
         return results[0] if single else results
 
     return run

@@ -8,10 +8,13 @@ from __future__ import annotations
 import jax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from conveyor._compat import gpu_interpreter_multi_device_fix
+
 
 def _interpret(interpret):
     if not interpret:
         return None
+    gpu_interpreter_multi_device_fix()  # a kernel inside shard_map runs on several devices at once
     return plgpu.InterpretGPUParams() if interpret is True else interpret
 
 

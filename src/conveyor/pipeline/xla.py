@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from conveyor._compat import call_as_thread, match_varying, run_state
+from conveyor._compat import call_as_thread, run_state
 from conveyor.kernel import poison
 from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.plan import OperandPlan, PipelinePlan
@@ -66,11 +66,8 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
             next_resident.append(jnp.where(wb, poison(op.ref_shape, dt), val))
         return tuple(next_resident), new_carry
 
-    # Inside shard_map(check_vma=True), loop-carried blocks vary as the kernel's buffers do.
-    resident0 = match_varying(*(poison(op.ref_shape, r.dtype) for op, r in zip(p.outputs, out_refs)),
-                              like=(*in_refs, *out_refs))
-    leaves, tree = jax.tree_util.tree_flatten(jax.tree_util.tree_map(jnp.asarray, init_carry))
-    init_carry = jax.tree_util.tree_unflatten(tree, match_varying(*leaves, like=(*in_refs, *out_refs)))
+    resident0 = tuple(poison(op.ref_shape, r.dtype) for op, r in zip(p.outputs, out_refs))
+    init_carry = jax.tree_util.tree_map(jnp.asarray, init_carry)
     _, carry = lax.fori_loop(0, p.num_steps, step, (resident0, init_carry))
     return carry if has_carry else None
 
