@@ -19,13 +19,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from conveyor._compat import out_struct
 from conveyor.ops.collective_matmul.ring import RingPlan
 
 
-def _remote_copy(bufs, send, recv, dst_dev, src_slot, dst_slot):
-    """DMA of slot `src_slot` into slot `dst_slot` of the same buffer on device `dst_dev`."""
+def _remote_copy(bufs, send, recv, dst_dev, src_slot, dst_slot, axis):
+    """DMA of slot `src_slot` into slot `dst_slot` of the same buffer on the device at ring position
+    `dst_dev` along mesh axis `axis` (its other mesh coordinates are this device's own)."""
     return pltpu.make_async_remote_copy(bufs.at[src_slot], bufs.at[dst_slot], send.at[src_slot], recv.at[dst_slot],
-                                        device_id=(dst_dev,))
+                                        device_id={axis: dst_dev})
 
 
 def _ring_position(me_ref, plan: RingPlan):
@@ -37,13 +39,13 @@ def _ring_position(me_ref, plan: RingPlan):
 
 
 def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_sem, local_sem, *, plan: RingPlan,
-            accumulate: bool = True):
+            axis, accumulate: bool = True):
     """accumulate=True (gather_dim=1): out += shard @ K-block. False (gather_dim=0): the step's
     output row block (chosen by the out BlockSpec) = shard @ rhs."""
     t, left, right, slot, nxt = _ring_position(me_ref, plan)
 
     def transfer(src_slot, dst_slot):
-        return _remote_copy(bufs, send_sems, recv_sems, right, src_slot, dst_slot)
+        return _remote_copy(bufs, send_sems, recv_sems, right, src_slot, dst_slot, axis)
 
     @pl.when(t == 0)
     def _():
@@ -53,7 +55,7 @@ def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_s
         if accumulate:
             out_ref[...] = jnp.zeros_like(out_ref)
         if plan.initial_credits():
-            pl.semaphore_signal(cap_sem, plan.initial_credits(), device_id=(left,))
+            pl.semaphore_signal(cap_sem, plan.initial_credits(), device_id={axis: left})
 
     @pl.when(t > 0)
     def _():
@@ -75,11 +77,11 @@ def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_s
 
     @pl.when(plan.grants_credit_after(t))
     def _():   # slot is free again and the left neighbour will send into it once more
-        pl.semaphore_signal(cap_sem, 1, device_id=(left,))
+        pl.semaphore_signal(cap_sem, 1, device_id={axis: left})
 
 
 def _bidi_kernel(me_ref, lhs_hbm, rhs_r, rhs_l, out_ref, bufs_r, bufs_l, send_r, recv_r, send_l, recv_l,
-                 cap_r, cap_l, local_sem, *, plan: RingPlan, rows: int | None = None):
+                 cap_r, cap_l, local_sem, *, plan: RingPlan, axis, rows: int | None = None):
     """Two streams: shards moving right (used at step t: device me - t) and moving left (me + t).
 
     rows=None (gather_dim=1): out += shard @ K-block. rows=n (gather_dim=0): the whole output
@@ -108,19 +110,19 @@ def _bidi_kernel(me_ref, lhs_hbm, rhs_r, rhs_l, out_ref, bufs_r, bufs_l, send_r,
             emit(me_ref[0], local)
         for direction, _, _, _, cap, _, upstream, _ in streams:
             if plan.initial_credits(direction):
-                pl.semaphore_signal(cap, plan.initial_credits(direction), device_id=(upstream,))
+                pl.semaphore_signal(cap, plan.initial_credits(direction), device_id={axis: upstream})
 
     for direction, bufs, send, recv, cap, downstream, upstream, rhs_blk in streams:
         uses = plan.stream_uses(direction)
 
         @pl.when((t > 0) & (t <= uses))
         def _():
-            _remote_copy(bufs, send, recv, downstream, slot, slot).wait_recv()
+            _remote_copy(bufs, send, recv, downstream, slot, slot, axis).wait_recv()
 
         @pl.when(plan.sends_at(t, direction))
         def _():
             pl.semaphore_wait(cap, 1)
-            _remote_copy(bufs, send, recv, downstream, slot, nxt).start()
+            _remote_copy(bufs, send, recv, downstream, slot, nxt, axis).start()
 
         @pl.when((t > 0) & (t <= uses))
         def _():
@@ -129,11 +131,11 @@ def _bidi_kernel(me_ref, lhs_hbm, rhs_r, rhs_l, out_ref, bufs_r, bufs_l, send_r,
 
         @pl.when(plan.sends_at(t, direction))
         def _():
-            _remote_copy(bufs, send, recv, downstream, slot, nxt).wait_send()
+            _remote_copy(bufs, send, recv, downstream, slot, nxt, axis).wait_send()
 
         @pl.when(plan.grants_credit_after(t, direction))
         def _():
-            pl.semaphore_signal(cap, 1, device_id=(upstream,))
+            pl.semaphore_signal(cap, 1, device_id={axis: upstream})
 
 
 def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, out_dtype, interpret,
@@ -188,8 +190,8 @@ def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, o
     else:
         out_shape, out_spec = (n, m), pl.BlockSpec((n, m), lambda t, me_ref: (0, 0))
     call = pl.pallas_call(
-        functools.partial(kernel, plan=plan),
-        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        functools.partial(kernel, plan=plan, axis=axis_name),
+        out_shape=out_struct(out_shape, jnp.float32, *args),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(steps,), in_specs=in_specs, out_specs=out_spec, scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), has_side_effects=True),
@@ -198,7 +200,7 @@ def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, o
     return call(*args).astype(out_dtype)
 
 
-def _rs_kernel(me_ref, *refs, plan: RingPlan, columns: tuple[slice, ...]):
+def _rs_kernel(me_ref, *refs, plan: RingPlan, axis, columns: tuple[slice, ...]):
     """One stream per column range: the stream going right adds block me - 1 - t, the one going
     left (bidirectional only) block me + 1 + t; each accumulator makes the whole D - 1 hop trip.
 
@@ -217,7 +219,7 @@ def _rs_kernel(me_ref, *refs, plan: RingPlan, columns: tuple[slice, ...]):
     def _():
         for direction, cap in zip(directions, cap_s):
             if plan.initial_credits(direction):
-                pl.semaphore_signal(cap, plan.initial_credits(direction), device_id=(neighbours[direction][1],))
+                pl.semaphore_signal(cap, plan.initial_credits(direction), device_id={axis: neighbours[direction][1]})
 
     for i, direction in enumerate(directions):
         bufs, send, recv, cap = bufs_s[i], send_s[i], recv_s[i], cap_s[i]
@@ -230,14 +232,14 @@ def _rs_kernel(me_ref, *refs, plan: RingPlan, columns: tuple[slice, ...]):
 
         @pl.when(t > 0)
         def _():
-            _remote_copy(bufs, send, recv, downstream, slot, slot).wait_recv()
+            _remote_copy(bufs, send, recv, downstream, slot, slot, axis).wait_recv()
             bufs[slot] = bufs[slot] + partial
 
         @pl.when(plan.sends_at(t, direction))
         def _():
             pl.semaphore_wait(cap, 1)
-            _remote_copy(bufs, send, recv, downstream, slot, nxt).start()
-            _remote_copy(bufs, send, recv, downstream, slot, nxt).wait_send()
+            _remote_copy(bufs, send, recv, downstream, slot, nxt, axis).start()
+            _remote_copy(bufs, send, recv, downstream, slot, nxt, axis).wait_send()
 
         @pl.when(t == size - 1)
         def _():
@@ -245,7 +247,7 @@ def _rs_kernel(me_ref, *refs, plan: RingPlan, columns: tuple[slice, ...]):
 
         @pl.when(plan.grants_credit_after(t, direction))
         def _():
-            pl.semaphore_signal(cap, 1, device_id=(upstream,))
+            pl.semaphore_signal(cap, 1, device_id={axis: upstream})
 
 
 def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, out_dtype, interpret,
@@ -305,11 +307,11 @@ def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPla
     streams = len(columns)
     scratch = ([pltpu.VMEM((buffering, *acc_shape), jnp.float32)] * streams
                + [pltpu.SemaphoreType.DMA((buffering,))] * (2 * streams) + [pltpu.SemaphoreType.REGULAR] * streams)
-    kernel = functools.partial(_rs_kernel, plan=plan, columns=columns)
+    kernel = functools.partial(_rs_kernel, plan=plan, axis=axis_name, columns=columns)
     out_shape = (m, n // size) if scatter_dim == 1 else (mb, n)
     call = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        out_shape=out_struct(out_shape, jnp.float32, *args),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(size,), in_specs=in_specs,
             out_specs=pl.BlockSpec(out_shape, lambda t, me_ref: (0, 0)), scratch_shapes=scratch),

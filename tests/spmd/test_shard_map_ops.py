@@ -1,0 +1,157 @@
+"""Every public op inside `jax.shard_map` with its default check_vma=True, on 8 simulated devices.
+
+Operands vary over a mesh axis (per-device tokens, group sizes, expert shards) or are replicated
+(shared weights); forward results are checked device by device against NumPy, gradients against
+the `reference` backend's autodiff in the same shard_map (the reference shares no code with the
+other backends).
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import Mesh, PartitionSpec as P
+
+import conveyor as cv
+from tests.ops.gmm.base import assert_close
+from tests.ops.gmm.problems import numpy_gmm, numpy_tgmm
+from tests.platform import gpu_interpret
+
+D, M, K, N, G = 4, 32, 16, 24, 4
+INTERPRET = {"xla": False, "reference": False, "mosaic_tpu": pltpu.InterpretParams(detect_races=True)}
+GMM_BACKENDS = ["xla", "reference", "mosaic_tpu"]
+
+
+def _mesh(axis="dp", devices=D):
+    return Mesh(np.array(jax.devices()[:devices]), (axis,))
+
+
+def _data(seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((D * M, K)).astype(np.float32)
+    w = rng.standard_normal((G, K, N)).astype(np.float32)
+    sizes = np.stack([rng.multinomial(M - 3 * d, np.ones(G) / G) for d in range(D)]).astype(np.int32)
+    sizes[1, 0] = 0  # an empty group on one device
+    return x, w, sizes
+
+
+@pytest.mark.parametrize("backend", GMM_BACKENDS)
+def test_gmm_data_parallel_varying_tokens_replicated_weights(backend):
+    x, w, sizes = _data(1)
+
+    def local(a, b, s):
+        return cv.gmm(a, b, s[0], backend=backend, interpret=INTERPRET[backend])
+
+    out = jax.jit(jax.shard_map(local, mesh=_mesh(), in_specs=(P("dp"), P(), P("dp")), out_specs=P("dp")))(
+        x, w, sizes)
+    for d in range(D):
+        assert_close(out[d * M:(d + 1) * M], numpy_gmm(x[d * M:(d + 1) * M], w, sizes[d]), K, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", GMM_BACKENDS)
+def test_gmm_and_tgmm_gradients_in_shard_map_match_reference(backend):
+    x, w, sizes = _data(2)
+    rng = np.random.default_rng(3)
+    y = rng.standard_normal((D * M, N)).astype(np.float32)
+
+    def grads(be):
+        def local(a, b, s, t):
+            def loss(a, b, t):
+                out = cv.gmm(a, b, s[0], backend=be, interpret=INTERPRET[be])
+                wg = cv.tgmm(a.T, t, s[0], backend=be, interpret=INTERPRET[be])
+                return jnp.sum(jnp.sin(out) * t) + jnp.sum(wg * b)
+            # the replicated weights get the psum of every device's gradient
+            return jax.grad(loss, argnums=(0, 1, 2))(a, b, t)
+        return jax.jit(jax.shard_map(local, mesh=_mesh(), in_specs=(P("dp"), P(), P("dp"), P("dp")),
+                                     out_specs=(P("dp"), P(), P("dp"))))(x, w, sizes, y)
+
+    got, want = grads(backend), grads("reference")
+    for g, r in zip(got, want):
+        assert_close(g, r, 2 * M * D, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", GMM_BACKENDS)
+def test_gmm_expert_parallel_local_experts_through_group_offset(backend):
+    """Weights sharded over the expert axis; each device computes its experts' rows (group_offset),
+    the others stay exactly zero; a psum assembles the full result."""
+    x, w, sizes = _data(4)
+    global_sizes = sizes[0]
+    per = G // 2
+    mesh = _mesh("ep", 2)
+
+    def local(a, b, s):
+        off = lax.axis_index("ep") * per
+        part = cv.gmm(a, b, s, group_offset=off, backend=backend, interpret=INTERPRET[backend])
+        return part[None], lax.psum(part, "ep")
+
+    parts, full = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("ep"), P()),
+                                        out_specs=(P("ep"), P())))(x[:M], w, global_sizes)
+    for e in range(2):
+        want = numpy_gmm(x[:M], w[e * per:(e + 1) * per], global_sizes, offset=e * per)
+        assert_close(parts[e], want, K, jnp.float32)
+    assert_close(full, numpy_gmm(x[:M], w, global_sizes), K, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", GMM_BACKENDS)
+def test_tgmm_per_device_rows(backend):
+    x, _, sizes = _data(5)
+    y = np.random.default_rng(6).standard_normal((D * M, N)).astype(np.float32)
+
+    def local(a, b, s):
+        return cv.tgmm(a.T, b, s[0], backend=backend, interpret=INTERPRET[backend])[None]
+
+    out = jax.jit(jax.shard_map(local, mesh=_mesh(), in_specs=(P("dp"), P("dp"), P("dp")), out_specs=P("dp")))(
+        x, y, sizes)
+    for d in range(D):
+        rows = slice(d * M, (d + 1) * M)
+        assert_close(out[d], numpy_tgmm(x[rows].T, y[rows], sizes[d]), M, jnp.float32)
+
+
+def _add_bias(x_ref, b_ref, o_ref):
+    def body(idx, xb, bb, ob):
+        ob[...] = xb[...] + bb[...]
+    cv.emit_pipeline(body, grid=(4,), in_specs=[cv.BlockSpec((8, 128), lambda i: (i, 0)),
+                                                cv.BlockSpec((8, 128), lambda i: (0, 0))],
+                     out_specs=[cv.BlockSpec((8, 128), lambda i: (i, 0))], max_concurrent_steps=2)(x_ref, b_ref, o_ref)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["xla", "mosaic_tpu", "mosaic_gpu"])
+def test_kernel_with_pipeline_varying_and_replicated_operands(backend):
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.standard_normal((D * 32, 128)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
+    interpret = {"xla": False, "mosaic_tpu": pltpu.InterpretParams(detect_races=True),
+                 "mosaic_gpu": gpu_interpret(detect_races=True)}[backend]
+
+    def local(x, b):
+        return cv.kernel(_add_bias, jax.ShapeDtypeStruct((32, 128), jnp.float32), backend=backend,
+                         interpret=interpret)(x, b)
+
+    out = jax.jit(jax.shard_map(local, mesh=_mesh(), in_specs=(P("dp"), P()), out_specs=P("dp")))(x, b)
+    np.testing.assert_array_equal(out, x + jnp.tile(b, (4 * D, 1)))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["xla", "mosaic_gpu"])
+def test_warp_specialized_kernel_in_shard_map(backend):
+    x = jnp.asarray(np.random.default_rng(8).standard_normal((2 * 64, 128)), jnp.float32)
+
+    def scale(x_ref, o_ref):
+        def body(indices, xb, ob):
+            mine = pl.ds(lax.axis_index("wg") * 8, 8)
+            ob[mine, :] = 2.0 * xb[mine, :] + indices[0].astype(jnp.float32)
+        spec = cv.BlockSpec((16, 128), lambda i: (i, 0))
+        cv.emit_pipeline_warp_specialized(body, grid=(4,), in_specs=[spec], out_specs=[spec], memory_registers=40,
+                                          wg_axis="wg", num_compute_wgs=2)(x_ref, o_ref)
+
+    def local(x):
+        return cv.kernel(scale, jax.ShapeDtypeStruct((64, 128), jnp.float32), backend=backend,
+                         interpret=gpu_interpret(detect_races=True) if backend == "mosaic_gpu" else False,
+                         num_threads=3, thread_name="wg")(x)
+
+    out = jax.jit(jax.shard_map(local, mesh=_mesh(devices=2), in_specs=(P("dp"),), out_specs=P("dp")))(x)
+    step = np.repeat(np.arange(4, dtype=np.float32), 16)[:, None]
+    np.testing.assert_array_equal(out, 2.0 * np.asarray(x) + np.tile(step, (2, 1)))
