@@ -15,8 +15,8 @@ is_undefined_primal = ad.is_undefined_primal
 Zero = ad.Zero
 
 
-def register_lowering_from_function(prim: Primitive, impl) -> None:
-    """Lower `prim` on every platform by tracing `impl(*args, **params)`.
+def register_lowering_from_function(prim: Primitive, impl, platform: str | None = None) -> None:
+    """Lower `prim` (on `platform`, or every platform) by tracing `impl(*args, **params)`.
 
     Inside `shard_map(check_vma=True)` the primitive's avals carry the mesh axes they vary over
     (its abstract eval gives the output the inputs' common set, see `match_varying`). The
@@ -34,7 +34,7 @@ def register_lowering_from_function(prim: Primitive, impl) -> None:
             ctx.set_tokens_out(inner.tokens_out)
         return out
 
-    mlir.register_lowering(prim, rule)
+    mlir.register_lowering(prim, rule, platform=platform)
 
 
 # ---- JAX state (refs) for the XLA kernel executor ----------------------------------------------

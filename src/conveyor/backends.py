@@ -20,6 +20,21 @@ def default_backend(available: tuple[str, ...]) -> str:
     return "xla"
 
 
+# `backend=None` on ops that choose per lowering platform: the choice is made when the op is
+# lowered, for the platform it is lowered for (so `jax.export(..., platforms=["tpu"])` from a CPU
+# host gets the TPU kernel), not for the process's default device.
+AUTO = "auto"
+
+
+def for_platform(platform: str, available: tuple[str, ...]) -> str:
+    """The backend an op lowered for `platform` ("cpu", "cuda", "rocm", "tpu") runs when none was named."""
+    if platform == "tpu" and "mosaic_tpu" in available:
+        return "mosaic_tpu"
+    if platform in ("cuda", "rocm") and "mosaic_gpu" in available:
+        return "mosaic_gpu"
+    return "xla"
+
+
 def check_backend(backend: str | None, available: tuple[str, ...], op: str) -> str:
     """Validate a user's `backend` argument for `op`; None picks the platform default."""
     if backend is None:

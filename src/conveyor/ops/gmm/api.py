@@ -76,6 +76,8 @@ def _check_group_offset(group_offset, total_groups: int, local_groups: int):
 def _choose_backend(backend, interpret):
     if backend is None and interpret:
         backend = "mosaic_tpu"  # the only gmm backend with a Pallas interpreter
+    if backend is None:
+        return backends.AUTO  # chosen per platform when lowered (see backends.for_platform)
     return backends.check_backend(backend, backend_impls.AVAILABLE, "gmm")
 
 

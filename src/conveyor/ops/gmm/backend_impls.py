@@ -1,6 +1,7 @@
 """Dispatch of gmm/tgmm evaluation to the chosen backend, with its tiling resolved."""
 from __future__ import annotations
 
+from conveyor import backends
 from conveyor.ops.gmm import reference, tiling as tiling_lib, xla
 
 AVAILABLE = ("xla", "mosaic_tpu", "reference")
@@ -12,7 +13,9 @@ def _mosaic_tpu():
 
 
 def run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tiling, interpret,
-            transpose_rhs, out_dtype):
+            transpose_rhs, out_dtype, platform="cpu"):
+    if backend == backends.AUTO:
+        backend = backends.for_platform(platform, AVAILABLE)
     m, k = lhs.shape
     n = existing_out.shape[1]
     kw = dict(transpose_rhs=transpose_rhs, out_dtype=out_dtype)
@@ -30,7 +33,9 @@ def run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tilin
 
 
 def run_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tiling, interpret,
-             num_groups, out_dtype):
+             num_groups, out_dtype, platform="cpu"):
+    if backend == backends.AUTO:
+        backend = backends.for_platform(platform, AVAILABLE)
     k, m = lhs.shape
     n = rhs.shape[1]
     kw = dict(num_groups=num_groups, out_dtype=out_dtype)

@@ -26,12 +26,12 @@ tgmm_p = Primitive("conveyor_tgmm")
 
 # ---- evaluation -------------------------------------------------------------------------------
 
-def _gmm_impl(lhs, rhs, group_sizes, group_offset, existing_out, **params):
-    return backend_impls.run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, **params)
+def _gmm_impl(lhs, rhs, group_sizes, group_offset, existing_out, platform="cpu", **params):
+    return backend_impls.run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, platform=platform, **params)
 
 
-def _tgmm_impl(lhs, rhs, group_sizes, group_offset, existing_out, **params):
-    return backend_impls.run_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, **params)
+def _tgmm_impl(lhs, rhs, group_sizes, group_offset, existing_out, platform="cpu", **params):
+    return backend_impls.run_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, platform=platform, **params)
 
 
 @functools.lru_cache(maxsize=256)
@@ -47,8 +47,11 @@ def _eager(prim):
 
 gmm_p.def_impl(_eager(gmm_p))
 tgmm_p.def_impl(_eager(tgmm_p))
-register_lowering_from_function(gmm_p, _gmm_impl)
-register_lowering_from_function(tgmm_p, _tgmm_impl)
+# One lowering per platform: with backend="auto" (the user named none) the backend is chosen for
+# the platform being lowered for, so one traced function exports each platform's own kernel.
+for _platform in ("cpu", "cuda", "rocm", "tpu"):
+    register_lowering_from_function(gmm_p, functools.partial(_gmm_impl, platform=_platform), _platform)
+    register_lowering_from_function(tgmm_p, functools.partial(_tgmm_impl, platform=_platform), _platform)
 
 
 @functools.lru_cache(maxsize=256)
