@@ -221,7 +221,9 @@ def trace_ref_program(fn, ref_avals, axis_env):
     avals = [AbstractRef(a) for a in ref_avals]
     tree = jax.tree_util.tree_structure(tuple(range(len(avals))))
     dbg = api_util.debug_info("mpmd_map", fn, tuple(range(len(avals))), {})
-    with core.extend_axis_env_nd(list(axis_env)):
+    # Traced per program instance (inside shard_map too): the program's mesh axes are not
+    # shard_map axes, so varying-axes checks do not apply to them.
+    with core.extend_axis_env_nd(list(axis_env)), per_device_tracing():
         return initial_style_jaxpr(lambda refs: fn(*refs), tree, avals, dbg)
 
 

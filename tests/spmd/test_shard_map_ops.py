@@ -155,3 +155,25 @@ def test_warp_specialized_kernel_in_shard_map(backend):
     out = jax.jit(jax.shard_map(local, mesh=_mesh(devices=2), in_specs=(P("dp"),), out_specs=P("dp")))(x)
     step = np.repeat(np.arange(4, dtype=np.float32), 16)[:, None]
     np.testing.assert_array_equal(out, 2.0 * np.asarray(x) + np.tile(step, (2, 1)))
+
+
+def test_mpmd_map_runs_per_device_in_shard_map():
+    """Each device runs its own producer/consumer programs on its own shard (CPU executor)."""
+    def producer(x_ref, o_ref, staging, ready):
+        staging[...] = x_ref[...] * 2.0
+        cv.semaphore_signal(ready.at[0])
+        cv.semaphore_signal(ready.at[1])
+
+    def consumer(x_ref, o_ref, staging, ready):
+        me = lax.axis_index("core")
+        cv.semaphore_wait(ready.at[me])
+        o_ref[me] = staging[me] + 1.0
+
+    def local(x):
+        return cv.mpmd_map([(cv.Mesh(p=1), producer), (cv.Mesh(core=2), consumer)],
+                           jax.ShapeDtypeStruct(x.shape, x.dtype),
+                           scratch_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype), cv.SemaphoreType((2,))])(x)
+
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((2 * 2, 128)), jnp.float32)
+    out = jax.jit(jax.shard_map(local, mesh=_mesh(devices=2), in_specs=P("dp"), out_specs=P("dp")))(x)
+    np.testing.assert_array_equal(out, 2.0 * x + 1.0)

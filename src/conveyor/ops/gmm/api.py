@@ -113,7 +113,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       group_offset: scalar int, first global group of this shard (expert parallelism); may be traced.
       existing_out: [m, n] values for the rows this call does not compute (chain shards through it).
       transpose_rhs: rhs is [G, n, k] and used transposed.
-      backend: "xla" (default on CPU and GPU), "mosaic_tpu" (default on TPU) or "reference".
+      backend: "xla", "mosaic_tpu" or "reference"; None picks, when the op is lowered, the default of
+        the platform it is lowered for (mosaic_tpu for TPU, xla otherwise).
       interpret: run mosaic_tpu through the Pallas TPU interpreter: True, or a
         `pltpu.InterpretParams` (e.g. with detect_races=True).
 
