@@ -22,3 +22,11 @@ def test_bench_gmm_small(tmp_path):
     assert r.returncode == 0, r.stderr
     text = out.read_text()
     assert "| float32 | 8 |" in text and "cv.tgmm" in text
+
+
+def test_bench_refuses_options_it_would_ignore():
+    for args, name in [(("bench", "pipeline", "--platform", "gpu"), "--platform"),
+                       (("bench", "gmm", "--platform", "gpu", "--dtypes", "float32"), "--dtypes"),
+                       (("bench", "gmm", "--no-tgmm"), "--no-tgmm")]:
+        r = _run(*args)
+        assert r.returncode == 2 and f"{name} not used here" in r.stderr, (args, r.stderr)

@@ -24,17 +24,19 @@ def register_lowering_from_function(prim: Primitive, impl, platform: str | None 
     meaningless, and its loops and Pallas calls would otherwise each need the types threaded by hand.
     """
     lowered = mlir.lower_fun(impl, multiple_results=False)
+    mlir.register_lowering(prim, lambda ctx, *args, **params: _lower_per_device(lowered, ctx, *args, **params),
+                           platform=platform)
 
-    def rule(ctx, *args, **params):
-        inner = ctx.replace(avals_in=[strip_varying(a) for a in ctx.avals_in],
-                            avals_out=[strip_varying(a) for a in ctx.avals_out])
-        with per_device_tracing():
-            out = lowered(inner, *args, **params)
-        if inner.tokens_out is not None:  # effectful (interpreted) kernels thread tokens
-            ctx.set_tokens_out(inner.tokens_out)
-        return out
 
-    mlir.register_lowering(prim, rule, platform=platform)
+def _lower_per_device(lowered, ctx, *args, **params):
+    """Run a `mlir.lower_fun` rule with the avals' varying axes stripped and the checks off."""
+    inner = ctx.replace(avals_in=[strip_varying(a) for a in ctx.avals_in],
+                        avals_out=[strip_varying(a) for a in ctx.avals_out])
+    with per_device_tracing():
+        out = lowered(inner, *args, **params)
+    if inner.tokens_out is not None:  # effectful (interpreted) kernels thread tokens
+        ctx.set_tokens_out(inner.tokens_out)
+    return out
 
 
 # ---- JAX state (refs) for the XLA kernel executor ----------------------------------------------
@@ -50,7 +52,10 @@ def varying_axes(x) -> frozenset:
     """Mesh axes over which `x` varies inside shard_map (jax 0.12: aval.mat.varying; older: aval.vma)."""
     import jax
     aval = jax.typeof(x)
-    aval = getattr(aval, "inner_aval", aval)  # a ref varies as its contents do
+    return _varying_axes_of_aval(getattr(aval, "inner_aval", aval))  # a ref varies as its contents do
+
+
+def _varying_axes_of_aval(aval) -> frozenset:
     mat = getattr(aval, "mat", None)
     if mat is not None and hasattr(mat, "varying"):
         return frozenset(mat.varying)
@@ -70,16 +75,15 @@ def strip_varying(aval):
     return aval
 
 
-def match_varying(*xs, like=()):
+def match_varying(*xs):
     """Cast every array to vary over the union of the mesh axes any of them varies over.
 
     The rule JAX applies before binding its own primitives inside `shard_map(check_vma=True)`:
     the cast (pvary) transposes to a psum, so the cotangent of a replicated operand comes back
-    replicated. Outside shard_map, or with check_vma=False, nothing changes. Arrays or refs in
-    `like` add their axes to the union without being cast.
+    replicated. Outside shard_map, or with check_vma=False, nothing changes.
     """
     import jax
-    axes = frozenset().union(*(varying_axes(x) for x in (*xs, *like)))
+    axes = frozenset().union(*(varying_axes(x) for x in xs))
     if not axes:
         return xs
     return tuple(x if varying_axes(x) == axes else
@@ -107,15 +111,10 @@ class _Hashable:
 
 def _per_device_abstract(*avals, fn, out_avals):
     from jax._src import core
-    axes = frozenset().union(*(varying_axes_of_aval(a) for a in avals))
+    axes = frozenset().union(*(_varying_axes_of_aval(a) for a in avals))
     mat = core.ManualAxisType(varying=axes)
     return [core.ShapedArray(a.shape, a.dtype, sharding=core.get_cur_mesh_sharding(), manual_axis_type=mat)
             for a in out_avals]
-
-
-def varying_axes_of_aval(aval) -> frozenset:
-    mat = getattr(aval, "mat", None)
-    return frozenset(mat.varying) if mat is not None and hasattr(mat, "varying") else frozenset()
 
 
 per_device_p = Primitive("conveyor_per_device")
@@ -124,10 +123,7 @@ per_device_p.def_abstract_eval(_per_device_abstract)
 
 
 def _per_device_lowering(ctx, *args, fn, out_avals):
-    inner = ctx.replace(avals_in=[strip_varying(a) for a in ctx.avals_in],
-                        avals_out=[strip_varying(a) for a in ctx.avals_out])
-    with per_device_tracing():
-        return mlir.lower_fun(lambda *xs: fn.fn(*xs), multiple_results=True)(inner, *args)
+    return _lower_per_device(mlir.lower_fun(fn.fn, multiple_results=True), ctx, *args)
 
 
 mlir.register_lowering(per_device_p, _per_device_lowering)

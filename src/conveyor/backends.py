@@ -7,17 +7,9 @@ BACKENDS = ("xla", "mosaic_tpu", "mosaic_gpu", "reference")
 
 
 def default_backend(available: tuple[str, ...]) -> str:
-    """The backend `backend=None` picks on this process's default platform.
-
-    TPU runs the Mosaic TPU kernel when the op has one; every other platform (CPU, GPU without a
-    Mosaic GPU kernel for the op) runs the XLA backend, which is exact and fast everywhere.
-    """
+    """The backend `backend=None` picks on this process's default platform (see `for_platform`)."""
     platform = jax.default_backend()
-    if platform == "tpu" and "mosaic_tpu" in available:
-        return "mosaic_tpu"
-    if platform in ("gpu", "cuda") and "mosaic_gpu" in available:
-        return "mosaic_gpu"
-    return "xla"
+    return for_platform("cuda" if platform == "gpu" else platform, available)
 
 
 # `backend=None` on ops that choose per lowering platform: the choice is made when the op is
@@ -27,7 +19,11 @@ AUTO = "auto"
 
 
 def for_platform(platform: str, available: tuple[str, ...]) -> str:
-    """The backend an op lowered for `platform` ("cpu", "cuda", "rocm", "tpu") runs when none was named."""
+    """The backend an op lowered for `platform` ("cpu", "cuda", "rocm", "tpu") runs when none was named.
+
+    TPU runs the Mosaic TPU kernel when the op has one, GPUs the Mosaic GPU kernel when it has one;
+    everything else the XLA backend, which is exact and fast everywhere.
+    """
     if platform == "tpu" and "mosaic_tpu" in available:
         return "mosaic_tpu"
     if platform in ("cuda", "rocm") and "mosaic_gpu" in available:

@@ -141,6 +141,18 @@ def _bench_collective(args):
     return proc.stdout
 
 
+def _bench_options_ignored(args) -> str:
+    """The options given that this bench would ignore (refused by name instead)."""
+    defaults = _parser().parse_args(["bench", args.which])
+    gpu_only, cpu_gmm_only = ("backends", "no_tgmm"), ("dtypes", "ffn_groups")
+    if args.which != "gmm":
+        names = ("platform", "groups", *gpu_only, *cpu_gmm_only)
+    else:
+        names = cpu_gmm_only if args.platform == "gpu" else gpu_only
+    given = [n for n in names if getattr(args, n) != getattr(defaults, n)]
+    return ", ".join("--" + n.replace("_", "-") for n in given)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "demo":
@@ -151,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "simulate":
         return _simulate(args)
     if args.command == "bench":
+        ints = lambda s: tuple(int(v) for v in s.split(",") if v)
+        if (unused := _bench_options_ignored(args)):
+            print(f"conveyor bench {args.which} --platform {args.platform}: {unused} not used here", file=sys.stderr)
+            return 2
         if args.which == "collective":
             report = _bench_collective(args)
             if report is None:
@@ -163,13 +179,11 @@ def main(argv: list[str] | None = None) -> int:
             report = bench_pipeline.run(reps=args.reps)
         elif args.platform == "gpu":
             from conveyor.bench import gmm_gpu
-            ints = lambda s: tuple(int(v) for v in s.split(",") if v)
             groups = ints(args.groups) if args.groups != "1,8,64,256" else (8, 64, 256)
             report = gmm_gpu.run(reps=args.reps, groups=groups, backends=tuple(args.backends.split(",")),
                                  tgmm=not args.no_tgmm)
         else:
             from conveyor.bench import gmm as bench_gmm
-            ints = lambda s: tuple(int(v) for v in s.split(",") if v)
             report = bench_gmm.run(reps=args.reps, groups=ints(args.groups), dtypes=tuple(args.dtypes.split(",")),
                                    ffn_groups=ints(args.ffn_groups))
         print(report)

@@ -24,7 +24,7 @@ def _interpret(interpret):
     return pltpu.InterpretParams() if interpret is True else interpret
 
 
-def tpu_mesh():
+def _tpu_mesh():
     """An abstract mesh whose devices are TPU v5e cores, for tracing TPU kernels without a TPU.
 
     Inside shard_map the current (manual) mesh cannot change size, so the same axes are kept and
@@ -56,7 +56,7 @@ def launch(body, outs, scratch, single, interpret, enter_context, grid=()):
             interpret=_interpret(interpret),
             grid=grid,
             name="conveyor_kernel")
-        mesh = tpu_mesh() if interpret or jax.default_backend() != "tpu" else contextlib.nullcontext()
+        mesh = _tpu_mesh() if interpret or jax.default_backend() != "tpu" else contextlib.nullcontext()
         with mesh:
             results = call(*inputs)
         return results[0] if single else tuple(results)

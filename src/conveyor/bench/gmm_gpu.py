@@ -80,8 +80,21 @@ def _best(cands: dict[str, Callable], args, reps: int, ref) -> tuple[str, float,
     return best
 
 
+def _measure(rows: list[dict], reps: int, ref, name: str, f: Callable, args) -> None:
+    """Append `name`'s row: its median time and error against `ref`, or why it failed to run."""
+    jf = jax.jit(f)
+    try:
+        out = jax.block_until_ready(jf(*args))
+    except Exception as e:  # noqa: BLE001 - reported in the table, not hidden
+        rows.append(dict(name=name, t=None, err=None, config=f"failed: {type(e).__name__}: {str(e)[:120]}"))
+        print(f"  {name}: {rows[-1]['config']}", flush=True)
+        return
+    t = device_median(lambda: jf(*args), reps)
+    rows.append(dict(name=name, t=t, err=_rel_err(out, ref), config=""))
+    print(f"  {name}: {t * 1e3:.3f} ms", flush=True)
+
+
 def _inputs(p: GmmProblem, seed: int):
-    rng = np.random.default_rng(seed)
     sizes = skewed_group_sizes(p.m, p.groups, seed=seed, alpha=p.alpha)
     key = jax.random.key(seed)
     k1, k2 = jax.random.split(key)
@@ -95,19 +108,7 @@ def bench_gmm(p: GmmProblem, reps: int, backends: tuple[str, ...]) -> list[dict]
     gs = jnp.asarray(sizes)
     ref = jax.jit(lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32))(lhs, rhs, gs)
     rows = []
-
-    def add(name, f, args, config=""):
-        jf = jax.jit(f)
-        try:
-            out = jax.block_until_ready(jf(*args))
-        except Exception as e:  # noqa: BLE001 - reported in the table, not hidden
-            rows.append(dict(name=name, t=None, err=None, config=f"failed: {type(e).__name__}: {str(e)[:120]}"))
-            print(f"  {name}: {rows[-1]['config']}", flush=True)
-            return
-        t = device_median(lambda: jf(*args), reps)
-        rows.append(dict(name=name, t=t, err=None if ref is None else _rel_err(out, ref), config=config))
-        print(f"  {name}: {t * 1e3:.3f} ms", flush=True)
-
+    add = functools.partial(_measure, rows, reps, ref)
     bf16 = jnp.bfloat16
     add("dense jnp.dot", lambda a, b: jnp.dot(a, b[0], preferred_element_type=bf16), (lhs, rhs))
     rows[-1]["err"] = None  # different math: a floor, not a candidate
@@ -126,20 +127,8 @@ def bench_tgmm(p: GmmProblem, reps: int, backends: tuple[str, ...]) -> list[dict
     gs = jnp.asarray(sizes)
     ref = jax.jit(lambda a, b, s: cv.tgmm(a.T, b, s, backend="xla"))(x, dy, gs)
     rows = []
+    add = functools.partial(_measure, rows, reps, ref)
     bf16 = jnp.bfloat16
-
-    def add(name, f, args, config=""):
-        jf = jax.jit(f)
-        try:
-            out = jax.block_until_ready(jf(*args))
-        except Exception as e:  # noqa: BLE001
-            rows.append(dict(name=name, t=None, err=None, config=f"failed: {type(e).__name__}: {str(e)[:120]}"))
-            print(f"  {name}: {rows[-1]['config']}", flush=True)
-            return
-        t = device_median(lambda: jf(*args), reps)
-        rows.append(dict(name=name, t=t, err=_rel_err(out, ref), config=config))
-        print(f"  {name}: {t * 1e3:.3f} ms", flush=True)
-
     add("dense jnp.dot", lambda a, b: jnp.dot(a.T, b, preferred_element_type=bf16), (x, dy))
     rows[-1]["err"] = None
     best = _best({k: functools.partial(f, group_sizes=gs) for k, f in _upstream_gmm(transpose=True).items()},
