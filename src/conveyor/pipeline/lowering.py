@@ -1,16 +1,47 @@
-"""Helpers shared by the plan's executors (xla, mosaic_tpu, mosaic_gpu)."""
+"""Helpers shared by the plan's executors (xla, mosaic_tpu, mosaic_gpu).
+
+Out-of-bounds blocks, one rule on every backend: a block whose index lies outside the array
+(negative, or past the last whole block, in any dimension) is not copied. An out-of-bounds input
+block reads as zeros; an out-of-bounds output block is not written back (the array keeps what it
+held). This is the rule of a TMA copy on GPU, which the other backends follow by predicating their
+copies. Block shapes divide the arrays, so a block is either wholly inside or wholly outside.
+"""
 from __future__ import annotations
 
+from typing import Any
+
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from conveyor.pipeline.plan import OperandPlan, PipelinePlan
+from conveyor.pipeline.plan import Int, OperandPlan, PipelinePlan
 
 
 def block_view(p: PipelinePlan, op: OperandPlan, ref, step):
     """The global-memory view of `op`'s block at `step`; squeezed dims are indexed by an integer."""
+    return _view(op, ref, p.offsets(op, step))
+
+
+def first_block_view(op: OperandPlan, ref):
+    """The view of block (0, ..., 0): same shape as any block, always in bounds (for DMA waits,
+    which only need the size of the copy they wait for)."""
+    return _view(op, ref, (0,) * len(op.block_shape))
+
+
+def _view(op: OperandPlan, ref, offsets):
     idx = tuple(off if spec is None else pl.ds(off, size)
-                for off, size, spec in zip(p.offsets(op, step), op.block_dims, op.block_shape))
+                for off, size, spec in zip(offsets, op.block_dims, op.block_shape))
     return ref.at[idx]
+
+
+def block_in_bounds(p: PipelinePlan, op: OperandPlan, step: Int, array_shape) -> Any:
+    """Whether `op`'s block at `step` lies inside an array of `array_shape` (Python bool when
+    everything is static, else a traced bool)."""
+    ok: Any = True
+    for index, size, extent in zip(p.block_indices(op, step), op.block_dims, array_shape):
+        num_blocks = extent // size
+        inside = 0 <= index < num_blocks if isinstance(index, int) else jnp.logical_and(index >= 0, index < num_blocks)
+        ok = ok and inside if isinstance(ok, bool) and isinstance(inside, bool) else jnp.logical_and(ok, inside)
+    return ok
 
 
 def call_body(body, indices, blocks, carry, has_carry: bool):

@@ -1,10 +1,12 @@
 """XLA executor of a pipeline plan: the plan's rules with ordinary slicing in a compiled loop.
 
-Inputs are read block by block from the global refs; outputs stay resident as loop-carried values
-while their block index does not change, and are written to the global ref when the plan says so.
+Each operand gets one block buffer (a fresh ref of the block's shape). At every step the input
+blocks are read into their buffers, the body runs on the buffers (and may touch any other ref of
+the kernel: scratch, scoped buffers, other outputs), and an output buffer is written to its array
+when the plan says so, then poisoned: it stays resident while its block index does not change.
 There is no real asynchrony on this backend (XLA:CPU runs ops in order): the plan's slots and
 fetch-ahead only matter to the Mosaic lowerings, the checker and the simulator, while the values a
-body sees are exactly those of the schedule.
+body sees are exactly those of the schedule. Out-of-bounds blocks follow `lowering`'s rule.
 """
 from __future__ import annotations
 
@@ -13,62 +15,51 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from conveyor._compat import call_as_thread, run_state
+from conveyor._compat import call_as_thread
 from conveyor.kernel import poison
 from conveyor.pipeline import carry as carry_lib
+from conveyor.pipeline.lowering import block_in_bounds, call_body
 from conveyor.pipeline.plan import OperandPlan, PipelinePlan
 from conveyor.sync import TraceTimeBarrier
 
 
-def _index(p: PipelinePlan, op: OperandPlan, step):
-    return tuple(pl.ds(off, size) for off, size in zip(p.offsets(op, step), op.block_dims))
+def _clamped_index(p: PipelinePlan, op: OperandPlan, step, shape):
+    """Slices of `op`'s block at `step`, clamped into the array (the caller masks out-of-bounds)."""
+    return tuple(pl.ds(jnp.clip(off, 0, extent - size), size)
+                 for off, size, extent in zip(p.offsets(op, step), op.block_dims, shape))
 
 
-def _read_block(p, op, gref, step):
-    return gref[_index(p, op, step)].reshape(op.ref_shape)
+def _load(p: PipelinePlan, op: OperandPlan, gref, buf, step):
+    block = gref[_clamped_index(p, op, step, gref.shape)].reshape(op.ref_shape)
+    buf[...] = jnp.where(block_in_bounds(p, op, step, gref.shape), block, jnp.zeros_like(block))
+
+
+def _store(p: PipelinePlan, op: OperandPlan, gref, buf, step, when):
+    idx = _clamped_index(p, op, step, gref.shape)
+    write = jnp.logical_and(when, block_in_bounds(p, op, step, gref.shape))
+    gref[idx] = jnp.where(write, buf[...].reshape(op.block_dims), gref[idx])
 
 
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
     """Run `body(indices, *in_block_refs, *out_block_refs[, carry])` over the plan's steps."""
-    out_dtypes = [r.dtype for r in out_refs]
+    n_in = len(p.inputs)
+    # Fresh refs (not pl.run_scoped, whose XLA lowering fails when the body is itself inside a
+    # user's run_scoped and touches that buffer).
+    bufs = [jax.new_ref(poison(op.ref_shape, r.dtype)) for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))]
+    in_bufs, out_bufs = bufs[:n_in], bufs[n_in:]
 
-    def step(s, state):
-        resident, carry = state
-        blocks = [_read_block(p, op, ref, s) for op, ref in zip(p.inputs, in_refs)]
-        indices = p.grid_indices(s)
-        carry_leaves, carry_tree = jax.tree_util.tree_flatten(carry)
-        n_blocks = len(blocks) + len(resident)
-
-        def stateful(refs):
-            block_refs, carry_refs = refs[:n_blocks], refs[n_blocks:]
-            if has_carry:
-                current = jax.tree_util.tree_unflatten(carry_tree, [r[...] for r in carry_refs])
-                new = body(indices, *block_refs, current)
-                new_leaves, new_tree = jax.tree_util.tree_flatten(new)
-                if new_tree != carry_tree:
-                    raise TypeError(f"pipeline body must return a carry with the structure of init_carry "
-                                    f"({carry_tree}), got {new_tree}")
-                for r, v in zip(carry_refs, new_leaves):
-                    r[...] = jnp.asarray(v, r.dtype)
-            elif body(indices, *block_refs) is not None:
-                raise TypeError("pipeline body returned a value but no init_carry was given")
-
-        final = run_state(stateful)((*blocks, *resident, *carry_leaves))
-        new_carry = jax.tree_util.tree_unflatten(carry_tree, list(final[n_blocks:]))
-        outs = list(final[len(blocks):n_blocks])
-        next_resident = []
-        for op, ref, val, dt in zip(p.outputs, out_refs, outs, out_dtypes):
-            wb = p.writes_back(op, s)
-            idx = _index(p, op, s)
-            shaped = val.reshape(op.block_dims)
-            ref[idx] = jnp.where(wb, shaped, ref[idx])
+    def step(s, carry):
+        for op, gref, buf in zip(p.inputs, in_refs, in_bufs):
+            _load(p, op, gref, buf, s)
+        carry = call_body(body, p.grid_indices(s), (*in_bufs, *out_bufs), carry, has_carry)
+        for op, gref, buf in zip(p.outputs, out_refs, out_bufs):
+            written = p.writes_back(op, s)
+            _store(p, op, gref, buf, s, written)
             # After a write-back the block moves to a fresh (uninitialized) slot.
-            next_resident.append(jnp.where(wb, poison(op.ref_shape, dt), val))
-        return tuple(next_resident), new_carry
+            buf[...] = jnp.where(written, poison(buf.shape, buf.dtype), buf[...])
+        return carry
 
-    resident0 = tuple(poison(op.ref_shape, r.dtype) for op, r in zip(p.outputs, out_refs))
-    init_carry = jax.tree_util.tree_map(jnp.asarray, init_carry)
-    _, carry = lax.fori_loop(0, p.num_steps, step, (resident0, init_carry))
+    carry = lax.fori_loop(0, p.num_steps, step, init_carry)
     return carry if has_carry else None
 
 
