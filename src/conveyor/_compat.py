@@ -294,3 +294,23 @@ def gpu_interpreter_multi_device_fix() -> None:
 
 
 __all__ += ["gpu_interpreter_multi_device_fix"]
+
+
+# ---- data flow of a traced function (pipeline index maps) -------------------------------------
+
+def args_reaching_outputs(fn, num_args: int) -> tuple[int, frozenset]:
+    """Trace `fn(*num_args int32 scalars)`; return (number of outputs, the argument positions
+    some output depends on). Decided on the jaxpr's data flow (an equation's outputs depend on all
+    of its inputs), so it is exact for what the function reads, never sampled."""
+    import jax
+    import jax.numpy as jnp
+    from jax.extend.core import Var
+    closed = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct((), jnp.int32)] * num_args)
+    jaxpr = closed.jaxpr
+    origin = {v: frozenset([i]) for i, v in enumerate(jaxpr.invars)}
+    for eqn in jaxpr.eqns:
+        reached = frozenset().union(*[origin.get(v, frozenset()) for v in eqn.invars if isinstance(v, Var)])
+        for v in eqn.outvars:
+            origin[v] = reached
+    used = frozenset().union(*[origin.get(v, frozenset()) for v in jaxpr.outvars if isinstance(v, Var)])
+    return len(jaxpr.outvars), used

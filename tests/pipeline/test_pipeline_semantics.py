@@ -64,3 +64,83 @@ def test_body_accumulates_into_kernel_scratch_and_a_scoped_buffer(backend):
     # f32 sums of 5 terms of size O(1): rounding error ~ 5 * 2**-24 * |terms| < 1e-5.
     np.testing.assert_allclose(got_sum, blocks.sum(0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got_sq, (blocks ** 2).sum(0), rtol=1e-5, atol=1e-5)
+
+
+# ---- Pallas BlockSpec fields: honoured or refused by name ---------------------------------------
+
+def _imap(i):
+    return (i, 0)
+
+
+@pytest.mark.parametrize("spec, match", [
+    (pl.BlockSpec(BLOCK, _imap, memory_space=pltpu.VMEM), "memory_space"),
+    (pl.BlockSpec(BLOCK, _imap, pipeline_mode=pl.Buffered(3)), r"Buffered\(3\).*2 slot"),
+    (pl.BlockSpec(BLOCK, _imap, pipeline_mode=pl.Buffered(2, use_lookahead=True)), "use_lookahead"),
+    (plgpu.BlockSpec(BLOCK, _imap, transforms=(plgpu.TilingTransform((8, 32)),)), "transforms"),
+    (plgpu.BlockSpec(BLOCK, _imap, collective_axes=("x",)), "collective_axes"),
+])
+def test_unsupported_blockspec_fields_are_refused_by_name(spec, match):
+    with pytest.raises(ValueError, match=match):
+        cv.pipeline.plan(grid=(4,), in_specs=[spec], max_concurrent_steps=2)
+
+
+def test_output_delay_release_is_refused():
+    with pytest.raises(ValueError, match="out\\[0\\].*delay_release applies to inputs"):
+        cv.pipeline.plan(grid=(4,), out_specs=[plgpu.BlockSpec(BLOCK, _imap, delay_release=1)])
+
+
+def test_honoured_blockspec_fields():
+    # A spec's delay_release raises the pipeline's (every input then waits as long: never less safe).
+    p = cv.pipeline.plan(grid=(4,), in_specs=[plgpu.BlockSpec(BLOCK, _imap, delay_release=1),
+                                              cv.BlockSpec(BLOCK, _imap)], max_concurrent_steps=3)
+    assert (p.delay_release, p.lookahead) == (1, 2)
+    with pytest.raises(ValueError, match="greater than delay_release=2"):
+        cv.pipeline.plan(grid=(4,), in_specs=[plgpu.BlockSpec(BLOCK, _imap, delay_release=2)], max_concurrent_steps=2)
+    # Buffered(n) matching the plan's slots: n = max_concurrent_steps, 1 for an invariant operand.
+    p = cv.pipeline.plan(grid=(4,), in_specs=[pl.BlockSpec(BLOCK, _imap, pipeline_mode=pl.Buffered(2)),
+                                              pl.BlockSpec(BLOCK, lambda i: (0, 0), pipeline_mode=pl.Buffered(1))],
+                         out_specs=[pl.BlockSpec(BLOCK, _imap, pipeline_mode=pl.Buffered(2))], max_concurrent_steps=2)
+    assert [op.num_slots for op in p.inputs + p.outputs] == [2, 1, 2]
+
+
+# ---- index-map invariance is decided exactly ---------------------------------------------------
+
+def test_invariance_is_decided_by_data_flow_not_sampling():
+    grid = (600,)
+    rare = lambda i: (jnp.where(i == 317, 1, 0), 0)  # depends on the step in one step of 600
+    constant = lambda i: (0, 0)
+    p = cv.pipeline.plan(grid=grid, in_specs=[cv.BlockSpec(BLOCK, rare), cv.BlockSpec(BLOCK, constant)],
+                         max_concurrent_steps=2)
+    assert [op.invariant for op in p.inputs] == [False, True]
+    inside = jax.jit(lambda: jnp.int32(p.inputs[0].invariant))()  # same decision inside a trace
+    assert int(inside) == 0
+
+
+def test_index_map_errors_propagate_with_the_operand_name():
+    def broken(i):
+        raise ZeroDivisionError("boom")
+    with pytest.raises(ZeroDivisionError, match="boom") as info:
+        cv.pipeline.plan(grid=(4,), in_specs=[cv.BlockSpec(BLOCK, _imap), cv.BlockSpec(BLOCK, broken)])
+    assert any("in[1]" in note for note in info.value.__notes__)
+    with pytest.raises(ValueError, match="in\\[0\\]: index_map returned 1 indices for a 2-d block_shape"):
+        cv.pipeline.plan(grid=(4,), in_specs=[cv.BlockSpec(BLOCK, lambda i: i)])
+
+
+def test_rarely_varying_index_map_gives_the_right_rows(backend):
+    """A map that changes block at one grid point of 600 that a sampling classifier never probes
+    (it used to be called invariant, fetched once, and the TPU kernel returned the wrong rows)."""
+    grid, special = (30, 20), (17, 7)
+    x = arr(3, 2 * BLOCK[0], BLOCK[1])
+
+    def k(x_ref, o_ref):
+        def body(idx, xb, ob):
+            i, j = idx
+            hit = (i == special[0]) & (j == special[1])
+            ob[...] = jnp.where((i == 0) & (j == 0), 0.0, ob[...]) + jnp.where(hit, xb[...], 0.0)
+        # Plain arithmetic, so a sampler evaluating it on Python ints sees the same constant 0.
+        rare = lambda i, j: (1 * ((i == special[0]) & (j == special[1])), 0)
+        cv.emit_pipeline(body, grid=grid, in_specs=[cv.BlockSpec(BLOCK, rare)],
+                         out_specs=[cv.BlockSpec(BLOCK, lambda i, j: (0, 0))], max_concurrent_steps=2)(x_ref, o_ref)
+
+    out = run(k, jax.ShapeDtypeStruct(BLOCK, jnp.float32), x, backend=backend)
+    np.testing.assert_array_equal(out, x[BLOCK[0]:])

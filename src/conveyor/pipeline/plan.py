@@ -24,6 +24,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from conveyor._compat import args_reaching_outputs
+
 Int = Any  # a Python int or a traced int32 scalar
 
 
@@ -48,7 +50,9 @@ class BlockSpec:
 
 
 def as_block_spec(spec: Any, name: str) -> BlockSpec:
-    """Accept a cv.BlockSpec or a Pallas BlockSpec (anything with block_shape and index_map)."""
+    """Accept a cv.BlockSpec or a Pallas BlockSpec (anything with block_shape and index_map).
+
+    Fields of Pallas BlockSpecs beyond those two are honoured or refused (`pallas_options`)."""
     if isinstance(spec, BlockSpec):
         return spec
     shape = getattr(spec, "block_shape", None)
@@ -57,6 +61,70 @@ def as_block_spec(spec: Any, name: str) -> BlockSpec:
         raise TypeError(f"{name}: expected a cv.BlockSpec or pl.BlockSpec with block_shape and index_map, got {spec!r}")
     shape = tuple(None if (d is None or type(d).__name__ == "Squeezed") else int(d) for d in shape)
     return BlockSpec(shape, imap)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PallasOptions:
+    """What a Pallas BlockSpec asks of the pipeline beyond its block: its release delay (inputs)
+    and the buffer count of its `pipeline_mode` (None: not asked)."""
+    delay_release: int = 0
+    buffer_count: int | None = None
+
+
+def _is_default(value: Any, field: dataclasses.Field) -> bool:
+    if field.default is not dataclasses.MISSING:
+        return value == field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return value == field.default_factory()
+    return False
+
+
+def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
+    """Read the fields of a Pallas BlockSpec (pl.BlockSpec, plgpu.BlockSpec) Conveyor honours and
+    refuse, by name, every other field that is set: none is silently ignored.
+
+    Honoured: `delay_release` of an input (the pipeline's delay becomes the largest asked, which
+    is never less safe), `pipeline_mode=pl.Buffered(n)` when n is the number of slots the plan
+    gives the operand, `oob_fill_mode` ZEROS (the out-of-bounds rule every backend follows).
+    Refused: `memory_space` (blocks always go to the backend's on-chip memory), `transforms`,
+    `collective_axes`, other Buffered options, and any field this version does not know."""
+    if isinstance(spec, BlockSpec) or not dataclasses.is_dataclass(spec):
+        return PallasOptions()
+    delay, count = 0, None
+    for field in dataclasses.fields(spec):
+        value = getattr(spec, field.name)
+        if field.name in ("block_shape", "index_map") or value is None or _is_default(value, field):
+            continue
+        where = f"{name}: {type(spec).__name__}.{field.name}={value!r}"
+        if field.name == "delay_release":
+            if not is_input:
+                raise ValueError(f"{where}: delay_release applies to inputs (it delays refilling an input slot); "
+                                 f"an output has nothing to release")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{where}: expected an int >= 0")
+            delay = value
+        elif field.name == "pipeline_mode":
+            count = _buffer_count(value, where)
+        elif field.name == "oob_fill_mode" and getattr(value, "name", None) == "ZEROS":
+            continue
+        elif field.name == "memory_space":
+            raise ValueError(f"{where} is not supported: Conveyor pipelines copy every block into the backend's "
+                             f"on-chip memory (VMEM on TPU, SMEM on GPU); leave memory_space unset")
+        else:
+            raise ValueError(f"{where} is not supported by Conveyor pipelines (it would be ignored); "
+                             f"leave it unset")
+    return PallasOptions(delay_release=delay, buffer_count=count)
+
+
+def _buffer_count(mode: Any, where: str) -> int:
+    count = getattr(mode, "buffer_count", None)
+    if not isinstance(count, int) or isinstance(count, bool):
+        raise ValueError(f"{where} is not supported: only pl.Buffered(buffer_count) pipeline modes are")
+    extra = [f.name for f in dataclasses.fields(mode) if f.name != "buffer_count"
+             and not _is_default(getattr(mode, f.name), f)] if dataclasses.is_dataclass(mode) else []
+    if extra:
+        raise ValueError(f"{where}: Buffered options {extra} are not supported; only buffer_count is")
+    return count
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,37 +270,19 @@ class PipelinePlan:
         return tuple(ev)
 
 
-def _is_invariant(index_map: Callable, grid: tuple[int, ...], name: str) -> bool:
-    """Does the index map ignore the grid? Decided by evaluating it on every grid point when small,
-    else on the corners and a sample of points (index maps are affine in practice)."""
-    points = _probe_points(grid)
+def _is_invariant(index_map: Callable, grid: tuple[int, ...], name: str, rank: int) -> bool:
+    """Does the index map ignore the grid? Decided exactly: the map is traced on symbolic grid
+    indices and invariant iff none of its results depends on any of them (a map that uses a grid
+    index only in some steps, e.g. through `jnp.where`, is grid-dependent). The same answer inside
+    and outside jit; errors of the map itself propagate, named."""
     try:
-        values = {tuple(int(v) for v in _as_tuple(index_map(*p))) for p in points}
-    except Exception as e:  # a map that needs scalar prefetch or tracing: treat as grid-dependent
-        if isinstance(e, (TypeError,)) and "positional" in str(e):
-            raise TypeError(f"{name}: index_map must take {len(grid)} grid indices: {e}") from e
-        return False
-    return len(values) == 1
-
-
-def _as_tuple(x):
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
-def _probe_points(grid):
-    total = math.prod(grid)
-    if total <= 512:
-        pts = [()]
-        for g in grid:
-            pts = [p + (i,) for p in pts for i in range(g)]
-        return pts
-    pts = [tuple(0 for _ in grid), tuple(g - 1 for g in grid)]
-    for axis, g in enumerate(grid):
-        for i in (1, g // 2, g - 1):
-            p = [0] * len(grid)
-            p[axis] = min(i, g - 1)
-            pts.append(tuple(p))
-    return pts
+        num_outputs, used = args_reaching_outputs(index_map, len(grid))
+    except Exception as e:
+        e.add_note(f"(raised by the index_map of {name}, traced on {len(grid)} int32 grid indices)")
+        raise
+    if num_outputs != rank:
+        raise ValueError(f"{name}: index_map returned {num_outputs} indices for a {rank}-d block_shape")
+    return not used
 
 
 def plan(*, grid: Sequence[int], in_specs: Sequence[Any] = (), out_specs: Sequence[Any] = (),
@@ -251,26 +301,34 @@ def plan(*, grid: Sequence[int], in_specs: Sequence[Any] = (), out_specs: Sequen
         raise ValueError(f"max_concurrent_steps: expected an int >= 1, got {max_concurrent_steps!r}")
     if not isinstance(delay_release, int) or delay_release < 0:
         raise ValueError(f"delay_release: expected an int >= 0, got {delay_release!r}")
+    in_options = [pallas_options(spec, f"in[{i}]", True) for i, spec in enumerate(in_specs)]
+    out_options = [pallas_options(spec, f"out[{i}]", False) for i, spec in enumerate(out_specs)]
+    delay_release = max([delay_release] + [o.delay_release for o in in_options])
     if max_concurrent_steps <= delay_release:
         raise ValueError(
-            f"max_concurrent_steps={max_concurrent_steps} must be greater than delay_release={delay_release}: "
+            f"max_concurrent_steps={max_concurrent_steps} must be greater than delay_release={delay_release} (the "
+            f"largest of the pipeline's and its input BlockSpecs'): "
             f"a slot is held for delay_release steps after its use, so with max_concurrent_steps <= "
             f"delay_release no slot is ever free to prefetch into")
     steps = math.prod(grid)
     if max_concurrent_steps > steps:  # documented: shrink to the number of steps
         max_concurrent_steps, delay_release = steps, 0
 
-    def build(specs, is_input):
+    def build(specs, options, is_input):
         ops = []
-        for i, spec in enumerate(specs):
+        for i, (spec, opts) in enumerate(zip(specs, options)):
             name = f"{'in' if is_input else 'out'}[{i}]"
             bs = as_block_spec(spec, name)
-            inv = _is_invariant(bs.index_map, grid, name)
-            if is_input:
-                slots = 1 if inv else max_concurrent_steps
-            else:
-                slots = 1 if inv else 2
+            inv = _is_invariant(bs.index_map, grid, name, len(bs.block_shape))
+            slots = 1 if inv else (max_concurrent_steps if is_input else 2)
+            if opts.buffer_count is not None and opts.buffer_count != slots:
+                raise ValueError(
+                    f"{name}: pipeline_mode=Buffered({opts.buffer_count}) is not supported: the plan gives this "
+                    f"{'index-invariant ' if inv else ''}{'input' if is_input else 'output'} {slots} slot(s) "
+                    f"({'invariant operands are fetched once' if inv else 'inputs: max_concurrent_steps; outputs: 2'}); "
+                    f"set max_concurrent_steps instead, or drop pipeline_mode")
             ops.append(OperandPlan(name, is_input, tuple(bs.block_shape), bs.index_map, inv, slots))
         return tuple(ops)
 
-    return PipelinePlan(grid, build(in_specs, True), build(out_specs, False), max_concurrent_steps, delay_release)
+    return PipelinePlan(grid, build(in_specs, in_options, True), build(out_specs, out_options, False),
+                        max_concurrent_steps, delay_release)
