@@ -48,7 +48,7 @@ def compute_index(memory_idx):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("num_compute, mcs, delay, memory_idx, manual", [
     (1, 2, 0, None, False), (2, 2, 0, None, False), (2, 3, 1, None, False), (2, 2, 0, 0, False),
-    (1, 2, 0, None, True), (2, 3, 0, 1, True)])
+    (1, 2, 0, None, True), (2, 3, 0, 1, True), (2, 3, 1, None, True), (1, 3, 2, 0, True)])
 def test_elementwise_scale_shift(backend, num_compute, mcs, delay, memory_idx, manual):
     x, y = arr(num_compute + 10 * mcs, 96, 128), arr(delay + 7, 96, 128)
 
@@ -56,8 +56,10 @@ def test_elementwise_scale_shift(backend, num_compute, mcs, delay, memory_idx, m
         def body(idx, xb, yb, ob, *barriers):
             rows = share(compute_index(memory_idx), 16, num_compute)
             ob[rows, :] = 2.0 * xb[rows, :] - yb[rows, :]
-            for b in barriers:
-                cv.barrier_arrive(b)
+            for b in barriers:  # written the upstream way: release step s - delay, from step delay on
+                @pl.when(idx[0] >= delay)
+                def _():
+                    cv.barrier_arrive(b)
         spec = cv.BlockSpec((16, 128), lambda i: (i, 0))
         cv.emit_pipeline_warp_specialized(
             body, grid=(6,), memory_registers=40, in_specs=[spec, spec], out_specs=[spec], max_concurrent_steps=mcs,

@@ -101,8 +101,12 @@ def emit_pipeline_warp_specialized(
         the compute threads get the rest of the register file, rounded down to a multiple of 8.
       max_concurrent_steps, delay_release: as in `emit_pipeline` (default 2 slots).
       manual_consumed_barriers: pass one consumed barrier per input to the body (after the output
-        refs); the body must `cv.barrier_arrive` on each once it no longer reads that step's block.
-        Otherwise each compute thread arrives after the body (delayed by `delay_release` steps).
+        refs). As upstream Pallas does, at step s it is the barrier of the slot step
+        s - delay_release used: the body must `cv.barrier_arrive` on each at every step
+        s >= delay_release (and not before), once it no longer reads that older block. A body that
+        also arrives in the first delay_release steps releases slots early (a race on hardware);
+        one that never arrives is reported on xla. Otherwise each compute thread arrives after the
+        body, delayed by `delay_release` steps, on its own.
       carry_coroutine: a generator function run by each compute thread: it yields the initial carry,
         receives the final carry as the value of that yield (`final = yield init`) and returns
         (an epilogue, e.g. storing the carry). The body then takes and returns the carry.

@@ -155,9 +155,8 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
 
             lax.fori_loop(0, n, step, None)
             # Consume the arrivals nobody waited for, so every barrier ends at a phase boundary.
-            last_arrival = n if wp.manual_consumed_barriers else n - p.delay_release
             for b in wait_before.values():
-                for u in range(max(0, n - S), last_arrival):
+                for u in range(max(0, n - S), n - p.delay_release):
                     plgpu.barrier_wait(b.at[u % S])
 
         @pl.when(tid != wp.memory_thread_idx)
@@ -169,7 +168,10 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
             def step(s, state):
                 wb_counts, carry = state
                 in_blocks, out_blocks = _await_blocks(p, s, produced, in_bufs, out_bufs, wb_counts)
-                manual = [consumed[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)] if wp.manual_consumed_barriers else []
+                # Upstream's protocol: the body gets the slot of step s - delay_release and skips its
+                # arrival during the first delay_release steps (see the public docstring).
+                manual = ([consumed[i].at[wp.released_slot(s)] for i in range(n_in)]
+                          if wp.manual_consumed_barriers else [])
                 carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks, *manual), carry, gen is not None)
                 if cycling and not wp.manual_consumed_barriers:
                     @pl.when(wp.releases_after(s))
