@@ -144,3 +144,23 @@ def test_rarely_varying_index_map_gives_the_right_rows(backend):
 
     out = run(k, jax.ShapeDtypeStruct(BLOCK, jnp.float32), x, backend=backend)
     np.testing.assert_array_equal(out, x[BLOCK[0]:])
+
+
+# ---- out-of-bounds blocks: one rule on every backend (conveyor.pipeline.lowering) -------------
+
+def test_out_of_bounds_blocks_read_zeros_and_are_not_written(backend):
+    """Input block i - 1 and output block i + 1 over 6 steps: steps 0 and 5 read outside x (zeros),
+    step 5 writes outside o (dropped: a clamping executor would overwrite the last block)."""
+    x = arr(4, 4 * BLOCK[0], BLOCK[1])
+
+    def k(x_ref, o_ref):
+        def body(idx, xb, ob):
+            ob[...] = 2.0 * xb[...] + 1.0
+        cv.emit_pipeline(body, grid=(6,), in_specs=[cv.BlockSpec(BLOCK, lambda i: (i - 1, 0))],
+                         out_specs=[cv.BlockSpec(BLOCK, lambda i: (i + 1, 0))], max_concurrent_steps=2)(x_ref, o_ref)
+
+    out = run(k, jax.ShapeDtypeStruct((6 * BLOCK[0], BLOCK[1]), jnp.float32), x, backend=backend)
+    rows = BLOCK[0]
+    want = np.concatenate([np.ones(BLOCK, np.float32), 2.0 * np.asarray(x) + 1.0])
+    # Block 0 is never written (it holds whatever the output memory held); blocks 1..5 are exact.
+    np.testing.assert_array_equal(out[rows:], want)

@@ -5,16 +5,29 @@ the kernel waits for step s's blocks, runs the body on slot s % S, then issues t
 s + lookahead into the slot step s - delay_release used (issued after the body, so delay_release=0
 is safe too). Outputs live in two VMEM slots: a write-back starts when the plan says so, and
 before the body writes into the other slot the write-back that last used it is awaited.
+Out-of-bounds blocks (`conveyor.pipeline.lowering`): their DMAs are predicated off; an input slot
+is zero-filled instead, and nobody waits for a copy that was never started.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from conveyor.pipeline.lowering import block_view, call_body
+from conveyor.pipeline.lowering import block_in_bounds, block_view, call_body, first_block_view
 from conveyor.pipeline.plan import PipelinePlan
+
+
+def _when(cond: Any, fn) -> None:
+    """Run `fn` under `cond`: at trace time when it is a Python bool, else as a branch."""
+    if isinstance(cond, bool):
+        if cond:
+            fn()
+    else:
+        pl.when(cond)(fn)
 
 
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
@@ -29,63 +42,71 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         in_bufs, out_bufs = args[:n_in], args[n_in:n_in + n_out]
         in_sems, out_sems = args[n_in + n_out:]
 
-        def fetch(i, step):
-            op = p.inputs[i]
-            slot = p.slot(op, step)
-            return pltpu.make_async_copy(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], in_sems.at[i, slot])
+        def in_bounds(ops, refs, k, step):
+            return block_in_bounds(p, ops[k], step, refs[k].shape)
 
-        def writeback(j, step, slot):
+        def start_fetch(i, step):
+            op, slot = p.inputs[i], p.slot(p.inputs[i], step)
+            inside = in_bounds(p.inputs, in_refs, i, step)
+            _when(inside, lambda: pltpu.make_async_copy(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot],
+                                                        in_sems.at[i, slot]).start())
+
+            def zero_fill():
+                in_bufs[i].at[slot][...] = jnp.zeros(op.ref_shape, in_bufs[i].dtype)
+            _when(jnp.logical_not(inside) if not isinstance(inside, bool) else not inside, zero_fill)
+
+        def wait_fetch(i, step):
+            op, slot = p.inputs[i], p.slot(p.inputs[i], step)
+            _when(in_bounds(p.inputs, in_refs, i, step),
+                  lambda: pltpu.make_async_copy(first_block_view(op, in_refs[i]), in_bufs[i].at[slot],
+                                                in_sems.at[i, slot]).wait())
+
+        def writeback(j, slot, step=None):
+            """The write-back DMA of output j's `slot` to its block at `step` (None: a descriptor to wait on)."""
             op = p.outputs[j]
-            return pltpu.make_async_copy(out_bufs[j].at[slot], block_view(p, op, out_refs[j], step), out_sems.at[j, slot])
+            dst = first_block_view(op, out_refs[j]) if step is None else block_view(p, op, out_refs[j], step)
+            return pltpu.make_async_copy(out_bufs[j].at[slot], dst, out_sems.at[j, slot])
 
-        # prologue
-        for i, op in enumerate(p.inputs):
+        for i, op in enumerate(p.inputs):  # prologue
             for t in p.prologue_steps(op):
-                fetch(i, t).start()
+                start_fetch(i, t)
 
         def step(s, state):
-            wb_counts, carry = state
+            wb_counts, started, carry = state
             for i, op in enumerate(p.inputs):
                 if op.invariant:
-                    @pl.when(s == 0)
-                    def _():
-                        fetch(i, 0).wait()
+                    _when(s == 0, lambda i=i: wait_fetch(i, 0))
                 else:
-                    fetch(i, s).wait()
+                    wait_fetch(i, s)
             in_blocks = [in_bufs[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
             out_blocks = [out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
-            indices = p.grid_indices(s)
-            carry = call_body(body, indices, (*in_blocks, *out_blocks), carry, has_carry)
-            new_counts = []
+            carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks), carry, has_carry)
+            new_counts, new_started = [], []
             for j, op in enumerate(p.outputs):
-                w = wb_counts[j]
-                slot = p.output_slot(op, w)
-
-                @pl.when(p.writes_back(op, s))
-                def _():
-                    writeback(j, s, slot).start()
-                    if op.num_slots > 1:
-                        # the slot used next was last written back by write-back w - 1: wait for it
-                        @pl.when(w >= 1)
-                        def _():
-                            writeback(j, s, 1 - slot).wait()
-
-                new_counts.append(w + jnp.where(p.writes_back(op, s), 1, 0).astype(jnp.int32))
+                w, slot = wb_counts[j], p.output_slot(op, wb_counts[j])
+                wb = jnp.asarray(p.writes_back(op, s))
+                inside = jnp.logical_and(wb, in_bounds(p.outputs, out_refs, j, s))
+                _when(inside, lambda j=j, slot=slot: writeback(j, slot, s).start())
+                if op.num_slots > 1:
+                    # the slot used next was last written back by write-back w - 1: wait for it, if it ran
+                    _when(jnp.logical_and(wb, jnp.logical_and(w >= 1, started[j])),
+                          lambda j=j, slot=slot: writeback(j, 1 - slot).wait())
+                new_counts.append(w + wb.astype(jnp.int32))
+                new_started.append(jnp.where(wb, inside, started[j]))
             t = p.fetch_at(s)
 
-            @pl.when(t < n)
-            def _():
+            def prefetch():
                 for i, op in enumerate(p.inputs):
                     if not op.invariant:
-                        fetch(i, jnp.minimum(t, n - 1)).start()
-
-            return tuple(new_counts), carry
+                        start_fetch(i, jnp.minimum(t, n - 1))
+            _when(t < n, prefetch)
+            return tuple(new_counts), tuple(new_started), carry
 
         counts0 = tuple(jnp.int32(0) for _ in p.outputs)
-        counts, carry = lax.fori_loop(0, n, step, (counts0, init_carry))
-        # epilogue: the last write-back of every output is still in flight
-        for j, op in enumerate(p.outputs):
-            writeback(j, n - 1, p.output_slot(op, counts[j] - 1)).wait()
+        started0 = tuple(jnp.bool_(False) for _ in p.outputs)
+        counts, started, carry = lax.fori_loop(0, n, step, (counts0, started0, init_carry))
+        for j, op in enumerate(p.outputs):  # epilogue: the last write-back may still be in flight
+            _when(started[j], lambda j=j, op=op: writeback(j, p.output_slot(op, counts[j] - 1)).wait())
         return carry
 
     return pl.run_scoped(scoped, *scratch)
