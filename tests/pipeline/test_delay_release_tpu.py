@@ -1,59 +1,62 @@
-"""delay_release protects a slot that a body's asynchronous work still reads (TPU interpreter).
+"""delay_release keeps a slot's contents until delay_release steps after its use (TPU interpreter).
 
-The body starts a DMA out of its input slot at step s and waits for it at step s + 1. With
-delay_release=1 the refill of that slot waits one step: the kernel runs race-free and correct under
-the TPU interpreter's race detector. With delay_release=0 the plan refills the slot at the end of
-step s while the DMA may still read it; jax 0.12's interpreter does NOT report this (in on_wait
-mode the DMAs execute at their waits, in the right order, so no conflicting access is observed):
-that case is checked on the plan's events here, and is the checker's job (issue #5).
+The body reads, at step s, the slot step s - 1 used (through the slot buffer behind its block ref),
+as asynchronous work left in flight by step s - 1 would. With the interpreter's DMAs executed when
+they are started ("eager"), a refill issued too early has already overwritten that slot: with
+delay_release=1 the body must see step s - 1's block; with delay_release=0 it must not (the
+control that proves the test can fail when a lowering ignores delay_release: there the race
+detector reports the refill's DMA writing the slot the body reads, and the values are wrong).
 """
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
 
-STEPS, BLOCK = 6, (8, 128)
+STEPS, SLOTS, BLOCK = 6, 2, (8, 128)
 
 
-def kernel_with_inflight_copy(delay_release):
-    def kernel(x_ref, o_ref, stash, sems):
+def previous_slot_seen(delay_release, detect_races=True):
+    """Output block s = what the slot of step s - 1 holds while step s runs (block 0: zeros)."""
+    def kernel(x_ref, o_ref):
         def body(idx, xb, ob):
             (s,) = idx
-
-            def copy(step):  # the un-awaited work: input slot -> stash[step % 2]
-                return pltpu.make_async_copy(xb, stash.at[step % 2], sems.at[step % 2])
-
-            @pl.when(s > 0)
-            def _():
-                copy(s - 1).wait()  # finish the previous step's copy (it read its slot until now)
-            copy(s).start()
-            ob[...] = xb[...] * 2.0
-
-            @pl.when(s == STEPS - 1)
-            def _():
-                copy(s).wait()
+            slots = xb.ref  # the (SLOTS, *BLOCK) buffer whose slot s % SLOTS the pipeline handed us
+            ob[...] = jnp.where(s > 0, slots[(s + SLOTS - 1) % SLOTS], 0.0)
 
         spec = cv.BlockSpec(BLOCK, lambda i: (i, 0))
         cv.emit_pipeline(body, grid=(STEPS,), in_specs=[spec], out_specs=[spec],
-                         max_concurrent_steps=2, delay_release=delay_release)(x_ref, o_ref)
+                         max_concurrent_steps=SLOTS, delay_release=delay_release)(x_ref, o_ref)
 
     shape = (STEPS * BLOCK[0], BLOCK[1])
-    return cv.kernel(kernel, jax.ShapeDtypeStruct(shape, jnp.float32), backend="mosaic_tpu",
-                     scratch_shapes=[jax.ShapeDtypeStruct((2, *BLOCK), jnp.float32), pltpu.SemaphoreType.DMA((2,))],
-                     interpret=pltpu.InterpretParams(detect_races=True, dma_execution_mode="on_wait"))
+    params = pltpu.InterpretParams(detect_races=detect_races, dma_execution_mode="eager")
+    return cv.kernel(kernel, jax.ShapeDtypeStruct(shape, jnp.float32), backend="mosaic_tpu", interpret=params)
 
 
 def _x():
     return jnp.asarray(np.random.default_rng(5).standard_normal((STEPS * BLOCK[0], BLOCK[1])), jnp.float32)
 
 
-def test_delay_release_1_is_race_free():
+def _previous_blocks(x):
+    rows = BLOCK[0]
+    return np.concatenate([np.zeros(BLOCK, np.float32), np.asarray(x[:-rows])])
+
+
+def test_delay_release_1_keeps_the_previous_block_until_the_step_after():
     x = _x()
-    np.testing.assert_array_equal(jax.jit(kernel_with_inflight_copy(1))(x), x * 2)
+    np.testing.assert_array_equal(jax.jit(previous_slot_seen(1))(x), _previous_blocks(x))
+
+
+def test_without_delay_the_slot_is_refilled_early():
+    x = _x()
+    with pytest.raises(Exception, match="RACE DETECTED"):  # the refill's DMA writes the slot being read
+        jax.block_until_ready(jax.jit(previous_slot_seen(0))(x))
+    seen = np.asarray(jax.jit(previous_slot_seen(0, detect_races=False))(x))
+    rows = BLOCK[0]
+    # From step 1 on, the slot of step s - 1 already holds step s + 1's block.
+    np.testing.assert_array_equal(seen[rows:(STEPS - 1) * rows], np.asarray(x[2 * rows:]))
 
 
 @pytest.mark.parametrize("delay_release, refill_gap", [(0, 0), (1, 1)])
