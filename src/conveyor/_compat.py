@@ -68,11 +68,32 @@ def per_device_tracing():
 
 
 def strip_varying(aval):
-    """`aval` without manual-axis (varying) information; other avals unchanged."""
+    """`aval` without manual-axis (varying) information nor an explicit sharding (it is traced per
+    device); other avals unchanged."""
     from jax._src import core
     if isinstance(aval, core.ShapedArray) and not aval.manual_axis_type.empty:
-        return aval.update(manual_axis_type=core.empty_mat)
+        aval = aval.update(manual_axis_type=core.empty_mat)
+    if explicit_axes_spec(aval) is not None:
+        aval = core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type)
     return aval
+
+
+def explicit_axes_spec(aval):
+    """The PartitionSpec of an aval sharded over a mesh with Explicit axes (sharding in types, the
+    default of `jax.make_mesh`), else None."""
+    sharding = getattr(aval, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or not mesh._any_axis_explicit:
+        return None
+    return sharding.spec
+
+
+def with_explicit_spec(aval, like, spec):
+    """`aval` sharded by `spec` over the explicit mesh of the aval `like` (unchanged without one)."""
+    import jax
+    if explicit_axes_spec(like) is None:
+        return aval
+    return aval.update(sharding=jax.sharding.NamedSharding(like.sharding.mesh, spec))
 
 
 def match_varying(*xs):
@@ -314,3 +335,10 @@ def args_reaching_outputs(fn, num_args: int) -> tuple[int, frozenset]:
             origin[v] = reached
     used = frozenset().union(*[origin.get(v, frozenset()) for v in jaxpr.outvars if isinstance(v, Var)])
     return len(jaxpr.outvars), used
+
+
+def requires_devices_during_lowering(prim: Primitive) -> None:
+    """Declare that lowering `prim` needs the device assignment (its rule emits a
+    custom_partitioning call, whose partitioner needs the concrete mesh)."""
+    from jax._src import dispatch
+    dispatch.prim_requires_devices_during_lowering.add(prim)

@@ -16,8 +16,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from conveyor._compat import Primitive, Zero, ad, batching, is_undefined_primal, match_varying, per_device_tracing, \
-    register_lowering_from_function
-from conveyor.ops.gmm import backend_impls
+    register_lowering_from_function, requires_devices_during_lowering, with_explicit_spec, \
+    explicit_axes_spec
+from conveyor.ops.gmm import backend_impls, partitioning
 from conveyor.ops.gmm.metadata import local_row_mask
 
 gmm_p = Primitive("conveyor_gmm")
@@ -49,9 +50,15 @@ gmm_p.def_impl(_eager(gmm_p))
 tgmm_p.def_impl(_eager(tgmm_p))
 # One lowering per platform: with backend="auto" (the user named none) the backend is chosen for
 # the platform being lowered for, so one traced function exports each platform's own kernel.
+# Under a sharded jit each is lowered through its sharding rule (`partitioning`), so XLA
+# partitions it by rows instead of gathering the operands.
 for _platform in ("cpu", "cuda", "rocm", "tpu"):
-    register_lowering_from_function(gmm_p, functools.partial(_gmm_impl, platform=_platform), _platform)
-    register_lowering_from_function(tgmm_p, functools.partial(_tgmm_impl, platform=_platform), _platform)
+    register_lowering_from_function(
+        gmm_p, functools.partial(partitioning.gmm, functools.partial(_gmm_impl, platform=_platform)), _platform)
+    register_lowering_from_function(
+        tgmm_p, functools.partial(partitioning.tgmm, functools.partial(_tgmm_impl, platform=_platform)), _platform)
+requires_devices_during_lowering(gmm_p)
+requires_devices_during_lowering(tgmm_p)
 
 
 @functools.lru_cache(maxsize=256)
@@ -62,19 +69,22 @@ def _effects(impl, avals, params):
         return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]).effects
 
 
-def _abstract(impl):
+def _abstract(impl, out_spec):
     def rule(*avals, **params):
         # Same shape as existing_out, and (inside shard_map) the mesh axes all operands vary over:
         # `bind_gmm` / `bind_tgmm` cast the operands to a common set first.
         out = avals[4].update(dtype=jnp.dtype(params["out_dtype"]), weak_type=False)
+        # With a mesh of Explicit axes the output's sharding is part of its type: the sharding rule's.
+        if explicit_axes_spec(avals[0]) is not None:
+            out = with_explicit_spec(out, avals[0], out_spec([a.sharding for a in avals], params))
         # Only interpreted kernels carry effects; skip the trace for the common case.
         effects = _effects(impl, avals, tuple(sorted(params.items()))) if params.get("interpret") else set()
         return out, effects
     return rule
 
 
-gmm_p.def_effectful_abstract_eval(_abstract(_gmm_impl))
-tgmm_p.def_effectful_abstract_eval(_abstract(_tgmm_impl))
+gmm_p.def_effectful_abstract_eval(_abstract(_gmm_impl, partitioning.gmm_out_spec))
+tgmm_p.def_effectful_abstract_eval(_abstract(_tgmm_impl, partitioning.tgmm_out_spec))
 
 
 def bind_gmm(lhs, rhs, group_sizes, group_offset, existing_out, **params):

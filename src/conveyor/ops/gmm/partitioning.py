@@ -1,0 +1,207 @@
+"""Sharding rules of gmm and tgmm under `jax.jit` (GSPMD/Shardy partitioning).
+
+Lowered as plain loops, the ops would be partitioned by XLA like any loop of dynamic slices:
+every sharded operand gathered on every device. Instead each op is lowered through
+`jax.experimental.custom_partitioning` with these rules (`m` is the token dimension, sharded over
+mesh axes R; `n` the output features, sharded over axes N):
+
+- gmm(lhs[m, k], rhs[g, k, n], group_sizes, group_offset, existing_out[m, n]) -> out[m, n]:
+  rows stay where they are. Each device runs gmm on its rows with *local* group sizes (the part
+  of every group that falls inside its row range) and its slice of the output features: no
+  collective at all. A sharded contraction `k` (tensor parallelism, row-parallel layer) adds one
+  psum of the partial products over its axes. The group dimension is replicated (a weight sharded
+  over experts is gathered: expert parallelism proper dispatches tokens instead).
+- tgmm(lhs[k, m], rhs[m, n], ...) -> out[g, k, n]: each device sums the products of its own rows
+  (local group sizes again), then one psum over R adds the partial sums, in float32 for 16-bit
+  outputs; `existing_out` is added once, after the psum. `k` and `n` may stay sharded.
+
+Inside `shard_map` (every axis manual) and on one device, custom_partitioning calls the plain
+implementation. Interpreted kernels (effectful) are lowered without these rules.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conveyor.ops.gmm.metadata import local_row_mask
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """Mesh axes of one PartitionSpec entry (None, a name, or a tuple of names)."""
+    if entry is None:
+        return ()
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _spec_dim(sharding, dim: int) -> tuple[str, ...]:
+    spec = getattr(sharding, "spec", None)
+    if spec is None or dim >= len(spec):
+        return ()
+    return _axes(spec[dim])
+
+
+def _entry(axes: tuple[str, ...]):
+    return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+def _linear_index(axes: tuple[str, ...], mesh) -> Any:
+    """This device's position along the (major-to-minor) mesh axes `axes`."""
+    index = jnp.int32(0)
+    for a in axes:
+        index = index * mesh.shape[a] + lax.axis_index(a)
+    return index
+
+
+def local_group_sizes(group_sizes, row0, rows: int, m: int):
+    """The part of every group inside rows [row0, row0 + rows) of an m-row operand, in order.
+
+    Groups are consecutive row ranges (negative sizes count as 0, the running total is clipped
+    at m), so the local sizes keep the groups' order and start at local row 0."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m)
+    starts = jnp.minimum(jnp.cumsum(sizes) - sizes, m)
+    local_end = jnp.clip(ends - row0, 0, rows)
+    local_start = jnp.clip(starts - row0, 0, rows)
+    return (local_end - local_start).astype(group_sizes.dtype)
+
+
+def _disjoint(first: tuple[str, ...], second: tuple[str, ...]) -> tuple[str, ...]:
+    """`second` without the axes `first` already uses (an axis shards one dimension only)."""
+    return tuple(a for a in second if a not in first)
+
+
+# ---- gmm ----------------------------------------------------------------------------------------
+
+def _gmm_layout(transpose_rhs: bool, arg_shardings):
+    """(row axes, contraction axes, operand specs, output spec) for gmm's operand shardings."""
+    lhs, rhs = arg_shardings[0], arg_shardings[1]
+    rows = _spec_dim(lhs, 0)
+    contracted = _disjoint(rows, _spec_dim(lhs, 1) or _spec_dim(rhs, 2 if transpose_rhs else 1))
+    cols = _disjoint(rows + contracted, _spec_dim(rhs, 1 if transpose_rhs else 2))
+    r, c, n = _entry(rows), _entry(contracted), _entry(cols)
+    rhs_spec = P(None, n, c) if transpose_rhs else P(None, c, n)
+    return rows, contracted, (P(r, c), rhs_spec, P(), P(), P(r, n)), P(r, n)
+
+
+@functools.lru_cache(maxsize=256)
+def _partitioned_gmm(impl, static: tuple):
+    params = dict(static)
+    fn = jax.jit(functools.partial(impl, **params))  # (its constants stay inside: custom_partitioning takes none)
+
+    @custom_partitioning
+    def gmm(lhs, rhs, group_sizes, group_offset, existing_out):
+        return fn(lhs, rhs, group_sizes, group_offset, existing_out)
+
+    def partition(mesh, arg_shapes, result_shape):
+        rows, contracted, in_specs, out_spec = _gmm_layout(params["transpose_rhs"], [a.sharding for a in arg_shapes])
+        m = arg_shapes[0].shape[0]
+        local_rows = m // math.prod(mesh.shape[a] for a in rows)
+        acc = _accumulation_dtype(params["out_dtype"])
+
+        def lower(lhs, rhs, group_sizes, group_offset, existing_out):
+            row0 = _linear_index(rows, mesh) * local_rows
+            local = local_group_sizes(group_sizes, row0, local_rows, m)
+            if not contracted:
+                return fn(lhs, rhs, local, group_offset, existing_out)
+            # A sharded contraction: partial products summed over its axes; rows outside the local
+            # groups keep existing_out, as the op defines.
+            zeros = jnp.zeros(existing_out.shape, acc)
+            partial_products = impl(lhs, rhs, local, group_offset, zeros, **dict(params, out_dtype=acc))
+            total = lax.psum(partial_products, contracted).astype(params["out_dtype"])
+            written = local_row_mask(local, group_offset, rhs.shape[0], local_rows)
+            return jnp.where(written[:, None], total, existing_out.astype(params["out_dtype"]))
+
+        return mesh, lower, NamedSharding(mesh, out_spec), tuple(NamedSharding(mesh, s) for s in in_specs)
+
+    def infer(mesh, arg_shapes, result_shape):
+        return NamedSharding(mesh, _gmm_layout(params["transpose_rhs"], [a.sharding for a in arg_shapes])[3])
+
+    rhs_rule = "g n k" if params["transpose_rhs"] else "g k n"
+    gmm.def_partition(partition, infer_sharding_from_operands=infer,
+                      sharding_rule=f"m k, {rhs_rule}, h, , m n -> m n",
+                      reduction_factors=("k",), need_replication_factors=("g", "h"))
+    return gmm
+
+
+# ---- tgmm ---------------------------------------------------------------------------------------
+
+def _tgmm_layout(arg_shardings):
+    lhs, rhs = arg_shardings[0], arg_shardings[1]
+    rows = _spec_dim(rhs, 0) or _spec_dim(lhs, 1)
+    k_axes = _disjoint(rows, _spec_dim(lhs, 0))
+    n_axes = _disjoint(rows + k_axes, _spec_dim(rhs, 1))
+    k, n, r = _entry(k_axes), _entry(n_axes), _entry(rows)
+    out = P(None, k, n)
+    return rows, (P(k, r), P(r, n), P(), P(), out), out
+
+
+def _accumulation_dtype(out_dtype):
+    return jnp.float32 if jnp.dtype(out_dtype).itemsize < 4 and jnp.issubdtype(out_dtype, jnp.floating) else out_dtype
+
+
+@functools.lru_cache(maxsize=256)
+def _partitioned_tgmm(impl, static: tuple):
+    params = dict(static)
+    fn = jax.jit(functools.partial(impl, **params))  # (its constants stay inside: custom_partitioning takes none)
+
+    @custom_partitioning
+    def tgmm(lhs, rhs, group_sizes, group_offset, existing_out):
+        return fn(lhs, rhs, group_sizes, group_offset, existing_out)
+
+    def partition(mesh, arg_shapes, result_shape):
+        rows, in_specs, out_spec = _tgmm_layout([a.sharding for a in arg_shapes])
+        m = arg_shapes[1].shape[0]
+        local_rows = m // math.prod(mesh.shape[a] for a in rows)
+        acc = _accumulation_dtype(params["out_dtype"])
+        partial_params = dict(params, out_dtype=acc)
+
+        def lower(lhs, rhs, group_sizes, group_offset, existing_out):
+            if not rows:
+                return fn(lhs, rhs, group_sizes, group_offset, existing_out)
+            row0 = _linear_index(rows, mesh) * local_rows
+            local = local_group_sizes(group_sizes, row0, local_rows, m)
+            zeros = jnp.zeros(existing_out.shape, acc)
+            partial_sums = impl(lhs, rhs, local, group_offset, zeros, **partial_params)
+            total = lax.psum(partial_sums, rows)
+            return (existing_out.astype(acc) + total).astype(params["out_dtype"])
+
+        return mesh, lower, NamedSharding(mesh, out_spec), tuple(NamedSharding(mesh, s) for s in in_specs)
+
+    def infer(mesh, arg_shapes, result_shape):
+        return NamedSharding(mesh, _tgmm_layout([a.sharding for a in arg_shapes])[2])
+
+    tgmm.def_partition(partition, infer_sharding_from_operands=infer,
+                       sharding_rule="k m, m n, h, , g k n -> g k n",
+                       reduction_factors=("m",), need_replication_factors=("h", "g"))  # (in order of appearance)
+    return tgmm
+
+
+def gmm_out_spec(arg_shardings, params) -> P:
+    """The output's PartitionSpec under gmm's rule (its type, on a mesh with Explicit axes)."""
+    return _gmm_layout(params["transpose_rhs"], arg_shardings)[3]
+
+
+def tgmm_out_spec(arg_shardings, params) -> P:
+    """The output's PartitionSpec under tgmm's rule."""
+    return _tgmm_layout(arg_shardings)[2]
+
+
+def gmm(impl, lhs, rhs, group_sizes, group_offset, existing_out, **params):
+    """`impl(...)` lowered with gmm's sharding rule (plain when the kernel is interpreted)."""
+    if params.get("interpret"):
+        return impl(lhs, rhs, group_sizes, group_offset, existing_out, **params)
+    return _partitioned_gmm(impl, tuple(sorted(params.items())))(lhs, rhs, group_sizes, group_offset, existing_out)
+
+
+def tgmm(impl, lhs, rhs, group_sizes, group_offset, existing_out, **params):
+    """`impl(...)` lowered with tgmm's sharding rule (plain when the kernel is interpreted)."""
+    if params.get("interpret"):
+        return impl(lhs, rhs, group_sizes, group_offset, existing_out, **params)
+    return _partitioned_tgmm(impl, tuple(sorted(params.items())))(lhs, rhs, group_sizes, group_offset, existing_out)
