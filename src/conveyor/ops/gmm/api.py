@@ -221,3 +221,43 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
 
 def _hashable(tiling):
     return tuple(tiling) if isinstance(tiling, list) else tiling
+
+
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None,
+               preferred_element_type=None, group_offset: jax.Array | None = None,
+               out_sharding=None) -> jax.Array:
+    """A drop-in for `jax.lax.ragged_dot` (same signature), computed by `cv.gmm`.
+
+    Same results and output dtype: `preferred_element_type`, else the promoted type of lhs and rhs
+    (bfloat16 x bfloat16 -> bfloat16, accumulated in float32 and rounded once). Rows past the last
+    group are 0. Differences, each deliberate:
+      - group_offset (a () or (1,) int array) works: rhs then holds the local groups
+        group_offset, group_offset + 1, ... of group_sizes, and other rows are 0 (jax 0.12's
+        lax.ragged_dot raises NotImplementedError for it).
+      - Negative group sizes count as 0 under jit (lax.ragged_dot on CPU then computes overlapping
+        row ranges and sums them); concrete negative sizes, or sizes summing past m, raise a
+        ValueError naming group_sizes.
+      - precision: Conveyor multiplies at the operands' full precision (float32 accumulation for
+        16-bit inputs), which meets any requested level; every `lax.Precision` is accepted.
+      - out_sharding must be None: the output's sharding follows the operands (the op's sharding
+        rule, see README "Inside SPMD programs").
+      - Floating inputs only (integer inputs raise a TypeError naming the operand).
+    """
+    if out_sharding is not None:
+        raise ValueError(f"out_sharding: not supported by cv.ragged_dot (its output sharding follows the operands' "
+                         f"through gmm's sharding rule); got {out_sharding!r}")
+    _check_precision(precision)
+    if preferred_element_type is None and hasattr(lhs, "dtype") and hasattr(rhs, "dtype"):
+        preferred_element_type = jnp.result_type(lhs.dtype, rhs.dtype)
+    return gmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, group_offset=group_offset)
+
+
+def _check_precision(precision):
+    values = precision if isinstance(precision, (tuple, list)) else (precision,)
+    for p in values:
+        if p is None or isinstance(p, jax.lax.Precision):
+            continue
+        try:
+            jax.lax.Precision(p)  # also accepts the strings lax.dot takes ("highest", "float32", ...)
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"precision: expected None, a lax.Precision or a pair of them, got {precision!r}") from e
