@@ -125,6 +125,30 @@ def bench_moe_ffn(groups: int, reps: int, m=2048, d=512, f=1024) -> dict:
     return dict(t=t, rel=rel, shape=(m, d, f))
 
 
+def compile_cost(matmul, reps: int, groups: int = 8, m: int = 4096, k: int = 1024, n: int = 1024) -> dict:
+    """Seconds to lower and to compile a fresh forward+backward of one grouped matmul, and the size
+    of its StableHLO (medians over `reps` fresh functions, so no compilation cache is hit)."""
+    import statistics
+    import time
+    lhs = jax.ShapeDtypeStruct((m, k), jnp.float32)
+    rhs = jax.ShapeDtypeStruct((groups, k, n), jnp.float32)
+    ct = jax.ShapeDtypeStruct((m, n), jnp.float32)
+    sizes = jnp.asarray(skewed_group_sizes(m, groups, seed=groups))
+    lower_s, compile_s, chars = [], [], 0
+    for _ in range(reps):
+        def loss(x, w, c):
+            return jnp.vdot(matmul(x, w, sizes), c)
+        f = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        t0 = time.perf_counter()
+        lowered = f.lower(lhs, rhs, ct)
+        t1 = time.perf_counter()
+        lowered.compile()
+        compile_s.append(time.perf_counter() - t1)
+        lower_s.append(t1 - t0)
+        chars = len(lowered.as_text())
+    return dict(lower=statistics.median(lower_s), compile=statistics.median(compile_s), chars=chars)
+
+
 def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float32", "bfloat16"),
         ffn_groups: tuple[int, ...] = (8, 64)) -> str:
     """Run the whole gmm benchmark and return it as a markdown report."""
@@ -175,6 +199,13 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
                          f"{_fmt(t['numpy'] * 1e3)} | {_fmt(t['tgmm'] * 1e3)} | {_ratio(t['tgmm'], t['dense'])} | "
                          f"{_ratio(t['tgmm'], t['numpy'])} | {r['err']:.1e} |")
             print(lines[-1], flush=True)
+    lines += ["", "## Compile time: one gmm forward + backward (G=8, m=4096, k=n=1024, f32)", "",
+              "| op | lower (s) | compile (s) | total (s) | StableHLO chars |", "|---|---|---|---|---|"]
+    for name, matmul in (("cv.gmm", lambda a, b, s: cv.gmm(a, b, s)),
+                         ("lax.ragged_dot", lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32))):
+        c = compile_cost(matmul, max(1, min(reps, 3)))
+        lines.append(f"| {name} | {c['lower']:.2f} | {c['compile']:.2f} | {c['lower'] + c['compile']:.2f} | {c['chars']} |")
+        print(lines[-1], flush=True)
     lines += ["", "## Two-layer MoE FFN, forward + backward (f32)", "",
               "| G | tokens, d, f | cv.gmm | ragged_dot | speed-up | max rel. grad diff |", "|---|---|---|---|---|---|"]
     for g in ffn_groups:

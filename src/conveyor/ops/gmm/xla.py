@@ -1,14 +1,21 @@
 """XLA backend for gmm/tgmm: group-major loops of exact row tiles, so work tracks the real rows.
 
-For each local group, rows are covered by full tiles of `tm` rows and then by ONE masked window
-for the remainder, whose static size is picked from a few buckets with `lax.switch` (multiples of
-8 rows for tm <= 128). Each group's weights are read once and stay hot in cache across its tiles,
-fewer than `step` rows per group are wasted, and tgmm adds into its [k, n] accumulator once per
-tile. Unlike `lax.ragged_dot` on CPU, there is no G-times dense expansion.
+For each local group, one loop covers its rows with full tiles of `tm` rows, then with chunks of
+tm / 8 rows (at least 8), the last chunk masked: fewer than a chunk of rows is wasted per group,
+and tgmm adds into its [k, n] accumulator once per tile. Unlike `lax.ragged_dot` on CPU, there is
+no G-times dense expansion.
 
-Measured pitfalls (2-core CPU, m=4096, k=n=1024): a sequence of small while loops per group (one
-per power-of-two remainder) made G=256 up to 25x slower than dense, because XLA copies the
-[m, n] carry into each loop; one loop plus one switch per group keeps the carry in place.
+Compile time against speed (2-core CPU, 2026-11-24, same machine and hour; fwd+bwd compile at
+m=512, k=256, n=512, G=8; runtime `conveyor bench gmm --groups 8,64,256 --dtypes float32`, m=4096,
+k=n=1024, gmm / dense): one masked window per group picked from 32 static sizes by `lax.switch`
+compiled in 3.5 s (367k chars of StableHLO) and ran 1.02x / 1.49x / 2.57x at G=8/64/256; from 8
+sizes, 1.3 s (121k) and 1.05x / 1.78x / 2.58x; two tile shapes (this), 0.5 s (47k) and
+1.21x / 1.99x / 2.83x. Models with many unscanned MoE layers pay the compile per layer, so the
+small program wins; the runtime cost is at G >= 64, where chunks re-read a group's weights.
+
+Measured pitfall: a sequence of small while loops per group (one per power-of-two remainder) made
+G=256 up to 25x slower than dense, because XLA copies the [m, n] carry into each loop; one loop
+per group (with a cond choosing the tile shape) keeps the carry in place.
 """
 from __future__ import annotations
 
@@ -17,11 +24,10 @@ from jax import lax
 
 from conveyor.ops.gmm.metadata import local_group_bounds
 
-# Smallest remainder window (a sublane tile) and the most switch branches per group. With
-# multiples-of-8 windows gmm went from 1.64x to 1.16x dense at G=64 (power-of-two windows wasted
-# up to half of each remainder).
+# The rows a group leaves after its full tiles are covered by chunks of tm / CHUNKS_PER_TILE rows
+# (at least MIN_WINDOW, a sublane tile), the last one masked.
 MIN_WINDOW = 8
-MAX_BUCKETS = 32
+CHUNKS_PER_TILE = 8
 
 
 def default_tm(m: int, num_groups: int) -> int:
@@ -47,43 +53,45 @@ def accum_dtype(dtype):
     return jnp.float32 if dtype in (jnp.bfloat16, jnp.float16) else dtype
 
 
-def window_buckets(tm: int, m: int) -> list[int]:
-    """Static window sizes for remainders: multiples of `step` up to tm (all <= m).
-
-    step = max(MIN_WINDOW, tm // MAX_BUCKETS), so a remainder wastes fewer than `step` rows while
-    the switch keeps at most MAX_BUCKETS branches.
-    """
-    step = max(MIN_WINDOW, -(-tm // MAX_BUCKETS))
-    sizes = list(range(step, tm, step)) + [tm]
-    return sorted({min(x, m) for x in sizes})
-
-
 def _dot(a, b, contract, acc):
     return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=acc)
+
+
+def _at(values, i):
+    """values[i] for an in-range traced i, without jnp indexing's negative-index handling."""
+    return lax.dynamic_slice_in_dim(values, i, 1)[0]
+
+
+def chunk_rows(tm: int, m: int) -> int:
+    """Rows of the small tiles that cover what full tiles leave of a group: tm / CHUNKS_PER_TILE,
+    at least MIN_WINDOW (and at most m)."""
+    return min(max(MIN_WINDOW, tm // CHUNKS_PER_TILE), m)
 
 
 def cover_rows(start, end, m: int, tm: int, carry, tile):
     """Apply `tile(window_start, size, mask, carry)` over rows [start, end) of an m-row array.
 
-    Full tiles get `mask=None`; the remainder gets one window of a bucketed static size, shifted to
-    stay inside [0, m), with `mask[size]` marking the rows that are really ours.
+    One loop visits full tiles of `tm` rows (`mask=None`), then chunks of `chunk_rows(tm, m)`
+    rows, the last one shifted to stay inside [0, m), each with `mask[size]` marking the rows
+    that are really ours. Only two tile shapes are traced, so the op's program stays small
+    (compile time), and fewer than a chunk of rows is wasted per group.
     """
-    nfull = (end - start) // tm
-    carry = lax.fori_loop(0, nfull, lambda t, c: tile(start + t * tm, tm, None, c), carry)
-    pos = start + nfull * tm
-    rem = end - pos
-    buckets = window_buckets(tm, m)
+    chunk = chunk_rows(tm, m)
+    # lax.div: the counts are non-negative, and it lowers to one op (Python's // handles signs).
+    nfull = lax.div(end - start, jnp.asarray(tm, start.dtype))
+    after_full = start + nfull * tm
+    nchunks = lax.div(end - after_full + chunk - 1, jnp.asarray(chunk, start.dtype))
 
-    def window(size):
-        def run(c):
-            w = jnp.minimum(pos, m - size)
-            rows = w + jnp.arange(size, dtype=jnp.int32)
-            return tile(w, size, (rows >= pos) & (rows < end), c)
-        return run
+    def chunk_tile(t, c):
+        pos = after_full + (t - nfull) * chunk
+        w = jnp.minimum(pos, m - chunk)
+        rows = w + jnp.arange(chunk, dtype=jnp.int32)
+        return tile(w, chunk, (rows >= pos) & (rows < end), c)
 
-    # branch 0: nothing left; branch i + 1: the smallest bucket >= rem
-    which = jnp.where(rem > 0, jnp.searchsorted(jnp.asarray(buckets, jnp.int32), rem) + 1, 0)
-    return lax.switch(which, [lambda c: c] + [window(size) for size in buckets], carry)
+    def visit(t, c):
+        return lax.cond(t < nfull, lambda c: tile(start + t * tm, tm, None, c), lambda c: chunk_tile(t, c), c)
+
+    return lax.fori_loop(0, nfull + nchunks, visit, carry)
 
 
 def gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, tiling,
@@ -107,7 +115,7 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs,
                 y = jnp.where(mask[:, None], y, lax.dynamic_slice_in_dim(o, s, size, 0))
             return lax.dynamic_update_slice_in_dim(o, y, s, 0)
 
-        return cover_rows(starts[g], ends[g], m, tm, out, tile)
+        return cover_rows(_at(starts, g), _at(ends, g), m, tm, out, tile)
 
     return lax.fori_loop(0, num_groups, group, existing_out.astype(out_dtype))
 
@@ -133,7 +141,7 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
                 y = jnp.where(mask[:, None], y, 0)
             return a + _dot(x, y, contract, acc_t)
 
-        total = cover_rows(starts[g], ends[g], m, tm, jnp.zeros((k, n), acc_t), tile)
+        total = cover_rows(_at(starts, g), _at(ends, g), m, tm, jnp.zeros((k, n), acc_t), tile)
         prev = lax.dynamic_index_in_dim(existing_out, g, keepdims=False).astype(acc_t)
         return lax.dynamic_update_index_in_dim(out, (prev + total).astype(out_dtype), g, 0)
 
