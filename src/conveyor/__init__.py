@@ -3,7 +3,7 @@
     import conveyor as cv
     out = cv.gmm(lhs, rhs, group_sizes)
 """
-from conveyor import pipeline, sim
+from conveyor import moe, pipeline, sim
 from conveyor.kernel import kernel, program_id
 from conveyor.ops.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from conveyor.ops.gmm import GroupMetadata, gmm, make_group_metadata, ragged_dot, tgmm
@@ -14,6 +14,6 @@ from conveyor.sync import (BarrierType, SemaphoreType, barrier_arrive, barrier_w
 
 __version__ = "0.1.0"
 __all__ = ["gmm", "tgmm", "ragged_dot", "make_group_metadata", "GroupMetadata", "kernel", "program_id", "emit_pipeline",
-           "emit_pipeline_warp_specialized", "BlockSpec", "pipeline", "sim", "all_gather_matmul",
+           "emit_pipeline_warp_specialized", "BlockSpec", "pipeline", "sim", "moe", "all_gather_matmul",
            "matmul_reduce_scatter", "mpmd_map", "Mesh", "MpmdDeadlock", "SemaphoreType", "BarrierType",
            "semaphore_signal", "semaphore_wait", "barrier_wait", "barrier_arrive", "fence", "__version__"]

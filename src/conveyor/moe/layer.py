@@ -1,0 +1,62 @@
+"""The MoE feed-forward layer: route, permute into expert order, SwiGLU experts via cv.gmm, combine."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from conveyor.moe.routing import load_balancing_loss, route
+from conveyor.ops.gmm.api import gmm
+
+
+def _check(x, router_w, w_gate, w_up, w_down, top_k):
+    for name, a, ndim in (("x", x, 2), ("router_w", router_w, 2), ("w_gate", w_gate, 3), ("w_up", w_up, 3),
+                          ("w_down", w_down, 3)):
+        if not hasattr(a, "shape") or a.ndim != ndim:
+            raise ValueError(f"{name}: expected a {ndim}-d array, got {getattr(a, 'shape', type(a).__name__)}")
+    tokens, d = x.shape
+    num_experts = router_w.shape[1]
+    f = w_gate.shape[2]
+    expected = {"router_w": (d, num_experts), "w_gate": (num_experts, d, f), "w_up": (num_experts, d, f),
+                "w_down": (num_experts, f, d)}
+    for name, a in (("router_w", router_w), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if tuple(a.shape) != expected[name]:
+            raise ValueError(f"{name}: expected shape {expected[name]} (x is [tokens={tokens}, d={d}], "
+                             f"{num_experts} experts, hidden f={f}), got {tuple(a.shape)}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k: expected an int in [1, num_experts={num_experts}], got {top_k!r}")
+
+
+def moe_ffn(x: jax.Array, router_w: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
+            top_k: int, backend: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """A dropless top-k MoE feed-forward layer.
+
+    Args:
+      x: [tokens, d] activations.
+      router_w: [d, num_experts] router weights (routing runs in float32).
+      w_gate, w_up: [num_experts, d, f]; w_down: [num_experts, f, d]. Expert e computes
+        `(silu(x @ w_gate[e]) * (x @ w_up[e])) @ w_down[e]`.
+      top_k: experts per token, in [1, num_experts]; their gates are the softmax probabilities
+        renormalised over the chosen k.
+      backend: passed to `cv.gmm` (None: the lowering platform's default).
+
+    Returns:
+      (y [tokens, d] in x's dtype, the load-balancing loss, a float32 scalar: see
+      `load_balancing_loss`). Every (token, expert) assignment is computed (no capacity, no
+      dropping): the tokens are sorted by expert, run through three grouped matmuls and added back
+      into their rows weighted by their gates. Differentiable in every array argument.
+    """
+    _check(x, router_w, w_gate, w_up, w_down, top_k)
+    tokens = x.shape[0]
+    num_experts = router_w.shape[1]
+    routing = route(x, router_w, top_k=top_k)
+    flat_experts = routing.experts.reshape(-1)                      # [tokens * top_k]
+    order = jnp.argsort(flat_experts, stable=True)                  # assignments in expert order
+    token_of = order // top_k
+    group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_experts].add(1)
+    xs = x[token_of]                                                # permuted copies of the tokens
+    mm = lambda a, w: gmm(a, w, group_sizes, preferred_element_type=x.dtype, backend=backend)
+    hidden = jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up)
+    out = mm(hidden, w_down)                                        # [tokens * top_k, d], expert order
+    weights = routing.gates.reshape(-1)[order].astype(jnp.float32)
+    y = jnp.zeros((tokens, x.shape[1]), jnp.float32).at[token_of].add(out.astype(jnp.float32) * weights[:, None])
+    return y.astype(x.dtype), load_balancing_loss(routing)
