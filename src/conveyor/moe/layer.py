@@ -8,7 +8,8 @@ from conveyor.moe.routing import load_balancing_loss, route
 from conveyor.ops.gmm.api import gmm
 
 
-def _check(x, router_w, w_gate, w_up, w_down, top_k):
+def check_layer_args(x, router_w, w_gate, w_up, w_down, top_k) -> None:
+    """Shapes and top_k of the layer's arguments, each error naming the argument and the rule."""
     for name, a, ndim in (("x", x, 2), ("router_w", router_w, 2), ("w_gate", w_gate, 3), ("w_up", w_up, 3),
                           ("w_down", w_down, 3)):
         if not hasattr(a, "shape") or a.ndim != ndim:
@@ -45,7 +46,7 @@ def moe_ffn(x: jax.Array, router_w: jax.Array, w_gate: jax.Array, w_up: jax.Arra
       dropping): the tokens are sorted by expert, run through three grouped matmuls and added back
       into their rows weighted by their gates. Differentiable in every array argument.
     """
-    _check(x, router_w, w_gate, w_up, w_down, top_k)
+    check_layer_args(x, router_w, w_gate, w_up, w_down, top_k)
     tokens = x.shape[0]
     num_experts = router_w.shape[1]
     routing = route(x, router_w, top_k=top_k)

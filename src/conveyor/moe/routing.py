@@ -28,12 +28,17 @@ def route(x: jax.Array, router_w: jax.Array, *, top_k: int) -> Routing:
     return Routing(experts.astype(jnp.int32), gates, probs)
 
 
-def load_balancing_loss(routing: Routing) -> jax.Array:
+def load_balancing_loss(routing: Routing, axis_names: tuple[str, ...] = ()) -> jax.Array:
     """The Switch Transformer / GShard auxiliary loss: num_experts * sum_e f_e * P_e, with f_e the
     fraction of the (token, slot) assignments sent to expert e (a count: no gradient) and P_e the
-    mean router probability of e. Equals 1 when routing is perfectly balanced."""
+    mean router probability of e. Equals 1 when routing is perfectly balanced.
+
+    With `axis_names` (inside shard_map, tokens sharded equally over those mesh axes) f and P are
+    averaged over all devices' tokens first, so every device gets the loss of the whole batch."""
     tokens, num_experts = routing.probs.shape
     counts = jnp.zeros((num_experts,), jnp.float32).at[routing.experts.reshape(-1)].add(1.0)
     fraction = counts / routing.experts.size
     mean_prob = jnp.mean(routing.probs, axis=0)
+    if axis_names:
+        fraction, mean_prob = lax.pmean(fraction, axis_names), lax.pmean(mean_prob, axis_names)
     return num_experts * jnp.sum(lax.stop_gradient(fraction) * mean_prob)
