@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with a Python >= 3.12 and install Conveyor with its test extras.
+# Create .venv with a Python >= 3.12 and install Conveyor with its test and demo extras.
 # Interpreter search order: $PYTHON, python3.12/python3.13/python3 on PATH, then pyenv's versions
 # (3.12 first: the version jax 0.12.0.1 was validated with here, then newer ones).
 set -euo pipefail
@@ -50,6 +50,6 @@ fi
 
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -e ".[test]"
+  "$VENV/bin/python" -m pip install -q -e ".[test,demo]"
   touch "$STAMP"
 fi
