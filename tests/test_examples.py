@@ -15,3 +15,9 @@ def test_pipelined_matmul_example_on_every_backend(capsys):
 def test_moe_dispatch_example(capsys):
     runpy.run_path(str(EXAMPLES / "moe_dispatch.py"), run_name="__main__")
     assert "max |error| vs unfused float64" in capsys.readouterr().out
+
+
+def test_moe_equinox_example(capsys):
+    runpy.run_path(str(EXAMPLES / "moe_equinox.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "equinox MoE block: loss" in out and "max |error| vs the dense reference" in out
