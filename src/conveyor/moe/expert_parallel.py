@@ -25,9 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from conveyor.moe.layer import check_layer_args
+from conveyor.moe.layer import check_layer_args, combine, swiglu_experts
 from conveyor.moe.routing import load_balancing_loss, route
-from conveyor.ops.gmm.api import gmm
 
 
 def capacity(tokens: int, top_k: int, devices: int, capacity_factor: float | None) -> int:
@@ -38,11 +37,6 @@ def capacity(tokens: int, top_k: int, devices: int, capacity_factor: float | Non
     if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0:
         raise ValueError(f"capacity_factor: expected None (dropless) or a number > 0, got {capacity_factor!r}")
     return max(1, min(worst, math.ceil(capacity_factor * worst / devices)))
-
-
-def _swiglu_experts(xs, group_sizes, w_gate, w_up, w_down, dtype, backend):
-    mm = lambda a, w: gmm(a, w, group_sizes, preferred_element_type=dtype, backend=backend)
-    return mm(jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up), w_down)
 
 
 def moe_ffn_expert_parallel(x: jax.Array, router_w: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -105,12 +99,10 @@ def moe_ffn_expert_parallel(x: jax.Array, router_w: jax.Array, w_gate: jax.Array
 
     by_expert = jnp.argsort(recv_ids, stable=True)  # padding (id = local_experts) sorts last
     group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[recv_ids].add(1)[:local_experts]
-    out_sorted = _swiglu_experts(recv_rows[by_expert], group_sizes, w_gate, w_up, w_down, x.dtype, backend)
+    out_sorted = swiglu_experts(recv_rows[by_expert], group_sizes, w_gate, w_up, w_down, backend)
     out = jnp.zeros_like(out_sorted).at[by_expert].set(out_sorted)
     back = exchange(out)
 
     results = jnp.concatenate([back, jnp.zeros((1, d), back.dtype)])[slot]  # dropped rows read 0
-    weights = routing.gates.reshape(-1)[order].astype(jnp.float32)
-    y = jnp.zeros((tokens, d), jnp.float32).at[order // top_k].add(results.astype(jnp.float32) * weights[:, None])
     aux = load_balancing_loss(routing, axis_names=tuple(loss_axes) if loss_axes is not None else (axis_name,))
-    return y.astype(x.dtype), aux, dropped
+    return combine(results, order, routing, x), aux, dropped

@@ -47,17 +47,26 @@ def moe_ffn(x: jax.Array, router_w: jax.Array, w_gate: jax.Array, w_up: jax.Arra
       into their rows weighted by their gates. Differentiable in every array argument.
     """
     check_layer_args(x, router_w, w_gate, w_up, w_down, top_k)
-    tokens = x.shape[0]
     num_experts = router_w.shape[1]
     routing = route(x, router_w, top_k=top_k)
     flat_experts = routing.experts.reshape(-1)                      # [tokens * top_k]
     order = jnp.argsort(flat_experts, stable=True)                  # assignments in expert order
-    token_of = order // top_k
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_experts].add(1)
-    xs = x[token_of]                                                # permuted copies of the tokens
-    mm = lambda a, w: gmm(a, w, group_sizes, preferred_element_type=x.dtype, backend=backend)
-    hidden = jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up)
-    out = mm(hidden, w_down)                                        # [tokens * top_k, d], expert order
+    out = swiglu_experts(x[order // top_k], group_sizes, w_gate, w_up, w_down, backend)
+    return combine(out, order, routing, x), load_balancing_loss(routing)
+
+
+def swiglu_experts(xs, group_sizes, w_gate, w_up, w_down, backend):
+    """`(silu(xs @ w_gate[e]) * (xs @ w_up[e])) @ w_down[e]` for the rows of each expert e, which
+    are sorted by expert (`group_sizes` rows each; rows past them come out as 0)."""
+    mm = lambda a, w: gmm(a, w, group_sizes, preferred_element_type=xs.dtype, backend=backend)
+    return mm(jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up), w_down)
+
+
+def combine(out, order, routing, x):
+    """Add each assignment's result (`out[i]` belongs to assignment `order[i]`, a flat
+    (token, slot) index) into its token's row, weighted by its gate; float32 sums, x's dtype."""
+    top_k = routing.experts.shape[1]
     weights = routing.gates.reshape(-1)[order].astype(jnp.float32)
-    y = jnp.zeros((tokens, x.shape[1]), jnp.float32).at[token_of].add(out.astype(jnp.float32) * weights[:, None])
-    return y.astype(x.dtype), load_balancing_loss(routing)
+    y = jnp.zeros(x.shape, jnp.float32).at[order // top_k].add(out.astype(jnp.float32) * weights[:, None])
+    return y.astype(x.dtype)
