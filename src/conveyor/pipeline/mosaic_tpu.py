@@ -21,13 +21,16 @@ from conveyor.pipeline.lowering import block_in_bounds, block_view, call_body, f
 from conveyor.pipeline.plan import PipelinePlan
 
 
-def _when(cond: Any, fn) -> None:
-    """Run `fn` under `cond`: at trace time when it is a Python bool, else as a branch."""
+def _when(cond: Any, fn, otherwise=None) -> None:
+    """Run `fn` under `cond` (else `otherwise`, if given): decided at trace time when `cond` is a
+    Python bool, else as a branch."""
     if isinstance(cond, bool):
-        if cond:
-            fn()
-    else:
+        if cond or otherwise is not None:
+            (fn if cond else otherwise)()
+    elif otherwise is None:
         pl.when(cond)(fn)
+    else:
+        lax.cond(cond, fn, otherwise)
 
 
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
@@ -47,13 +50,14 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 
         def start_fetch(i, step):
             op, slot = p.inputs[i], p.slot(p.inputs[i], step)
-            inside = in_bounds(p.inputs, in_refs, i, step)
-            _when(inside, lambda: pltpu.make_async_copy(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot],
-                                                        in_sems.at[i, slot]).start())
+
+            def copy():
+                pltpu.make_async_copy(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot],
+                                      in_sems.at[i, slot]).start()
 
             def zero_fill():
                 in_bufs[i].at[slot][...] = jnp.zeros(op.ref_shape, in_bufs[i].dtype)
-            _when(jnp.logical_not(inside) if not isinstance(inside, bool) else not inside, zero_fill)
+            _when(in_bounds(p.inputs, in_refs, i, step), copy, otherwise=zero_fill)
 
         def wait_fetch(i, step):
             op, slot = p.inputs[i], p.slot(p.inputs[i], step)
