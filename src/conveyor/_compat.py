@@ -260,9 +260,40 @@ def state_primitives():
     from jax._src.pjit import jit_p
     from jax._src.state import primitives as sp
     from jax._src.state.types import AbstractRef
+    from jax._src.pallas import primitives as pallas_primitives
     return dict(get=sp.get_p, swap=sp.swap_p, addupdate=sp.addupdate_p, axis_index=parallel.axis_index_p,
                 while_=control_flow.loops.while_p, scan=control_flow.loops.scan_p, cond=control_flow.conditionals.cond_p,
-                jit=jit_p, AbstractRef=AbstractRef, Literal=core.Literal, Var=core.Var)
+                jit=jit_p, run_scoped=pallas_primitives.run_scoped_p, AbstractRef=AbstractRef, Literal=core.Literal,
+                Var=core.Var)
+
+
+def is_jax_ref(x) -> bool:
+    """A jax Ref (`jax.new_ref`, eager or traced) or a view of one (`ref.at[...]`)."""
+    from jax._src.state.types import AbstractRef, TransformedRef
+    if isinstance(x, TransformedRef):
+        return True
+    return isinstance(getattr(x, "aval", None), AbstractRef)
+
+
+def underlying_ref(x):
+    """The Ref a view (`ref.at[...]`) looks into; a Ref itself otherwise."""
+    from jax._src.state.types import TransformedRef
+    return x.ref if isinstance(x, TransformedRef) else x
+
+
+def pallas_scratch_kind(s) -> str | None:
+    """What a Pallas scratch type is: "semaphore" (REGULAR, any backend's spelling), "dma_semaphore",
+    "barrier" (plgpu.Barrier), "array" (a memory-space shape such as pltpu.VMEM), or None."""
+    from jax._src.pallas import core as pallas_core
+    from jax._src.pallas.mosaic_gpu import core as gpu_core
+    if isinstance(s, gpu_core.Barrier):
+        return "barrier"
+    dtype = getattr(getattr(s, "inner_aval", None), "dtype", None)
+    if dtype is not None:
+        if isinstance(dtype, pallas_core.AbstractSemaphoreTy):
+            return "dma_semaphore" if "dma" in str(dtype) else "semaphore"
+        return "array"
+    return None
 
 
 def ndindexer_parts(t):
@@ -278,7 +309,8 @@ def write_effect(index: int):
     return WriteEffect(index)
 
 
-__all__ += ["trace_ref_program", "ref_and_transforms", "state_primitives", "ndindexer_parts", "write_effect"]
+__all__ += ["trace_ref_program", "ref_and_transforms", "state_primitives", "ndindexer_parts", "write_effect",
+            "is_jax_ref", "underlying_ref", "pallas_scratch_kind"]
 
 
 # ---- the Mosaic GPU interpreter on several devices (shard_map) ----------------------------------

@@ -128,8 +128,8 @@ def test_errors_name_the_program_and_what_is_wrong():
         _one(returns)()
     with pytest.raises(TypeError, match="input 0 is not an array a ref can hold"):
         _one(lambda x, o: None)("text")
-    with pytest.raises(ValueError, match="CPU executor cannot hold"):
-        _one(lambda o, s: None, scratch_shapes=[object()])()
+    with pytest.raises(TypeError, match="scratch 0 must be a jax.ShapeDtypeStruct, cv.SemaphoreType"):
+        _one(lambda o, s: None, scratch_shapes=[object()])
     with pytest.raises(TypeError, match="expected a cv.Mesh"):
         cv.mpmd_map([({"c": 1}, lambda o: None)], jax.ShapeDtypeStruct((1,), jnp.float32))
     with pytest.raises(ValueError, match=r"input 0 \(float32\[3\]\) cannot alias output 0"):

@@ -44,7 +44,29 @@ def test_semaphore_producer_consumer_exports_for_cuda():
     assert "cuda" in exported.platforms and exported.mlir_module()
 
 
+def test_pallas_semaphore_scratch_and_a_cost_estimate_export_for_cuda():
+    """Semaphores are kernel scratch (plgpu.SemaphoreType.REGULAR), not allocated outside the kernel."""
+    def signal(x, o, sems):
+        o[...] = x[...] + 1.0
+        cv.fence()
+        cv.semaphore_signal(sems.at[0])
+
+    def wait(x, o, sems):
+        cv.semaphore_wait(sems.at[0])
+
+    from jax.experimental import pallas as pl
+    f = cv.mpmd_map([(cv.Mesh(a=1), signal), (cv.Mesh(b=1), wait)], jax.ShapeDtypeStruct((128,), jnp.float32),
+                    scratch_shapes=[plgpu.SemaphoreType.REGULAR((1,))], name="signal_wait",
+                    cost_estimate=pl.CostEstimate(flops=128, transcendentals=0, bytes_accessed=1024), **GPU)
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(jax.ShapeDtypeStruct((128,), jnp.float32))
+    text = exported.mlir_module()
+    assert "signal_wait" in text
+
+
 def test_what_the_gpu_and_tpu_paths_cannot_do_is_a_clear_error():
+    with pytest.raises(NotImplementedError, match="input 0 is a jax Ref"):
+        cv.mpmd_map([(cv.Mesh(c=1), lambda x, o: None)], jax.ShapeDtypeStruct((4,), jnp.float32),
+                    **GPU)(jax.new_ref(jnp.zeros(4)))
     with pytest.raises(NotImplementedError, match="interpreter of jax 0.12 cannot run semaphores"):
         producer_consumer(interpret=plgpu.InterpretGPUParams(), **GPU)(jnp.zeros((NB * R, 128), jnp.float32))
     with pytest.raises(NotImplementedError, match="input_output_aliases is not supported by plgpu.kernel"):

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from conveyor.mpmd.scratch import ScratchLayout
+
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -39,12 +41,11 @@ def _label(i: int, fn: Callable) -> str:
     return f"program {i} ({getattr(fn, '__name__', type(fn).__name__)!r})"
 
 
-def call_program(i: int, fn: Callable, refs: Sequence[Any], scratch: Sequence[Any], scratch_names) -> None:
-    """Run program `i` on its refs (scratch by keyword when scratch_shapes was a dict); it must return None."""
-    if scratch_names is None:
-        result = fn(*refs, *scratch)
-    else:
-        result = fn(*refs, **dict(zip(scratch_names, scratch)))
+def call_program(i: int, fn: Callable, refs: Sequence[Any], scratch: Sequence[Any], layout) -> None:
+    """Run program `i` on its refs, scratch in scratch_shapes' structure (by keyword when it was a
+    dict); it must return None."""
+    args, kwargs = layout.arguments(scratch)
+    result = fn(*refs, *args, **kwargs)
     if result is not None:
         what = "an array" if hasattr(result, "shape") else f"a {type(result).__name__}"
         raise TypeError(f"mpmd_map: {_label(i, fn)} returned {what}; a program writes its "
@@ -86,21 +87,35 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
              name: str | None = None, metadata: Any = None) -> Callable[..., Any]:
     """Run several kernels over refs, each on every point of its own mesh, all at once, on shared memory.
 
-    Each `fn(*in_refs, *out_refs, *scratch_refs)` (a dict of `scratch_shapes` is passed by keyword)
-    returns None and runs once per point of its mesh; `lax.axis_index(axis)` is the point's
-    coordinate. Programs synchronise with `cv.semaphore_signal` / `cv.semaphore_wait` on
-    `cv.SemaphoreType` scratch and `cv.barrier_wait` on a `cv.BarrierType` scratch.
+    Each `fn(*in_refs, *out_refs, *scratch_refs)` returns None and runs once per point of its
+    mesh; `lax.axis_index(axis)` is the point's coordinate. Scratch comes in the structure of
+    `scratch_shapes` (a dict is passed by keyword; nested lists, tuples and dicts are kept).
+    Programs synchronise with `cv.semaphore_signal` / `cv.semaphore_wait` on semaphore scratch and
+    `cv.barrier_wait` on a barrier scratch; `pl.run_scoped` gives an instance memory of its own
+    and `pl.debug_print` prints, prefixed by the instance, on the CPU executor.
+
+    Inputs may be jax Refs (`jax.new_ref`, or views `ref.at[...]`): the programs update them in
+    place and the caller sees the writes; one Ref may be passed once. Programs may close over
+    constants, traced values (a jitted function's arguments) and jax Refs (updated in place too).
+    Under `jax.vmap` the call runs once per batch element, one after the other.
 
     Args:
       out_shapes: a pytree of ShapeDtypeStructs; outputs start poisoned (NaN / int min) unless aliased.
-      scratch_shapes: ShapeDtypeStructs (poisoned), SemaphoreTypes (zero) or BarrierTypes.
-      input_output_aliases: {input index: output index}: the output starts as that input, in place.
+      scratch_shapes: a sequence, dict or nested pytree of ShapeDtypeStructs (poisoned),
+        `cv.SemaphoreType` (zero) or `cv.BarrierType`, or Pallas's spellings of them:
+        `pltpu.VMEM` / `plgpu.SMEM` shapes, `pltpu.SemaphoreType.REGULAR(shape)`,
+        `plgpu.SemaphoreType.REGULAR(shape)`, `plgpu.Barrier(num_arrivals=<all instances>)`.
+      input_output_aliases: {input index: output index}: the output starts as that input, in place;
+        one input per output.
       compiler_params: {"timeout_s": seconds} bounds every wait on the CPU executor (default 30 s);
         `{"backend": "mosaic_gpu" | "mosaic_tpu"}` selects a Mosaic lowering.
       debug: True prints each program's jaxpr; {"timeout_s": ...} works as in compiler_params.
       interpret: run a Mosaic backend through its Pallas interpreter.
-      cost_estimate, metadata: accepted and passed on where a backend uses them.
-    Programs may close over array constants (they are captured in the trace).
+      cost_estimate: a `pl.CostEstimate`, handed to the Mosaic GPU kernel for XLA's scheduler; the
+        CPU executor runs the call when XLA reaches it and has no use for it.
+      metadata: a dict of str, accepted for Pallas compatibility and used by no backend.
+    Under jit, an error of a program (a deadlock included) reaches the caller as XLA's
+    JaxRuntimeError; `with cv.mpmd_errors():` around the call re-raises it as its own type.
     """
     programs = _validate(meshes_and_fns)
     axes = super_mesh(programs)
@@ -108,8 +123,9 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
     for j, s in enumerate(out_leaves):
         if not (hasattr(s, "shape") and hasattr(s, "dtype")):
             raise TypeError(f"mpmd_map: out_shapes leaf {j}: expected a jax.ShapeDtypeStruct, got {s!r}")
-    scratch_names = list(scratch_shapes) if isinstance(scratch_shapes, Mapping) else None
-    scratch = list(scratch_shapes.values()) if scratch_names is not None else list(scratch_shapes)
+    layout = ScratchLayout.of(scratch_shapes, sum(mesh.size for mesh, _ in programs))
+    _check_aliases(input_output_aliases)
+    _check_annotations(cost_estimate, metadata)
     params = _options(compiler_params, debug)
     backend = params.get("backend") or _default_backend(interpret)
 
@@ -129,8 +145,8 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
                                  f"({o.dtype}{list(o.shape)}): shapes and dtypes must match")
         if backend == "mosaic_gpu":
             from conveyor.mpmd import mosaic_gpu
-            outs = mosaic_gpu.build(programs, axes, out_leaves, scratch, scratch_names, dict(input_output_aliases),
-                                    interpret, name)(*in_leaves)
+            outs = mosaic_gpu.build(programs, axes, out_leaves, layout, dict(input_output_aliases),
+                                    interpret, name, cost_estimate)(*in_leaves)
             return jax.tree_util.tree_unflatten(out_tree, list(outs))
         if backend == "mosaic_tpu":
             raise NotImplementedError(
@@ -140,11 +156,33 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
                 "an interpreter assertion; VMEM_SHARED written on one core reads back uninitialized on another). "
                 "Use the CPU executor (the default on CPU) or mosaic_gpu")
         from conveyor.mpmd import cpu_call
-        outs = cpu_call.run(programs, axes, in_leaves, out_leaves, scratch, scratch_names,
-                            dict(input_output_aliases), params, name)
+        outs = cpu_call.run(programs, axes, in_leaves, out_leaves, layout, dict(input_output_aliases), params, name)
         return jax.tree_util.tree_unflatten(out_tree, list(outs))
 
     return call
+
+
+def _check_aliases(aliases) -> None:
+    """One input per output: a second input aliased to the same output would be silently dropped."""
+    if not isinstance(aliases, Mapping):
+        raise TypeError(f"mpmd_map: input_output_aliases must be a dict {{input index: output index}}, "
+                        f"got {aliases!r}")
+    by_output: dict[int, int] = {}
+    for src, dst in aliases.items():
+        if dst in by_output:
+            raise ValueError(f"mpmd_map: input_output_aliases maps inputs {by_output[dst]} and {src} to output "
+                             f"{dst}; an output can start as one input only")
+        by_output[dst] = src
+
+
+def _check_annotations(cost_estimate, metadata) -> None:
+    if cost_estimate is not None:
+        from jax.experimental import pallas as pl
+        if not isinstance(cost_estimate, pl.CostEstimate):
+            raise TypeError(f"mpmd_map: cost_estimate must be a pl.CostEstimate or None, got {cost_estimate!r}")
+    if metadata is not None and not (isinstance(metadata, Mapping)
+                                     and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        raise TypeError(f"mpmd_map: metadata must be a dict of str to str or None, got {metadata!r}")
 
 
 def _options(compiler_params, debug) -> dict:

@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from conveyor._compat import ndindexer_parts, state_primitives
+from conveyor.kernel import poison_numpy
 from conveyor.sync import barrier_p, semaphore_signal_p, semaphore_wait_p
 
 P = state_primitives()
@@ -54,17 +55,18 @@ class _Aborted(Exception):
     pass
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Buffer:
     name: str
     array: np.ndarray
     kind: str = "array"          # "array" | "semaphore" | "barrier"
+    barrier: threading.Barrier | None = None   # set for kind "barrier" when a call starts
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Ref:
-    """A ref value inside the interpreter: an index into the shared buffers."""
-    index: int
+    """A ref value inside the interpreter: the memory it names (shared, or an instance's own)."""
+    buffer: Buffer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +94,10 @@ class Shared:
         self.aborted = False
         self.state: dict[Instance, str] = {i: "running" for i in instances}
         self.report: str | None = None
-        self.barriers = {i: threading.Barrier(len(instances)) for i, b in enumerate(buffers) if b.kind == "barrier"}
+        for b in buffers:
+            if b.kind == "barrier":
+                b.barrier = threading.Barrier(len(instances))
+        self.print_lock = threading.Lock()
 
     def set_state(self, inst: Instance, what: str):
         with self.cond:
@@ -104,8 +109,9 @@ class Shared:
                 self.report = report
             self.aborted = True
             self.cond.notify_all()
-        for b in self.barriers.values():
-            b.abort()
+        for b in self.buffers:
+            if b.barrier is not None:
+                b.barrier.abort()
 
     def table(self) -> str:
         return "\n".join(f"  {inst}: {what}" for inst, what in self.state.items())
@@ -189,6 +195,10 @@ class Interpreter:
             return self._barrier(vals[0])
         if prim.name in NO_OPS_ON_CPU:
             return []
+        if prim is P["run_scoped"]:
+            return self._run_scoped(eqn, vals)
+        if prim.name == "debug_print":
+            return self._print(vals, params)
         if prim.name in NUMPY_PRIMITIVES and not params.get("accumulation_type"):
             return NUMPY_PRIMITIVES[prim.name](*(np.asarray(v) for v in vals))
         if prim.name == "convert_element_type":
@@ -215,7 +225,29 @@ class Interpreter:
         if not isinstance(ref, Ref):
             raise TypeError(f"{self.inst}: expected a ref, got {type(ref).__name__}")
         transforms = jax.tree_util.tree_unflatten(tree, list(leaves))
-        return _view_index(self.shared.buffers[ref.index].array, transforms)
+        return _view_index(ref.buffer.array, transforms)
+
+    def _run_scoped(self, eqn, vals):
+        """`pl.run_scoped` in a program: fresh memory of this instance alone, for the body's duration."""
+        body = eqn.params["jaxpr"]
+        scoped = []
+        for v in body.invars:
+            aval = v.aval.inner_aval
+            if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
+                scoped.append(Ref(Buffer(f"{self.inst}'s scoped semaphore", np.zeros(aval.shape, np.int32),
+                                         "semaphore")))
+            else:
+                scoped.append(Ref(Buffer(f"{self.inst}'s scoped buffer", poison_numpy(aval.shape, aval.dtype))))
+        return self.run(body, vals, scoped)
+
+    def _print(self, vals, params):
+        """`pl.debug_print` in a program: one line, prefixed with the instance that printed it."""
+        values = [np.asarray(v) for v in vals]
+        fmt = params["fmt"]
+        text = fmt.format(*values) if params.get("has_placeholders") else " ".join([fmt, *map(str, values)])
+        with self.shared.print_lock:
+            print(f"[{self.inst}] {text}", flush=True)
+        return []
 
     def _while(self, vals, params):
         cn, bn = params["cond_nconsts"], params["body_nconsts"]
@@ -244,8 +276,7 @@ class Interpreter:
         return [*carry, *stacked]
 
     def _sem(self, vals, params, api):
-        ref = vals[0]
-        buf = self.shared.buffers[ref.index]
+        buf = vals[0].buffer
         if buf.kind != "semaphore":
             raise TypeError(f"{self.inst}: {api} needs a cv.SemaphoreType scratch, got {buf.name} ({buf.kind})")
         arr, idx = _view_index(buf.array, jax.tree_util.tree_unflatten(params["tree"], list(vals[2:])))
@@ -281,11 +312,13 @@ class Interpreter:
         return []
 
     def _barrier(self, ref):
-        sh = self.shared
-        barrier = sh.barriers[ref.index]
-        sh.set_state(self.inst, f"waits at barrier {sh.buffers[ref.index].name}")
+        sh, buf = self.shared, ref.buffer
+        if buf.kind != "barrier":
+            raise TypeError(f"{self.inst}: cv.barrier_wait needs a cv.BarrierType scratch, got {buf.name} "
+                            f"({buf.kind})")
+        sh.set_state(self.inst, f"waits at barrier {buf.name}")
         try:
-            barrier.wait(timeout=sh.timeout_s)
+            buf.barrier.wait(timeout=sh.timeout_s)
         except threading.BrokenBarrierError:
             if not sh.aborted:
                 sh.abort(f"mpmd_map: the barrier was not reached by every instance within {sh.timeout_s:g} s. "
@@ -322,16 +355,16 @@ def _scan_split(params, vals):
     return list(consts), list(carry), list(xs)
 
 
-def execute(programs: list[tuple[Any, list[Instance]]], buffers: list[Buffer], arg_refs: list[Ref],
+def execute(programs: list[tuple[Any, list[Any], list[Instance]]], buffers: list[Buffer], arg_refs: list[Ref],
             timeout_s: float) -> None:
-    """Run every instance of every program (jaxpr, instances) concurrently; raise on failure."""
-    instances = [inst for _, insts in programs for inst in insts]
+    """Run every instance of every program (jaxpr, its constants, instances) concurrently; raise on failure."""
+    instances = [inst for _, _, insts in programs for inst in insts]
     shared = Shared(buffers, instances, timeout_s)
     errors: list[tuple[Instance, BaseException]] = []
 
-    def work(jaxpr, inst):
+    def work(jaxpr, consts, inst):
         try:
-            Interpreter(shared, inst).run(jaxpr, jaxpr.consts, arg_refs)
+            Interpreter(shared, inst).run(jaxpr, consts, arg_refs)
             shared.set_state(inst, "done")
         except _Aborted:
             pass
@@ -340,15 +373,16 @@ def execute(programs: list[tuple[Any, list[Instance]]], buffers: list[Buffer], a
             shared.set_state(inst, f"failed: {type(e).__name__}")
             shared.abort()
 
-    threads = [threading.Thread(target=work, args=(j, inst), name=str(inst), daemon=True)
-               for j, insts in programs for inst in insts]
+    threads = [threading.Thread(target=work, args=(j, consts, inst), name=str(inst), daemon=True)
+               for j, consts, insts in programs for inst in insts]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
-        inst, e = errors[0]
-        raise type(e)(f"{inst}: {e}") if isinstance(e, (ValueError, TypeError, NameError, NotImplementedError)) \
-            else RuntimeError(f"{inst} failed: {e!r}") from e
+        inst, e = errors[0]     # re-raised as itself: JAX's error classes cannot be rebuilt from a message
+        if not str(e).startswith(str(inst)):
+            e.add_note(f"raised by {inst} of cv.mpmd_map")
+        raise e
     if shared.report:
         raise MpmdDeadlock(shared.report)

@@ -1,10 +1,17 @@
 """Glue between mpmd_map and the CPU executor: trace the programs, lay out memory, run on the host.
 
-Under `jax.jit` the whole call becomes one host callback (`jax.pure_callback`), so mpmd_map
-composes with jitted code on CPU; outside jit it runs directly.
+Under `jax.jit` (or `jax.vmap`) the whole call becomes one host callback (`jax.pure_callback`,
+sequential over a vmapped batch), so mpmd_map composes with traced code on CPU; outside any
+trace it runs directly.
+
+jax Refs are memory updated in place, whether passed as inputs or closed over by a program:
+their values go into the executor's shared buffers, the programs read and write those, and the
+final contents are written back into the Refs when the call returns. Values a program closes
+over that are traced (a jitted function's argument) travel as extra operands of the callback.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -12,34 +19,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conveyor._compat import trace_ref_program
+from conveyor._compat import is_jax_ref, trace_ref_program, underlying_ref
 from conveyor.kernel import poison_numpy
-from conveyor.mpmd import cpu
+from conveyor.mpmd import cpu, errors
 from conveyor.mpmd.api import _label, call_program
+from conveyor.mpmd.scratch import ScratchLayout
 from conveyor.sync import SYNC_BACKEND, BarrierType, SemaphoreType
 
 MAX_CPU_SCRATCH_BYTES = 4 << 30
 
 
-def scratch_buffer(s: Any, label: str):
-    """Initial contents and kind of scratch `i` on the CPU executor."""
+def scratch_buffer(s: Any, label: str) -> cpu.Buffer:
+    """The executor's memory for one (normalised) scratch leaf."""
     if isinstance(s, SemaphoreType):
-        return np.zeros(tuple(s.shape), np.int32), "semaphore"
+        return cpu.Buffer(label, np.zeros(tuple(s.shape), np.int32), "semaphore")
     if isinstance(s, BarrierType):
-        return np.zeros((), np.int32), "barrier"
-    if hasattr(s, "shape") and hasattr(s, "dtype"):
-        nbytes = math.prod(s.shape) * jnp.dtype(s.dtype).itemsize
-        if nbytes > MAX_CPU_SCRATCH_BYTES:
-            raise ValueError(f"mpmd_map: {label} of {nbytes / 2**30:.1f} GiB is more than the CPU executor holds "
-                             f"({MAX_CPU_SCRATCH_BYTES / 2**30:.0f} GiB)")
-        return poison_numpy(s.shape, s.dtype), "array"
-    raise ValueError(f"mpmd_map: {label} must be a jax.ShapeDtypeStruct, cv.SemaphoreType or cv.BarrierType; the "
-                     f"CPU executor cannot hold {s!r}")
+        return cpu.Buffer(label, np.zeros((), np.int32), "barrier")
+    nbytes = math.prod(s.shape) * jnp.dtype(s.dtype).itemsize
+    if nbytes > MAX_CPU_SCRATCH_BYTES:
+        raise ValueError(f"mpmd_map: {label} of {nbytes / 2**30:.1f} GiB is more than the CPU executor holds "
+                         f"({MAX_CPU_SCRATCH_BYTES / 2**30:.0f} GiB)")
+    return cpu.Buffer(label, poison_numpy(s.shape, s.dtype))
 
 
-def _trace(i, fn, avals, n_fixed, scratch_names, axes, print_jaxpr):
+def _trace(i, fn, avals, n_fixed, layout, axes, print_jaxpr):
     def program(*refs):
-        call_program(i, fn, refs[:n_fixed], refs[n_fixed:], scratch_names)
+        call_program(i, fn, refs[:n_fixed], refs[n_fixed:], layout)
 
     token = SYNC_BACKEND.set("cpu")
     try:
@@ -51,37 +56,111 @@ def _trace(i, fn, avals, n_fixed, scratch_names, axes, print_jaxpr):
     return jaxpr
 
 
-def run(programs, axes, in_leaves, out_leaves, scratch, scratch_names, aliases, params, name):
-    avals = ([jax.core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype)) for x in in_leaves]
-             + [jax.core.ShapedArray(tuple(s.shape), jnp.dtype(s.dtype)) for s in out_leaves])
-    scratch_init = [scratch_buffer(s, f"scratch {scratch_names[i] if scratch_names else i}")
-                    for i, s in enumerate(scratch)]
-    avals += [jax.core.ShapedArray(a.shape, a.dtype) for a, _ in scratch_init]
+def check_ref_inputs(in_leaves, aliases) -> list[int]:
+    """Positions of the inputs that are jax Refs; each Ref may be passed once and is never aliased."""
+    ref_inputs = [i for i, x in enumerate(in_leaves) if is_jax_ref(x)]
+    seen: dict[int, int] = {}
+    for i in ref_inputs:
+        base = id(underlying_ref(in_leaves[i]))
+        if base in seen:
+            raise ValueError(f"mpmd_map: inputs {seen[base]} and {i} are the same jax Ref (or views of it); pass "
+                             f"it once: the programs read and write a Ref in place")
+        seen[base] = i
+        if i in aliases:
+            raise ValueError(f"mpmd_map: input {i} is a jax Ref, which the programs already update in place; it "
+                             f"cannot also be aliased to output {aliases[i]} by input_output_aliases")
+    return ref_inputs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Captures:
+    """What the programs' traces closed over: jax Refs (memory, updated in place) and traced values.
+
+    `plans[p][c]` says where constant c of program p comes from when it runs:
+    ("input", i) an input Ref, ("ref", k) captured Ref k, ("value", k) traced value k, ("const", x) x.
+    """
+    refs: tuple
+    values: tuple
+    plans: tuple
+
+    @classmethod
+    def of(cls, jaxprs, in_leaves, ref_inputs) -> Captures:
+        inputs_by_ref = {id(in_leaves[i]): i for i in ref_inputs}
+        viewed = {id(underlying_ref(in_leaves[i])): i for i in ref_inputs}
+        refs, values, plans = {}, {}, []
+        for p, jaxpr in enumerate(jaxprs):
+            plan = []
+            for c in jaxpr.consts:
+                if is_jax_ref(c):
+                    if id(c) in inputs_by_ref:
+                        plan.append(("input", inputs_by_ref[id(c)]))
+                        continue
+                    if id(underlying_ref(c)) in viewed:
+                        raise ValueError(f"mpmd_map: program {p} closes over a jax Ref of which input "
+                                         f"{viewed[id(underlying_ref(c))]} is a view; pass the whole Ref instead")
+                    plan.append(("ref", list(refs).index(id(c)) if id(c) in refs else len(refs)))
+                    refs.setdefault(id(c), c)
+                elif isinstance(c, jax.core.Tracer):
+                    plan.append(("value", list(values).index(id(c)) if id(c) in values else len(values)))
+                    values.setdefault(id(c), c)
+                else:
+                    plan.append(("const", c))
+            plans.append(tuple(plan))
+        return cls(refs=tuple(refs.values()), values=tuple(values.values()), plans=tuple(plans))
+
+    def consts(self, p, input_buffers, ref_buffers, value_arrays) -> list:
+        where = {"input": lambda i: cpu.Ref(input_buffers[i]), "ref": lambda k: cpu.Ref(ref_buffers[k]),
+                 "value": lambda k: np.asarray(value_arrays[k]), "const": lambda x: x}
+        return [where[kind](x) for kind, x in self.plans[p]]
+
+
+def _struct(x) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(tuple(x.shape), jnp.dtype(x.dtype))
+
+
+def run(programs, axes, in_leaves, out_leaves, layout: ScratchLayout, aliases, params, name):
+    ref_inputs = check_ref_inputs(in_leaves, aliases)
+    in_values = [x[...] if i in ref_inputs else x for i, x in enumerate(in_leaves)]
+    scratch_init = [scratch_buffer(s, label) for s, label in zip(layout.leaves, layout.labels)]
+    avals = [jax.core.ShapedArray(tuple(x.shape), jnp.dtype(x.dtype)) for x in (*in_values, *out_leaves)]
+    avals += [jax.core.ShapedArray(b.array.shape, b.array.dtype) for b in scratch_init]
     n_fixed = len(in_leaves) + len(out_leaves)
-    jaxprs = [_trace(i, fn, avals, n_fixed, scratch_names, axes, params["print_jaxpr"])
+    jaxprs = [_trace(i, fn, avals, n_fixed, layout, axes, params["print_jaxpr"])
               for i, (_, fn) in enumerate(programs)]
+    captures = Captures.of(jaxprs, in_leaves, ref_inputs)
     instances = [[cpu.Instance(i, _label(i, fn), tuple(point.items())) for point in mesh.points()]
                  for i, (mesh, fn) in enumerate(programs)]
-    out_specs = [jax.ShapeDtypeStruct(tuple(s.shape), jnp.dtype(s.dtype)) for s in out_leaves]
+    operands = [*in_values, *(r[...] for r in captures.refs), *captures.values]
+    n_in, n_refs = len(in_values), len(captures.refs)
+    result_specs = [*(_struct(s) for s in out_leaves), *(_struct(in_values[i]) for i in ref_inputs),
+                    *(_struct(r) for r in captures.refs)]
 
     def host(*arrays):
-        buffers = [cpu.Buffer(f"input {i}", np.array(a)) for i, a in enumerate(arrays)]
-        refs = [cpu.Ref(i) for i in range(len(buffers))]
+        inputs = [cpu.Buffer(f"input {i}", np.array(a)) for i, a in enumerate(arrays[:n_in])]
+        captured = [cpu.Buffer(f"closed-over Ref {k}", np.array(a)) for k, a in enumerate(arrays[n_in:n_in + n_refs])]
+        outputs = []
         for j, s in enumerate(out_leaves):
-            src = next((a for a, b in aliases.items() if b == j), None)
-            if src is None:
-                buffers.append(cpu.Buffer(f"output {j}", poison_numpy(s.shape, s.dtype)))
-                refs.append(cpu.Ref(len(buffers) - 1))
-            else:
-                refs.append(cpu.Ref(src))   # the output is the input's memory, updated in place
-        for k, (init, kind) in enumerate(scratch_init):
-            label = f"scratch {scratch_names[k] if scratch_names else k}"
-            buffers.append(cpu.Buffer(label, init.copy(), kind))
-            refs.append(cpu.Ref(len(buffers) - 1))
-        cpu.execute([(j, insts) for j, insts in zip(jaxprs, instances)], buffers, refs, params["timeout_s"])
-        return tuple(np.asarray(buffers[refs[len(arrays) + j].index].array, dtype=s.dtype)
-                     for j, s in enumerate(out_specs))
+            src = next((a for a, b in aliases.items() if b == j), None)   # aliased: the input's memory, in place
+            outputs.append(inputs[src] if src is not None else cpu.Buffer(f"output {j}", poison_numpy(s.shape, s.dtype)))
+        scratch = [dataclasses.replace(b, array=b.array.copy()) for b in scratch_init]
+        buffers = [*inputs, *(o for j, o in enumerate(outputs) if o not in inputs), *scratch, *captured]
+        arg_refs = [cpu.Ref(b) for b in (*inputs, *outputs, *scratch)]
+        cpu.execute([(j, captures.consts(p, inputs, captured, arrays[n_in + n_refs:]), insts)
+                     for p, (j, insts) in enumerate(zip(jaxprs, instances))], buffers, arg_refs, params["timeout_s"])
+        finals = [*(o.array for o in outputs), *(inputs[i].array for i in ref_inputs), *(b.array for b in captured)]
+        return tuple(np.asarray(a, dtype=s.dtype) for a, s in zip(finals, result_specs))
 
-    if any(isinstance(x, jax.core.Tracer) for x in in_leaves):
-        return jax.pure_callback(host, tuple(out_specs), *in_leaves)
-    return tuple(jnp.asarray(o) for o in host(*[np.asarray(x) for x in in_leaves]))
+    def host_under_trace(*arrays):
+        try:
+            return host(*arrays)
+        except Exception as e:  # noqa: BLE001  (XLA keeps only the text; cv.mpmd_errors() recovers the type)
+            raise errors.marked(e) from e
+
+    if any(isinstance(x, jax.core.Tracer) for x in operands):
+        results = jax.pure_callback(host_under_trace, tuple(result_specs), *operands, vmap_method="sequential")
+    else:
+        results = tuple(jnp.asarray(r) for r in host(*[np.asarray(x) for x in operands]))
+    outs, ref_finals = results[:len(out_leaves)], results[len(out_leaves):]
+    for ref, final in zip([*(in_leaves[i] for i in ref_inputs), *captures.refs], ref_finals):
+        ref[...] = final
+    return tuple(outs)

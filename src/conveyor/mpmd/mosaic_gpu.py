@@ -2,14 +2,14 @@
 
 The kernel has as many threads (warpgroups) as instances; thread t runs its program with
 `lax.axis_index` of the program's axes fixed to its point (the body is traced per instance with
-those indices as constants). Shared scratch lives in SMEM; `cv.BarrierType` is an mbarrier every
-warpgroup arrives on; `cv.SemaphoreType` becomes GMEM semaphores allocated outside the kernel
-(`plgpu.alloc_semaphore`) and passed in, since Mosaic GPU kernels take semaphores as operands.
+those indices as constants). Shared scratch lives in SMEM; a barrier scratch is an mbarrier every
+warpgroup arrives on; semaphore scratch becomes GMEM semaphores declared as kernel scratch
+(`plgpu.SemaphoreType.REGULAR`), which Mosaic GPU zero-initialises per call.
 
 Limits (jax 0.12): the Mosaic GPU interpreter cannot run semaphores (its re-trace refuses them:
-"Cannot signal on a non-semaphore Ref"), so kernels with `cv.SemaphoreType` are verified by
-`jax.export(..., platforms=["cuda"])` only; `input_output_aliases` is not supported by
-`plgpu.kernel`.
+"Cannot signal on a non-semaphore Ref"), so kernels with semaphores are verified by
+`jax.export(..., platforms=["cuda"])` and `make gpu-check` only; `input_output_aliases` and jax
+Ref inputs are not supported by `plgpu.kernel`.
 """
 from __future__ import annotations
 
@@ -18,45 +18,48 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from conveyor._compat import call_with_axis_values
+from conveyor._compat import call_with_axis_values, is_jax_ref
 from conveyor.mpmd.api import call_program
+from conveyor.mpmd.scratch import ScratchLayout
 from conveyor.sync import SYNC_BACKEND, BarrierType, SemaphoreType
 
 THREAD_AXIS = "_cv_mpmd_instance"
 
 
-def build(programs, axes, out_leaves, scratch, scratch_names, aliases, interpret, name):
+def kernel_scratch(layout: ScratchLayout, total: int) -> list:
+    """Mosaic GPU scratch types for the (normalised) scratch leaves."""
+    out = []
+    for s in layout.leaves:
+        if isinstance(s, SemaphoreType):
+            out.append(plgpu.SemaphoreType.REGULAR(tuple(s.shape)))
+        elif isinstance(s, BarrierType):
+            out.append(plgpu.Barrier(num_arrivals=total))
+        else:
+            out.append(plgpu.SMEM(tuple(s.shape), s.dtype))
+    return out
+
+
+def build(programs, axes, out_leaves, layout: ScratchLayout, aliases, interpret, name, cost_estimate=None):
     if aliases:
         raise NotImplementedError("mpmd_map on mosaic_gpu: input_output_aliases is not supported by plgpu.kernel; "
                                   "copy the input into the output in a program instead")
     instances = [(i, fn, point) for i, (mesh, fn) in enumerate(programs) for point in mesh.points()]
     total = len(instances)
-    sem_slots = [k for k, s in enumerate(scratch) if isinstance(s, SemaphoreType)]
-    if sem_slots and interpret:
+    if interpret and any(isinstance(s, SemaphoreType) for s in layout.leaves):
         raise NotImplementedError("mpmd_map on mosaic_gpu: the Mosaic GPU interpreter of jax 0.12 cannot run "
                                   "semaphores; synchronise with cv.BarrierType under the interpreter, or export "
                                   "for cuda to check the lowering")
-    kernel_scratch = []
-    for k, s in enumerate(scratch):
-        if isinstance(s, SemaphoreType):
-            continue
-        if isinstance(s, BarrierType):
-            kernel_scratch.append(plgpu.Barrier(num_arrivals=total))
-        elif hasattr(s, "shape") and hasattr(s, "dtype"):
-            kernel_scratch.append(plgpu.SMEM(tuple(s.shape), s.dtype))
-        else:
-            raise ValueError(f"mpmd_map on mosaic_gpu: scratch {scratch_names[k] if scratch_names else k} must be a "
-                             f"ShapeDtypeStruct, cv.SemaphoreType or cv.BarrierType, got {s!r}")
+    scratch_types = kernel_scratch(layout, total)
 
     def call(*inputs):
-        n_in, n_out, n_sem = len(inputs), len(out_leaves), len(sem_slots)
+        for i, x in enumerate(inputs):
+            if is_jax_ref(x):
+                raise NotImplementedError(f"mpmd_map on mosaic_gpu: input {i} is a jax Ref; plgpu.kernel takes "
+                                          f"arrays only (the CPU executor updates Refs in place)")
+        n_in, n_out = len(inputs), len(out_leaves)
 
         def body(*refs):
-            sems, ins = refs[:n_sem], refs[n_sem:n_sem + n_in]
-            outs = refs[n_sem + n_in:n_sem + n_in + n_out]
-            rest = iter(refs[n_sem + n_in + n_out:])
-            sem_iter = iter(sems)
-            scratch_refs = [next(sem_iter) if isinstance(s, SemaphoreType) else next(rest) for s in scratch]
+            ins, outs, scratch_refs = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
             tid = lax.axis_index(THREAD_AXIS)
             token = SYNC_BACKEND.set("mosaic_gpu")
             try:
@@ -65,16 +68,15 @@ def build(programs, axes, out_leaves, scratch, scratch_names, aliases, interpret
                     def _(i=i, fn=fn, point=point):
                         values = {k: (axes[k], v) for k, v in point.items()}
                         values[THREAD_AXIS] = (total, t)
-
-                        call_with_axis_values(lambda: call_program(i, fn, (*ins, *outs), scratch_refs, scratch_names),
+                        call_with_axis_values(lambda: call_program(i, fn, (*ins, *outs), scratch_refs, layout),
                                               values)
             finally:
                 SYNC_BACKEND.reset(token)
 
         kernel = plgpu.kernel(body, out_type=tuple(jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in out_leaves),
-                              scratch_types=kernel_scratch, num_threads=total, thread_name=THREAD_AXIS,
+                              scratch_types=scratch_types, num_threads=total, thread_name=THREAD_AXIS,
+                              cost_estimate=cost_estimate, **({"kernel_name": name} if name else {}),
                               interpret=(plgpu.InterpretGPUParams() if interpret is True else interpret) or None)
-        semaphores = [plgpu.alloc_semaphore(tuple(scratch[k].shape)) for k in sem_slots]
-        return kernel(*semaphores, *inputs)
+        return kernel(*inputs)
 
     return call
