@@ -8,7 +8,7 @@ from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
-from tests.platform import gpu_interpret
+from tests.platform import ON_GPU, gpu_interpret
 from tests.mpmd.programs import NB, R, barrier_lockstep, producer_consumer
 
 GPU = dict(compiler_params=plgpu.CompilerParams())
@@ -36,6 +36,13 @@ def test_mesh_coordinates_on_warpgroups():
                        interpret=gpu_interpret(detect_races=True), **GPU)()
     np.testing.assert_array_equal(a, [[0, 1], [10, 11]])
     np.testing.assert_array_equal(b, [100, 101])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="semaphores need a real GPU: the jax 0.12 Mosaic GPU interpreter cannot run "
+                                       "them (this case is exported for cuda below on every machine)")
+def test_semaphore_producer_consumer_on_a_real_gpu():
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((NB * R, 128)), jnp.float32)
+    np.testing.assert_array_equal(jax.jit(producer_consumer(**GPU))(x), (x + 1.0) * 2.0)
 
 
 def test_semaphore_producer_consumer_exports_for_cuda():
