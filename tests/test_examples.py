@@ -10,6 +10,7 @@ def test_pipelined_matmul_example_on_every_backend(capsys):
     out = capsys.readouterr().out
     assert "xla" in out and "mosaic_tpu" in out and "mosaic_gpu" in out and "exported for ('tpu',)" in out
     assert "warp-specialized xla" in out and "warp-specialized mosaic_gpu" in out
+    assert "matmul exported for ('cuda',)" in out and "matmul_warp_specialized exported for ('cuda',)" in out
 
 
 def test_moe_dispatch_example(capsys):

@@ -4,6 +4,7 @@
     out = cv.gmm(lhs, rhs, group_sizes)
 """
 from conveyor import moe, pipeline, sim
+from conveyor.dot import dot
 from conveyor.kernel import kernel, program_id
 from conveyor.ops.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from conveyor.ops.gmm import GroupMetadata, gmm, make_group_metadata, ragged_dot, tgmm
@@ -13,7 +14,7 @@ from conveyor.sync import (BarrierType, SemaphoreType, barrier_arrive, barrier_w
                            semaphore_wait)
 
 __version__ = "0.1.0"
-__all__ = ["gmm", "tgmm", "ragged_dot", "make_group_metadata", "GroupMetadata", "kernel", "program_id", "emit_pipeline",
+__all__ = ["dot", "gmm", "tgmm", "ragged_dot", "make_group_metadata", "GroupMetadata", "kernel", "program_id", "emit_pipeline",
            "emit_pipeline_warp_specialized", "BlockSpec", "pipeline", "sim", "moe", "all_gather_matmul",
            "matmul_reduce_scatter", "mpmd_map", "Mesh", "MpmdDeadlock", "mpmd_errors", "SemaphoreType", "BarrierType",
            "semaphore_signal", "semaphore_wait", "barrier_wait", "barrier_arrive", "fence", "__version__"]
