@@ -2,6 +2,7 @@
 import json
 import pathlib
 
+import numpy as np
 import pytest
 
 import conveyor as cv
@@ -109,3 +110,18 @@ def test_cli_json_png_trace(tmp_path, capsys):
         assert json.loads(capsys.readouterr().out)["time_us"] > 0
     assert main(["simulate", "matmul", "--hardware", "a100"]) == 2
     assert "unknown 'a100'" in capsys.readouterr().err
+
+
+def test_gmm_tile_count_is_the_metadata_schedule():
+    """The simulator counts the visits make_group_metadata schedules (sizes [10, 10, 12] with
+    tm=16: 4 visits, the middle group straddling a tile boundary), on random sizes too."""
+    import jax.numpy as jnp
+    from conveyor.ops.gmm.metadata import count_visits
+    rng = np.random.default_rng()
+    cases = [[10, 10, 12], [0, 16, 0, 5, 0], list(rng.integers(0, 40, size=9))]
+    for sizes in cases:
+        for tm in (8, 16, 64):
+            meta = cv.make_group_metadata(jnp.asarray(sizes, jnp.int32), int(sum(sizes)) or 1, tm)
+            assert count_visits(sizes, tm) == int(meta.num_visits), (sizes, tm)
+    report = cv.sim.simulate_gmm([10, 10, 12], 256, 256, tile=(16, 128, 64))
+    assert report.config["tiles"] == 4 * 2      # 4 visits x 2 column tiles of 128

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from conveyor.ops.collective_matmul.ring import RingPlan
+from conveyor.ops.gmm.metadata import count_visits
 from conveyor.pipeline.plan import BlockSpec, PipelinePlan, plan as make_plan
 from conveyor.pipeline.warp import WarpSpecializedPlan
 from conveyor.sim.hardware import Hardware, get as get_hardware
@@ -265,13 +266,15 @@ def simulate_copy(nbytes: float, *, hardware: str | Hardware = "h100", block_byt
 
 def simulate_gmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf16",
                  hardware: str | Hardware = "h100", tile=None, stages=None) -> Report:
-    """Grouped matmul: each group's rows are tiled separately (a partial last tile per group costs a
-    whole tile), all groups' tiles spread over the cores; each group's [k, n] weights cross HBM once."""
+    """Grouped matmul over the tile schedule every Conveyor backend runs (`make_group_metadata`):
+    one visit per (row tile, group) pair that intersect, so a tile shared by two groups is computed
+    twice and a partial tile costs a whole one; visits times column tiles spread over the cores;
+    each group's [k, n] weights cross HBM once."""
     hw = get_hardware(hardware)
     m = int(sum(group_sizes))
 
     def tiles_for(bm, bn):
-        return sum(math.ceil(g / bm) for g in group_sizes if g) * math.ceil(n / bn)
+        return count_visits(group_sizes, bm) * math.ceil(n / bn)
 
     best = None
     for t in ([tuple(tile)] if tile else TILES):

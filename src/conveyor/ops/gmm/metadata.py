@@ -75,6 +75,23 @@ def max_visits(m: int, tm: int, num_groups: int) -> int:
     return -(-m // tm) + max(num_groups - 1, 0)
 
 
+def count_visits(group_sizes, tm: int, m: int | None = None) -> int:
+    """How many (row tile, group) visits `make_group_metadata` schedules, from concrete sizes in
+    plain Python (for the simulator and cost models): a group that starts mid-tile shares that
+    tile with its predecessor, so it can cost one visit more than ceil(size / tm)."""
+    if tm <= 0:
+        raise ValueError(f"tm: expected a positive tile size, got {tm!r}")
+    sizes = [max(int(g), 0) for g in group_sizes]
+    m = sum(sizes) if m is None else m
+    visits, start = 0, 0
+    for size in sizes:
+        end = min(start + size, m)
+        if end > start:
+            visits += (end - 1) // tm - start // tm + 1
+        start = end
+    return visits
+
+
 def make_group_metadata(group_sizes: jax.Array, m: int, tm: int, *, group_offset: jax.Array | int = 0,
                         num_groups: int | None = None) -> GroupMetadata:
     """Build the tile visit schedule of a grouped matmul.
