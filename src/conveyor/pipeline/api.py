@@ -86,7 +86,8 @@ def emit_pipeline_warp_specialized(
         body: Callable[..., Any], *, grid: Sequence[int], memory_registers: int, in_specs: Sequence[Any] = (),
         out_specs: Sequence[Any] = (), max_concurrent_steps: int = 2, delay_release: int = 0, wg_axis: str,
         num_compute_wgs: int, manual_consumed_barriers: bool = False,
-        carry_coroutine: Callable[[], Any] | None = None, memory_thread_idx: int | None = None) -> Callable[..., Any]:
+        carry_coroutine: Callable[[], Any] | None = None, memory_thread_idx: int | None = None,
+        compute_context: Callable[[Callable[..., Any]], None] | None = None) -> Callable[..., Any]:
     """A pipeline whose fetches are issued by one memory thread while `num_compute_wgs` threads compute.
 
     Call the result inside a `cv.kernel(..., num_threads=num_compute_wgs + 1, thread_name=wg_axis)`
@@ -110,6 +111,12 @@ def emit_pipeline_warp_specialized(
       carry_coroutine: a generator function run by each compute thread: it yields the initial carry,
         receives the final carry as the value of that yield (`final = yield init`) and returns
         (an epilogue, e.g. storing the carry). The body then takes and returns the carry.
+      compute_context: upstream's form of the carry, mosaic_gpu only: each compute thread calls
+        `compute_context(eval_pipeline)`, which may allocate (e.g. a `plgpu.ACC` accumulator with
+        `pl.run_scoped`), call `eval_pipeline(carry)` (the body then takes and returns the carry;
+        a Ref carry is handed to every step as it is) and run an epilogue on the result. Its
+        allocations nest inside the pipeline's own, as Mosaic GPU requires of register
+        accumulators. Exclusive with carry_coroutine.
     Outputs may be shared by several compute threads (each writing its part); they are stored once
     all compute threads are done with the block. Protocol: see `conveyor.pipeline.warp`.
     Not available on mosaic_tpu (NotImplementedError): TPU cores have no warpgroups.
@@ -118,6 +125,9 @@ def emit_pipeline_warp_specialized(
                                  wg_axis=wg_axis, memory_thread_idx=memory_thread_idx)
     if carry_coroutine is not None and not callable(carry_coroutine):
         raise TypeError(f"carry_coroutine: expected a generator function, got {carry_coroutine!r}")
+    if compute_context is not None and (carry_coroutine is not None or not callable(compute_context)):
+        raise ValueError("compute_context: expected a function of eval_pipeline, and not together with "
+                         "carry_coroutine (both would own the compute threads' carry)")
     p = plan_lib.plan(grid=grid, in_specs=in_specs, out_specs=out_specs,
                       max_concurrent_steps=max_concurrent_steps, delay_release=delay_release)
     wp = warp.WarpSpecializedPlan(p, wg_axis, num_compute_wgs, mem_idx, memory_registers,
@@ -134,10 +144,13 @@ def emit_pipeline_warp_specialized(
                              f"needs a kernel launched with num_threads={wp.num_threads}, thread_name={wg_axis!r}; "
                              f"this kernel has num_threads={ctx.num_threads}, thread_name={ctx.thread_name!r}")
         ins, outs = _split_refs(p, refs, "warp-specialized pipeline")
+        if compute_context is not None and ctx.backend != "mosaic_gpu":
+            raise NotImplementedError(f"emit_pipeline_warp_specialized: compute_context is implemented on mosaic_gpu "
+                                      f"only, not on {ctx.backend}; use carry_coroutine there")
         if ctx.backend == "xla":
             return xla_exec.run_warp_specialized(wp, body, ins, outs, carry_coroutine, ctx.thread_index)
         from conveyor.pipeline import mosaic_gpu
-        return mosaic_gpu.run_warp_specialized(wp, body, ins, outs, carry_coroutine)
+        return mosaic_gpu.run_warp_specialized(wp, body, ins, outs, carry_coroutine, compute_context)
 
     run.plan = wp
     return run

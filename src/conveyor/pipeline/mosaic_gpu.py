@@ -18,6 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from conveyor._compat import is_jax_ref
 from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.lowering import block_view, call_body
 from conveyor.pipeline.plan import PipelinePlan
@@ -124,7 +125,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     return pl.run_scoped(scoped, *scratch)
 
 
-def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry_coroutine):
+def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry_coroutine, compute_context=None):
     """The warp-specialized protocol of `conveyor.pipeline.warp` in Mosaic GPU primitives."""
     p = wp.pipeline
     n_in, n_out, n = len(p.inputs), len(p.outputs), p.num_steps
@@ -188,20 +189,22 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
                 for u in range(max(0, n - S), n - p.delay_release):
                     plgpu.barrier_wait(b.at[u % S])
 
-        @pl.when(tid != wp.memory_thread_idx)
-        def _compute_thread():
-            plgpu.set_max_registers(wp.compute_registers, action="increase")
-            gen, init = carry_lib.start(carry_coroutine)
+        def run_steps(init, has_carry):
+            """The compute thread's loop over the steps; a Ref carry (e.g. a wgmma accumulator) is
+            passed to every step as it is instead of travelling through the loop."""
+            fixed = init if is_jax_ref(init) else None
             is_leader = tid == wp.leader
 
             def step(s, state):
                 wb_counts, carry = state
+                carry = fixed if fixed is not None else carry
                 in_blocks, out_blocks = _await_blocks(p, s, produced, in_bufs, out_bufs, wb_counts)
                 # Upstream's protocol: the body gets the slot of step s - delay_release and skips its
                 # arrival during the first delay_release steps (see the public docstring).
                 manual = ([consumed[i].at[wp.released_slot(s)] for i in range(n_in)]
                           if wp.manual_consumed_barriers else [])
-                carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks, *manual), carry, gen is not None)
+                carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks, *manual), carry, has_carry)
+                carry = None if fixed is not None else carry
                 if cycling and not wp.manual_consumed_barriers:
                     @pl.when(wp.releases_after(s))
                     def _():
@@ -235,11 +238,20 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
                 return tuple(new_counts), carry
 
             counts0 = tuple(jnp.int32(0) for _ in p.outputs)
-            _, final = lax.fori_loop(0, n, step, (counts0, init))
-            carry_lib.finish(gen, final)
+            _, final = lax.fori_loop(0, n, step, (counts0, None if fixed is not None else init))
             if n_out:
                 @pl.when(is_leader)
                 def _():
                     plgpu.wait_smem_to_gmem(0)
+            return fixed if fixed is not None else final
+
+        @pl.when(tid != wp.memory_thread_idx)
+        def _compute_thread():
+            plgpu.set_max_registers(wp.compute_registers, action="increase")
+            if compute_context is not None:
+                compute_context(lambda carry=None: run_steps(carry, carry is not None))
+                return
+            gen, init = carry_lib.start(carry_coroutine)
+            carry_lib.finish(gen, run_steps(init, gen is not None))
 
     pl.run_scoped(scoped, *scratch, collective_axes=wp.wg_axis)

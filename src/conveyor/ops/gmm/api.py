@@ -73,19 +73,21 @@ def _check_group_offset(group_offset, total_groups: int, local_groups: int):
     return group_offset
 
 
-def _choose_backend(backend, interpret):
+def _choose_backend(backend, interpret, op="gmm"):
     if backend is None and interpret:
-        backend = "mosaic_tpu"  # the only gmm backend with a Pallas interpreter
+        backend = "mosaic_tpu"  # interpret without a backend: the TPU kernel, as before mosaic_gpu existed
     if backend is None:
         return backends.AUTO  # chosen per platform when lowered (see backends.for_platform)
-    return backends.check_backend(backend, backend_impls.AVAILABLE, "gmm")
+    available = backend_impls.GMM_BACKENDS if op == "gmm" else backend_impls.TGMM_BACKENDS
+    return backends.check_backend(backend, available, op)
 
 
 def _interpret_param(interpret, backend):
     if not interpret:
         return None
-    if backend != "mosaic_tpu":
-        raise ValueError(f"interpret: only the mosaic_tpu backend has an interpreter, got backend={backend!r}")
+    if backend not in ("mosaic_tpu", "mosaic_gpu"):
+        raise ValueError(f"interpret: only the mosaic_tpu and mosaic_gpu backends have an interpreter, "
+                         f"got backend={backend!r}")
     return interpret
 
 
@@ -113,10 +115,13 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       group_offset: scalar int, first global group of this shard (expert parallelism); may be traced.
       existing_out: [m, n] values for the rows this call does not compute (chain shards through it).
       transpose_rhs: rhs is [G, n, k] and used transposed.
-      backend: "xla", "mosaic_tpu" or "reference"; None picks, when the op is lowered, the default of
-        the platform it is lowered for (mosaic_tpu for TPU, xla otherwise).
-      interpret: run mosaic_tpu through the Pallas TPU interpreter: True, or a
-        `pltpu.InterpretParams` (e.g. with detect_races=True).
+      backend: "xla", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the op is lowered,
+        the default of the platform it is lowered for (mosaic_tpu for TPU, xla otherwise: the
+        mosaic_gpu kernel is chosen by name until it has passed on a real GPU). mosaic_gpu takes
+        bfloat16/float16 operands, tiling (128, tk, tn); its tgmm and hence its gradient are not
+        built yet (NotImplementedError).
+      interpret: run a Mosaic backend through its Pallas interpreter: True, or a
+        `pltpu.InterpretParams` / `plgpu.InterpretGPUParams` (e.g. with detect_races=True).
 
     Returns:
       [m, n] array of dtype `preferred_element_type`.
@@ -213,7 +218,7 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         if tuple(existing_out.shape) != shape:
             raise ValueError(f"existing_out: expected shape {shape}, got {tuple(existing_out.shape)}")
         _check_float(existing_out, "existing_out")
-    backend = _choose_backend(backend, interpret)
+    backend = _choose_backend(backend, interpret, "tgmm")
     return bind_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, num_groups=num_actual_groups,
                        out_dtype=out_dtype, backend=backend, tiling=_hashable(tiling),
                        interpret=_interpret_param(interpret, backend))

@@ -4,7 +4,9 @@ from __future__ import annotations
 from conveyor import backends
 from conveyor.ops.gmm import reference, tiling as tiling_lib, xla
 
-AVAILABLE = ("xla", "mosaic_tpu", "reference")
+AVAILABLE = ("xla", "mosaic_tpu", "reference")             # what backend=None chooses from
+GMM_BACKENDS = AVAILABLE + ("mosaic_gpu",)                 # named explicitly (not yet run on a GPU)
+TGMM_BACKENDS = AVAILABLE
 
 
 def _mosaic_tpu():
@@ -29,6 +31,11 @@ def run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tilin
         t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
         return mod.gmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t,
                                   interpret=interpret, **kw)
+    if backend == "mosaic_gpu":
+        from conveyor.ops.gmm import mosaic_gpu
+        t = tiling_lib.resolve(tiling, m, k, n, mosaic_gpu.DEFAULT_TILING)
+        return mosaic_gpu.gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t,
+                                         interpret=interpret, **kw)
     raise AssertionError(f"unknown backend {backend!r}")  # validated at the API
 
 

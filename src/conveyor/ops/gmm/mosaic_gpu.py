@@ -1,0 +1,136 @@
+"""Mosaic GPU backend for gmm: Conveyor's warp-specialized pipeline feeding wgmma, one output
+tile per thread block, over the tile schedule of `make_group_metadata`.
+
+Thread block (j, v) computes visit v (a row tile and one local group; a tile shared by two groups
+is visited once per group) for column tile j. Three warpgroups: one memory thread runs
+`cv.emit_pipeline_warp_specialized`'s TMA copies of the K blocks; two compute threads each own
+64 rows of the tm=128-row tile and accumulate `wgmma`s in registers. The epilogue stores exactly
+the visit's valid rows (its group's rows inside the tile): rows are stored by TMA in power-of-two
+chunks from shared memory, since a full-tile store would race with the neighbouring group's
+visit of the same tile. Visits past `num_visits` (the static schedule's padding) do nothing.
+
+Rows no local group owns are never written by the kernel; they are taken from `existing_out` (or
+zero) by one select after it (an extra elementwise pass over the output, which plgpu.kernel's
+lack of input/output aliasing makes necessary).
+
+Limits: bfloat16/float16 operands (float32 accumulation); k a multiple of tk; n a multiple of
+tn; tm = 128. Verified on CPU by the Mosaic GPU interpreter and by `jax.export` for cuda; not yet
+run on a GPU (see the benchmark notes).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import conveyor as cv
+from conveyor.ops.gmm.metadata import local_row_mask, make_group_metadata
+
+GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+COMPUTE_THREADS = 2
+ROWS_PER_THREAD = 64         # one wgmma M per compute warpgroup
+TM = COMPUTE_THREADS * ROWS_PER_THREAD
+DEFAULT_TILING = (TM, 64, 128)
+STAGES = 4
+
+
+def check_gmm_args(lhs, rhs, out_dtype, tiling, transpose_rhs) -> tuple[int, int, int]:
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    if jnp.dtype(lhs.dtype) != jnp.dtype(rhs.dtype) or jnp.dtype(lhs.dtype) not in GPU_DTYPES:
+        raise NotImplementedError(
+            f"mosaic_gpu gmm: wgmma takes bfloat16 or float16 operands of one dtype, got lhs {jnp.dtype(lhs.dtype)} "
+            f"and rhs {jnp.dtype(rhs.dtype)}; cast them (accumulation stays float32) or use backend='xla'")
+    tm, tk, tn = tiling
+    if tm != TM:
+        raise ValueError(f"tiling: mosaic_gpu gmm uses tm={TM} (two compute warpgroups of {ROWS_PER_THREAD} rows), "
+                         f"got tm={tm}")
+    if k % tk or (tk * jnp.dtype(lhs.dtype).itemsize) % 32:
+        raise ValueError(f"tiling: mosaic_gpu gmm needs tk to divide k={k} and span a multiple of 32 bytes, "
+                         f"got tk={tk}")
+    if n % tn or tn % 8 or tn > 256:
+        raise ValueError(f"tiling: mosaic_gpu gmm needs tn to divide n={n}, be a multiple of 8 and at most 256, "
+                         f"got tn={tn}")
+    return tm, tk, tn
+
+
+def _store_rows(acc_smem, out_gmem, lo, hi, row0, col0, tn):
+    """TMA-store rows [lo, hi) of a 64-row shared-memory block to `out_gmem` rows row0 + [lo, hi),
+    in power-of-two chunks (a TMA copy has a static shape; the row count is known at run time)."""
+    start = lo
+    size = hi - lo
+    chunk = ROWS_PER_THREAD
+    while chunk >= 1:
+        take = (size & chunk) != 0
+
+        @pl.when(take)
+        def _(chunk=chunk, start=start):
+            plgpu.copy_smem_to_gmem(acc_smem.at[pl.ds(start, chunk)],
+                                    out_gmem.at[pl.ds(row0 + start, chunk), pl.ds(col0, tn)])
+
+        start = start + jnp.where(take, chunk, 0)
+        chunk //= 2
+    plgpu.wait_smem_to_gmem(0)
+
+
+def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, tiling,
+                   interpret):
+    m, k = lhs.shape
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    tm, tk, tn = check_gmm_args(lhs, rhs, out_dtype, tiling, transpose_rhs)
+    meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
+    visits = meta.group_ids.shape[0]
+    num_visits = meta.num_visits[None]
+    rhs_block = (tn, tk) if transpose_rhs else (tk, tn)
+
+    def kernel(gids_ref, tids_ref, starts_ref, ends_ref, nvis_ref, lhs_ref, rhs_ref, out_ref, acc_smem):
+        j, v = cv.program_id(0), cv.program_id(1)
+        wg = lax.axis_index("wg")
+
+        @pl.when(v < nvis_ref[0])
+        def _():
+            g, tile = gids_ref[v], tids_ref[v]
+            lo_g, hi_g = starts_ref[g], ends_ref[g]
+
+            def mma(indices, a_blk, b_blk, acc):
+                b = b_blk.T if transpose_rhs else b_blk
+                plgpu.wgmma(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b)
+                plgpu.wgmma_wait(0)
+                return acc
+
+            def compute_context(eval_pipeline):
+                def with_acc(acc):
+                    eval_pipeline(acc)
+                    mine = acc_smem.at[wg]
+                    mine[...] = acc[...].astype(mine.dtype)
+                    plgpu.commit_smem()
+                    row0 = tile * tm + wg * ROWS_PER_THREAD
+                    lo = jnp.clip(lo_g - row0, 0, ROWS_PER_THREAD)
+                    hi = jnp.clip(jnp.minimum(hi_g, m) - row0, 0, ROWS_PER_THREAD)
+                    _store_rows(mine, out_ref, lo, jnp.maximum(hi, lo), row0, j * tn, tn)
+
+                pl.run_scoped(with_acc, plgpu.ACC((ROWS_PER_THREAD, tn), jnp.float32))
+
+            cv.emit_pipeline_warp_specialized(
+                mma, grid=(k // tk,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_THREADS,
+                max_concurrent_steps=STAGES, compute_context=compute_context,
+                in_specs=[cv.BlockSpec((tm, tk), lambda kk: (tile, kk)),
+                          cv.BlockSpec(rhs_block, (lambda kk: (j, kk)) if transpose_rhs else (lambda kk: (kk, j)))],
+            )(lhs_ref, rhs_ref.at[g])
+
+    m_pad = -(-m // tm) * tm      # pipeline blocks divide their arrays: whole row tiles (zero rows, never stored)
+    if m_pad != m:
+        lhs = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))
+    out_struct = jax.ShapeDtypeStruct((m_pad, n), out_dtype)
+    scratch = [plgpu.SMEM((COMPUTE_THREADS, ROWS_PER_THREAD, tn), out_dtype)]
+    call = cv.kernel(kernel, out_struct, backend="mosaic_gpu", interpret=interpret, num_threads=COMPUTE_THREADS + 1,
+                     thread_name="wg", grid=(n // tn, visits), scratch_shapes=scratch)
+    computed = call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, num_visits, lhs, rhs)[:m]
+    rows = local_row_mask(group_sizes, jnp.asarray(group_offset, jnp.int32), num_groups, m)
+    return jnp.where(rows[:, None], computed, existing_out.astype(out_dtype))
+
+
+__all__ = ["gmm_mosaic_gpu", "DEFAULT_TILING", "check_gmm_args"]

@@ -1,0 +1,94 @@
+"""gmm on mosaic_gpu: the warp-specialized wgmma kernel, run by the Mosaic GPU interpreter (race
+detection on) against the float64 reference on bfloat16 inputs, and exported for cuda at MoE sizes.
+
+About 1 s per call under the interpreter, so the cases are few and small: empty groups first,
+middle and last; tiles shared by two groups; rows past sum(sizes); existing_out rows kept
+exactly; group_offset shards; transpose_rhs; traced sizes."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import conveyor as cv
+from tests.ops.gmm.base import assert_close
+from tests.ops.gmm.problems import numpy_gmm, operands, skewed_sizes
+from tests.platform import gpu_interpret
+
+M, K, N = 200, 128, 128        # m is not a multiple of the 128-row tile; two K blocks of 64
+
+
+def _gmm(*args, **kw):
+    return cv.gmm(*args, backend="mosaic_gpu", interpret=gpu_interpret(detect_races=True), **kw)
+
+
+@pytest.mark.parametrize("sizes", [[0, 70, 0, 100], [60, 90, 0], [150, 20, 30]],
+                         ids=["empty-first-and-middle", "empty-last", "all-rows"])
+def test_matches_the_reference_with_existing_out_kept_exactly(sizes):
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    lhs, rhs = operands(rng, M, K, N, len(sizes), jnp.bfloat16)
+    used = sum(sizes)
+    lhs = lhs.at[used:].set(jnp.nan)                        # rows no group owns must not leak
+    sentinel = jnp.full((M, N), 7.25, jnp.float32)
+    out = jax.jit(lambda a, b, s, e: _gmm(a, b, s, existing_out=e))(lhs, rhs, jnp.asarray(sizes, jnp.int32),
+                                                                     sentinel)
+    np.testing.assert_array_equal(out[used:], 7.25)
+    assert_close(out[:used], numpy_gmm(lhs[:used], rhs, np.asarray(sizes)), K, jnp.float32)
+
+
+def test_bfloat16_output_and_transpose_rhs():
+    rng = np.random.default_rng(11)
+    sizes = skewed_sizes(rng, M, 3)
+    lhs, rhs = operands(rng, M, K, N, 3, jnp.bfloat16, transpose_rhs=True)
+    out = _gmm(lhs, rhs, jnp.asarray(sizes), transpose_rhs=True, preferred_element_type=jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16
+    assert_close(out, numpy_gmm(lhs, rhs, sizes, transpose_rhs=True), K, jnp.bfloat16)
+
+
+def test_group_offset_shards_chained_through_existing_out():
+    rng = np.random.default_rng(12)
+    sizes = skewed_sizes(rng, M, 4, total=M - 9)
+    lhs, rhs = operands(rng, M, K, N, 4, jnp.bfloat16)
+    gs = jnp.asarray(sizes)
+    out = jnp.zeros((M, N), jnp.float32)
+    for lo in (0, 2):
+        out = _gmm(lhs, rhs[lo:lo + 2], gs, group_offset=jnp.int32(lo), existing_out=out)
+    assert_close(out, numpy_gmm(lhs, rhs, sizes), K, jnp.float32)
+    np.testing.assert_array_equal(out[M - 9:], 0.0)
+
+
+def test_traced_sizes_under_jit_reuse_one_compilation():
+    rng = np.random.default_rng(13)
+    lhs, rhs = operands(rng, M, K, N, 3, jnp.bfloat16)
+    f = jax.jit(lambda a, b, s: _gmm(a, b, s))
+    for sizes in ([64, 64, 72], [0, 199, 1]):
+        assert_close(f(lhs, rhs, jnp.asarray(sizes, jnp.int32)), numpy_gmm(lhs, rhs, np.asarray(sizes)), K,
+                     jnp.float32)
+
+
+@pytest.mark.parametrize("groups", [8, 64, 256])
+def test_exports_for_cuda_at_moe_sizes(groups):
+    """Mixtral-like m=8192, k=4096, n=14336 in bf16: the compile checks shared memory and wgmma
+    shapes, which the interpreter does not."""
+    m, k, n = 8192, 4096, 14336
+    f = jax.jit(lambda a, b, s: cv.gmm(a, b, s, backend="mosaic_gpu", preferred_element_type=jnp.bfloat16))
+    exported = jax.export.export(f, platforms=["cuda"])(
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((groups,), jnp.int32))
+    assert exported.platforms == ("cuda",)
+
+
+def test_what_the_gpu_kernel_cannot_do_is_refused_by_name():
+    lhs = jnp.zeros((128, 64), jnp.float32)
+    rhs = jnp.zeros((2, 64, 128), jnp.float32)
+    gs = jnp.asarray([64, 64], jnp.int32)
+    with pytest.raises(NotImplementedError, match="wgmma takes bfloat16 or float16 operands"):
+        cv.gmm(lhs, rhs, gs, backend="mosaic_gpu", interpret=True)
+    with pytest.raises(ValueError, match="tiling: mosaic_gpu gmm uses tm=128"):
+        cv.gmm(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True,
+               tiling=(64, 64, 128))
+    with pytest.raises(ValueError, match="tn to divide n=128"):
+        cv.gmm(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True,
+               tiling=(128, 64, 96))
+    with pytest.raises(NotImplementedError, match="tgmm has no mosaic_gpu implementation"):
+        cv.tgmm(lhs.T, jnp.zeros((128, 128)), gs, backend="mosaic_gpu")
