@@ -98,20 +98,24 @@ class Captures:
                     if id(underlying_ref(c)) in viewed:
                         raise ValueError(f"mpmd_map: program {p} closes over a jax Ref of which input "
                                          f"{viewed[id(underlying_ref(c))]} is a view; pass the whole Ref instead")
-                    plan.append(("ref", list(refs).index(id(c)) if id(c) in refs else len(refs)))
-                    refs.setdefault(id(c), c)
+                    plan.append(("ref", _index_of(refs, c)))
                 elif isinstance(c, jax.core.Tracer):
-                    plan.append(("value", list(values).index(id(c)) if id(c) in values else len(values)))
-                    values.setdefault(id(c), c)
+                    plan.append(("value", _index_of(values, c)))
                 else:
                     plan.append(("const", c))
             plans.append(tuple(plan))
-        return cls(refs=tuple(refs.values()), values=tuple(values.values()), plans=tuple(plans))
+        return cls(refs=tuple(x for _, x in refs.values()), values=tuple(x for _, x in values.values()),
+                   plans=tuple(plans))
 
     def consts(self, p, input_buffers, ref_buffers, value_arrays) -> list:
         where = {"input": lambda i: cpu.Ref(input_buffers[i]), "ref": lambda k: cpu.Ref(ref_buffers[k]),
                  "value": lambda k: np.asarray(value_arrays[k]), "const": lambda x: x}
         return [where[kind](x) for kind, x in self.plans[p]]
+
+
+def _index_of(seen: dict, x) -> int:
+    """x's position among the distinct objects collected in `seen` (by identity), adding it if new."""
+    return seen.setdefault(id(x), (len(seen), x))[0]
 
 
 def _struct(x) -> jax.ShapeDtypeStruct:

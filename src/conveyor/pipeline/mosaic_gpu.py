@@ -31,20 +31,21 @@ SMEM_BUDGET_BYTES = 232448
 BARRIER_BYTES = 8
 
 
-def check_smem_budget(p: PipelinePlan, in_refs, out_refs, num_barriers: int, api: str) -> int:
-    """The shared memory a pipeline's slots and barriers take; a ValueError naming every operand
-    when it exceeds the budget (the GPU interpreter would run it; the real compile refuses it)."""
-    parts = []
-    for op, ref in zip(p.inputs + p.outputs, (*in_refs, *out_refs)):
-        block = math.prod(op.ref_shape) * jnp.dtype(ref.dtype).itemsize
-        parts.append((op.name, op.num_slots, block, op.num_slots * block, jnp.dtype(ref.dtype).name))
-    total = sum(t for *_, t, _ in parts) + num_barriers * BARRIER_BYTES
+def check_smem_budget(p: PipelinePlan, scratch, api: str) -> int:
+    """The shared memory of a pipeline's scratch (its slots, inputs then outputs, and barriers); a
+    ValueError naming every operand when it exceeds the budget (the GPU interpreter would run it;
+    the real compile refuses it)."""
+    slots = [s for s in scratch if not isinstance(s, plgpu.Barrier)]
+    barriers = sum(b.num_barriers if isinstance(b.num_barriers, int) else math.prod(b.num_barriers)
+                   for b in scratch if isinstance(b, plgpu.Barrier))
+    parts = [(op, buf.shape[0], math.prod(buf.shape[1:]) * jnp.dtype(buf.dtype).itemsize, jnp.dtype(buf.dtype).name)
+             for op, buf in zip(p.inputs + p.outputs, slots)]
+    total = sum(n * block for _, n, block, _ in parts) + barriers * BARRIER_BYTES
     if total > SMEM_BUDGET_BYTES:
-        detail = "; ".join(f"{name}: {slots} slot(s) x {block} B ({dtype} {op_shape}) = {t} B"
-                           for (name, slots, block, t, dtype), op_shape in
-                           zip(parts, [op.ref_shape for op in p.inputs + p.outputs]))
+        detail = "; ".join(f"{op.name}: {n} slot(s) x {block} B ({dtype} {op.ref_shape}) = {n * block} B"
+                           for op, n, block, dtype in parts)
         raise ValueError(f"{api} on mosaic_gpu needs {total} B of shared memory, more than the {SMEM_BUDGET_BYTES} B "
-                         f"a thread block may use on sm_90: {detail}; {num_barriers} barrier(s) x {BARRIER_BYTES} B. "
+                         f"a thread block may use on sm_90: {detail}; {barriers} barrier(s) x {BARRIER_BYTES} B. "
                          f"Use smaller blocks or fewer slots (max_concurrent_steps)")
     return total
 
@@ -69,7 +70,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     scratch = [plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.inputs, in_refs)]
     scratch += [plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.outputs, out_refs)]
     scratch += [plgpu.Barrier(num_barriers=op.num_slots) for op in p.inputs]
-    check_smem_budget(p, in_refs, out_refs, sum(op.num_slots for op in p.inputs), "emit_pipeline")
+    check_smem_budget(p, scratch, "emit_pipeline")
 
     def scoped(*args):
         in_bufs = args[:n_in]
@@ -137,8 +138,7 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
     scratch += [plgpu.Barrier(num_barriers=op.num_slots) for op in p.inputs]                     # produced
     scratch += [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=S) for _ in range(n_consumed)]
     scratch += [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=1)] if n_out else []  # outputs ready
-    check_smem_budget(p, in_refs, out_refs, sum(op.num_slots for op in p.inputs) + n_consumed * S + int(bool(n_out)),
-                      "emit_pipeline_warp_specialized")
+    check_smem_budget(p, scratch, "emit_pipeline_warp_specialized")
 
     def scoped(*args):
         in_bufs, out_bufs = args[:n_in], args[n_in:n_in + n_out]

@@ -36,7 +36,7 @@ DEFAULT_TILING = (TM, 64, 128)
 STAGES = 4
 
 
-def check_gmm_args(lhs, rhs, out_dtype, tiling, transpose_rhs) -> tuple[int, int, int]:
+def check_gmm_args(lhs, rhs, tiling, transpose_rhs) -> tuple[int, int, int]:
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if jnp.dtype(lhs.dtype) != jnp.dtype(rhs.dtype) or jnp.dtype(lhs.dtype) not in GPU_DTYPES:
@@ -80,7 +80,7 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    tm, tk, tn = check_gmm_args(lhs, rhs, out_dtype, tiling, transpose_rhs)
+    tm, tk, tn = check_gmm_args(lhs, rhs, tiling, transpose_rhs)
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     visits = meta.group_ids.shape[0]
     num_visits = meta.num_visits[None]
