@@ -1,11 +1,24 @@
 #!/usr/bin/env bash
-# Create .venv with a Python >= 3.12 and install Conveyor with its test and demo extras.
+# Create $VENV (default .venv) with a Python >= 3.12 and install Conveyor with its test and demo extras.
 # Interpreter search order: $PYTHON, python3.12/python3.13/python3 on PATH, then pyenv's versions
-# (3.12 first: the version jax 0.12.0.1 was validated with here, then newer ones).
+# (3.12 first: the version the supported JAX range was validated with here, then newer ones).
+# JAX_END=newest|oldest pins jax and jaxlib to that end of pyproject's supported range
+# (default newest), so CI runs the suite at both ends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
-STAMP="$VENV/.installed"
+JAX_END=${JAX_END:-newest}
+
+# The supported range is written once, in pyproject.toml ("jax>=OLDEST,<=NEWEST").
+jax_pin() {  # $1 = oldest|newest
+  sed -n 's/^ *"jax>=\([0-9.]*\),<=\([0-9.]*\)".*/\1 \2/p' pyproject.toml | {
+    read -r oldest newest || { echo "bootstrap: no 'jax>=X,<=Y' dependency in pyproject.toml" >&2; exit 1; }
+    case "$1" in oldest) echo "$oldest";; newest) echo "$newest";;
+      *) echo "bootstrap: JAX_END must be oldest or newest, got '$1'" >&2; exit 1;; esac
+  }
+}
+JAX_VERSION=$(jax_pin "$JAX_END")
+STAMP="$VENV/.installed-jax-$JAX_VERSION"
 
 is_ok() {  # $1 = interpreter; succeeds when it runs and is >= 3.12
   "$1" -c 'import sys, venv; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1
@@ -37,7 +50,7 @@ find_python() {
 if [ ! -x "$VENV/bin/python" ]; then
   if ! PY=$(find_python); then
     cat >&2 <<MSG
-bootstrap: no Python >= 3.12 found (jax==0.12.0.1 needs it).
+bootstrap: no Python >= 3.12 found (jax $JAX_VERSION needs it).
   Looked at: \$PYTHON, python3.13/python3.12/python3 on PATH, and pyenv versions.
   Install one, e.g. 'pyenv install 3.12' or 'apt-get install python3.12 python3.12-venv',
   or point to it: make test PYTHON=/path/to/python3.12
@@ -50,6 +63,8 @@ fi
 
 if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -e ".[test,demo]"
+  rm -f "$VENV"/.installed*
+  echo "bootstrap: installing Conveyor into $VENV with jax/jaxlib $JAX_VERSION ($JAX_END end of the supported range)"
+  "$VENV/bin/python" -m pip install -q -e ".[test,demo,dev]" "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION"
   touch "$STAMP"
 fi

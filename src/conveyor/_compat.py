@@ -374,3 +374,58 @@ def requires_devices_during_lowering(prim: Primitive) -> None:
     custom_partitioning call, whose partitioner needs the concrete mesh)."""
     from jax._src import dispatch
     dispatch.prim_requires_devices_during_lowering.add(prim)
+
+
+# ---- differences between the supported jax versions (0.11.2 .. 0.12.0.1) -----------------------
+
+def _accepts(fn, name: str) -> bool:
+    import inspect
+    return name in inspect.signature(fn).parameters
+
+
+def gpu_kernel_options(*, cost_estimate=None, kernel_name: str | None = None) -> dict:
+    """Keyword arguments for `plgpu.kernel`: `cost_estimate` exists from jax 0.12 on; on older jax
+    a given one is refused by name rather than dropped."""
+    import jax
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    options = {"kernel_name": kernel_name} if kernel_name else {}
+    if cost_estimate is not None:
+        if not _accepts(plgpu.kernel, "cost_estimate"):
+            raise NotImplementedError(f"cost_estimate on mosaic_gpu needs jax >= 0.12 (plgpu.kernel of jax "
+                                      f"{jax.__version__} has no cost_estimate); leave it out on this jax")
+        options["cost_estimate"] = cost_estimate
+    return options
+
+
+def gpu_kernel_takes_cost_estimate() -> bool:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return _accepts(plgpu.kernel, "cost_estimate")
+
+
+def interpreter_races_raise() -> None:
+    """Make the Pallas TPU and GPU interpreters raise on a detected race on every supported jax.
+
+    jax >= 0.12 raises RuntimeError("RACE DETECTED ...") by default (`InterpretParams.on_race`);
+    jax 0.11 prints the two accesses and only sets `races_found` on its race state. There, setting
+    that flag raises the same error at the same point, so a race fails a run on both ends of the
+    range. The test suite calls this once; users on jax 0.11 read the printed report instead.
+    """
+    import dataclasses
+    from jax._src.pallas.mosaic.interpret import race_detection_state as rds
+    cls = rds.RaceDetectionState
+    if "on_race" in {f.name for f in dataclasses.fields(cls)} or getattr(cls, "_conveyor_raises", False):
+        return
+
+    def get(self) -> bool:
+        return self.__dict__.get("_races_found", False)
+
+    def set_(self, value: bool) -> None:
+        self.__dict__["_races_found"] = value
+        if value:
+            raise RuntimeError("RACE DETECTED (the interpreter printed both accesses above)")
+
+    cls.races_found = property(get, set_)   # GPURaceDetectionState inherits it
+    cls._conveyor_raises = True
+
+
+__all__ += ["gpu_kernel_options", "gpu_kernel_takes_cost_estimate", "interpreter_races_raise"]

@@ -1,123 +1,201 @@
-"""The `conveyor` command: demo | bench | simulate | check."""
+"""The `conveyor` command: demo | bench | simulate | check.
+
+Every bad argument is a one-line error and exit status 2 (argument types in cli_args.py, the
+options a subcommand would ignore refused by name); a missing optional dependency says which
+extra to install. No traceback reaches the user for either.
+"""
 from __future__ import annotations
 
 import argparse
 import pathlib
 import sys
 
+from conveyor import cli_args as t
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="conveyor", description="Conveyor: pipelined kernels on JAX")
+# Optional dependencies and the extra that installs each.
+EXTRAS = {"matplotlib": "plot", "optax": "demo", "equinox": "examples"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block) and point to --help."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+
+
+def _parser() -> tuple[_Parser, dict[str, _Parser]]:
+    p = _Parser(prog="conveyor", description="Conveyor: pipelined kernels on JAX")
     sub = p.add_subparsers(dest="command", required=True)
-    sub.add_parser("demo", help="MoE layer forward+backward through cv.gmm, checked and timed")
-    b = sub.add_parser("bench", help="run a benchmark and print its table")
+    subs = {"demo": sub.add_parser("demo", help="MoE layer forward+backward through cv.gmm, checked and timed")}
+
+    b = subs["bench"] = sub.add_parser("bench", help="run a benchmark and print its table")
     b.add_argument("which", choices=["gmm", "pipeline", "collective", "mpmd"])
-    b.add_argument("--reps", type=int, default=5, help="interleaved repetitions per candidate (median)")
-    b.add_argument("--groups", default="1,8,64,256", help="comma-separated group counts")
-    b.add_argument("--dtypes", default="float32,bfloat16")
-    b.add_argument("--ffn-groups", default="8,64", help="group counts for the MoE FFN rows ('' to skip)")
+    b.add_argument("--reps", type=t.positive_int, default=5, help="interleaved repetitions per candidate (median)")
+    b.add_argument("--groups", type=t.int_list(minimum=1), default=None,
+                   help="gmm: comma-separated group counts (default 1,8,64,256 on CPU, 8,64,256 on GPU)")
+    b.add_argument("--m", type=t.positive_int, help="gmm: rows (default 4096 on CPU, 8192 on GPU)")
+    b.add_argument("--k", type=t.positive_int, help="gmm: contraction size (default 1024 on CPU, 4096 on GPU)")
+    b.add_argument("--n", type=t.positive_int, help="gmm: columns (default 1024 on CPU, 14336 on GPU)")
+    b.add_argument("--dtypes", type=t.measured_dtypes, default=("float32", "bfloat16"),
+                   help="gmm on CPU: comma-separated input dtypes among f32/float32, bf16/bfloat16, f16/float16")
+    b.add_argument("--ffn-groups", type=t.int_list(minimum=1, allow_empty=True), default=(8, 64),
+                   help="gmm on CPU: group counts for the MoE FFN rows ('' to skip)")
     b.add_argument("--out", type=pathlib.Path, help="also write the markdown report here")
     b.add_argument("--platform", choices=["cpu", "gpu"], default="cpu",
                    help="gmm: 'gpu' runs the bf16 Mixtral-shape table on this machine's GPU")
     b.add_argument("--backends", default="mosaic_gpu,xla", help="gmm --platform gpu: cv.gmm backends to time")
     b.add_argument("--no-tgmm", action="store_true", help="gmm --platform gpu: skip the tgmm rows")
-    sim = sub.add_parser("simulate", help="predict a kernel's time on a hardware model (see docs/simulator.md)")
-    sim.add_argument("which", choices=["matmul", "gmm", "all-gather-matmul", "matmul-reduce-scatter", "copy"])
-    sim.add_argument("--m", type=int, default=4096, help="rows (collectives: rows per device)")
-    sim.add_argument("--k", type=int, default=4096)
-    sim.add_argument("--n", type=int, default=4096, help="columns (all-gather-matmul: local columns)")
-    sim.add_argument("--dtype", default="bf16")
-    sim.add_argument("--hardware", default="h100", help="one of: h100, h200, h800, b200, v5e, v5p")
-    sim.add_argument("--tile", help="bm,bn,bk (default: searched)")
-    sim.add_argument("--stages", type=int, help="max_concurrent_steps (default: searched)")
-    sim.add_argument("--delay-release", type=int, default=0)
-    sim.add_argument("--warp-specialized", action="store_true")
-    sim.add_argument("--compute-threads", type=int, default=2)
-    sim.add_argument("--groups", type=int, default=8, help="gmm: number of groups")
-    sim.add_argument("--sizes", help="gmm: comma-separated group sizes (default: m split evenly)")
-    sim.add_argument("--devices", type=int, default=8)
-    sim.add_argument("--unidirectional", action="store_true")
-    sim.add_argument("--unfused", action="store_true", help="the collective, then the matmul")
-    sim.add_argument("--buffering", type=int, default=2)
-    sim.add_argument("--bytes", type=float, default=4e9, help="copy: bytes to copy")
-    sim.add_argument("--json", action="store_true", help="print the report as JSON")
-    sim.add_argument("--png", type=pathlib.Path, help="draw the timeline here")
-    sim.add_argument("--trace", type=pathlib.Path, help="write a Chrome/Perfetto trace here")
-    c = sub.add_parser("check", help="replay a pipeline or ring plan under every interleaving; exit 1 on a race "
-                                     "or deadlock")
+
+    s = subs["simulate"] = sub.add_parser("simulate", help="predict a kernel's time on a hardware model "
+                                                           "(see docs/simulator.md)")
+    s.add_argument("which", choices=["matmul", "gmm", "all-gather-matmul", "matmul-reduce-scatter", "copy"])
+    s.add_argument("--m", type=t.positive_int, help="rows (default 4096; collectives: rows per device; "
+                                                    "gmm: the sum of --sizes)")
+    s.add_argument("--k", type=t.positive_int, default=4096)
+    s.add_argument("--n", type=t.positive_int, default=4096, help="columns (all-gather-matmul: local columns)")
+    s.add_argument("--dtype", type=t.dtype, default="bfloat16", help="bf16/bfloat16, f16/float16, f32/float32, "
+                                                                     "fp8/float8_e4m3fn, int8 (the hardware decides)")
+    s.add_argument("--hardware", type=t.hardware, default="h100", help="one of: h100, h200, h800, b200, v5e, v5p")
+    s.add_argument("--tiling", type=t.tiling, help="tm,tk,tn, cv.gmm's tiling order (default: searched)")
+    s.add_argument("--tile", help=argparse.SUPPRESS)   # the old bm,bn,bk spelling: refused with a pointer
+    s.add_argument("--stages", type=t.positive_int, help="max_concurrent_steps (default: searched)")
+    s.add_argument("--delay-release", type=t.non_negative_int, default=0)
+    s.add_argument("--warp-specialized", action="store_true")
+    s.add_argument("--compute-threads", type=t.positive_int, default=2)
+    s.add_argument("--groups", type=t.positive_int, help="gmm: number of groups (default 8, or len(--sizes))")
+    s.add_argument("--sizes", type=t.int_list(minimum=0), help="gmm: comma-separated group sizes "
+                                                               "(default: --m split evenly)")
+    s.add_argument("--devices", type=t.positive_int, default=8)
+    s.add_argument("--unidirectional", action="store_true")
+    s.add_argument("--unfused", action="store_true", help="the collective, then the matmul")
+    s.add_argument("--buffering", type=t.positive_int, default=2)
+    s.add_argument("--bytes", type=t.positive_float, default=4e9, help="copy: bytes to copy")
+    s.add_argument("--json", action="store_true", help="print the report as JSON")
+    s.add_argument("--png", type=pathlib.Path, help="draw the timeline here (needs conveyor[plot])")
+    s.add_argument("--trace", type=pathlib.Path, help="write a Chrome/Perfetto trace here")
+
+    c = subs["check"] = sub.add_parser("check", help="replay a pipeline or ring plan under every interleaving; "
+                                                     "exit 1 on a race or deadlock")
     c.add_argument("which", choices=["pipeline", "ring"])
-    c.add_argument("--grid", default="6", help="pipeline grid, comma-separated (keep it small)")
-    c.add_argument("--inputs", type=int, default=2, help="pipelined inputs (pipeline)")
-    c.add_argument("--stages", type=int, default=2, help="max_concurrent_steps (pipeline)")
-    c.add_argument("--delay-release", type=int, default=0)
-    c.add_argument("--in-flight", type=int, default=0,
+    c.add_argument("--grid", type=t.int_list(minimum=1), default=(6,),
+                   help="pipeline grid, comma-separated (keep it small: the states grow exponentially)")
+    c.add_argument("--inputs", type=t.positive_int, default=2, help="pipelined inputs (pipeline)")
+    c.add_argument("--stages", type=t.positive_int, default=2, help="max_concurrent_steps (pipeline)")
+    c.add_argument("--delay-release", type=t.non_negative_int, default=0)
+    c.add_argument("--in-flight", type=t.non_negative_int, default=0,
                    help="the body leaves async work reading its inputs for this many more steps")
     c.add_argument("--warp-specialized", action="store_true")
-    c.add_argument("--compute-threads", type=int, default=2)
-    c.add_argument("--devices", type=int, default=4, help="ring size (ring)")
-    c.add_argument("--buffering", type=int, default=2, help="receive slots per device (ring)")
+    c.add_argument("--compute-threads", type=t.positive_int, default=2)
+    c.add_argument("--devices", type=t.positive_int, default=4, help="ring size (ring)")
+    c.add_argument("--buffering", type=t.positive_int, default=2, help="receive slots per device (ring)")
     c.add_argument("--unidirectional", action="store_true")
     c.add_argument("--scatter", action="store_true", help="reduce-scatter ring (partial sums travel)")
     c.add_argument("--no-credits", action="store_true", help="drop the credit protocol (expect a race)")
-    c.add_argument("--max-states", type=int, default=200_000)
-    return p
+    c.add_argument("--max-states", type=t.positive_int, default=200_000,
+                   help="states explored exhaustively; then random interleavings are sampled")
+    c.add_argument("--max-seconds", type=t.positive_float, default=60.0,
+                   help="time budget; the report then says it stopped and shows what it found so far")
+    c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar on stderr (default: when stderr is a terminal)")
+    return p, subs
 
 
-def _simulate(args) -> int:
+# The options each subcommand's variants use; any other option given is refused by name.
+_SIMULATE_USES = {
+    "matmul": {"m", "k", "n", "dtype", "hardware", "tiling", "stages", "delay_release", "warp_specialized",
+               "compute_threads"},
+    "gmm": {"m", "k", "n", "dtype", "hardware", "tiling", "stages", "groups", "sizes"},
+    "copy": {"bytes", "hardware"},
+    "all-gather-matmul": {"m", "k", "n", "devices", "dtype", "hardware", "unidirectional", "unfused", "buffering"},
+}
+_SIMULATE_USES["matmul-reduce-scatter"] = _SIMULATE_USES["all-gather-matmul"]
+_CHECK_USES = {"pipeline": {"grid", "inputs", "stages", "delay_release", "in_flight", "warp_specialized",
+                            "compute_threads"},
+               "ring": {"devices", "buffering", "unidirectional", "scatter", "no_credits"}}
+
+
+def _bench_uses(args) -> set[str]:
+    if args.which != "gmm":
+        return set()
+    if args.platform == "gpu":
+        return {"platform", "groups", "m", "k", "n", "backends", "no_tgmm"}
+    return {"platform", "groups", "m", "k", "n", "dtypes", "ffn_groups"}
+
+
+def _unused(sub: _Parser, args, uses: set[str], always: set[str]) -> str:
+    """The options given (not at their default) that this variant would ignore, as '--a, --b'."""
+    defaults = sub.parse_args([args.which])
+    names = [n for n in vars(args) if n not in uses | always | {"command", "which"}]
+    return ", ".join("--" + n.replace("_", "-") for n in names if getattr(args, n) != getattr(defaults, n))
+
+
+def _simulate(args, fail) -> int:
     from conveyor import sim
-    tile = tuple(int(v) for v in args.tile.split(",")) if args.tile else None
-    if tile is not None and len(tile) != 3:
-        raise SystemExit(f"--tile: expected bm,bn,bk, got {args.tile!r}")
-    try:
-        if args.which == "matmul":
-            report = sim.simulate_matmul(args.m, args.k, args.n, dtype=args.dtype, hardware=args.hardware, tile=tile,
-                                         stages=args.stages, warp_specialized=args.warp_specialized,
-                                         compute_threads=args.compute_threads, delay_release=args.delay_release)
-        elif args.which == "gmm":
-            sizes = ([int(v) for v in args.sizes.split(",")] if args.sizes else
-                     [args.m // args.groups + (i < args.m % args.groups) for i in range(args.groups)])
-            report = sim.simulate_gmm(sizes, args.k, args.n, dtype=args.dtype, hardware=args.hardware, tile=tile,
-                                      stages=args.stages)
-        elif args.which == "copy":
-            report = sim.simulate_copy(args.bytes, hardware=args.hardware)
-        else:
-            kind = "all_gather_matmul" if args.which == "all-gather-matmul" else "matmul_reduce_scatter"
-            report = sim.simulate_collective_matmul(kind, args.m, args.k, args.n, args.devices, dtype=args.dtype,
-                                                    hardware=args.hardware, bidirectional=not args.unidirectional,
-                                                    buffering=args.buffering, unfused=args.unfused)
-    except ValueError as e:   # unknown hardware or dtype, a configuration that does not fit
-        print(f"conveyor simulate: {e}", file=sys.stderr)
-        return 2
-    if args.png:
-        report.save_png(args.png)
-    if args.trace:
-        report.save_trace(args.trace)
+    m = args.m if args.m is not None else 4096
+    if args.which == "matmul":
+        report = sim.simulate_matmul(m, args.k, args.n, dtype=args.dtype, hardware=args.hardware,
+                                     tiling=args.tiling, stages=args.stages, warp_specialized=args.warp_specialized,
+                                     compute_threads=args.compute_threads, delay_release=args.delay_release)
+    elif args.which == "gmm":
+        report = sim.simulate_gmm(_group_sizes(args, fail), args.k, args.n, dtype=args.dtype,
+                                  hardware=args.hardware, tiling=args.tiling, stages=args.stages)
+    elif args.which == "copy":
+        report = sim.simulate_copy(args.bytes, hardware=args.hardware)
+    else:
+        kind = "all_gather_matmul" if args.which == "all-gather-matmul" else "matmul_reduce_scatter"
+        report = sim.simulate_collective_matmul(kind, m, args.k, args.n, args.devices, dtype=args.dtype,
+                                                hardware=args.hardware, bidirectional=not args.unidirectional,
+                                                buffering=args.buffering, unfused=args.unfused)
+    # Print first: a missing plotting extra must not lose the numbers that were asked for.
     if args.json:
         print(report.to_json())
     else:
         d = report.to_dict()
         print(f"{report.workload} on {report.hardware.name}: {d['time_us']:.1f} us, {d['tflops']:.0f} TFLOP/s, "
               f"{d['utilization']:.0%} of roofline, {d['bottleneck']}-bound; config {d['config']}")
+        if d["timeline_coverage"]:
+            print(d["timeline_coverage"])
+    if args.trace:
+        report.save_trace(args.trace)
+    if args.png:
+        report.save_png(args.png)
     return 0
+
+
+def _group_sizes(args, fail) -> list[int]:
+    """--sizes, --m and --groups describe one split: they must agree, nothing is silently dropped."""
+    if args.sizes is None:
+        m, groups = (args.m if args.m is not None else 4096), (args.groups if args.groups is not None else 8)
+        return [m // groups + (i < m % groups) for i in range(groups)]
+    sizes = list(args.sizes)
+    if args.groups is not None and args.groups != len(sizes):
+        fail(f"argument --groups: {args.groups} disagrees with --sizes ({len(sizes)} groups); give one of them")
+    if args.m is not None and args.m != sum(sizes):
+        fail(f"argument --m: {args.m} disagrees with --sizes (they sum to {sum(sizes)}); give one of them")
+    if not sum(sizes):
+        fail("argument --sizes: every group is empty; at least one size must be positive")
+    return sizes
 
 
 def _check(args) -> int:
     from conveyor import sim
+    budget = dict(max_states=args.max_states, max_seconds=args.max_seconds,
+                  progress=sys.stderr.isatty() if args.progress is None else args.progress)
     if args.which == "ring":
         from conveyor.ops.collective_matmul.ring import RingPlan
         plan = RingPlan(args.devices, not args.unidirectional, args.buffering,
                         collective="scatter" if args.scatter else "gather")
-        report = sim.check(plan, credits=not args.no_credits, max_states=args.max_states)
+        report = sim.check(plan, credits=not args.no_credits, **budget)
     else:
         from conveyor.pipeline import BlockSpec, plan as make_plan
         from conveyor.pipeline.warp import WarpSpecializedPlan
-        grid = tuple(int(g) for g in args.grid.split(","))
+        grid = tuple(args.grid)
         spec = BlockSpec((1,) * len(grid), lambda *idx: idx)
         p = make_plan(grid=grid, in_specs=[spec] * args.inputs, out_specs=[spec],
                       max_concurrent_steps=args.stages, delay_release=args.delay_release)
         if args.warp_specialized:
             p = WarpSpecializedPlan(p, "wg", args.compute_threads, args.compute_threads, 40, False)
-        report = sim.check(p, in_flight_steps=args.in_flight, max_states=args.max_states)
+        report = sim.check(p, in_flight_steps=args.in_flight, **budget)
     print(report)
     return 0 if report.ok else 1
 
@@ -141,57 +219,73 @@ def _bench_collective(args):
     return proc.stdout
 
 
-def _bench_options_ignored(args) -> str:
-    """The options given that this bench would ignore (refused by name instead)."""
-    defaults = _parser().parse_args(["bench", args.which])
-    gpu_only, cpu_gmm_only = ("backends", "no_tgmm"), ("dtypes", "ffn_groups")
-    if args.which != "gmm":
-        names = ("platform", "groups", *gpu_only, *cpu_gmm_only)
+def _bench(args) -> int:
+    if args.which == "collective":
+        report = _bench_collective(args)
+        if report is None:
+            return 1
+    elif args.which == "mpmd":
+        from conveyor.bench import mpmd as bench_mpmd
+        report = bench_mpmd.run(reps=args.reps)
+    elif args.which == "pipeline":
+        from conveyor.bench import pipeline as bench_pipeline
+        report = bench_pipeline.run(reps=args.reps)
     else:
-        names = cpu_gmm_only if args.platform == "gpu" else gpu_only
-    given = [n for n in names if getattr(args, n) != getattr(defaults, n)]
-    return ", ".join("--" + n.replace("_", "-") for n in given)
+        from conveyor.problems import BENCH_GMM, BENCH_GMM_GPU
+        table = BENCH_GMM_GPU if args.platform == "gpu" else BENCH_GMM
+        shape = (args.m or table[0].m, args.k or table[0].k, args.n or table[0].n)
+        groups = args.groups or tuple(p.groups for p in table)
+        if args.platform == "gpu":
+            from conveyor.bench import gmm_gpu
+            report = gmm_gpu.run(reps=args.reps, groups=groups, backends=tuple(args.backends.split(",")),
+                                 tgmm=not args.no_tgmm, shape=shape)
+        else:
+            from conveyor.bench import gmm as bench_gmm
+            report = bench_gmm.run(reps=args.reps, groups=groups, dtypes=args.dtypes, ffn_groups=args.ffn_groups,
+                                   shape=shape)
+    print(report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser, subs = _parser()
+    args = parser.parse_args(argv)
+    sub = subs[args.command]
     if args.command == "demo":
-        from conveyor import demo
-        return demo.run()
-    if args.command == "check":
-        return _check(args)
-    if args.command == "simulate":
-        return _simulate(args)
-    if args.command == "bench":
-        ints = lambda s: tuple(int(v) for v in s.split(",") if v)
-        if (unused := _bench_options_ignored(args)):
-            print(f"conveyor bench {args.which} --platform {args.platform}: {unused} not used here", file=sys.stderr)
-            return 2
-        if args.which == "collective":
-            report = _bench_collective(args)
-            if report is None:
-                return 1
-        elif args.which == "mpmd":
-            from conveyor.bench import mpmd as bench_mpmd
-            report = bench_mpmd.run(reps=args.reps)
-        elif args.which == "pipeline":
-            from conveyor.bench import pipeline as bench_pipeline
-            report = bench_pipeline.run(reps=args.reps)
-        elif args.platform == "gpu":
-            from conveyor.bench import gmm_gpu
-            groups = ints(args.groups) if args.groups != "1,8,64,256" else (8, 64, 256)
-            report = gmm_gpu.run(reps=args.reps, groups=groups, backends=tuple(args.backends.split(",")),
-                                 tgmm=not args.no_tgmm)
-        else:
-            from conveyor.bench import gmm as bench_gmm
-            report = bench_gmm.run(reps=args.reps, groups=ints(args.groups), dtypes=tuple(args.dtypes.split(",")),
-                                   ffn_groups=ints(args.ffn_groups))
-        print(report)
-        if args.out:
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(report)
-        return 0
-    return 2
+        return _run(lambda: __import__("conveyor.demo", fromlist=["run"]).run(), sub)
+    if args.command == "simulate" and args.tile is not None:
+        sub.error(f"argument --tile: renamed --tiling, in cv.gmm's order tm,tk,tn (--tile was bm,bn,bk); "
+                  f"got {args.tile!r}")
+    uses = {"simulate": lambda: _SIMULATE_USES[args.which], "check": lambda: _CHECK_USES[args.which],
+            "bench": lambda: _bench_uses(args)}[args.command]()
+    always = {"simulate": {"json", "png", "trace", "tile"}, "check": {"max_states", "max_seconds", "progress"},
+              "bench": {"reps", "out"}}[args.command]
+    if (unused := _unused(sub, args, uses, always)):
+        variant = args.which + (f" --platform {args.platform}" if args.command == "bench" and args.which == "gmm" else "")
+        sub.error(f"{unused} not used by '{args.command} {variant}'")
+    if args.command == "bench":   # a ValueError inside a benchmark is a bug: its traceback is kept
+        return _run(lambda: _bench(args), sub)
+    run = (lambda: _simulate(args, sub.error)) if args.command == "simulate" else (lambda: _check(args))
+    return _run(run, sub, refused=ValueError)
+
+
+def _run(fn, sub: _Parser, refused: type[Exception] | tuple = ()) -> int:
+    """Run a subcommand: a configuration the library refuses (`refused`) is exit 2, a missing extra exit 1."""
+    try:
+        return fn()
+    except refused as e:   # unknown hardware, a tiling that does not fit, a plan the library refuses
+        sub.error(str(e))
+    except ModuleNotFoundError as e:
+        if e.name not in EXTRAS:
+            raise
+        print(f"{sub.prog}: {e.name} is not installed; pip install 'conveyor[{EXTRAS[e.name]}]'", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{sub.prog}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

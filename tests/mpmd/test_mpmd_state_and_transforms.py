@@ -43,11 +43,29 @@ def test_ref_inputs_are_updated_in_place(jit):
     np.testing.assert_array_equal(out, expect + 1.0)
 
 
-def test_a_view_of_a_ref_is_updated_in_place_and_the_rest_is_kept():
+def _eager_ref_views() -> bool:
+    """jax 0.11 raises NotImplementedError for `ref.at[...]` outside jit (its views work under jit)."""
+    try:
+        jax.new_ref(jnp.zeros(2)).at[:1]
+    except NotImplementedError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_a_view_of_a_ref_is_updated_in_place_and_the_rest_is_kept(jit):
+    if not jit and not _eager_ref_views():
+        pytest.skip(f"jax {jax.__version__} has no eager Ref.at (JAX raises NotImplementedError); the jit case "
+                    "covers views")
     x = _data(2, (6,))
-    r = jax.new_ref(x)
-    out = _one(_scale_ref_in_place)(r.at[1:5])
-    np.testing.assert_array_equal(r[...], x.at[2].multiply(10.0))
+
+    def f(x):
+        r = jax.new_ref(x)
+        out = _one(_scale_ref_in_place)(r.at[1:5])
+        return r[...], out
+
+    r_after, out = (jax.jit(f) if jit else f)(x)
+    np.testing.assert_array_equal(r_after, x.at[2].multiply(10.0))
     np.testing.assert_array_equal(out, x[1:5].at[1].multiply(10.0) + 1.0)
 
 
@@ -173,7 +191,9 @@ def test_refs_passed_twice_or_aliased_are_refused():
     with pytest.raises(ValueError, match="inputs 0 and 1 are the same jax Ref"):
         _one(lambda a, b, o: None)(r, r)
     with pytest.raises(ValueError, match="inputs 0 and 1 are the same jax Ref"):
-        _one(lambda a, b, o: None, out=jax.ShapeDtypeStruct((2,), F32))(r.at[:2], r.at[2:])
+        # Two views of one Ref (under jit: jax 0.11 has no eager Ref.at).
+        jax.jit(lambda: _one(lambda a, b, o: None, out=jax.ShapeDtypeStruct((2,), F32))(
+            *(lambda v: (v.at[:2], v.at[2:]))(jax.new_ref(jnp.zeros(4)))))()
     with pytest.raises(ValueError, match="input 0 is a jax Ref, which the programs already update in place"):
         _one(lambda a, o: None, input_output_aliases={0: 0})(r)
 

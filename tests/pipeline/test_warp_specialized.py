@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
 from tests.platform import gpu_interpret

@@ -24,8 +24,11 @@ def test_peaks_and_achievable_rates_are_distinct():
     h100 = cv.sim.HARDWARE["h100"]
     assert h100.matrix_rate("bf16") < h100.matrix_peak["bf16"].value
     assert h100.matrix_efficiency.source.startswith("calib")
-    with pytest.raises(ValueError, match="no matrix rate for dtype 'int4'"):
-        h100.matrix_rate("int4")
+    with pytest.raises(ValueError, match="dtype: unknown 'int4'; known: bf16/bfloat16"):
+        h100.matrix_rate("int4")          # not in the vocabulary at all
+    with pytest.raises(ValueError, match="no matrix rate for dtype 'int8'"):
+        h100.matrix_rate("int8")          # a dtype this model has no rate for
+    assert h100.matrix_rate("bfloat16") == h100.matrix_rate("bf16")
 
 
 def test_predictions_match_published_measurements_or_explain_the_miss():
@@ -46,11 +49,11 @@ def test_bottlenecks_move_the_way_the_hardware_says():
     shallow = cv.sim.simulate_matmul(8192, 64, 8192, hardware="h100")   # writing the output dominates
     assert shallow.bottleneck == "memory"
     # Two stages cannot hide the copy latency behind a short step; more stages can.
-    two = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tile=(128, 128, 64), stages=2)
-    four = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tile=(128, 128, 64), stages=4)
+    two = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tiling=(128, 64, 128), stages=2)
+    four = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tiling=(128, 64, 128), stages=4)
     assert four.time_s < 0.95 * two.time_s
     # delay_release=1 keeps one of four slots out of the lookahead: no faster than four free slots.
-    held = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tile=(128, 128, 64), stages=4, delay_release=1)
+    held = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tiling=(128, 64, 128), stages=4, delay_release=1)
     assert held.time_s >= four.time_s and held.config["delay_release"] == 1
     # Faster HBM makes a memory-bound copy faster; the matmul does not care.
     assert cv.sim.simulate_copy(1e9, hardware="h200").time_s < 0.8 * copy.time_s
@@ -58,14 +61,14 @@ def test_bottlenecks_move_the_way_the_hardware_says():
 
 def test_search_reports_its_choice_and_configurations_that_do_not_fit_are_errors():
     r = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100")
-    assert r.config["searched"] > 1 and len(r.config["tile"]) == 3 and r.config["stages"] >= 2
+    assert r.config["searched"] > 1 and len(r.config["tiling"]) == 3 and r.config["stages"] >= 2
     with pytest.raises(cv.sim.DoesNotFit, match="needs .* KiB of on-chip memory per core; H100 SXM has 227 KiB"):
-        cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tile=(256, 256, 128), stages=4)
+        cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tiling=(256, 128, 256), stages=4)
 
 
 def test_warp_specialized_and_plan_replay():
-    plain = cv.sim.simulate_matmul(4096, 4096, 2048, hardware="h100", tile=(128, 256, 64), stages=3)
-    ws = cv.sim.simulate_matmul(4096, 4096, 2048, hardware="h100", tile=(128, 256, 64), stages=3,
+    plain = cv.sim.simulate_matmul(4096, 4096, 2048, hardware="h100", tiling=(128, 64, 256), stages=3)
+    ws = cv.sim.simulate_matmul(4096, 4096, 2048, hardware="h100", tiling=(128, 64, 256), stages=3,
                                 warp_specialized=True)
     assert {b.actor for b in ws.boxes} >= {"memory thread", "compute[0]", "compute[1]"}
     assert 0.5 < ws.time_s / plain.time_s < 1.5
@@ -108,8 +111,9 @@ def test_cli_json_png_trace(tmp_path, capsys):
                  ["matmul-reduce-scatter", "--unfused", "--hardware", "v5p"]):
         assert main(["simulate", *args, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["time_us"] > 0
-    assert main(["simulate", "matmul", "--hardware", "a100"]) == 2
-    assert "unknown 'a100'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["simulate", "matmul", "--hardware", "a100"])
+    assert exit_.value.code == 2 and "unknown 'a100'" in capsys.readouterr().err
 
 
 def test_gmm_tile_count_is_the_metadata_schedule():
@@ -123,5 +127,5 @@ def test_gmm_tile_count_is_the_metadata_schedule():
         for tm in (8, 16, 64):
             meta = cv.make_group_metadata(jnp.asarray(sizes, jnp.int32), int(sum(sizes)) or 1, tm)
             assert count_visits(sizes, tm) == int(meta.num_visits), (sizes, tm)
-    report = cv.sim.simulate_gmm([10, 10, 12], 256, 256, tile=(16, 128, 64))
+    report = cv.sim.simulate_gmm([10, 10, 12], 256, 256, tiling=(16, 64, 128))
     assert report.config["tiles"] == 4 * 2      # 4 visits x 2 column tiles of 128

@@ -1,7 +1,8 @@
 """`conveyor bench gmm`: grouped matmul against the dense floor, a per-group BLAS loop and ragged_dot.
 
 One run prints one table; every ratio compares numbers measured in that run (see timing.py).
-Rows: m=4096, k=n=1024, f32 and bf16, G in {1, 8, 64, 256}, Dirichlet(1)-skewed group sizes.
+Rows: m=4096, k=n=1024, f32 and bf16, G in {1, 8, 64, 256}, Dirichlet(1)-skewed group sizes
+(`--m --k --n --groups --dtypes` choose others). A progress bar on stderr counts the rows.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from jax import lax
 
 import conveyor as cv
 from conveyor.bench.timing import interleaved_medians
+from conveyor.bench.progress import rows_bar
 from conveyor.problems import BENCH_GMM, GmmProblem, skewed_group_sizes
 
 # Baselines slower than this are measured once (after a warm-up); above RAGGED_MAX_G they are not
@@ -150,8 +152,15 @@ def compile_cost(matmul, reps: int, groups: int = 8, m: int = 4096, k: int = 102
 
 
 def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float32", "bfloat16"),
-        ffn_groups: tuple[int, ...] = (8, 64)) -> str:
-    """Run the whole gmm benchmark and return it as a markdown report."""
+        ffn_groups: tuple[int, ...] = (8, 64), shape: tuple[int, int, int] | None = None) -> str:
+    """Run the whole gmm benchmark and return it as a markdown report.
+
+    `shape` is (m, k, n) of the gmm/tgmm rows (default: the table's m=4096, k=n=1024).
+    """
+    m, k, n = shape or (BENCH_GMM[0].m, BENCH_GMM[0].k, BENCH_GMM[0].n)
+    problems = [GmmProblem(name=f"moe-g{g}", m=m, k=k, n=n, groups=g) for g in groups]
+    bar = rows_bar(len(dtypes) * (len(problems) + sum(p.groups > 1 for p in problems)) + 2 + len(ffn_groups),
+                   "bench gmm")
     lines = [f"# gmm benchmark, {datetime.date.today().isoformat()}", "",
              f"Machine: {platform.machine()}, {jax.device_count()} JAX CPU device(s), "
              f"jax {jax.__version__}, numpy {np.__version__}. Command: `conveyor bench gmm`.",
@@ -159,11 +168,10 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
     bw = copy_bandwidth(reps)
     lines.append(f"Measured copy bandwidth: {bw / 1e9:.1f} GB/s (read+write).")
     lines.append("")
-    lines += ["## gmm forward (m=4096, k=n=1024)", "",
+    lines += [f"## gmm forward (m={m}, k={k}, n={n})", "",
               "| dtype | G | dense floor | roofline | numpy loop | cv.gmm | ragged_dot | reference | "
               "gmm/dense | gmm/numpy | ragged/gmm | max err vs numpy |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    problems = [p for p in BENCH_GMM if p.groups in groups]
     for dt in dtypes:
         dtype = jnp.dtype(dt)
         for p in problems:
@@ -179,7 +187,8 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
                 f"{_fmt(t['gmm'] * 1e3)} | {_fmt(ragged and ragged * 1e3)} | {_fmt(ref and ref * 1e3)} | "
                 f"{_ratio(t['gmm'], t['dense'])} | {_ratio(t['gmm'], t['numpy'])} | "
                 f"{'-' if ragged is None else f'{ragged / t['gmm']:.1f}x'} | {r['err']:.1e} |")
-            print(lines[-1], flush=True)
+            bar.write(lines[-1])
+            bar.update()
     lines += ["", "numpy loop: one `np.matmul` per group on float32 copies (NumPy has no fast bf16 matmul);"
               " ragged_dot and reference are skipped above G=64 (about 30 s and 12 s per call).", "",
               "## tgmm (lhs [k, m], rhs [m, n] -> [G, k, n])", "",
@@ -198,14 +207,16 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
             lines.append(f"| {dt} | {p.groups} | {_fmt(t['dense'] * 1e3)} | {_fmt(floor * 1e3)} | "
                          f"{_fmt(t['numpy'] * 1e3)} | {_fmt(t['tgmm'] * 1e3)} | {_ratio(t['tgmm'], t['dense'])} | "
                          f"{_ratio(t['tgmm'], t['numpy'])} | {r['err']:.1e} |")
-            print(lines[-1], flush=True)
+            bar.write(lines[-1])
+            bar.update()
     lines += ["", "## Compile time: one gmm forward + backward (G=8, m=4096, k=n=1024, f32)", "",
               "| op | lower (s) | compile (s) | total (s) | StableHLO chars |", "|---|---|---|---|---|"]
     for name, matmul in (("cv.gmm", lambda a, b, s: cv.gmm(a, b, s)),
                          ("lax.ragged_dot", lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32))):
         c = compile_cost(matmul, max(1, min(reps, 3)))
         lines.append(f"| {name} | {c['lower']:.2f} | {c['compile']:.2f} | {c['lower'] + c['compile']:.2f} | {c['chars']} |")
-        print(lines[-1], flush=True)
+        bar.write(lines[-1])
+        bar.update()
     lines += ["", "## Two-layer MoE FFN, forward + backward (f32)", "",
               "| G | tokens, d, f | cv.gmm | ragged_dot | speed-up | max rel. grad diff |", "|---|---|---|---|---|---|"]
     for g in ffn_groups:
@@ -213,5 +224,7 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
         t = r["t"]
         lines.append(f"| {g} | {r['shape']} | {_fmt(t['gmm'] * 1e3)} | {_fmt(t['ragged_dot'] * 1e3)} | "
                      f"{t['ragged_dot'] / t['gmm']:.1f}x | {r['rel']:.1e} |")
-        print(lines[-1], flush=True)
+        bar.write(lines[-1])
+        bar.update()
+    bar.close()
     return "\n".join(lines) + "\n"

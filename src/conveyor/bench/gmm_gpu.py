@@ -153,7 +153,9 @@ def _table(title: str, p: GmmProblem, rows: list[dict], floor: float, floor_what
 
 
 def run(reps: int = 10, groups: tuple[int, ...] = (8, 64, 256), backends: tuple[str, ...] = ("mosaic_gpu", "xla"),
-        tgmm: bool = True) -> str:
+        tgmm: bool = True, shape: tuple[int, int, int] | None = None) -> str:
+    """The GPU table; `shape` is (m, k, n) (default: the Mixtral expert shape)."""
+    m, k, n = shape or (BENCH_GMM_GPU[0].m, BENCH_GMM_GPU[0].k, BENCH_GMM_GPU[0].n)
     dev = jax.devices()[0]
     lines = [f"# gmm on GPU, {datetime.date.today().isoformat()}", "",
              f"Device: {dev.device_kind} ({getattr(dev, 'core_count', '?')} SMs), jax {jax.__version__}. "
@@ -161,7 +163,7 @@ def run(reps: int = 10, groups: tuple[int, ...] = (8, 64, 256), backends: tuple[
              f"Medians of {reps} timings of 5 back-to-back calls.", ""]
     bw = copy_bandwidth(reps)
     lines += [f"Measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write).", ""]
-    for p in [q for q in BENCH_GMM_GPU if q.groups in groups]:
+    for p in [GmmProblem(name=f"mixtral-g{g}", m=m, k=k, n=n, groups=g) for g in groups]:
         print(f"gmm G={p.groups}", flush=True)
         rows = bench_gmm(p, reps, backends)
         dense = rows[0]["t"]

@@ -15,6 +15,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
+from conveyor.bench.progress import rows_bar
 from conveyor.bench.timing import interleaved_medians
 
 
@@ -73,6 +74,7 @@ def run(reps: int = 5) -> str:
         ("ws-matmul", (2048, 2048, 2048), (256, 256, 256), True),
         ("ws-matmul", (512, 512, 512), (128, 128, 128), True),
     ]
+    bar = rows_bar(len(cases), "bench pipeline")
     for name, size, blocks, with_interp in cases:
         if name.endswith("matmul"):
             m, k, n = size
@@ -101,6 +103,8 @@ def run(reps: int = 5) -> str:
         rows.append(f"| {name} | {size} | {blocks} | {steps} | {t['jnp'] * 1e3:.1f} | {t['xla'] * 1e3:.1f} | "
                     f"{t['xla'] / t['jnp']:.2f}x | {'-' if it is None else f'{it * 1e3:.0f}'} | "
                     f"{'-' if it is None else f'{it / t['xla']:.0f}x'} |")
-        print(rows[-1], flush=True)
+        bar.write(rows[-1])
+        bar.update()
+    bar.close()
     rows += ["", "The GPU interpreter runs only where the grid has at most 64 steps (about 3 ms per step)."]
     return "\n".join(rows) + "\n"

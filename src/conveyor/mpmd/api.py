@@ -111,8 +111,9 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
         `{"backend": "mosaic_gpu" | "mosaic_tpu"}` selects a Mosaic lowering.
       debug: True prints each program's jaxpr; {"timeout_s": ...} works as in compiler_params.
       interpret: run a Mosaic backend through its Pallas interpreter.
-      cost_estimate: a `pl.CostEstimate`, handed to the Mosaic GPU kernel for XLA's scheduler; the
-        CPU executor runs the call when XLA reaches it and has no use for it.
+      cost_estimate: a `pl.CostEstimate`, handed to the Mosaic GPU kernel for XLA's scheduler
+        (jax >= 0.12; refused on jax 0.11, whose plgpu.kernel has none); the CPU executor runs the
+        call when XLA reaches it and has no use for it.
       metadata: a dict of str, accepted for Pallas compatibility and used by no backend.
     Under jit, an error of a program (a deadlock included) reaches the caller as XLA's
     JaxRuntimeError; `with cv.mpmd_errors():` around the call re-raises it as its own type.

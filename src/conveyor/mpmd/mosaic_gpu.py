@@ -18,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from conveyor._compat import call_with_axis_values, is_jax_ref
+from conveyor._compat import call_with_axis_values, gpu_kernel_options, is_jax_ref
 from conveyor.mpmd.api import call_program
 from conveyor.mpmd.scratch import ScratchLayout
 from conveyor.sync import SYNC_BACKEND, BarrierType, SemaphoreType
@@ -75,7 +75,7 @@ def build(programs, axes, out_leaves, layout: ScratchLayout, aliases, interpret,
 
         kernel = plgpu.kernel(body, out_type=tuple(jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in out_leaves),
                               scratch_types=scratch_types, num_threads=total, thread_name=THREAD_AXIS,
-                              cost_estimate=cost_estimate, **({"kernel_name": name} if name else {}),
+                              **gpu_kernel_options(cost_estimate=cost_estimate, kernel_name=name),
                               interpret=(plgpu.InterpretGPUParams() if interpret is True else interpret) or None)
         return kernel(*inputs)
 

@@ -12,7 +12,9 @@ remembered). Found:
   or a slot refilled while still read), or written while a copy out of it is still reading it;
 - deadlock: processes still running, none can move, and no copy is in flight to wake them.
 
-Each finding carries the shortest trace the search saw. Bodies that leave asynchronous work in
+Each finding carries the shortest trace the search saw. The search stops at a state budget
+(then samples random interleavings) or a time budget, and says so with what it found so far;
+`progress=True` draws a progress bar (states explored against the budget). Bodies that leave asynchronous work in
 flight (an un-awaited matmul reading its input slots) are modelled with `in_flight_steps`: the
 reads of step s end during step s + in_flight_steps.
 """
@@ -20,8 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 from collections.abc import Sequence
 from typing import Any
+
+from tqdm.auto import tqdm
 
 from conveyor.ops.collective_matmul.ring import RingPlan
 from conveyor.pipeline.plan import PipelinePlan
@@ -90,13 +95,21 @@ class CheckReport:
     findings: tuple[Finding, ...]
     states: int
     exhaustive: bool
+    state_budget_reached: bool = False      # the exhaustive phase hit max_states (then samples were drawn)
+    samples: int = 0                        # random interleavings replayed after that
+    stopped_by_time: float | None = None    # the time budget (s) that cut the search short, if one did
 
     @property
     def ok(self) -> bool:
         return not self.findings
 
     def __str__(self) -> str:
-        how = "every interleaving" if self.exhaustive else "a seeded sample of interleavings"
+        parts = ["every interleaving"] if self.exhaustive else []
+        if self.state_budget_reached:
+            parts.append(f"state budget reached, then {self.samples} random interleavings")
+        if self.stopped_by_time is not None:
+            parts.append(f"stopped at the {self.stopped_by_time:g} s time budget with what was found so far")
+        how = "; ".join(parts)
         head = f"{self.subject}: {self.states} states explored ({how}): "
         if self.ok:
             return head + "no race, no deadlock"
@@ -121,9 +134,29 @@ def _fmt(keys) -> str:
     return ", ".join("/".join(str(x) for x in k) if isinstance(k, tuple) else str(k) for k in keys)
 
 
+def _unwind(trace) -> tuple[str, ...]:
+    """A trace is a linked list (line, earlier) so that extending it costs O(1); this lists it in order."""
+    lines = []
+    while trace is not None:
+        line, trace = trace
+        lines.append(line)
+    return tuple(reversed(lines))
+
+
 def explore(processes: dict[str, Sequence[Action]], subject: str, *, max_states: int = 200_000,
-            samples: int = 2_000, seed: int = 0) -> CheckReport:
-    """Search the interleavings of `processes`; exhaustive up to `max_states`, then sampled."""
+            samples: int = 2_000, seed: int = 0, max_seconds: float | None = None,
+            progress: bool = False) -> CheckReport:
+    """Search the interleavings of `processes`; exhaustive up to `max_states`, then sampled.
+
+    `max_seconds` bounds the whole search (both phases); when it runs out the report says so and
+    holds what was found so far. `progress` draws a bar on stderr.
+    """
+    if max_states < 1:
+        raise ValueError(f"check: max_states must be >= 1, got {max_states}")
+    if max_seconds is not None and not max_seconds > 0:
+        raise ValueError(f"check: max_seconds must be > 0 (or None for no time budget), got {max_seconds}")
+    deadline = None if max_seconds is None else time.monotonic() + max_seconds
+    out_of_time = lambda: deadline is not None and time.monotonic() > deadline
     names = tuple(processes)
     progs = tuple(tuple(processes[n]) for n in names)
     findings: dict[tuple[str, str], Finding] = {}
@@ -148,32 +181,33 @@ def explore(processes: dict[str, Sequence[Action]], subject: str, *, max_states:
             c = move[1]
             for k in c.signals:
                 counters[k] = counters.get(k, 0) + 1
-            return (pcs, tuple(sorted(counters.items(), key=repr)), pending - {c}, reads), \
-                trace + (f"copy {c.name} lands",)
+            return (pcs, frozenset(counters.items()), pending - {c}, reads), \
+                (f"copy {c.name} lands", trace)
         i = move[1]
         a = progs[i][pcs[i]]
         proc = names[i]
-        line = _describe(proc, a)
-        trace = trace + (line,)
+        trace = (_describe(proc, a), trace)
         if isinstance(a, Copy):
             for slot in a.writes:
                 for (rslot, who, tag) in reads:
                     if rslot == slot:
                         return Finding("race", f"copy {a.name} into {_fmt((slot,))} was issued while {who} still "
-                                       f"reads it ({tag}): the slot is refilled while still read", trace)
+                                       f"reads it ({tag}): the slot is refilled while still read", _unwind(trace))
                 for other in pending:
                     if slot in other.reads:
                         return Finding("race", f"copy {a.name} writes {_fmt((slot,))} while copy {other.name} "
-                                       f"may still be reading it", trace)
+                                       f"may still be reading it", _unwind(trace))
             for slot in a.reads:
                 for other in pending:
                     if slot in other.writes:
                         return Finding("race", f"copy {a.name} reads {_fmt((slot,))} while copy {other.name} "
-                                       f"may still be landing in it", trace)
+                                       f"may still be landing in it", _unwind(trace))
             pending = pending | {a}
         elif isinstance(a, Wait):
             if a.consume:
                 counters[a.counter] -= a.amount
+                if not counters[a.counter]:
+                    del counters[a.counter]   # a missing counter reads 0: the state stays small and canonical
         elif isinstance(a, Signal):
             counters[a.counter] = counters.get(a.counter, 0) + a.amount
         elif isinstance(a, Read):
@@ -184,31 +218,33 @@ def explore(processes: dict[str, Sequence[Action]], subject: str, *, max_states:
                 for c in pending:
                     if a.slot in c.writes:
                         return Finding("race", f"{proc} reads {_fmt((a.slot,))} ({a.tag}) before copy {c.name} "
-                                       f"into it completed", trace)
+                                       f"into it completed", _unwind(trace))
                 reads = reads | {entry}
         elif isinstance(a, Write):
             for c in pending:
                 if a.slot in c.reads or a.slot in c.writes:
                     return Finding("race", f"{proc} writes {_fmt((a.slot,))} ({a.tag}) while copy {c.name} may "
-                                   f"still be using it", trace)
+                                   f"still be using it", _unwind(trace))
         new_pcs = pcs[:i] + (pcs[i] + 1,) + pcs[i + 1:]
-        return (new_pcs, tuple(sorted(counters.items(), key=repr)), pending, reads), trace
+        return (new_pcs, frozenset(counters.items()), pending, reads), trace
 
     def stuck(state, trace):
         pcs = state[0]
         waiting = [f"{names[i]} waits {_describe(names[i], progs[i][pc]).split(': wait ', 1)[-1]} "
                    f"(step {pc + 1} of {len(progs[i])})" for i, pc in enumerate(pcs) if pc < len(progs[i])]
-        return Finding("deadlock", "nothing can move: " + "; ".join(waiting), trace)
+        return Finding("deadlock", "nothing can move: " + "; ".join(waiting), _unwind(trace))
 
     def record(f: Finding):
         key = (f.kind, f.message)
         if key not in findings or len(f.trace) < len(findings[key].trace):
             findings[key] = f
 
-    start = (tuple(0 for _ in progs), (), frozenset(), frozenset())
+    start = (tuple(0 for _ in progs), frozenset(), frozenset(), frozenset())
     seen = set()
-    stack = [(start, ())]
-    exhaustive = True
+    stack = [(start, None)]
+    exhaustive, timed_out, sampled = True, False, 0
+    bar = tqdm(total=max_states, unit="states", desc=f"check {subject}".strip()[:60], disable=not progress,
+               leave=False)
     while stack:
         state, trace = stack.pop()
         if state in seen:
@@ -217,6 +253,11 @@ def explore(processes: dict[str, Sequence[Action]], subject: str, *, max_states:
             exhaustive = False
             break
         seen.add(state)
+        if len(seen) % 1024 == 0:
+            bar.update(1024)
+            if out_of_time():
+                exhaustive, timed_out = False, True
+                break
         moves = enabled(state)
         if not moves:
             if any(pc < len(p) for pc, p in zip(state[0], progs)):
@@ -228,10 +269,19 @@ def explore(processes: dict[str, Sequence[Action]], subject: str, *, max_states:
                 record(nxt)
             else:
                 stack.append(nxt)
-    if not exhaustive:
+    bar.close()
+    dfs_timed_out = timed_out
+    if not exhaustive and not timed_out:
         rng = random.Random(seed)
+        bar = tqdm(total=samples, unit="samples", desc="state budget reached; sampling", disable=not progress,
+                   leave=False)
         for _ in range(samples):
-            state, trace = start, ()
+            if out_of_time():
+                timed_out = True
+                break
+            sampled += 1
+            bar.update(1)
+            state, trace = start, None
             while True:
                 moves = enabled(state)
                 if not moves:
@@ -243,7 +293,9 @@ def explore(processes: dict[str, Sequence[Action]], subject: str, *, max_states:
                     record(nxt)
                     break
                 state, trace = nxt
-    return CheckReport(subject, tuple(findings.values()), len(seen), exhaustive)
+        bar.close()
+    return CheckReport(subject, tuple(findings.values()), len(seen), exhaustive, not exhaustive and not dfs_timed_out,
+                       sampled, max_seconds if timed_out else None)
 
 
 # ---- plans as processes -----------------------------------------------------------------------
@@ -353,7 +405,7 @@ def ring_processes(plan: RingPlan, direction: str = "right", credits: bool = Tru
 
 
 def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_states: int = 200_000,
-          seed: int = 0) -> CheckReport:
+          seed: int = 0, max_seconds: float | None = None, progress: bool = False) -> CheckReport:
     """Check a `PipelinePlan`, a `WarpSpecializedPlan` or a `RingPlan` (every stream) for races and deadlocks.
 
     Args:
@@ -361,23 +413,29 @@ def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_stat
         is awaited this many steps later (e.g. 1 for an un-awaited matmul).
       credits: rings: model the credit (capacity semaphore) protocol; False models a ring without
         flow control.
+      max_states: states explored exhaustively before switching to random interleavings.
+      max_seconds: a time budget for the whole search (None: none); when it runs out the report
+        says so and holds the findings so far.
+      progress: draw a progress bar on stderr.
     """
+    budget = dict(max_states=max_states, seed=seed, max_seconds=max_seconds, progress=progress)
     if hasattr(plan, "plan") and not isinstance(plan, (PipelinePlan, WarpSpecializedPlan, RingPlan)):
         plan = plan.plan   # the function returned by emit_pipeline(...)
     if isinstance(plan, PipelinePlan):
-        return explore(pipeline_processes(plan, in_flight_steps), _pipeline_subject(plan, in_flight_steps),
-                       max_states=max_states, seed=seed)
+        return explore(pipeline_processes(plan, in_flight_steps), _pipeline_subject(plan, in_flight_steps), **budget)
     if isinstance(plan, WarpSpecializedPlan):
         return explore(warp_processes(plan, in_flight_steps),
                        f"warp-specialized ({plan.num_compute_wgs} compute) " + _pipeline_subject(plan.pipeline, in_flight_steps),
-                       max_states=max_states, seed=seed)
+                       **budget)
     if isinstance(plan, RingPlan):
         directions = ["right"] + (["left"] if plan.bidirectional and plan.stream_uses("left") else [])
-        reports = [explore(ring_processes(plan, dr, credits), "", max_states=max_states, seed=seed) for dr in directions]
+        reports = [explore(ring_processes(plan, dr, credits), f"ring {dr}", **budget) for dr in directions]
         subject = (f"ring {plan.collective} D={plan.num_devices} buffering={plan.buffering} "
                    f"{'bidirectional' if plan.bidirectional else 'unidirectional'}{'' if credits else ' WITHOUT credits'}")
+        timed = [r.stopped_by_time for r in reports if r.stopped_by_time is not None]
         return CheckReport(subject, tuple(f for r in reports for f in r.findings), sum(r.states for r in reports),
-                           all(r.exhaustive for r in reports))
+                           all(r.exhaustive for r in reports), any(r.state_budget_reached for r in reports),
+                           sum(r.samples for r in reports), timed[0] if timed else None)
     raise TypeError(f"check: expected a PipelinePlan, WarpSpecializedPlan or RingPlan, got {type(plan).__name__}")
 
 

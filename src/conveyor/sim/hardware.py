@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from conveyor import dtypes
+
 SOURCES = {
     "h100-ds": "NVIDIA H100 Tensor Core GPU datasheet (SXM5 column): 989 TFLOP/s dense BF16/FP16, 1979 FP8, "
                "67 FP32, 3.35 TB/s HBM3, NVLink 900 GB/s",
@@ -94,7 +96,7 @@ class Hardware:
 
     def matrix_peak_rate(self, dtype: str) -> float:
         """Peak (datasheet) matrix FLOP/s per chip for operands of `dtype`."""
-        key = _DTYPE_ALIASES.get(dtype, dtype)
+        key = "f32" if dtype == "tf32" else dtypes.short(dtype)   # tf32: the f32 rate (a math mode, not a dtype)
         if key not in self.matrix_peak:
             raise ValueError(f"hardware {self.name}: no matrix rate for dtype {dtype!r}; "
                              f"known: {sorted(self.matrix_peak)}")
@@ -114,9 +116,6 @@ class Hardware:
                 out.update({f"{f.name}[{k}]": x for k, x in v.items()})
         return out
 
-
-_DTYPE_ALIASES = {"bfloat16": "bf16", "float16": "f16", "float8_e4m3fn": "fp8", "float32": "f32", "tf32": "f32",
-                  "int8": "int8", "fp16": "f16", "int32": "int32"}
 
 KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12
 OVERLAP_GPU = 0.264   # SOURCES["calib-overlap"]: fitted once with a bisection on the Flux fused all-gather

@@ -80,11 +80,27 @@ class Report:
         kind, frac = max(busy.items(), key=lambda kv: kv[1])
         return names[kind] if frac >= 0.6 else "latency/synchronization"
 
+    def timeline_coverage(self, max_boxes: int | None = None) -> str | None:
+        """What the timeline shows when it is not the whole run (None when it is): the replay covers
+        the first tiles when the rest was extrapolated, and a drawing keeps only its first boxes."""
+        boxes = sorted(self.boxes, key=lambda b: b.start)
+        kept = boxes[:max_boxes] if max_boxes is not None else boxes
+        end = max((b.end for b in kept), default=0.0)
+        parts = []
+        if end < 0.99 * self.time_s:
+            why = [n for n in self.notes if n.startswith("replayed")]
+            parts.append(f"shows the first {end * 1e6:.1f} us of the {self.time_us:.1f} us run"
+                         + (f" ({why[0]})" if why else ""))
+        if len(kept) < len(boxes):
+            parts.append(f"the first {len(kept)} of {len(boxes)} intervals drawn")
+        return "timeline " + "; ".join(parts) if parts else None
+
     def to_dict(self) -> dict[str, Any]:
         return {"workload": self.workload, "hardware": self.hardware.name, "time_us": self.time_us,
                 "utilization": self.utilization, "bottleneck": self.bottleneck, "busy": self.busy,
                 "roofline_us": self.roofline_s * 1e6, "tflops": self.flops / self.time_s / 1e12 if self.flops else 0.0,
-                "onchip_bytes": self.onchip_bytes, "config": self.config, "notes": list(self.notes)}
+                "onchip_bytes": self.onchip_bytes, "config": self.config, "notes": list(self.notes),
+                "timeline_coverage": self.timeline_coverage()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str)

@@ -15,6 +15,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from conveyor import dtypes
 from conveyor.ops.collective_matmul.ring import RingPlan
 from conveyor.ops.gmm.metadata import count_visits
 from conveyor.pipeline.plan import BlockSpec, PipelinePlan, plan as make_plan
@@ -23,7 +24,24 @@ from conveyor.sim.hardware import Hardware, get as get_hardware
 from conveyor.sim.report import Box, Report
 
 REPLAYED_TILES = 4
-BYTES = {"bf16": 2, "bfloat16": 2, "f16": 2, "float16": 2, "fp8": 1, "int8": 1, "f32": 4, "float32": 4, "int32": 4}
+
+
+def _check_positive(where: str, **values: float) -> None:
+    """Sizes are positive numbers: a zero or negative one is a ValueError naming it."""
+    for name, v in values.items():
+        if v is not None and not v > 0:
+            raise ValueError(f"{where}: {name} must be positive, got {v}")
+
+
+def _tiling_to_tile(tiling: Sequence[int] | None, where: str) -> tuple[int, int, int] | None:
+    """cv.gmm's tiling order (tm, tk, tn) -> the matmul model's (bm, bn, bk)."""
+    if tiling is None:
+        return None
+    if len(tiling) != 3:
+        raise ValueError(f"{where}: tiling must be (tm, tk, tn), got {tuple(tiling)}")
+    tm, tk, tn = (int(x) for x in tiling)
+    _check_positive(where, tm=tm, tk=tk, tn=tn)
+    return tm, tn, tk
 
 
 class DoesNotFit(ValueError):
@@ -166,23 +184,32 @@ def _onchip(tile, stages, in_b, out_b) -> int:
 
 
 def simulate_matmul(m: int, k: int, n: int, *, dtype: str = "bf16", hardware: str | Hardware = "h100",
-                    tile: Sequence[int] | None = None, stages: int | None = None, warp_specialized: bool = False,
-                    compute_threads: int = 2, delay_release: int = 0, tiles: int | None = None,
-                    cores: int | None = None) -> Report:
+                    tiling: Sequence[int] | None = None, stages: int | None = None, warp_specialized: bool = False,
+                    compute_threads: int = 2, delay_release: int = 0) -> Report:
     """A pipelined matmul [m, k] @ [k, n]: output tiles spread over the cores, K pipelined.
 
-    `tile` is (bm, bn, bk); without `tile`/`stages` a small search picks the fastest configuration
-    that fits (reported in `config["searched"]`). `tiles` overrides the tile count (gmm).
+    `tiling` is (tm, tk, tn), the order of `cv.gmm`'s tiling; without `tiling`/`stages` a small
+    search picks the fastest configuration that fits (reported in `config["searched"]`).
     """
+    _check_positive("simulate_matmul", m=m, k=k, n=n, stages=stages, compute_threads=compute_threads)
+    return _matmul(m, k, n, dtype=dtype, hardware=hardware, tile=_tiling_to_tile(tiling, "simulate_matmul"),
+                   stages=stages, warp_specialized=warp_specialized, compute_threads=compute_threads,
+                   delay_release=delay_release)
+
+
+def _matmul(m: int, k: int, n: int, *, dtype: str, hardware: str | Hardware, tile: tuple[int, int, int] | None,
+            stages: int | None, warp_specialized: bool = False, compute_threads: int = 2, delay_release: int = 0,
+            tiles: int | None = None, cores: int | None = None) -> Report:
+    """simulate_matmul on the model's own tile order (bm, bn, bk); `tiles` overrides the tile count (gmm)."""
     hw = get_hardware(hardware)
     if tile is None or stages is None:
         return _search(m, k, n, dtype=dtype, hw=hw, tile=tile, stages=stages, warp_specialized=warp_specialized,
                        compute_threads=compute_threads, tiles=tiles, cores=cores, delay_release=delay_release)
     bm, bn, bk = (int(x) for x in tile)
-    in_b, out_b = BYTES[dtype], BYTES[dtype]
+    in_b = out_b = dtypes.itemsize(dtype)
     used = _onchip((bm, bn, bk), stages, in_b, out_b)
     if used > hw.onchip_bytes.value:
-        raise DoesNotFit(f"tile {bm}x{bn}x{bk} with {stages} stages needs {used / 1024:.0f} KiB of on-chip memory per "
+        raise DoesNotFit(f"tiling (tm, tk, tn)=({bm}, {bk}, {bn}) with {stages} stages needs {used / 1024:.0f} KiB of on-chip memory per "
                          f"core; {hw.name} has {hw.onchip_bytes.value / 1024:.0f} KiB")
     ncores = cores or int(hw.cores.value)
     total_tiles = tiles if tiles is not None else math.ceil(m / bm) * math.ceil(n / bn)
@@ -217,7 +244,7 @@ def simulate_matmul(m: int, k: int, n: int, *, dtype: str = "bf16", hardware: st
         boxes.append(Box("copy engine (loads)", "copy", "HBM-bound remainder", time, floor))
         time = floor
     flops = 2.0 * m * n * k
-    config = {"m": m, "k": k, "n": n, "dtype": dtype, "tile": [bm, bn, bk], "stages": stages,
+    config = {"m": m, "k": k, "n": n, "dtype": dtype, "tiling": [bm, bk, bn], "stages": stages,
               "delay_release": delay_release,
               "warp_specialized": warp_specialized, "compute_threads": compute_threads if warp_specialized else 0,
               "tiles": total_tiles, "tiles_per_core": per_core, "waves_efficiency": total_tiles / (per_core * ncores),
@@ -234,7 +261,7 @@ def _search(m, k, n, *, dtype, hw, tile, stages, warp_specialized, compute_threa
     for t in ([tuple(tile)] if tile else TILES):
         for st in ([stages] if stages else tuple(s for s in (2, 3, 4, 5) if s > delay_release)):
             try:
-                r = simulate_matmul(m, k, n, dtype=dtype, hardware=hw, tile=t, stages=st,
+                r = _matmul(m, k, n, dtype=dtype, hardware=hw, tile=t, stages=st,
                                     warp_specialized=warp_specialized, compute_threads=compute_threads,
                                     tiles=tiles, cores=cores, delay_release=delay_release)
             except DoesNotFit:
@@ -265,12 +292,17 @@ def simulate_copy(nbytes: float, *, hardware: str | Hardware = "h100", block_byt
 
 
 def simulate_gmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf16",
-                 hardware: str | Hardware = "h100", tile=None, stages=None) -> Report:
+                 hardware: str | Hardware = "h100", tiling: Sequence[int] | None = None,
+                 stages: int | None = None) -> Report:
     """Grouped matmul over the tile schedule every Conveyor backend runs (`make_group_metadata`):
     one visit per (row tile, group) pair that intersect, so a tile shared by two groups is computed
     twice and a partial tile costs a whole one; visits times column tiles spread over the cores;
-    each group's [k, n] weights cross HBM once."""
+    each group's [k, n] weights cross HBM once. `tiling` is cv.gmm's (tm, tk, tn)."""
     hw = get_hardware(hardware)
+    if any(int(g) < 0 for g in group_sizes) or not sum(int(g) for g in group_sizes) > 0:
+        raise ValueError(f"simulate_gmm: group_sizes must be non-negative with a positive sum, got {list(group_sizes)}")
+    _check_positive("simulate_gmm", k=k, n=n, stages=stages)
+    tile = _tiling_to_tile(tiling, "simulate_gmm")
     m = int(sum(group_sizes))
 
     def tiles_for(bm, bn):
@@ -279,15 +311,14 @@ def simulate_gmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf
     best = None
     for t in ([tuple(tile)] if tile else TILES):
         try:
-            r = simulate_matmul(m, k, n, dtype=dtype, hardware=hw, tile=t, stages=stages,
-                                tiles=tiles_for(t[0], t[1]))
+            r = _matmul(m, k, n, dtype=dtype, hardware=hw, tile=t, stages=stages, tiles=tiles_for(t[0], t[1]))
         except DoesNotFit:
             continue
         if best is None or r.time_s < best.time_s:
             best = r
     if best is None:
         raise DoesNotFit(f"no configuration fits {hw.name}")
-    b = BYTES[dtype]
+    b = dtypes.itemsize(dtype)
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b
     time = max(best.time_s, hbm / (hw.hbm_bandwidth.value * hw.hbm_efficiency.value))
@@ -306,7 +337,7 @@ def simulate_collective_matmul(kind: str, m: int, k: int, n: int, devices: int, 
     if devices < 1:
         raise ValueError(f"devices: expected >= 1, got {devices}")
     hw = get_hardware(hardware)
-    b = BYTES[dtype]
+    b = dtypes.itemsize(dtype)
     shard = m * (k if kind == "all_gather_matmul" else n) * b       # what travels per hop
     link_bw = hw.link_bandwidth.value * hw.link_efficiency.value
     hop = shard / link_bw + hw.link_latency.value
@@ -337,7 +368,7 @@ def simulate_collective_matmul(kind: str, m: int, k: int, n: int, devices: int, 
         plan = RingPlan(devices, bidi, buffering, "gather" if kind == "all_gather_matmul" else "scatter")
         time = _replay_ring(plan, chunk.time_s, hop, boxes, kind, hw.overlap_slowdown.value)
     config = {"kind": kind, "m": m, "k": k, "n": n, "devices": devices, "dtype": dtype, "bidirectional": bidi,
-              "buffering": buffering, "unfused": unfused, "chunk_tile": chunk.config["tile"],
+              "buffering": buffering, "unfused": unfused, "chunk_tiling": chunk.config["tiling"],
               "chunk_us": chunk.time_s * 1e6, "hop_us": hop * 1e6}
     hbm = (m * devices * k + k * n + m * devices * n) * b
     return Report(kind, hw, time, flops, hbm, shard * (devices - 1), chunk.onchip_bytes, config, tuple(boxes))
@@ -408,7 +439,7 @@ def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16
     if not isinstance(plan, (PipelinePlan, WarpSpecializedPlan)):
         raise TypeError(f"simulate: expected a PipelinePlan, WarpSpecializedPlan or RingPlan, got {type(plan).__name__}")
     p = plan.pipeline if isinstance(plan, WarpSpecializedPlan) else plan
-    b = BYTES[dtype]
+    b = dtypes.itemsize(dtype)
     cores = active_cores or int(hw.cores.value)
     in_bytes = tuple(math.prod(op.block_dims) * b for op in p.inputs)
     out_bytes = tuple(math.prod(op.block_dims) * b for op in p.outputs)

@@ -5,7 +5,11 @@ COLORS = {"copy": "#4C9BE8", "compute": "#59A14F", "wait": "#E8E8E8", "barrier":
 
 
 def draw(report, path, *, max_boxes: int = 4000, title: str | None = None) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError(f"drawing a timeline needs matplotlib: pip install 'conveyor[plot]' ({e})",
+                                  name="matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -34,8 +38,11 @@ def draw(report, path, *, max_boxes: int = 4000, title: str | None = None) -> No
     end = max((b.end for b in boxes), default=report.time_s)
     ax.set_xlim(0, end * scale * 1.01)
     ax.set_xlabel(f"time ({unit})")
-    ax.set_title(title or f"{report.workload} on {report.hardware.name}: {report.time_us:.1f} us, "
-                 f"{report.utilization:.0%} of roofline, {report.bottleneck}-bound", fontsize=10)
+    heading = title or (f"{report.workload} on {report.hardware.name}: {report.time_us:.1f} us, "
+                        f"{report.utilization:.0%} of roofline, {report.bottleneck}-bound")
+    if (coverage := report.timeline_coverage(max_boxes)):
+        heading += "\n" + coverage   # the axis ends before the run does: say why
+    ax.set_title(heading, fontsize=10)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in COLORS.items()
                        if any(b.kind == k for b in boxes)], loc="upper right", fontsize=7, ncol=5)
     ax.grid(axis="x", alpha=0.3)
