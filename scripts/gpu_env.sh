@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Source this on a GPU machine whose preinstalled JAX has the CUDA plugin (see ../shared/FACTS.md):
-# it puts Conveyor's src/ on PYTHONPATH and, when the preinstalled jax is older than the one
-# Conveyor is tested with and a carried wheel exists in .whl/, installs that pure-Python jax wheel
-# into /tmp/site (the CUDA plugin checks its version against jaxlib, which stays as it is).
+# it puts Conveyor's src/ on PYTHONPATH. The preinstalled jax 0.11.2 is the oldest end of the
+# supported range, so nothing needs installing (tqdm, absent there, is imported only to draw a
+# bar). Optionally, a carried pure-Python jax wheel in .whl/ is installed into /tmp/site (the CUDA
+# plugin checks its version against jaxlib, which stays as it is).
 PY=${PYTHON:-python3}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if ls "$ROOT"/.whl/jax-*.whl >/dev/null 2>&1; then

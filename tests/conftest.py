@@ -6,13 +6,23 @@ if os.environ.get("CONVEYOR_TEST_PLATFORM", "cpu") == "cpu":  # `make gpu-check`
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import hypothesis  # noqa: E402
+import pytest  # noqa: E402
 
 from conveyor import _compat  # noqa: E402
 
 # A race found by a Pallas interpreter fails the run on every supported jax (jax 0.11 only prints it).
 _compat.interpreter_races_raise()
+# jax 0.11 only: the TPU interpreter's callbacks can deadlock against async dispatch (see _compat).
+_compat.avoid_interpreter_dispatch_deadlock()
 
 # Derandomized so CI is repeatable; small example counts keep the suite fast.
 hypothesis.settings.register_profile("ci", derandomize=True, max_examples=12, deadline=None,
                                      print_blob=True)
 hypothesis.settings.load_profile("ci")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_interpreter_state():
+    """Each test starts with fresh Pallas interpreter state (a kernel that raised leaves its own)."""
+    yield
+    _compat.reset_interpreter_state()

@@ -76,6 +76,7 @@ BAD = [
     (("bench", "gmm", "--platform", "gpu", "--dtypes", "float32"), "--dtypes not used by 'bench gmm --platform gpu'"),
     (("bench", "gmm", "--no-tgmm"), "--no-tgmm not used by 'bench gmm --platform cpu'"),
     (("bench", "mpmd", "--m", "64"), "--m not used by 'bench mpmd'"),
+    (("bench", "gmm", "--platform", "gpu", "--backends", "cuda"), "argument --backends: unknown backend 'cuda'"),
     (("bench", "nothing"), "argument which: invalid choice: 'nothing'"),
 ]
 

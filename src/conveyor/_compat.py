@@ -428,4 +428,28 @@ def interpreter_races_raise() -> None:
     cls._conveyor_raises = True
 
 
-__all__ += ["gpu_kernel_options", "gpu_kernel_takes_cost_estimate", "interpreter_races_raise"]
+def avoid_interpreter_dispatch_deadlock() -> None:
+    """jax 0.11 only: run CPU computations inline (no async dispatch). Call before the first one.
+
+    The Pallas TPU interpreter runs eager jax ops inside its io_callbacks (e.g. `int()` over a
+    jax Array of grid indices); with async dispatch the main thread can meanwhile dispatch the
+    next eager op, and on jax 0.11.2 the two then wait on each other forever (seen in 3 of 4 full
+    suite runs, always in an eager `jax.grad` over an interpreted tgmm; never on jax 0.12.0.1).
+    """
+    import jax
+    if jax.__version_info__ < (0, 12):
+        jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
+def reset_interpreter_state() -> None:
+    """Drop the Pallas TPU and GPU interpreters' shared state. A kernel that raised (a race, a
+    failed check) leaves it behind on purpose, for inspection; the next kernel would then run on a
+    stale, ever-growing state (seen on jax 0.11 as a test slowed past its timeout)."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax.experimental.pallas import tpu as pltpu
+    pltpu.reset_tpu_interpret_mode_state()
+    gpu_callbacks.reset_gpu_interpret_mode_state()
+
+
+__all__ += ["gpu_kernel_options", "gpu_kernel_takes_cost_estimate", "interpreter_races_raise",
+            "avoid_interpreter_dispatch_deadlock", "reset_interpreter_state"]

@@ -43,7 +43,8 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
     b.add_argument("--out", type=pathlib.Path, help="also write the markdown report here")
     b.add_argument("--platform", choices=["cpu", "gpu"], default="cpu",
                    help="gmm: 'gpu' runs the bf16 Mixtral-shape table on this machine's GPU")
-    b.add_argument("--backends", default="mosaic_gpu,xla", help="gmm --platform gpu: cv.gmm backends to time")
+    b.add_argument("--backends", type=t.gmm_backends, default=("mosaic_gpu", "xla"),
+                   help="gmm --platform gpu: comma-separated cv.gmm backends to time")
     b.add_argument("--no-tgmm", action="store_true", help="gmm --platform gpu: skip the tgmm rows")
 
     s = subs["simulate"] = sub.add_parser("simulate", help="predict a kernel's time on a hardware model "
@@ -237,7 +238,7 @@ def _bench(args) -> int:
         groups = args.groups or tuple(p.groups for p in table)
         if args.platform == "gpu":
             from conveyor.bench import gmm_gpu
-            report = gmm_gpu.run(reps=args.reps, groups=groups, backends=tuple(args.backends.split(",")),
+            report = gmm_gpu.run(reps=args.reps, groups=groups, backends=args.backends,
                                  tgmm=not args.no_tgmm, shape=shape)
         else:
             from conveyor.bench import gmm as bench_gmm

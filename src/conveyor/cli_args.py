@@ -89,6 +89,18 @@ def tiling(text: str) -> tuple[int, int, int]:
     return values
 
 
+def gmm_backends(text: str) -> tuple[str, ...]:
+    """Comma-separated cv.gmm backends."""
+    from conveyor.ops.gmm.backend_impls import GMM_BACKENDS
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated backends, got nothing")
+    for name in names:
+        if name not in GMM_BACKENDS:
+            raise argparse.ArgumentTypeError(f"unknown backend {name!r}; cv.gmm has {', '.join(GMM_BACKENDS)}")
+    return names
+
+
 def hardware(text: str) -> str:
     """A hardware model's name (h100, h200, h800, b200, v5e, v5p; 'H100 SXM' and 'tpu-v5e' work too)."""
     from conveyor.sim.hardware import get

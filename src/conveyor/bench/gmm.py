@@ -16,7 +16,7 @@ from jax import lax
 
 import conveyor as cv
 from conveyor.bench.timing import interleaved_medians
-from conveyor.bench.progress import rows_bar
+from conveyor.progress import bar as progress_bar
 from conveyor.problems import BENCH_GMM, GmmProblem, skewed_group_sizes
 
 # Baselines slower than this are measured once (after a warm-up); above RAGGED_MAX_G they are not
@@ -159,8 +159,8 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
     """
     m, k, n = shape or (BENCH_GMM[0].m, BENCH_GMM[0].k, BENCH_GMM[0].n)
     problems = [GmmProblem(name=f"moe-g{g}", m=m, k=k, n=n, groups=g) for g in groups]
-    bar = rows_bar(len(dtypes) * (len(problems) + sum(p.groups > 1 for p in problems)) + 2 + len(ffn_groups),
-                   "bench gmm")
+    bar = progress_bar(len(dtypes) * (len(problems) + sum(p.groups > 1 for p in problems)) + 2 + len(ffn_groups),
+                       "bench gmm", "row")
     lines = [f"# gmm benchmark, {datetime.date.today().isoformat()}", "",
              f"Machine: {platform.machine()}, {jax.device_count()} JAX CPU device(s), "
              f"jax {jax.__version__}, numpy {np.__version__}. Command: `conveyor bench gmm`.",

@@ -15,8 +15,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
-from conveyor.bench.progress import rows_bar
 from conveyor.bench.timing import interleaved_medians
+from conveyor.progress import bar as progress_bar
 
 
 def tiled_matmul(m, k, n, bm, bk, bn, backend, interpret=False):
@@ -74,7 +74,7 @@ def run(reps: int = 5) -> str:
         ("ws-matmul", (2048, 2048, 2048), (256, 256, 256), True),
         ("ws-matmul", (512, 512, 512), (128, 128, 128), True),
     ]
-    bar = rows_bar(len(cases), "bench pipeline")
+    bar = progress_bar(len(cases), "bench pipeline", "row")
     for name, size, blocks, with_interp in cases:
         if name.endswith("matmul"):
             m, k, n = size

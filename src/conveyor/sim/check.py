@@ -26,9 +26,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from conveyor.ops.collective_matmul.ring import RingPlan
+from conveyor.progress import bar as progress_bar
 from conveyor.pipeline.plan import PipelinePlan
 from conveyor.pipeline.warp import WarpSpecializedPlan
 
@@ -243,8 +242,7 @@ def explore(processes: dict[str, Sequence[Action]], subject: str, *, max_states:
     seen = set()
     stack = [(start, None)]
     exhaustive, timed_out, sampled = True, False, 0
-    bar = tqdm(total=max_states, unit="states", desc=f"check {subject}".strip()[:60], disable=not progress,
-               leave=False)
+    bar = progress_bar(max_states, f"check {subject}".strip()[:60], "states", progress)
     while stack:
         state, trace = stack.pop()
         if state in seen:
@@ -273,8 +271,7 @@ def explore(processes: dict[str, Sequence[Action]], subject: str, *, max_states:
     dfs_timed_out = timed_out
     if not exhaustive and not timed_out:
         rng = random.Random(seed)
-        bar = tqdm(total=samples, unit="samples", desc="state budget reached; sampling", disable=not progress,
-                   leave=False)
+        bar = progress_bar(samples, "state budget reached; sampling", "samples", progress)
         for _ in range(samples):
             if out_of_time():
                 timed_out = True
