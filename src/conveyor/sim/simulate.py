@@ -209,8 +209,8 @@ def _matmul(m: int, k: int, n: int, *, dtype: str, hardware: str | Hardware, til
     in_b = out_b = dtypes.itemsize(dtype)
     used = _onchip((bm, bn, bk), stages, in_b, out_b)
     if used > hw.onchip_bytes.value:
-        raise DoesNotFit(f"tiling (tm, tk, tn)=({bm}, {bk}, {bn}) with {stages} stages needs {used / 1024:.0f} KiB of on-chip memory per "
-                         f"core; {hw.name} has {hw.onchip_bytes.value / 1024:.0f} KiB")
+        raise DoesNotFit(f"tiling (tm, tk, tn)=({bm}, {bk}, {bn}) with {stages} stages needs {used / 1024:.0f} KiB "
+                         f"of on-chip memory per core; {hw.name} has {hw.onchip_bytes.value / 1024:.0f} KiB")
     ncores = cores or int(hw.cores.value)
     total_tiles = tiles if tiles is not None else math.ceil(m / bm) * math.ceil(n / bn)
     per_core = max(1, math.ceil(total_tiles / ncores))
