@@ -387,10 +387,9 @@ def gpu_kernel_options(*, cost_estimate=None, kernel_name: str | None = None) ->
     """Keyword arguments for `plgpu.kernel`: `cost_estimate` exists from jax 0.12 on; on older jax
     a given one is refused by name rather than dropped."""
     import jax
-    from jax.experimental.pallas import mosaic_gpu as plgpu
     options = {"kernel_name": kernel_name} if kernel_name else {}
     if cost_estimate is not None:
-        if not _accepts(plgpu.kernel, "cost_estimate"):
+        if not gpu_kernel_takes_cost_estimate():
             raise NotImplementedError(f"cost_estimate on mosaic_gpu needs jax >= 0.12 (plgpu.kernel of jax "
                                       f"{jax.__version__} has no cost_estimate); leave it out on this jax")
         options["cost_estimate"] = cost_estimate

@@ -73,7 +73,10 @@ def measured_dtypes(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError("expected comma-separated dtypes, got nothing")
     names = []
     for item in items:
-        name = dtypes.canonical(item) if item in dtypes.ALIASES else None
+        try:
+            name = dtypes.canonical(item)
+        except ValueError:
+            name = None
         if name not in dtypes.MEASURED:
             raise argparse.ArgumentTypeError(f"{item!r} is not benchmarked; Conveyor's matmuls take "
                                              f"{', '.join(dtypes.MEASURED)} (or bf16, f16, f32)")

@@ -14,7 +14,7 @@ _KNOWN = {
     "int8": ("int8", 1),
     "int32": ("int32", 4),
 }
-ALIASES = {**{long: long for long in _KNOWN}, **{short: long for long, (short, _) in _KNOWN.items()},
+_ALIASES = {**{long: long for long in _KNOWN}, **{short: long for long, (short, _) in _KNOWN.items()},
             "fp16": "float16"}
 
 # The dtypes the benchmarks measure: Conveyor's matmuls take these as inputs (f32 accumulation).
@@ -29,7 +29,7 @@ def known() -> str:
 def canonical(name: str) -> str:
     """The long name of `name` ('bf16' -> 'bfloat16'); a ValueError names the accepted spellings."""
     try:
-        return ALIASES[str(name)]
+        return _ALIASES[str(name)]
     except KeyError:
         raise ValueError(f"dtype: unknown {name!r}; known: {known()}") from None
 
