@@ -35,3 +35,23 @@ class TestXla(GmmBackendTests):
         out = cv.gmm(lhs, rhs, jnp.asarray(sizes))
         assert_close(out, numpy_gmm(lhs, rhs, sizes), 5, jnp.float32)
         np.testing.assert_array_equal(out[2], 0.0)
+
+    def test_tgmm_batched_first_rows_and_tile_loop(self):
+        """tgmm's two paths (a batched pass over each group's first rows when groups are small,
+        then the tile loop) against numpy: groups larger and smaller than the capacity, empty
+        groups, NaN rows outside every group and a non-zero existing_out."""
+        from conveyor.ops.gmm import xla
+        rng = np.random.default_rng(23)
+        k, n = 24, 16
+        for m, g in ((301, 8), (600, 3)):  # 37 rows per group on average: capacity 40; 200: loop only
+            capacity = xla.tgmm_capacity(m, g)
+            assert (capacity > 0) == (m / g <= xla.CAPACITY_MAX_AVG)
+            sizes = skewed_sizes(rng, m, g, alpha=0.5, total=m - 7)
+            sizes[1] = 0
+            assert sizes.max() > max(capacity, 1)  # some group overflows into the tile loop
+            x = jnp.asarray(rng.standard_normal((k, m)), jnp.float32).at[:, m - 7:].set(jnp.nan)
+            y = jnp.asarray(rng.standard_normal((m, n)), jnp.float32).at[m - 7:].set(jnp.nan)
+            ex = jnp.asarray(rng.standard_normal((g, k, n)), jnp.float32)
+            out = cv.tgmm(x, y, jnp.asarray(sizes), existing_out=ex)
+            want = numpy_tgmm(x[:, :m - 7], y[:m - 7], sizes) + np.asarray(ex, np.float64)
+            assert_close(out, want, m, jnp.float32)
