@@ -132,9 +132,9 @@ def tgmm_capacity(m: int, num_groups: int) -> int:
     times. One batched dot over [G, capacity] gathered rows writes every block once; the rows a
     group has beyond its capacity are added by the tile loop. Measured on the 2-core CPU
     (2026-11-24, m=4096, k=n=1024, f32, Dirichlet(1) sizes; the equal-split batched floor in the
-    same run): tile loop alone 2.0x / 2.6x the floor at G=64 / 256, with this pass 1.3x / 1.1x;
-    at G=8 (512 rows per group) the pass wastes the padding of small groups: 1.9x the floor
-    against 1.2x for the loop alone.
+    same run, three runs): the previous tile-only tgmm took 1.9-2.4x / 2.6x the floor at
+    G=64 / 256, with this pass 1.3-1.5x / 1.0-1.1x; at G=8 (512 rows per group) the pass pays for
+    the padding of the small groups of a skewed split: 2.0x the floor against 1.6x tile-only.
     """
     avg = m / max(num_groups, 1)
     if avg > CAPACITY_MAX_AVG:
