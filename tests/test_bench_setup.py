@@ -4,10 +4,8 @@ import jax
 import numpy as np
 import jax.numpy as jnp
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conveyor.bench import pipeline as bench_pipeline
-
 from conveyor.bench.gmm import equal_split_gmm, equal_split_tgmm
 from conveyor.bench.pipeline import step_loop_matmul
 
@@ -33,27 +31,14 @@ def test_equal_split_floors_are_grouped_matmuls():
     np.testing.assert_allclose(t, want_t, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,size,blocks", [c[:3] for c in bench_pipeline.CASES if c[3]])
-def test_pipeline_bench_kernels_trace_on_every_backend_they_time(name, size, blocks):
+@pytest.mark.parametrize("case", bench_pipeline.CASES, ids=lambda c: f"{c[0]}-{c[2]}")
+def test_pipeline_bench_kernels_trace_on_every_backend_they_time(case):
     """A block config over the shared-memory budget made `conveyor bench pipeline` fail at its
     second row (2026-11-24): trace each case's kernels as the benchmark builds them."""
-    gpu = plgpu.InterpretGPUParams()
-    if name == "add":
-        m, n = size
-        x = jax.ShapeDtypeStruct((m, n), jnp.float32)
-        builds = [bench_pipeline.elementwise_add(m, n, blocks[0], backend="xla")]
-        steps = m // blocks[0]
-        if steps <= bench_pipeline.INTERPRETER_MAX_STEPS:
-            builds.append(bench_pipeline.elementwise_add(m, n, blocks[0], backend="mosaic_gpu", interpret=gpu))
-        args = (x, x)
-    else:
-        m, k, n = size
-        build = bench_pipeline.tiled_matmul if name == "matmul" else bench_pipeline.warp_specialized_matmul
-        builds = [build(m, k, n, *blocks, backend="xla")]
-        steps = (m // blocks[0]) * (n // blocks[2]) * (k // blocks[1])
-        if steps <= bench_pipeline.INTERPRETER_MAX_STEPS:
-            builds.append(build(m, k, n, *blocks, backend="mosaic_gpu", interpret=gpu))
-        args = (jax.ShapeDtypeStruct((m, k), jnp.float32), jax.ShapeDtypeStruct((k, n), jnp.float32))
-    for f in builds:
-        out = jax.eval_shape(f, *args)
-        assert out.shape == (args[0].shape[0], args[1].shape[1])
+    c = bench_pipeline.build_case(*case)
+    x = jax.ShapeDtypeStruct(c.x_shape, jnp.float32)
+    y = jax.ShapeDtypeStruct(c.y_shape, jnp.float32)
+    assert case[3] == (c.interp is not None) or c.steps > bench_pipeline.INTERPRETER_MAX_STEPS
+    for f in (c.ours, c.ref, c.floor, c.interp):
+        if f is not None:
+            assert jax.eval_shape(f, x, y).shape == (x.shape[0], y.shape[1])

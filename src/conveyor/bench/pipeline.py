@@ -5,7 +5,9 @@ Ratios come from one interleaved run (see timing.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +93,39 @@ def elementwise_add(m, n, bm, backend, interpret=False):
     return jax.jit(cv.kernel(kernel, jax.ShapeDtypeStruct((m, n), jnp.float32), backend=backend, interpret=interpret))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+    """One benchmark row's jitted candidates (floor and interp may be None) and operand shapes."""
+    x_shape: tuple[int, ...]
+    y_shape: tuple[int, ...]
+    steps: int
+    ours: Callable
+    ref: Callable
+    floor: Callable | None
+    interp: Callable | None
+
+
+def build_case(name: str, size: tuple[int, ...], blocks: tuple[int, ...], with_interp: bool) -> Case:
+    """The kernels a CASES row times: cv's xla executor, plain jnp, the step-loop floor (matmuls)
+    and the Mosaic GPU interpreter (when asked and the grid has at most INTERPRETER_MAX_STEPS)."""
+    gpu = plgpu.InterpretGPUParams()
+    if name.endswith("matmul"):
+        m, k, n = size
+        build = tiled_matmul if name == "matmul" else warp_specialized_matmul
+        steps = (m // blocks[0]) * (n // blocks[2]) * (k // blocks[1])
+        interp = build(m, k, n, *blocks, backend="mosaic_gpu", interpret=gpu) \
+            if with_interp and steps <= INTERPRETER_MAX_STEPS else None
+        return Case(x_shape=(m, k), y_shape=(k, n), steps=steps, ours=build(m, k, n, *blocks, backend="xla"),
+                    ref=jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)),
+                    floor=step_loop_matmul(m, k, n, *blocks), interp=interp)
+    m, n = size
+    steps = m // blocks[0]
+    interp = elementwise_add(m, n, blocks[0], backend="mosaic_gpu", interpret=gpu) \
+        if with_interp and steps <= INTERPRETER_MAX_STEPS else None
+    return Case(x_shape=(m, n), y_shape=(m, n), steps=steps, ours=elementwise_add(m, n, blocks[0], backend="xla"),
+                ref=jax.jit(jnp.add), floor=None, interp=interp)
+
+
 def run(reps: int = 5) -> str:
     rng = np.random.default_rng(0)
     rows = [f"# pipeline benchmark, {datetime.date.today().isoformat()}", "",
@@ -99,28 +134,12 @@ def run(reps: int = 5) -> str:
             "| kernel | size | blocks | steps | jnp | step-loop floor | cv xla | xla/jnp | floor/jnp | "
             "GPU interpreter | interp/xla |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    gpu = plgpu.InterpretGPUParams()
     bar = progress_bar(len(CASES), "bench pipeline", "row")
     for name, size, blocks, with_interp in CASES:
-        if name.endswith("matmul"):
-            m, k, n = size
-            x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-            y = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
-            build = tiled_matmul if name == "matmul" else warp_specialized_matmul
-            ours = build(m, k, n, *blocks, backend="xla")
-            ref = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32))
-            floor = step_loop_matmul(m, k, n, *blocks)
-            steps = (m // blocks[0]) * (n // blocks[2]) * (k // blocks[1])
-            interp = build(m, k, n, *blocks, backend="mosaic_gpu", interpret=gpu) if with_interp and steps <= INTERPRETER_MAX_STEPS else None
-        else:
-            m, n = size
-            x = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
-            y = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
-            ours = elementwise_add(m, n, blocks[0], backend="xla")
-            ref = jax.jit(jnp.add)
-            floor = None
-            steps = m // blocks[0]
-            interp = elementwise_add(m, n, blocks[0], backend="mosaic_gpu", interpret=gpu) if with_interp and steps <= INTERPRETER_MAX_STEPS else None
+        case = build_case(name, size, blocks, with_interp)
+        ours, ref, floor, interp, steps = case.ours, case.ref, case.floor, case.interp, case.steps
+        x = jnp.asarray(rng.standard_normal(case.x_shape), jnp.float32)
+        y = jnp.asarray(rng.standard_normal(case.y_shape), jnp.float32)
         err = float(jnp.abs(ours(x, y) - ref(x, y)).max())
         assert err < 1e-2, (name, err)
         fns = {"jnp": lambda: ref(x, y), "xla": lambda: ours(x, y)}

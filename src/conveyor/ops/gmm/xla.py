@@ -186,10 +186,8 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
 
 def _tgmm_first_rows(lhs, rhs, starts, ends, capacity: int, acc_t):
     """[G, k, n]: each group's first `capacity` rows in one batched dot (missing rows are zero)."""
-    m = rhs.shape[0]
     rows = starts[:, None] + jnp.arange(capacity, dtype=jnp.int32)[None, :]  # [G, capacity]
-    ours = rows < ends[:, None]
-    rows = jnp.minimum(rows, m - 1)
+    ours = rows < ends[:, None]  # rows past a group's end (or past m: take clips) are zeroed
     x = jnp.where(ours[..., None], jnp.take(lhs.T, rows, axis=0, mode="clip"), 0)  # [G, capacity, k]
     y = jnp.where(ours[..., None], jnp.take(rhs, rows, axis=0, mode="clip"), 0)  # [G, capacity, n]
     return lax.dot_general(x, y, (((1,), (1,)), ((0,), (0,))), preferred_element_type=acc_t)
