@@ -9,6 +9,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
@@ -18,22 +19,39 @@ def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
     are truncated (or empty). Concrete inputs are validated at the API, so this only changes
     traced inputs that would otherwise be out of range.
     """
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m).astype(jnp.int32)
+    ends = group_ends(group_sizes, m)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     return starts, ends
 
 
+def group_ends(group_sizes: jax.Array, m: int) -> jax.Array:
+    """The end row of every group (see `group_bounds`)."""
+    return jnp.minimum(lax.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
+
+
+def local_group_boundaries(group_sizes: jax.Array, group_offset: jax.Array, num_groups: int, m: int
+                           ) -> jax.Array:
+    """int32[num_groups + 1]: local group i (global group `group_offset + i`) owns rows
+    [b[i], b[i + 1]); out-of-range groups are empty.
+
+    The group ends are padded with `num_groups` empty groups at row 0 before the first group and
+    at the last end after the last one, so one clamped slice gives the local boundaries for any
+    offset (a few ops, not a gather: this runs in every gmm/tgmm and its derivatives).
+    """
+    ends = group_ends(group_sizes, m)
+    padded = jnp.concatenate([jnp.zeros((num_groups + 1,), jnp.int32), ends,
+                              jnp.broadcast_to(ends[-1], (num_groups,))])
+    start = lax.clamp(jnp.int32(0), group_offset.astype(jnp.int32) + num_groups,
+                      jnp.int32(group_sizes.shape[0] + num_groups))
+    return lax.dynamic_slice_in_dim(padded, start, num_groups + 1, allow_negative_indices=False)
+
+
 def local_group_bounds(group_sizes: jax.Array, group_offset: jax.Array, num_groups: int, m: int
                        ) -> tuple[jax.Array, jax.Array]:
-    """Row ranges of the `num_groups` local groups `group_offset + i`; out-of-range groups are empty."""
-    starts, ends = group_bounds(group_sizes, m)
-    ids = group_offset.astype(jnp.int32) + jnp.arange(num_groups, dtype=jnp.int32)
-    valid = (ids >= 0) & (ids < group_sizes.shape[0])
-    safe = jnp.clip(ids, 0, group_sizes.shape[0] - 1)
-    local_starts = jnp.where(valid, starts[safe], 0)
-    local_ends = jnp.where(valid, ends[safe], 0)
-    return local_starts, local_ends
+    """Row ranges [start, end) of the `num_groups` local groups `group_offset + i`; out-of-range
+    groups are empty."""
+    bounds = local_group_boundaries(group_sizes, group_offset, num_groups, m)
+    return bounds[:-1], bounds[1:]
 
 
 def local_row_mask(group_sizes: jax.Array, group_offset: jax.Array, num_groups: int, m: int) -> jax.Array:
