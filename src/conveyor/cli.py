@@ -29,7 +29,7 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
     subs = {"demo": sub.add_parser("demo", help="MoE layer forward+backward through cv.gmm, checked and timed")}
 
     b = subs["bench"] = sub.add_parser("bench", help="run a benchmark and print its table")
-    b.add_argument("which", choices=["gmm", "pipeline", "collective", "mpmd"])
+    b.add_argument("which", choices=["gmm", "pipeline", "collective", "mpmd", "moe"])
     b.add_argument("--reps", type=t.positive_int, default=5, help="interleaved repetitions per candidate (median)")
     b.add_argument("--groups", type=t.int_list(minimum=1), default=None,
                    help="gmm: comma-separated group counts (default 1,8,64,256 on CPU, 8,64,256 on GPU)")
@@ -201,28 +201,26 @@ def _check(args) -> int:
     return 0 if report.ok else 1
 
 
-def _bench_collective(args):
-    """Run the collective benchmark on 8 simulated devices, re-launching with XLA_FLAGS if needed."""
+def _bench_on_8_devices(name: str, args):
+    """Run `conveyor.bench.<name>.run` on 8 simulated devices, re-launching with XLA_FLAGS if needed."""
+    import importlib
     import os
     import subprocess
     import jax
     if jax.device_count() >= 8:
-        from conveyor.bench import collective
-        return collective.run(reps=args.reps)
+        return importlib.import_module(f"conveyor.bench.{name}").run(reps=args.reps)
     env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
                                       " --xla_force_host_platform_device_count=8").strip())
-    code = ("import sys; from conveyor.bench import collective; "
-            f"sys.stdout.write(collective.run(reps={int(args.reps)}))")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=3600)
-    if proc.returncode:
-        print(proc.stderr, file=sys.stderr)
-        return None
-    return proc.stdout
+    code = (f"import sys; from conveyor.bench import {name}; "
+            f"sys.stdout.write({name}.run(reps={int(args.reps)}))")
+    # The report comes back on stdout; progress rows and errors pass through on stderr.
+    proc = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True, timeout=3600)
+    return None if proc.returncode else proc.stdout
 
 
 def _bench(args) -> int:
-    if args.which == "collective":
-        report = _bench_collective(args)
+    if args.which in ("collective", "moe"):
+        report = _bench_on_8_devices(args.which, args)
         if report is None:
             return 1
     elif args.which == "mpmd":

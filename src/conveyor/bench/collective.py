@@ -8,6 +8,7 @@ checks the ring's overhead on CPU; the overlap on real hardware is the simulator
 from __future__ import annotations
 
 import datetime
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,7 @@ def run(reps: int = 5, size: int = 1024) -> str:
         rows.append(f"| {name} | {t['unfused'] * 1e3:.1f} | {t['ring'] * 1e3:.1f} | {t['bidirectional'] * 1e3:.1f} | "
                     f"{t['ring'] / t['unfused']:.2f}x | {t['bidirectional'] / t['unfused']:.2f}x | "
                     f"{errs[0]:.1e}, {errs[1]:.1e} |")
-        print(rows[-1], flush=True)
+        print(rows[-1], file=sys.stderr, flush=True)
     rows += ["", "XLA:CPU executes collective-permutes synchronously, so no ring overlaps transfers with dots "
              "here; the target on CPU is only that the ring stays within 1.3x of unfused."]
     return "\n".join(rows) + "\n"
