@@ -12,6 +12,8 @@ from conveyor import _compat  # noqa: E402
 
 # A race found by a Pallas interpreter fails the run on every supported jax (jax 0.11 only prints it).
 _compat.interpreter_races_raise()
+# A DMA semaphore left non-zero at a TPU kernel's exit (a copy never awaited) fails the test.
+_compat.record_interpreter_semaphore_leaks()
 # jax 0.11 only: the TPU interpreter's callbacks can deadlock against async dispatch (see _compat).
 _compat.avoid_interpreter_dispatch_deadlock()
 
@@ -24,5 +26,10 @@ hypothesis.settings.load_profile("ci")
 @pytest.fixture(autouse=True)
 def _fresh_interpreter_state():
     """Each test starts with fresh Pallas interpreter state (a kernel that raised leaves its own)."""
+    _compat.take_interpreter_semaphore_leaks()
     yield
     _compat.reset_interpreter_state()
+    leaks = _compat.take_interpreter_semaphore_leaks()
+    if leaks:
+        pytest.fail("the TPU interpreter found semaphores left non-zero at kernel exit (a DMA started and never "
+                    "awaited fails on a TPU): " + "; ".join(leaks[:3]))

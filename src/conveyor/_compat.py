@@ -427,6 +427,41 @@ def interpreter_races_raise() -> None:
     cls._conveyor_raises = True
 
 
+_SEMAPHORE_LEAKS: list[str] = []
+
+
+def record_interpreter_semaphore_leaks() -> None:
+    """Record the semaphores the Pallas TPU interpreter finds with a non-zero count at kernel exit.
+
+    That is a DMA started and never awaited (or a signal never consumed): on a TPU the kernel fails.
+    jax 0.11 and 0.12 only print it (raising inside the interpreter's callback could hang other
+    devices' clean-up), so the interpreter's query is wrapped to keep what it found; the test
+    suite fails a test that leaves any (`take_interpreter_semaphore_leaks`).
+    """
+    from jax._src.pallas.mosaic.interpret import shared_memory as sm
+    cls = sm.SharedMemory
+    if getattr(cls, "_conveyor_records_leaks", False):
+        return
+    original = cls.get_sempahores_with_nonzero_count
+
+    def recording(self, device_id, *args, **kwargs):
+        found = original(self, device_id, *args, **kwargs)
+        for sem, core in found:
+            _SEMAPHORE_LEAKS.append(f"semaphore {sem.id} has count {sem.count_by_core[core]} on device {device_id} "
+                                    f"(core {core}) at kernel exit")
+        return found
+
+    cls.get_sempahores_with_nonzero_count = recording
+    cls._conveyor_records_leaks = True
+
+
+def take_interpreter_semaphore_leaks() -> list[str]:
+    """The leaks recorded since the last call (see `record_interpreter_semaphore_leaks`)."""
+    leaks = list(_SEMAPHORE_LEAKS)
+    _SEMAPHORE_LEAKS.clear()
+    return leaks
+
+
 def avoid_interpreter_dispatch_deadlock() -> None:
     """jax 0.11 only: run CPU computations inline (no async dispatch). Call before the first one.
 

@@ -52,7 +52,9 @@ def test_grid_indices_row_major():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(grid=(0, 2)), r"grid: expected positive static ints"),
+    (dict(grid=(0, 2)), r"grid: static sizes must be positive ints, got \(0, 2\) \(a size that may be 0 must be dynamic"),
+    (dict(grid=(2, 1.5)), r"grid: expected positive ints or integer scalars, got \(2, 1.5\)"),
+    (dict(grid=(True,)), r"grid: expected positive ints or integer scalars"),
     (dict(grid=(2,), max_concurrent_steps=1, delay_release=1), r"must be greater than delay_release=1"),
     (dict(grid=(2,), max_concurrent_steps=0), r"max_concurrent_steps: expected an int >= 1"),
     (dict(grid=(2,), delay_release=-1), r"delay_release: expected an int >= 0"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from conveyor.pipeline.plan import Int, OperandPlan, PipelinePlan
@@ -42,6 +43,18 @@ def block_in_bounds(p: PipelinePlan, op: OperandPlan, step: Int, array_shape) ->
         inside = 0 <= index < num_blocks if isinstance(index, int) else jnp.logical_and(index >= 0, index < num_blocks)
         ok = ok and inside if isinstance(ok, bool) and isinstance(inside, bool) else jnp.logical_and(ok, inside)
     return ok
+
+
+def when(cond: Any, fn, otherwise=None) -> None:
+    """Run `fn` under `cond` (else `otherwise`, if given): decided at trace time when `cond` is a
+    Python bool, else as a branch."""
+    if isinstance(cond, bool):
+        if cond or otherwise is not None:
+            (fn if cond else otherwise)()
+    elif otherwise is None:
+        pl.when(cond)(fn)
+    else:
+        lax.cond(cond, fn, otherwise)
 
 
 def call_body(body, indices, blocks, carry, has_carry: bool):

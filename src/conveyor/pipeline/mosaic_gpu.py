@@ -20,7 +20,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conveyor._compat import is_jax_ref
 from conveyor.pipeline import carry as carry_lib
-from conveyor.pipeline.lowering import block_view, call_body
+from conveyor.pipeline.lowering import block_view, call_body, when
 from conveyor.pipeline.plan import PipelinePlan
 from conveyor.pipeline.warp import WarpSpecializedPlan
 
@@ -82,9 +82,9 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
             slot = p.slot(op, step)
             plgpu.copy_gmem_to_smem(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], barriers[i].at[slot])
 
-        for i, op in enumerate(p.inputs):
+        for i, op in enumerate(p.inputs):  # prologue (a dynamic grid may have fewer steps)
             for t in p.prologue_steps(op):
-                fetch(i, t)
+                when(p.before_end(t), lambda i=i, t=t: fetch(i, t))
 
         def step(s, state):
             wb_counts, carry = state
@@ -164,7 +164,7 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
             plgpu.set_max_registers(wp.memory_registers, action="decrease")
             for i, op in enumerate(p.inputs):
                 for t in p.prologue_steps(op):
-                    fetch(i, t)
+                    when(p.before_end(t), lambda i=i, t=t: fetch(i, t))
 
             def step(s, _):
                 t = p.fetch_at(s)
@@ -186,8 +186,13 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
             lax.fori_loop(0, n, step, None)
             # Consume the arrivals nobody waited for, so every barrier ends at a phase boundary.
             for b in wait_before.values():
-                for u in range(max(0, n - S), n - p.delay_release):
-                    plgpu.barrier_wait(b.at[u % S])
+                if p.is_static:
+                    for u in range(max(0, n - S), n - p.delay_release):
+                        plgpu.barrier_wait(b.at[u % S])
+                else:
+                    def drain(u, _, b=b):
+                        plgpu.barrier_wait(b.at[u % S])
+                    lax.fori_loop(jnp.maximum(0, n - S), n - p.delay_release, drain, None)
 
         def run_steps(init, has_carry):
             """The compute thread's loop over the steps; a Ref carry (e.g. a wgmma accumulator) is

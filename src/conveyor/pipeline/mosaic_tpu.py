@@ -17,20 +17,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from conveyor.pipeline.lowering import block_in_bounds, block_view, call_body, first_block_view
+from conveyor.pipeline.lowering import block_in_bounds, block_view, call_body, first_block_view, when
 from conveyor.pipeline.plan import PipelinePlan
-
-
-def _when(cond: Any, fn, otherwise=None) -> None:
-    """Run `fn` under `cond` (else `otherwise`, if given): decided at trace time when `cond` is a
-    Python bool, else as a branch."""
-    if isinstance(cond, bool):
-        if cond or otherwise is not None:
-            (fn if cond else otherwise)()
-    elif otherwise is None:
-        pl.when(cond)(fn)
-    else:
-        lax.cond(cond, fn, otherwise)
 
 
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
@@ -57,11 +45,11 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 
             def zero_fill():
                 in_bufs[i].at[slot][...] = jnp.zeros(op.ref_shape, in_bufs[i].dtype)
-            _when(in_bounds(p.inputs, in_refs, i, step), copy, otherwise=zero_fill)
+            when(in_bounds(p.inputs, in_refs, i, step), copy, otherwise=zero_fill)
 
         def wait_fetch(i, step):
             op, slot = p.inputs[i], p.slot(p.inputs[i], step)
-            _when(in_bounds(p.inputs, in_refs, i, step),
+            when(in_bounds(p.inputs, in_refs, i, step),
                   lambda: pltpu.make_async_copy(first_block_view(op, in_refs[i]), in_bufs[i].at[slot],
                                                 in_sems.at[i, slot]).wait())
 
@@ -71,15 +59,15 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
             dst = first_block_view(op, out_refs[j]) if step is None else block_view(p, op, out_refs[j], step)
             return pltpu.make_async_copy(out_bufs[j].at[slot], dst, out_sems.at[j, slot])
 
-        for i, op in enumerate(p.inputs):  # prologue
+        for i, op in enumerate(p.inputs):  # prologue (a dynamic grid may have fewer steps)
             for t in p.prologue_steps(op):
-                start_fetch(i, t)
+                when(p.before_end(t), lambda i=i, t=t: start_fetch(i, t))
 
         def step(s, state):
             wb_counts, started, carry = state
             for i, op in enumerate(p.inputs):
                 if op.invariant:
-                    _when(s == 0, lambda i=i: wait_fetch(i, 0))
+                    when(s == 0, lambda i=i: wait_fetch(i, 0))
                 else:
                     wait_fetch(i, s)
             in_blocks = [in_bufs[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
@@ -90,10 +78,10 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
                 w, slot = wb_counts[j], p.output_slot(op, wb_counts[j])
                 wb = jnp.asarray(p.writes_back(op, s))
                 inside = jnp.logical_and(wb, in_bounds(p.outputs, out_refs, j, s))
-                _when(inside, lambda j=j, slot=slot: writeback(j, slot, s).start())
+                when(inside, lambda j=j, slot=slot: writeback(j, slot, s).start())
                 if op.num_slots > 1:
                     # the slot used next was last written back by write-back w - 1: wait for it, if it ran
-                    _when(jnp.logical_and(wb, jnp.logical_and(w >= 1, started[j])),
+                    when(jnp.logical_and(wb, jnp.logical_and(w >= 1, started[j])),
                           lambda j=j, slot=slot: writeback(j, 1 - slot).wait())
                 new_counts.append(w + wb.astype(jnp.int32))
                 new_started.append(jnp.where(wb, inside, started[j]))
@@ -103,14 +91,14 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
                 for i, op in enumerate(p.inputs):
                     if not op.invariant:
                         start_fetch(i, jnp.minimum(t, n - 1))
-            _when(t < n, prefetch)
+            when(t < n, prefetch)
             return tuple(new_counts), tuple(new_started), carry
 
         counts0 = tuple(jnp.int32(0) for _ in p.outputs)
         started0 = tuple(jnp.bool_(False) for _ in p.outputs)
         counts, started, carry = lax.fori_loop(0, n, step, (counts0, started0, init_carry))
         for j, op in enumerate(p.outputs):  # epilogue: the last write-back may still be in flight
-            _when(started[j], lambda j=j, op=op: writeback(j, p.output_slot(op, counts[j] - 1)).wait())
+            when(started[j], lambda j=j, op=op: writeback(j, p.output_slot(op, counts[j] - 1)).wait())
         return carry
 
     return pl.run_scoped(scoped, *scratch)

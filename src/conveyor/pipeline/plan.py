@@ -29,10 +29,13 @@ from conveyor._compat import args_reaching_outputs
 Int = Any  # a Python int or a traced int32 scalar
 
 
-def unravel(step: Int, grid: Sequence[int]) -> tuple[Int, ...]:
-    """Row-major indices of linear `step` in `grid` (Python or traced ints)."""
+def unravel(step: Int, grid: Sequence[Int]) -> tuple[Int, ...]:
+    """Row-major indices of linear `step` in `grid` (Python or traced ints). A dynamic size is
+    divided by as at least 1: a grid with an empty dimension runs no step, but lowerings may still
+    compute (and then predicate off) the indices of a step that does not exist."""
     idx = []
     for size in reversed(tuple(grid)):
+        size = size if isinstance(size, int) else jnp.maximum(size, 1)
         idx.append(step % size)
         step = step // size
     return tuple(reversed(idx))
@@ -160,15 +163,41 @@ class Event:
 
 @dataclasses.dataclass(frozen=True)
 class PipelinePlan:
-    grid: tuple[int, ...]
+    """The schedule of one pipeline. `grid` holds Python ints and, for a dynamic grid, traced int32
+    scalars (known only inside the kernel); then `num_steps` is traced too, and the executors run
+    a loop of dynamic length whose prologue fetches are predicated on the steps existing."""
+    grid: tuple[Int, ...]
     inputs: tuple[OperandPlan, ...]
     outputs: tuple[OperandPlan, ...]
     max_concurrent_steps: int
     delay_release: int
 
     @property
-    def num_steps(self) -> int:
+    def num_steps(self) -> Int:
         return math.prod(self.grid)
+
+    @property
+    def is_static(self) -> bool:
+        """Every grid size is a Python int."""
+        return all(isinstance(g, int) for g in self.grid)
+
+    def require_static(self, api: str) -> None:
+        """Refuse a dynamic grid where a concrete schedule is needed (checker, simulator, events)."""
+        if not self.is_static:
+            sizes = ", ".join(str(g) if isinstance(g, int) else "<traced>" for g in self.grid)
+            raise ValueError(f"{api}: the pipeline's grid ({sizes}) has sizes known only when the kernel runs; "
+                             f"check or simulate it at a concrete size: plan.with_grid((...))")
+
+    def with_grid(self, grid: Sequence[int]) -> PipelinePlan:
+        """This plan with concrete grid sizes (e.g. a dynamic grid's, for the checker and simulator)."""
+        grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
+        if len(grid) != len(self.grid) or any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in grid):
+            raise ValueError(f"grid: expected {len(self.grid)} ints >= 0 (one per grid dimension), got {grid!r}")
+        return dataclasses.replace(self, grid=grid)
+
+    def before_end(self, step: Int) -> Any:
+        """Whether grid step `step` exists (a Python bool when both are static)."""
+        return step < self.num_steps
 
     @property
     def lookahead(self) -> int:
@@ -197,8 +226,10 @@ class PipelinePlan:
         return 0 if op.invariant else step % op.num_slots
 
     def prologue_steps(self, op: OperandPlan) -> range:
-        """Steps whose blocks of input `op` are fetched before step 0 runs."""
-        return range(1) if op.invariant else range(min(self.lookahead, self.num_steps))
+        """Steps whose blocks of input `op` are fetched before step 0 runs. With a dynamic grid these
+        are the steps that may exist: lowerings predicate each fetch on `before_end(step)`."""
+        count = 1 if op.invariant else self.lookahead
+        return range(min(count, self.num_steps) if self.is_static else count)
 
     def fetch_at(self, step: Int) -> Int:
         """The step whose input blocks are fetched while `step` runs (may be >= num_steps: none)."""
@@ -238,6 +269,7 @@ class PipelinePlan:
         Per step: wait for the inputs' copies; wait for the write-back that last used each output
         slot the body is about to write; compute; issue write-backs; issue the next fetches.
         The epilogue waits for the write-backs still in flight."""
+        self.require_static("the pipeline's events")
         ev: list[Event] = []
         n = self.num_steps
         for op in self.inputs:
@@ -285,18 +317,34 @@ def _is_invariant(index_map: Callable, grid: tuple[int, ...], name: str, rank: i
     return not used
 
 
-def plan(*, grid: Sequence[int], in_specs: Sequence[Any] = (), out_specs: Sequence[Any] = (),
+def _grid_size(size: Any, grid: tuple) -> Int:
+    """A grid size: a positive Python int (static), or an integer scalar array, typically traced
+    inside a kernel (dynamic: it may be 0, and a negative size runs no step)."""
+    if isinstance(size, bool):
+        raise ValueError(f"grid: expected positive ints or integer scalars, got {grid!r}")
+    if isinstance(size, int):
+        if size <= 0:
+            raise ValueError(f"grid: static sizes must be positive ints, got {grid!r} (a size that may be 0 must be "
+                             f"dynamic: an int32 scalar computed or read inside the kernel)")
+        return size
+    if getattr(size, "shape", None) == () and jnp.issubdtype(getattr(size, "dtype", None), jnp.integer):
+        return jnp.maximum(jnp.asarray(size, jnp.int32), 0)
+    raise ValueError(f"grid: expected positive ints or integer scalars, got {grid!r}")
+
+
+def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequence[Any] = (),
          max_concurrent_steps: int = 1, delay_release: int = 0) -> PipelinePlan:
     """Build the pipeline plan (see the module docstring for the schedule it encodes).
 
+    `grid` may mix static ints with dynamic sizes (integer scalars traced inside the kernel; see
+    `PipelinePlan`).
+
     Raises:
-      ValueError: non-positive grid sizes, max_concurrent_steps < 1, delay_release < 0, or
+      ValueError: non-positive static grid sizes, max_concurrent_steps < 1, delay_release < 0, or
         max_concurrent_steps <= delay_release (no slot would ever be free to prefetch into).
     """
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
-    for g in grid:
-        if isinstance(g, bool) or not isinstance(g, int) or g <= 0:
-            raise ValueError(f"grid: expected positive static ints, got {grid!r}")
+    grid = tuple(_grid_size(g, grid) for g in grid)
     if not isinstance(max_concurrent_steps, int) or max_concurrent_steps < 1:
         raise ValueError(f"max_concurrent_steps: expected an int >= 1, got {max_concurrent_steps!r}")
     if not isinstance(delay_release, int) or delay_release < 0:
@@ -311,7 +359,7 @@ def plan(*, grid: Sequence[int], in_specs: Sequence[Any] = (), out_specs: Sequen
             f"a slot is held for delay_release steps after its use, so with max_concurrent_steps <= "
             f"delay_release no slot is ever free to prefetch into")
     steps = math.prod(grid)
-    if max_concurrent_steps > steps:  # documented: shrink to the number of steps
+    if isinstance(steps, int) and max_concurrent_steps > steps:  # documented: shrink to the number of steps
         max_concurrent_steps, delay_release = steps, 0
 
     def build(specs, options, is_input):

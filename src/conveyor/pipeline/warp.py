@@ -56,6 +56,10 @@ class WarpSpecializedPlan:
         share = (REGISTER_FILE_PER_THREAD - self.memory_registers) // self.num_compute_wgs
         return max(MIN_REGISTERS, min(MAX_REGISTERS, share // 8 * 8))
 
+    def with_grid(self, grid) -> WarpSpecializedPlan:
+        """This plan with concrete grid sizes (see `PipelinePlan.with_grid`)."""
+        return dataclasses.replace(self, pipeline=self.pipeline.with_grid(grid))
+
     def released_slot(self, step: Int) -> Int:
         """The input slot a compute thread releases after `step` (valid when `releases_after(step)`)."""
         p = self.pipeline
@@ -75,6 +79,7 @@ class WarpSpecializedPlan:
         the operand name, as in `PipelinePlan.events()`.
         """
         p = self.pipeline
+        p.require_static("the warp-specialized pipeline's events")
         n, ev = p.num_steps, []
         for op in p.inputs:
             for t in p.prologue_steps(op):

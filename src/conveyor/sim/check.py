@@ -418,6 +418,8 @@ def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_stat
     budget = dict(max_states=max_states, seed=seed, max_seconds=max_seconds, progress=progress)
     if hasattr(plan, "plan") and not isinstance(plan, (PipelinePlan, WarpSpecializedPlan, RingPlan)):
         plan = plan.plan   # the function returned by emit_pipeline(...)
+    if isinstance(plan, (PipelinePlan, WarpSpecializedPlan)):
+        (plan if isinstance(plan, PipelinePlan) else plan.pipeline).require_static("cv.sim.check")
     if isinstance(plan, PipelinePlan):
         return explore(pipeline_processes(plan, in_flight_steps), _pipeline_subject(plan, in_flight_steps), **budget)
     if isinstance(plan, WarpSpecializedPlan):

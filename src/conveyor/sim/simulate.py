@@ -439,6 +439,7 @@ def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16
     if not isinstance(plan, (PipelinePlan, WarpSpecializedPlan)):
         raise TypeError(f"simulate: expected a PipelinePlan, WarpSpecializedPlan or RingPlan, got {type(plan).__name__}")
     p = plan.pipeline if isinstance(plan, WarpSpecializedPlan) else plan
+    p.require_static("cv.sim.simulate")
     b = dtypes.itemsize(dtype)
     cores = active_cores or int(hw.cores.value)
     in_bytes = tuple(math.prod(op.block_dims) * b for op in p.inputs)
