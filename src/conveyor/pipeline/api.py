@@ -41,15 +41,42 @@ def _check_tpu_tiling(p: plan_lib.PipelinePlan, refs):
 
 
 def _split_refs(p: plan_lib.PipelinePlan, refs, api: str):
-    n_in, n_out = len(p.inputs), len(p.outputs)
+    """The flat input and output refs, from one argument per operand (each a pytree of refs shaped
+    like its spec)."""
+    n_in, n_out = len(p.in_trees), len(p.out_trees)
     if len(refs) != n_in + n_out:
         raise ValueError(f"{api}: expected {n_in} input refs and {n_out} output refs "
                          f"({n_in + n_out} in all, matching in_specs/out_specs), got {len(refs)}")
-    _check_shapes(p, refs)
-    return refs[:n_in], refs[n_in:]
+    flat = []
+    for k, (tree, ref) in enumerate(zip(p.in_trees + p.out_trees, refs)):
+        name = f"in[{k}]" if k < n_in else f"out[{k - n_in}]"
+        try:
+            flat += tree.flatten_up_to(ref)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"{api}: {name}: the refs do not have the structure of its block specs "
+                             f"({tree}): {e}") from None
+    _check_shapes(p, flat)
+    return tuple(flat[:len(p.inputs)]), tuple(flat[len(p.inputs):])
 
 
-def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[int], in_specs: Sequence[Any] = (),
+def _structured_body(p: plan_lib.PipelinePlan, body):
+    """The body on flat block refs, calling the user's with one argument per operand (each a
+    pytree of block refs shaped like its spec); the body itself when every operand is one spec."""
+    trees = p.in_trees + p.out_trees
+    if all(t.num_leaves == 1 and t.num_nodes == 1 for t in trees):
+        return body
+    sizes = [t.num_leaves for t in trees]
+
+    def flat_body(indices, *args):
+        blocks, rest, grouped, at = args[:sum(sizes)], args[sum(sizes):], [], 0
+        for tree, size in zip(trees, sizes):
+            grouped.append(tree.unflatten(blocks[at:at + size]))
+            at += size
+        return body(indices, *grouped, *rest)
+    return flat_body
+
+
+def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Sequence[Any] = (),
                   out_specs: Sequence[Any] = (), max_concurrent_steps: int = 1, delay_release: int = 0,
                   init_carry: Any = None) -> Callable[..., Any]:
     """A software pipeline over `grid`: block copies into on-chip memory overlapped with `body`.
@@ -60,6 +87,12 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[int], in_specs: Se
     `init_carry`, `body(indices, *refs, carry)` returns the next carry and the pipeline returns the
     last one. Schedule and output residency: see `conveyor.pipeline.plan`. Block shapes must
     divide the arrays (a ValueError says which operand and dimension does not).
+    `grid` sizes are positive ints or int32 scalars known only inside the kernel (a dynamic grid,
+    possibly empty); the checker and simulator then need `run.plan.with_grid(...)`.
+    `in_specs` / `out_specs` hold one entry per operand, each a block spec or a pytree of them
+    (upstream's convention: a lone spec or dict counts as one operand); the pipeline then takes
+    one pytree of refs per operand and the body gets one pytree of block refs per operand, shaped
+    alike. Errors name a leaf by its path, e.g. `in[0]['w']`.
     """
     p = plan_lib.plan(grid=grid, in_specs=in_specs, out_specs=out_specs,
                       max_concurrent_steps=max_concurrent_steps, delay_release=delay_release)
@@ -67,15 +100,16 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[int], in_specs: Se
     def run(*refs):
         ctx = current_context("emit_pipeline(...)(refs)")
         ins, outs = _split_refs(p, refs, "pipeline")
+        body_on_blocks = _structured_body(p, body)
         if ctx.backend == "xla":
-            return xla_exec.run_pipeline(p, body, ins, outs, init_carry, init_carry is not None)
+            return xla_exec.run_pipeline(p, body_on_blocks, ins, outs, init_carry, init_carry is not None)
         if ctx.backend == "mosaic_tpu":
             from conveyor.pipeline import mosaic_tpu
-            _check_tpu_tiling(p, refs)
-            return mosaic_tpu.run_pipeline(p, body, ins, outs, init_carry, init_carry is not None)
+            _check_tpu_tiling(p, ins + outs)
+            return mosaic_tpu.run_pipeline(p, body_on_blocks, ins, outs, init_carry, init_carry is not None)
         if ctx.backend == "mosaic_gpu":
             from conveyor.pipeline import mosaic_gpu
-            return mosaic_gpu.run_pipeline(p, body, ins, outs, init_carry, init_carry is not None)
+            return mosaic_gpu.run_pipeline(p, body_on_blocks, ins, outs, init_carry, init_carry is not None)
         raise NotImplementedError(f"emit_pipeline: backend {ctx.backend!r} is not implemented yet")
 
     run.plan = p
@@ -83,7 +117,7 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[int], in_specs: Se
 
 
 def emit_pipeline_warp_specialized(
-        body: Callable[..., Any], *, grid: Sequence[int], memory_registers: int, in_specs: Sequence[Any] = (),
+        body: Callable[..., Any], *, grid: Sequence[Any], memory_registers: int, in_specs: Sequence[Any] = (),
         out_specs: Sequence[Any] = (), max_concurrent_steps: int = 2, delay_release: int = 0, wg_axis: str,
         num_compute_wgs: int, manual_consumed_barriers: bool = False,
         carry_coroutine: Callable[[], Any] | None = None, memory_thread_idx: int | None = None,
@@ -144,13 +178,14 @@ def emit_pipeline_warp_specialized(
                              f"needs a kernel launched with num_threads={wp.num_threads}, thread_name={wg_axis!r}; "
                              f"this kernel has num_threads={ctx.num_threads}, thread_name={ctx.thread_name!r}")
         ins, outs = _split_refs(p, refs, "warp-specialized pipeline")
+        body_on_blocks = _structured_body(p, body)
         if compute_context is not None and ctx.backend != "mosaic_gpu":
             raise NotImplementedError(f"emit_pipeline_warp_specialized: compute_context is implemented on mosaic_gpu "
                                       f"only, not on {ctx.backend}; use carry_coroutine there")
         if ctx.backend == "xla":
-            return xla_exec.run_warp_specialized(wp, body, ins, outs, carry_coroutine, ctx.thread_index)
+            return xla_exec.run_warp_specialized(wp, body_on_blocks, ins, outs, carry_coroutine, ctx.thread_index)
         from conveyor.pipeline import mosaic_gpu
-        return mosaic_gpu.run_warp_specialized(wp, body, ins, outs, carry_coroutine, compute_context)
+        return mosaic_gpu.run_warp_specialized(wp, body_on_blocks, ins, outs, carry_coroutine, compute_context)
 
     run.plan = wp
     return run

@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from conveyor._compat import args_reaching_outputs
@@ -161,6 +162,30 @@ class Event:
     target_step: int     # the grid step whose block it moves / computes
 
 
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, BlockSpec) or (hasattr(x, "block_shape") and hasattr(x, "index_map"))
+
+
+def flatten_specs(specs: Any, side: str) -> tuple[tuple[Any, ...], tuple[str, ...], tuple[Any, ...]]:
+    """Pytree specs, as upstream Pallas takes them: a sequence with one entry per operand (a
+    single spec or pytree counts as one operand), each entry a pytree of block specs. Returns the
+    flat specs, their names (`in[1]['w']`: operand index, then the pytree path) and each operand's
+    tree structure."""
+    operands = tuple(specs) if isinstance(specs, (list, tuple)) else (specs,)
+    flat, names, trees = [], [], []
+    for i, tree in enumerate(operands):
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None or _is_spec(x))
+        for path, leaf in leaves:
+            name = f"{side}[{i}]{jax.tree_util.keystr(path)}"
+            if leaf is None:
+                raise NotImplementedError(f"{name}: a None block spec (an operand passed to the body unwindowed) is "
+                                          f"not supported yet; give it a block spec")
+            flat.append(leaf)
+            names.append(name)
+        trees.append(treedef)
+    return tuple(flat), tuple(names), tuple(trees)
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelinePlan:
     """The schedule of one pipeline. `grid` holds Python ints and, for a dynamic grid, traced int32
@@ -171,6 +196,10 @@ class PipelinePlan:
     outputs: tuple[OperandPlan, ...]
     max_concurrent_steps: int
     delay_release: int
+    # One tree structure per operand as the caller passes it (pytree specs); inputs/outputs above
+    # are their flattened leaves, in order.
+    in_trees: tuple[Any, ...] = ()
+    out_trees: tuple[Any, ...] = ()
 
     @property
     def num_steps(self) -> Int:
@@ -337,7 +366,8 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
     """Build the pipeline plan (see the module docstring for the schedule it encodes).
 
     `grid` may mix static ints with dynamic sizes (integer scalars traced inside the kernel; see
-    `PipelinePlan`).
+    `PipelinePlan`). `in_specs` / `out_specs` hold one entry per operand, each a block spec or a
+    pytree of them (`flatten_specs`).
 
     Raises:
       ValueError: non-positive static grid sizes, max_concurrent_steps < 1, delay_release < 0, or
@@ -349,8 +379,10 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
         raise ValueError(f"max_concurrent_steps: expected an int >= 1, got {max_concurrent_steps!r}")
     if not isinstance(delay_release, int) or delay_release < 0:
         raise ValueError(f"delay_release: expected an int >= 0, got {delay_release!r}")
-    in_options = [pallas_options(spec, f"in[{i}]", True) for i, spec in enumerate(in_specs)]
-    out_options = [pallas_options(spec, f"out[{i}]", False) for i, spec in enumerate(out_specs)]
+    in_specs, in_names, in_trees = flatten_specs(in_specs, "in")
+    out_specs, out_names, out_trees = flatten_specs(out_specs, "out")
+    in_options = [pallas_options(spec, name, True) for spec, name in zip(in_specs, in_names)]
+    out_options = [pallas_options(spec, name, False) for spec, name in zip(out_specs, out_names)]
     delay_release = max([delay_release] + [o.delay_release for o in in_options])
     if max_concurrent_steps <= delay_release:
         raise ValueError(
@@ -362,10 +394,9 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
     if isinstance(steps, int) and max_concurrent_steps > steps:  # documented: shrink to the number of steps
         max_concurrent_steps, delay_release = steps, 0
 
-    def build(specs, options, is_input):
+    def build(specs, names, options, is_input):
         ops = []
-        for i, (spec, opts) in enumerate(zip(specs, options)):
-            name = f"{'in' if is_input else 'out'}[{i}]"
+        for spec, name, opts in zip(specs, names, options):
             bs = as_block_spec(spec, name)
             inv = _is_invariant(bs.index_map, grid, name, len(bs.block_shape))
             slots = 1 if inv else (max_concurrent_steps if is_input else 2)
@@ -378,5 +409,6 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
             ops.append(OperandPlan(name, is_input, tuple(bs.block_shape), bs.index_map, inv, slots))
         return tuple(ops)
 
-    return PipelinePlan(grid, build(in_specs, in_options, True), build(out_specs, out_options, False),
-                        max_concurrent_steps, delay_release)
+    return PipelinePlan(grid, build(in_specs, in_names, in_options, True),
+                        build(out_specs, out_names, out_options, False), max_concurrent_steps, delay_release,
+                        in_trees, out_trees)

@@ -1,0 +1,64 @@
+"""Pytree block specs and operands: one argument per operand, each a pytree, on every backend."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import conveyor as cv
+from tests.platform import gpu_interpret
+
+ROWS = cv.BlockSpec((8, 128), lambda i: (i, 0))
+BIAS = cv.BlockSpec((8, 128), lambda i: (0, 0))
+
+
+def _interpret(backend):
+    return {"xla": False, "mosaic_tpu": pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager"),
+            "mosaic_gpu": gpu_interpret(detect_races=True)}[backend]
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic_tpu", "mosaic_gpu"])
+def test_dict_and_nested_tuple_operands(backend):
+    rng = np.random.default_rng()
+    x, y, b = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((32, 128), (32, 128), (8, 128)))
+
+    def kernel(x_ref, y_ref, b_ref, sum_ref, diff_ref):
+        def body(idx, params, pair, outs):
+            # params: dict of block refs; pair: (x block, (y block,)); outs: {"sum", "diff"}
+            xb, (yb,) = pair
+            outs["sum"][...] = xb[...] + yb[...] + params["bias"][...]
+            outs["diff"][...] = xb[...] - yb[...]
+        cv.emit_pipeline(body, grid=(4,), in_specs=[{"bias": BIAS}, (ROWS, (ROWS,))],
+                         out_specs={"sum": ROWS, "diff": ROWS}, max_concurrent_steps=2)(
+            {"bias": b_ref}, (x_ref, (y_ref,)), {"sum": sum_ref, "diff": diff_ref})
+
+    shape = jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    f = cv.kernel(kernel, (shape, shape), backend=backend, interpret=_interpret(backend))
+    total, diff = jax.jit(f)(x, y, b)
+    np.testing.assert_array_equal(total, x + y + jnp.tile(b, (4, 1)))
+    np.testing.assert_array_equal(diff, x - y)
+
+
+def test_plan_names_leaves_by_path():
+    p = cv.pipeline.plan(grid=(4,), in_specs=[{"w": ROWS, "b": BIAS}, ROWS], out_specs=(ROWS,))
+    assert [op.name for op in p.inputs] == ["in[0]['b']", "in[0]['w']", "in[1]"]
+    assert [op.invariant for op in p.inputs] == [True, False, False]
+    with pytest.raises(ValueError, match=r"in\[0\]\['w'\]: index_map returned 1 indices"):
+        cv.pipeline.plan(grid=(4,), in_specs=[{"w": cv.BlockSpec((8, 128), lambda i: (i,))}])
+    with pytest.raises(NotImplementedError, match=r"in\[0\]\[1\]: a None block spec .* not supported yet"):
+        cv.pipeline.plan(grid=(4,), in_specs=[(ROWS, None)])
+    with pytest.raises(ValueError, match=r"in\[0\]\['w'\]: BlockSpec\.memory_space=.* is not supported"):
+        cv.pipeline.plan(grid=(4,), in_specs=[{"w": pl.BlockSpec((8, 128), lambda i: (i, 0),
+                                                                 memory_space=pltpu.SMEM)}])
+
+
+def test_refs_must_match_the_spec_structure():
+    x = jnp.ones((32, 128), jnp.float32)
+
+    def kernel(x_ref, o_ref):
+        cv.emit_pipeline(lambda idx, pair, ob: None, grid=(4,), in_specs=[(ROWS, ROWS)], out_specs=[ROWS])(
+            x_ref, o_ref)
+
+    with pytest.raises(ValueError, match=r"pipeline: in\[0\]: the refs do not have the structure of its block specs"):
+        cv.kernel(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
