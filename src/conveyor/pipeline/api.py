@@ -78,7 +78,7 @@ def _structured_body(p: plan_lib.PipelinePlan, body):
 
 def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Sequence[Any] = (),
                   out_specs: Sequence[Any] = (), max_concurrent_steps: int = 1, delay_release: int = 0,
-                  init_carry: Any = None) -> Callable[..., Any]:
+                  init_carry: Any = None, no_pipelining: bool = False) -> Callable[..., Any]:
     """A software pipeline over `grid`: block copies into on-chip memory overlapped with `body`.
 
     Returns a function to call inside a `cv.kernel` body with the global-memory refs (inputs, then
@@ -93,9 +93,13 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
     (upstream's convention: a lone spec or dict counts as one operand); the pipeline then takes
     one pytree of refs per operand and the body gets one pytree of block refs per operand, shaped
     alike. Errors name a leaf by its path, e.g. `in[0]['w']`.
+    `no_pipelining=True` (debug) runs one step at a time: no copy is in flight while a body runs
+    (one slot per operand; see `conveyor.pipeline.plan.plan`). An output's `pl.Buffered(1)` gives it
+    one slot, its write-back awaited at once.
     """
     p = plan_lib.plan(grid=grid, in_specs=in_specs, out_specs=out_specs,
-                      max_concurrent_steps=max_concurrent_steps, delay_release=delay_release)
+                      max_concurrent_steps=max_concurrent_steps, delay_release=delay_release,
+                      no_pipelining=no_pipelining)
 
     def run(*refs):
         ctx = current_context("emit_pipeline(...)(refs)")

@@ -71,6 +71,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     scratch += [plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.outputs, out_refs)]
     scratch += [plgpu.Barrier(num_barriers=op.num_slots) for op in p.inputs]
     check_smem_budget(p, scratch, "emit_pipeline")
+    one_slot_outputs = any(op.num_slots == 1 and not op.invariant for op in p.outputs)
 
     def scoped(*args):
         in_bufs = args[:n_in]
@@ -106,7 +107,9 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
                 new_counts.append(w + jnp.where(wb, 1, 0).astype(jnp.int32))
             if n_out:
                 plgpu.commit_smem_to_gmem_group()
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                # Two-slot outputs: the slot written next was stored a group ago, one group may stay
+                # in flight. A one-slot output is written again next step: wait for every store.
+                plgpu.wait_smem_to_gmem(0 if one_slot_outputs else 1, wait_read_only=True)
             t = p.fetch_at(s)
 
             @pl.when(t < n)
@@ -131,6 +134,11 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
     p = wp.pipeline
     n_in, n_out, n = len(p.inputs), len(p.outputs), p.num_steps
     S = p.max_concurrent_steps
+    single = [op.name for op in p.outputs if op.num_slots == 1 and not op.invariant]
+    if single:
+        raise NotImplementedError(f"emit_pipeline_warp_specialized: one-slot outputs ({', '.join(single)}: "
+                                  f"pl.Buffered(1)) are not supported on mosaic_gpu; the compute threads would write "
+                                  f"the slot while its store reads it. Leave the output at 2 slots")
     cycling = [i for i, op in enumerate(p.inputs) if not op.invariant]
     n_consumed = n_in if wp.manual_consumed_barriers else int(bool(cycling))
     scratch = [plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.inputs, in_refs)]

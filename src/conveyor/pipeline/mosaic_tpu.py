@@ -79,12 +79,16 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
                 wb = jnp.asarray(p.writes_back(op, s))
                 inside = jnp.logical_and(wb, in_bounds(p.outputs, out_refs, j, s))
                 when(inside, lambda j=j, slot=slot: writeback(j, slot, s).start())
-                if op.num_slots > 1:
+                if op.num_slots == 1:
+                    # the body writes this same slot next: wait for the write-back at once
+                    when(inside, lambda j=j, slot=slot: writeback(j, slot).wait())
+                    new_started.append(started[j])  # nothing left in flight for the epilogue
+                else:
                     # the slot used next was last written back by write-back w - 1: wait for it, if it ran
                     when(jnp.logical_and(wb, jnp.logical_and(w >= 1, started[j])),
-                          lambda j=j, slot=slot: writeback(j, 1 - slot).wait())
+                         lambda j=j, slot=slot: writeback(j, 1 - slot).wait())
+                    new_started.append(jnp.where(wb, inside, started[j]))
                 new_counts.append(w + wb.astype(jnp.int32))
-                new_started.append(jnp.where(wb, inside, started[j]))
             t = p.fetch_at(s)
 
             def prefetch():

@@ -200,6 +200,7 @@ class PipelinePlan:
     # are their flattened leaves, in order.
     in_trees: tuple[Any, ...] = ()
     out_trees: tuple[Any, ...] = ()
+    no_pipelining: bool = False
 
     @property
     def num_steps(self) -> Int:
@@ -319,7 +320,10 @@ class PipelinePlan:
                 if self.writes_back(op, s):
                     slot = self.output_slot(op, wb_count[op.name])
                     ev.append(Event(s, "writeback", op.name, slot, s))
-                    in_flight[(op.name, slot)] = s
+                    if op.num_slots == 1:  # the body writes this same slot next: wait at once
+                        ev.append(Event(s, "wait_writeback", op.name, slot, s))
+                    else:
+                        in_flight[(op.name, slot)] = s
                     wb_count[op.name] += 1
             t = self.fetch_at(s)
             if t < n:
@@ -362,12 +366,18 @@ def _grid_size(size: Any, grid: tuple) -> Int:
 
 
 def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequence[Any] = (),
-         max_concurrent_steps: int = 1, delay_release: int = 0) -> PipelinePlan:
+         max_concurrent_steps: int = 1, delay_release: int = 0, no_pipelining: bool = False) -> PipelinePlan:
     """Build the pipeline plan (see the module docstring for the schedule it encodes).
 
     `grid` may mix static ints with dynamic sizes (integer scalars traced inside the kernel; see
     `PipelinePlan`). `in_specs` / `out_specs` hold one entry per operand, each a block spec or a
     pytree of them (`flatten_specs`).
+
+    Output slots: 2 (a write-back overlaps the next steps), or 1 with `pl.Buffered(1)` on the
+    output's spec or `no_pipelining`: the write-back is then awaited as soon as it is issued.
+    `no_pipelining=True` is the debug schedule: one input slot (the next step's fetch is issued
+    after the body and awaited before the next body) and one slot per output, so no copy is ever
+    in flight while a body runs.
 
     Raises:
       ValueError: non-positive static grid sizes, max_concurrent_steps < 1, delay_release < 0, or
@@ -379,6 +389,12 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
         raise ValueError(f"max_concurrent_steps: expected an int >= 1, got {max_concurrent_steps!r}")
     if not isinstance(delay_release, int) or delay_release < 0:
         raise ValueError(f"delay_release: expected an int >= 0, got {delay_release!r}")
+    if not isinstance(no_pipelining, bool):
+        raise ValueError(f"no_pipelining: expected a bool, got {no_pipelining!r}")
+    if no_pipelining and (max_concurrent_steps, delay_release) != (1, 0):
+        raise ValueError(f"no_pipelining=True runs one step at a time with one slot per operand; it cannot be combined "
+                         f"with max_concurrent_steps={max_concurrent_steps}, delay_release={delay_release} "
+                         f"(leave them at 1 and 0)")
     in_specs, in_names, in_trees = flatten_specs(in_specs, "in")
     out_specs, out_names, out_trees = flatten_specs(out_specs, "out")
     in_options = [pallas_options(spec, name, True) for spec, name in zip(in_specs, in_names)]
@@ -399,16 +415,18 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
         for spec, name, opts in zip(specs, names, options):
             bs = as_block_spec(spec, name)
             inv = _is_invariant(bs.index_map, grid, name, len(bs.block_shape))
-            slots = 1 if inv else (max_concurrent_steps if is_input else 2)
+            slots = 1 if inv else (max_concurrent_steps if is_input else 1 if no_pipelining else 2)
+            if not inv and not is_input and opts.buffer_count in (1, 2) and not no_pipelining:
+                slots = opts.buffer_count
             if opts.buffer_count is not None and opts.buffer_count != slots:
                 raise ValueError(
                     f"{name}: pipeline_mode=Buffered({opts.buffer_count}) is not supported: the plan gives this "
                     f"{'index-invariant ' if inv else ''}{'input' if is_input else 'output'} {slots} slot(s) "
-                    f"({'invariant operands are fetched once' if inv else 'inputs: max_concurrent_steps; outputs: 2'}); "
+                    f"({'invariant operands are fetched once' if inv else 'inputs: max_concurrent_steps; outputs: 1 or 2'}); "
                     f"set max_concurrent_steps instead, or drop pipeline_mode")
             ops.append(OperandPlan(name, is_input, tuple(bs.block_shape), bs.index_map, inv, slots))
         return tuple(ops)
 
     return PipelinePlan(grid, build(in_specs, in_names, in_options, True),
                         build(out_specs, out_names, out_options, False), max_concurrent_steps, delay_release,
-                        in_trees, out_trees)
+                        in_trees, out_trees, no_pipelining)
