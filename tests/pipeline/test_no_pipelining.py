@@ -94,3 +94,52 @@ def test_warp_specialized_refuses_one_slot_outputs_on_gpu():
     f = cv.kernel(kernel, shape, backend="mosaic_gpu", num_threads=3, thread_name="wg")
     with pytest.raises(NotImplementedError, match=r"one-slot outputs \(out\[0\]: pl.Buffered\(1\)\)"):
         jax.export.export(jax.jit(f), platforms=["cuda"])(shape)
+
+
+# ---- per-input buffering: pl.Buffered(n) on an input ------------------------------------------
+
+def _buffered(n, imap):
+    return pl.BlockSpec((16, 128) if imap is X_SPEC.index_map else (128, 128), imap, pipeline_mode=pl.Buffered(n))
+
+
+@pytest.mark.parametrize("backend, dma_mode", [("xla", None), ("mosaic_tpu", "on_wait"), ("mosaic_tpu", "eager"),
+                                               ("mosaic_gpu", None)])
+@pytest.mark.parametrize("x_slots, w_slots, delay", [(3, 1, 0), (1, 2, 0), (3, 2, 1)])
+def test_inputs_with_their_own_buffer_counts(backend, dma_mode, x_slots, w_slots, delay):
+    rng = np.random.default_rng()
+    x, w = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((32, 384), (384, 256)))
+
+    def kernel(x_ref, w_ref, o_ref):
+        def body(idx, xb, wb, ob):
+            ob[...] = jnp.where(idx[2] == 0, 0.0, ob[...]) + xb[...] @ wb[...]
+        cv.emit_pipeline(body, grid=(2, 2, 3), delay_release=delay, max_concurrent_steps=2,
+                         in_specs=[_buffered(x_slots, X_SPEC.index_map), _buffered(w_slots, W_SPEC.index_map)],
+                         out_specs=[cv.BlockSpec((16, 128), lambda i, j, k: (i, j))])(x_ref, w_ref, o_ref)
+
+    f = cv.kernel(kernel, jax.ShapeDtypeStruct((32, 256), jnp.float32), backend=backend,
+                  interpret=_interpret(backend, dma_mode))
+    np.testing.assert_allclose(jax.jit(f)(x, w), np.asarray(x, np.float64) @ np.asarray(w, np.float64),
+                               rtol=1e-4, atol=1e-3)
+
+
+def test_per_input_lookahead_in_the_schedule():
+    p = cv.pipeline.plan(grid=(6,), max_concurrent_steps=2,
+                         in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0), pipeline_mode=pl.Buffered(4)),
+                                   cv.BlockSpec((8, 128), lambda i: (i, 0))])
+    a, b = p.inputs
+    assert (a.num_slots, b.num_slots) == (4, 2)
+    assert list(p.prologue_steps(a)) == [0, 1, 2, 3] and list(p.prologue_steps(b)) == [0, 1]
+    fetched_at = {(e.operand, e.target_step): e.step for e in p.events() if e.kind == "fetch"}
+    assert fetched_at[("in[0]", 4)] == 0 and fetched_at[("in[1]", 2)] == 0  # 4 and 2 steps ahead
+    assert cv.sim.check(p).ok and cv.sim.check(p, in_flight_steps=0).ok
+    with pytest.raises(ValueError, match=r"in\[0\]: pipeline_mode=Buffered\(1\) is not supported .* more than "
+                                         r"delay_release=1"):
+        cv.pipeline.plan(grid=(6,), max_concurrent_steps=2, delay_release=1,
+                         in_specs=[pl.BlockSpec((8, 128), lambda i: (i, 0), pipeline_mode=pl.Buffered(1))])
+
+
+def test_warp_specialized_refuses_per_input_buffering():
+    spec = pl.BlockSpec((64, 128), lambda i: (i, 0), pipeline_mode=pl.Buffered(3))
+    with pytest.raises(NotImplementedError, match=r"per-input buffering \(in\[0\]"):
+        cv.emit_pipeline_warp_specialized(lambda idx, xb: None, grid=(4,), memory_registers=40, wg_axis="wg",
+                                          num_compute_wgs=2, in_specs=[spec], max_concurrent_steps=2)

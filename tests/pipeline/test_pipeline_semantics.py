@@ -73,7 +73,8 @@ def _imap(i):
 
 @pytest.mark.parametrize("spec, match", [
     (pl.BlockSpec(BLOCK, _imap, memory_space=pltpu.VMEM), "memory_space"),
-    (pl.BlockSpec(BLOCK, _imap, pipeline_mode=pl.Buffered(3)), r"Buffered\(3\).*2 slot"),
+    (pl.BlockSpec(BLOCK, lambda i: (0, 0), pipeline_mode=pl.Buffered(2)),
+     r"in\[0\]: pipeline_mode=Buffered\(2\) is not supported for this index-invariant input"),
     (pl.BlockSpec(BLOCK, _imap, pipeline_mode=pl.Buffered(2, use_lookahead=True)), "use_lookahead"),
     (plgpu.BlockSpec(BLOCK, _imap, transforms=(plgpu.TilingTransform((8, 32)),)), "transforms"),
     (plgpu.BlockSpec(BLOCK, _imap, collective_axes=("x",)), "collective_axes"),

@@ -168,6 +168,11 @@ def emit_pipeline_warp_specialized(
                          "carry_coroutine (both would own the compute threads' carry)")
     p = plan_lib.plan(grid=grid, in_specs=in_specs, out_specs=out_specs,
                       max_concurrent_steps=max_concurrent_steps, delay_release=delay_release)
+    uneven = [op.name for op in p.inputs if not op.invariant and op.num_slots != p.max_concurrent_steps]
+    if uneven:
+        raise NotImplementedError(f"emit_pipeline_warp_specialized: per-input buffering ({', '.join(uneven)}: a "
+                                  f"pl.Buffered count other than max_concurrent_steps={p.max_concurrent_steps}) is not "
+                                  f"supported: the consumed barriers are shared by every input's slots")
     wp = warp.WarpSpecializedPlan(p, wg_axis, num_compute_wgs, mem_idx, memory_registers,
                                   bool(manual_consumed_barriers))
 

@@ -110,13 +110,10 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
                 # Two-slot outputs: the slot written next was stored a group ago, one group may stay
                 # in flight. A one-slot output is written again next step: wait for every store.
                 plgpu.wait_smem_to_gmem(0 if one_slot_outputs else 1, wait_read_only=True)
-            t = p.fetch_at(s)
-
-            @pl.when(t < n)
-            def _():
-                for i, op in enumerate(p.inputs):
-                    if not op.invariant:
-                        fetch(i, jnp.minimum(t, n - 1))
+            for i, op in enumerate(p.inputs):  # each input fetches its own lookahead ahead
+                if not op.invariant:
+                    t = p.fetch_step(op, s)
+                    when(t < n, lambda i=i, t=t: fetch(i, jnp.minimum(t, n - 1)))
 
             return tuple(new_counts), carry
 

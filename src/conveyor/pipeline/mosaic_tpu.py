@@ -89,13 +89,10 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
                          lambda j=j, slot=slot: writeback(j, 1 - slot).wait())
                     new_started.append(jnp.where(wb, inside, started[j]))
                 new_counts.append(w + wb.astype(jnp.int32))
-            t = p.fetch_at(s)
-
-            def prefetch():
-                for i, op in enumerate(p.inputs):
-                    if not op.invariant:
-                        start_fetch(i, jnp.minimum(t, n - 1))
-            when(t < n, prefetch)
+            for i, op in enumerate(p.inputs):  # each input fetches its own lookahead ahead
+                if not op.invariant:
+                    t = p.fetch_step(op, s)
+                    when(t < n, lambda i=i, t=t: start_fetch(i, jnp.minimum(t, n - 1)))
             return tuple(new_counts), tuple(new_started), carry
 
         counts0 = tuple(jnp.int32(0) for _ in p.outputs)

@@ -255,14 +255,25 @@ class PipelinePlan:
         """The buffer slot the body uses for `op` at `step` (outputs: see `output_slot`)."""
         return 0 if op.invariant else step % op.num_slots
 
+    def input_lookahead(self, op: OperandPlan) -> int:
+        """How many fetches of input `op` are in flight: its slots minus delay_release (its own
+        `pl.Buffered(n)` count, or max_concurrent_steps)."""
+        return op.num_slots - self.delay_release
+
     def prologue_steps(self, op: OperandPlan) -> range:
         """Steps whose blocks of input `op` are fetched before step 0 runs. With a dynamic grid these
         are the steps that may exist: lowerings predicate each fetch on `before_end(step)`."""
-        count = 1 if op.invariant else self.lookahead
+        count = 1 if op.invariant else self.input_lookahead(op)
         return range(min(count, self.num_steps) if self.is_static else count)
 
+    def fetch_step(self, op: OperandPlan, step: Int) -> Int:
+        """The step whose block of input `op` is fetched while `step` runs (may be >= num_steps:
+        none), into the slot step `step - delay_release` used."""
+        return step + self.input_lookahead(op)
+
     def fetch_at(self, step: Int) -> Int:
-        """The step whose input blocks are fetched while `step` runs (may be >= num_steps: none)."""
+        """`fetch_step` for inputs with max_concurrent_steps slots (all of a warp-specialized
+        pipeline's)."""
         return step + self.lookahead
 
     def block_changes(self, op: OperandPlan, step: Int) -> Any:
@@ -325,11 +336,10 @@ class PipelinePlan:
                     else:
                         in_flight[(op.name, slot)] = s
                     wb_count[op.name] += 1
-            t = self.fetch_at(s)
-            if t < n:
-                for op in self.inputs:
-                    if not op.invariant:
-                        ev.append(Event(s, "fetch", op.name, self.slot(op, t), t))
+            for op in self.inputs:
+                t = self.fetch_step(op, s)
+                if not op.invariant and t < n:
+                    ev.append(Event(s, "fetch", op.name, self.slot(op, t), t))
         for (name, slot), target in in_flight.items():
             ev.append(Event(n, "wait_writeback", name, slot, target))
         return tuple(ev)
@@ -373,8 +383,10 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
     `PipelinePlan`). `in_specs` / `out_specs` hold one entry per operand, each a block spec or a
     pytree of them (`flatten_specs`).
 
-    Output slots: 2 (a write-back overlaps the next steps), or 1 with `pl.Buffered(1)` on the
-    output's spec or `no_pipelining`: the write-back is then awaited as soon as it is issued.
+    Input slots: max_concurrent_steps, or the input's own `pl.Buffered(n)` (n > delay_release); an
+    input keeps n - delay_release fetches in flight. Output slots: 2 (a write-back overlaps the
+    next steps), or 1 with `pl.Buffered(1)` on the output's spec or `no_pipelining`: the
+    write-back is then awaited as soon as it is issued.
     `no_pipelining=True` is the debug schedule: one input slot (the next step's fetch is issued
     after the body and awaited before the next body) and one slot per output, so no copy is ever
     in flight while a body runs.
@@ -416,14 +428,18 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
             bs = as_block_spec(spec, name)
             inv = _is_invariant(bs.index_map, grid, name, len(bs.block_shape))
             slots = 1 if inv else (max_concurrent_steps if is_input else 1 if no_pipelining else 2)
-            if not inv and not is_input and opts.buffer_count in (1, 2) and not no_pipelining:
-                slots = opts.buffer_count
-            if opts.buffer_count is not None and opts.buffer_count != slots:
+            count = opts.buffer_count
+            if not inv and not no_pipelining and count is not None and (count > delay_release if is_input
+                                                                         else count in (1, 2)):
+                slots = count  # per-operand buffering
+            if count is not None and count != slots:
+                rule = ("invariant operands are fetched once" if inv else "no_pipelining gives every operand one slot"
+                        if no_pipelining else f"an input needs more than delay_release={delay_release}, so a slot is "
+                        f"free to prefetch into" if is_input else "an output takes 1 or 2")
                 raise ValueError(
-                    f"{name}: pipeline_mode=Buffered({opts.buffer_count}) is not supported: the plan gives this "
-                    f"{'index-invariant ' if inv else ''}{'input' if is_input else 'output'} {slots} slot(s) "
-                    f"({'invariant operands are fetched once' if inv else 'inputs: max_concurrent_steps; outputs: 1 or 2'}); "
-                    f"set max_concurrent_steps instead, or drop pipeline_mode")
+                    f"{name}: pipeline_mode=Buffered({count}) is not supported for this "
+                    f"{'index-invariant ' if inv else ''}{'input' if is_input else 'output'} ({rule}); it gets "
+                    f"{slots} slot(s): drop pipeline_mode or change the count")
             ops.append(OperandPlan(name, is_input, tuple(bs.block_shape), bs.index_map, inv, slots))
         return tuple(ops)
 
