@@ -50,6 +50,12 @@ def check_smem_budget(p: PipelinePlan, scratch, api: str) -> int:
     return total
 
 
+def _slots(p: PipelinePlan, in_refs, out_refs) -> list:
+    """The SMEM slots of every operand (inputs, then outputs), in its block's layout transforms."""
+    return [plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype, transforms=op.transforms)
+            for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))]
+
+
 def _await_blocks(p: PipelinePlan, s, produced, in_bufs, out_bufs, wb_counts):
     """Wait until step s's input copies landed; return the input and output slot views of step s."""
     for i, op in enumerate(p.inputs):
@@ -67,8 +73,7 @@ def _await_blocks(p: PipelinePlan, s, produced, in_bufs, out_bufs, wb_counts):
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
     n_in, n_out = len(p.inputs), len(p.outputs)
     n = p.num_steps
-    scratch = [plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.inputs, in_refs)]
-    scratch += [plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.outputs, out_refs)]
+    scratch = _slots(p, in_refs, out_refs)
     scratch += [plgpu.Barrier(num_barriers=op.num_slots) for op in p.inputs]
     check_smem_budget(p, scratch, "emit_pipeline")
     one_slot_outputs = any(op.num_slots == 1 and not op.invariant for op in p.outputs)
@@ -138,8 +143,7 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
                                   f"the slot while its store reads it. Leave the output at 2 slots")
     cycling = [i for i, op in enumerate(p.inputs) if not op.invariant]
     n_consumed = n_in if wp.manual_consumed_barriers else int(bool(cycling))
-    scratch = [plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.inputs, in_refs)]
-    scratch += [plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.outputs, out_refs)]
+    scratch = _slots(p, in_refs, out_refs)
     scratch += [plgpu.Barrier(num_barriers=op.num_slots) for op in p.inputs]                     # produced
     scratch += [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=S) for _ in range(n_consumed)]
     scratch += [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=1)] if n_out else []  # outputs ready

@@ -22,6 +22,10 @@ from conveyor.pipeline.plan import PipelinePlan
 
 
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
+    transformed = [op.name for op in p.inputs + p.outputs if op.transforms]
+    if transformed:
+        raise NotImplementedError(f"emit_pipeline on mosaic_tpu: block transforms ({', '.join(transformed)}) are Mosaic "
+                                  f"GPU shared-memory layouts; TPU VMEM blocks have their own tiling. Drop them for TPU")
     n_in, n_out = len(p.inputs), len(p.outputs)
     in_slots = max([op.num_slots for op in p.inputs], default=1)
     scratch = [pltpu.VMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.inputs, in_refs)]

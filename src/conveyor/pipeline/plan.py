@@ -48,9 +48,12 @@ class BlockSpec:
 
     `index_map` returns block indices (array offset = block index * block size per dimension).
     A `None` in `block_shape` squeezes that dimension (block size 1, dropped from the block ref).
+    `transforms`: the block's shared-memory layout on mosaic_gpu (`plgpu.TilingTransform`,
+    `plgpu.SwizzleTransform`, ...), as `plgpu.BlockSpec(transforms=...)`; see `OperandPlan`.
     """
     block_shape: tuple[int | None, ...]
     index_map: Callable[..., tuple[Int, ...]]
+    transforms: tuple[Any, ...] = ()
 
 
 def as_block_spec(spec: Any, name: str) -> BlockSpec:
@@ -69,10 +72,11 @@ def as_block_spec(spec: Any, name: str) -> BlockSpec:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PallasOptions:
-    """What a Pallas BlockSpec asks of the pipeline beyond its block: its release delay (inputs)
-    and the buffer count of its `pipeline_mode` (None: not asked)."""
+    """What a Pallas BlockSpec asks of the pipeline beyond its block: its release delay (inputs),
+    the buffer count of its `pipeline_mode` (None: not asked) and its GPU layout transforms."""
     delay_release: int = 0
     buffer_count: int | None = None
+    transforms: tuple[Any, ...] = ()
 
 
 def _is_default(value: Any, field: dataclasses.Field) -> bool:
@@ -88,13 +92,15 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
     refuse, by name, every other field that is set: none is silently ignored.
 
     Honoured: `delay_release` of an input (the pipeline's delay becomes the largest asked, which
-    is never less safe), `pipeline_mode=pl.Buffered(n)` when n is the number of slots the plan
-    gives the operand, `oob_fill_mode` ZEROS (the out-of-bounds rule every backend follows).
-    Refused: `memory_space` (blocks always go to the backend's on-chip memory), `transforms`,
+    is never less safe), `pipeline_mode=pl.Buffered(n)` (the operand's slot count, see `plan`),
+    `oob_fill_mode` ZEROS (the out-of-bounds rule every backend follows), `transforms` (see
+    `OperandPlan`). Refused: `memory_space` (blocks always go to the backend's on-chip memory),
     `collective_axes`, other Buffered options, and any field this version does not know."""
-    if isinstance(spec, BlockSpec) or not dataclasses.is_dataclass(spec):
+    if isinstance(spec, BlockSpec):
+        return PallasOptions(transforms=tuple(spec.transforms))
+    if not dataclasses.is_dataclass(spec):
         return PallasOptions()
-    delay, count = 0, None
+    delay, count, transforms = 0, None, ()
     for field in dataclasses.fields(spec):
         value = getattr(spec, field.name)
         if field.name in ("block_shape", "index_map") or value is None or _is_default(value, field):
@@ -111,13 +117,15 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
             count = _buffer_count(value, where)
         elif field.name == "oob_fill_mode" and getattr(value, "name", None) == "ZEROS":
             continue
+        elif field.name == "transforms":
+            transforms = tuple(value)
         elif field.name == "memory_space":
             raise ValueError(f"{where} is not supported: Conveyor pipelines copy every block into the backend's "
                              f"on-chip memory (VMEM on TPU, SMEM on GPU); leave memory_space unset")
         else:
             raise ValueError(f"{where} is not supported by Conveyor pipelines (it would be ignored); "
                              f"leave it unset")
-    return PallasOptions(delay_release=delay, buffer_count=count)
+    return PallasOptions(delay_release=delay, buffer_count=count, transforms=transforms)
 
 
 def _buffer_count(mode: Any, where: str) -> int:
@@ -133,13 +141,20 @@ def _buffer_count(mode: Any, where: str) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class OperandPlan:
-    """One pipelined operand: an input or an output, with its buffering decided."""
+    """One pipelined operand: an input or an output, with its buffering decided.
+
+    `transforms` is the block's layout in GPU shared memory (tiling, swizzle): mosaic_gpu allocates
+    its slots with them and the body sees the transformed ref, as upstream's does (what a Hopper
+    wgmma wants). The rule elsewhere: xla has no on-chip memory, so its body sees the plain logical
+    block (the same values); mosaic_tpu refuses them by name (VMEM has its own tiling).
+    """
     name: str
     is_input: bool
     block_shape: tuple[int | None, ...]
     index_map: Callable[..., tuple[Int, ...]]
     invariant: bool       # the index map ignores the grid: fetched / written exactly once
     num_slots: int
+    transforms: tuple[Any, ...] = ()
 
     @property
     def block_dims(self) -> tuple[int, ...]:
@@ -440,7 +455,7 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
                     f"{name}: pipeline_mode=Buffered({count}) is not supported for this "
                     f"{'index-invariant ' if inv else ''}{'input' if is_input else 'output'} ({rule}); it gets "
                     f"{slots} slot(s): drop pipeline_mode or change the count")
-            ops.append(OperandPlan(name, is_input, tuple(bs.block_shape), bs.index_map, inv, slots))
+            ops.append(OperandPlan(name, is_input, tuple(bs.block_shape), bs.index_map, inv, slots, opts.transforms))
         return tuple(ops)
 
     return PipelinePlan(grid, build(in_specs, in_names, in_options, True),
