@@ -4,6 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
@@ -46,8 +47,12 @@ def test_plan_names_leaves_by_path():
     assert [op.invariant for op in p.inputs] == [True, False, False]
     with pytest.raises(ValueError, match=r"in\[0\]\['w'\]: index_map returned 1 indices"):
         cv.pipeline.plan(grid=(4,), in_specs=[{"w": cv.BlockSpec((8, 128), lambda i: (i,))}])
-    with pytest.raises(NotImplementedError, match=r"in\[0\]\[1\]: a None block spec .* not supported yet"):
-        cv.pipeline.plan(grid=(4,), in_specs=[(ROWS, None)])
+    p = cv.pipeline.plan(grid=(4,), in_specs=[(ROWS, None), pl.BlockSpec(memory_space=pl.ANY)])
+    assert [op.name for op in p.inputs] == ["in[0][0]"] and p.in_windowed == (True, False, False)
+    with pytest.raises(NotImplementedError, match=r"in\[0\]: a BlockSpec without block_shape .* not supported yet"):
+        cv.pipeline.plan(grid=(4,), in_specs=[pl.BlockSpec()])
+    with pytest.raises(ValueError, match=r"in\[0\]: an unwindowed spec .* takes no index_map"):
+        cv.pipeline.plan(grid=(4,), in_specs=[pl.BlockSpec(None, lambda i: (i, 0), memory_space=pl.ANY)])
     with pytest.raises(ValueError, match=r"in\[0\]\['w'\]: BlockSpec\.memory_space=.* is not supported"):
         cv.pipeline.plan(grid=(4,), in_specs=[{"w": pl.BlockSpec((8, 128), lambda i: (i, 0),
                                                                  memory_space=pltpu.SMEM)}])
@@ -62,3 +67,38 @@ def test_refs_must_match_the_spec_structure():
 
     with pytest.raises(ValueError, match=r"pipeline: in\[0\]: the refs do not have the structure of its block specs"):
         cv.kernel(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic_tpu", "mosaic_gpu"])
+@pytest.mark.parametrize("unwindowed", [None, pl.BlockSpec(memory_space=pl.ANY)], ids=["None", "ANY"])
+def test_unwindowed_operand_reaches_the_body_as_its_whole_ref(backend, unwindowed):
+    """The body gets the whole global ref of an unwindowed operand and copies the block it wants
+    from it itself (here: row block i of x, so out = x + y again)."""
+    rng = np.random.default_rng()
+    x, y = (jnp.asarray(rng.standard_normal((32, 128)), jnp.float32) for _ in range(2))
+    seen_shapes = []
+
+    def kernel(x_ref, y_ref, o_ref):
+        def body(idx, x_whole, yb, ob):
+            (i,) = idx
+            seen_shapes.append(tuple(x_whole.shape))
+            if backend == "xla":
+                ob[...] = x_whole[pl.ds(i * 8, 8), :] + yb[...]
+            elif backend == "mosaic_tpu":
+                def copy(scratch, sem):
+                    dma = pltpu.make_async_copy(x_whole.at[pl.ds(i * 8, 8)], scratch, sem)
+                    dma.start()
+                    dma.wait()
+                    ob[...] = scratch[...] + yb[...]
+                pl.run_scoped(copy, pltpu.VMEM((8, 128), jnp.float32), pltpu.SemaphoreType.DMA(()))
+            else:
+                def copy(scratch, barrier):
+                    plgpu.copy_gmem_to_smem(x_whole.at[pl.ds(i * 8, 8)], scratch, barrier.at[0])
+                    plgpu.barrier_wait(barrier.at[0])
+                    ob[...] = scratch[...] + yb[...]
+                pl.run_scoped(copy, plgpu.SMEM((8, 128), jnp.float32), plgpu.Barrier(num_barriers=1))
+        cv.emit_pipeline(body, grid=(4,), in_specs=[unwindowed, ROWS], out_specs=[ROWS])(x_ref, y_ref, o_ref)
+
+    f = cv.kernel(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), backend=backend, interpret=_interpret(backend))
+    np.testing.assert_array_equal(jax.jit(f)(x, y), x + y)
+    assert seen_shapes[0] == (32, 128)

@@ -41,8 +41,9 @@ def _check_tpu_tiling(p: plan_lib.PipelinePlan, refs):
 
 
 def _split_refs(p: plan_lib.PipelinePlan, refs, api: str):
-    """The flat input and output refs, from one argument per operand (each a pytree of refs shaped
-    like its spec)."""
+    """From one argument per operand (each a pytree of refs shaped like its spec): the refs of the
+    planned inputs and outputs, and every flattened leaf's ref in order (the body wrapper passes
+    the unwindowed ones through)."""
     n_in, n_out = len(p.in_trees), len(p.out_trees)
     if len(refs) != n_in + n_out:
         raise ValueError(f"{api}: expected {n_in} input refs and {n_out} output refs "
@@ -55,23 +56,31 @@ def _split_refs(p: plan_lib.PipelinePlan, refs, api: str):
         except (ValueError, TypeError) as e:
             raise ValueError(f"{api}: {name}: the refs do not have the structure of its block specs "
                              f"({tree}): {e}") from None
-    _check_shapes(p, flat)
-    return tuple(flat[:len(p.inputs)]), tuple(flat[len(p.inputs):])
+    windowed = p.in_windowed + p.out_windowed
+    n_leaves_in = len(p.in_windowed)
+    ins = tuple(r for r, w in zip(flat[:n_leaves_in], p.in_windowed) if w)
+    outs = tuple(r for r, w in zip(flat[n_leaves_in:], p.out_windowed) if w)
+    _check_shapes(p, ins + outs)
+    return ins, outs, tuple(r if not w else None for r, w in zip(flat, windowed))
 
 
-def _structured_body(p: plan_lib.PipelinePlan, body):
-    """The body on flat block refs, calling the user's with one argument per operand (each a
-    pytree of block refs shaped like its spec); the body itself when every operand is one spec."""
+def _structured_body(p: plan_lib.PipelinePlan, body, passthrough):
+    """The body on the planned block refs, calling the user's with one argument per operand (each a
+    pytree shaped like its spec, unwindowed leaves as their whole refs); the body itself when every
+    operand is one planned spec."""
     trees = p.in_trees + p.out_trees
-    if all(t.num_leaves == 1 and t.num_nodes == 1 for t in trees):
+    windowed = p.in_windowed + p.out_windowed
+    if all(t.num_leaves == 1 and t.num_nodes == 1 for t in trees) and all(windowed):
         return body
-    sizes = [t.num_leaves for t in trees]
+    n_blocks = sum(windowed)
 
     def flat_body(indices, *args):
-        blocks, rest, grouped, at = args[:sum(sizes)], args[sum(sizes):], [], 0
-        for tree, size in zip(trees, sizes):
-            grouped.append(tree.unflatten(blocks[at:at + size]))
-            at += size
+        blocks, rest = iter(args[:n_blocks]), args[n_blocks:]
+        leaves = [next(blocks) if w else ref for w, ref in zip(windowed, passthrough)]
+        grouped, at = [], 0
+        for tree in trees:
+            grouped.append(tree.unflatten(leaves[at:at + tree.num_leaves]))
+            at += tree.num_leaves
         return body(indices, *grouped, *rest)
     return flat_body
 
@@ -103,8 +112,8 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
 
     def run(*refs):
         ctx = current_context("emit_pipeline(...)(refs)")
-        ins, outs = _split_refs(p, refs, "pipeline")
-        body_on_blocks = _structured_body(p, body)
+        ins, outs, passthrough = _split_refs(p, refs, "pipeline")
+        body_on_blocks = _structured_body(p, body, passthrough)
         if ctx.backend == "xla":
             return xla_exec.run_pipeline(p, body_on_blocks, ins, outs, init_carry, init_carry is not None)
         if ctx.backend == "mosaic_tpu":
@@ -186,8 +195,8 @@ def emit_pipeline_warp_specialized(
             raise ValueError(f"emit_pipeline_warp_specialized: wg_axis={wg_axis!r} with num_compute_wgs={num_compute_wgs} "
                              f"needs a kernel launched with num_threads={wp.num_threads}, thread_name={wg_axis!r}; "
                              f"this kernel has num_threads={ctx.num_threads}, thread_name={ctx.thread_name!r}")
-        ins, outs = _split_refs(p, refs, "warp-specialized pipeline")
-        body_on_blocks = _structured_body(p, body)
+        ins, outs, passthrough = _split_refs(p, refs, "warp-specialized pipeline")
+        body_on_blocks = _structured_body(p, body, passthrough)
         if compute_context is not None and ctx.backend != "mosaic_gpu":
             raise NotImplementedError(f"emit_pipeline_warp_specialized: compute_context is implemented on mosaic_gpu "
                                       f"only, not on {ctx.backend}; use carry_coroutine there")

@@ -181,21 +181,36 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, BlockSpec) or (hasattr(x, "block_shape") and hasattr(x, "index_map"))
 
 
+def _unwindowed(spec: Any, name: str) -> bool:
+    """Whether `spec` passes its operand to the body as it is, unwindowed: None,
+    `pl.no_block_spec`, or a Pallas BlockSpec with a memory space and no block shape
+    (e.g. `pl.BlockSpec(memory_space=pl.ANY)`)."""
+    if spec is None or type(spec).__name__ == "NoBlockSpec":
+        return True
+    if isinstance(spec, BlockSpec) or getattr(spec, "block_shape", ()) is not None:
+        return False
+    if getattr(spec, "memory_space", None) is None:
+        raise NotImplementedError(f"{name}: a BlockSpec without block_shape (the whole array as one block) is not "
+                                  f"supported yet: give the array's shape as block_shape and a constant index_map")
+    if getattr(spec, "index_map", None) is not None or getattr(spec, "pipeline_mode", None) is not None:
+        raise ValueError(f"{name}: an unwindowed spec (memory_space={spec.memory_space}, no block_shape) takes no "
+                         f"index_map or pipeline_mode: the body gets the whole ref as it is")
+    return True
+
+
 def flatten_specs(specs: Any, side: str) -> tuple[tuple[Any, ...], tuple[str, ...], tuple[Any, ...]]:
     """Pytree specs, as upstream Pallas takes them: a sequence with one entry per operand (a
     single spec or pytree counts as one operand), each entry a pytree of block specs. Returns the
-    flat specs, their names (`in[1]['w']`: operand index, then the pytree path) and each operand's
-    tree structure."""
+    flat specs (None for an unwindowed leaf: see `_unwindowed`), their names (`in[1]['w']`:
+    operand index, then the pytree path) and each operand's tree structure."""
     operands = tuple(specs) if isinstance(specs, (list, tuple)) else (specs,)
     flat, names, trees = [], [], []
     for i, tree in enumerate(operands):
-        leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None or _is_spec(x))
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(
+            tree, is_leaf=lambda x: x is None or _is_spec(x) or type(x).__name__ == "NoBlockSpec")
         for path, leaf in leaves:
             name = f"{side}[{i}]{jax.tree_util.keystr(path)}"
-            if leaf is None:
-                raise NotImplementedError(f"{name}: a None block spec (an operand passed to the body unwindowed) is "
-                                          f"not supported yet; give it a block spec")
-            flat.append(leaf)
+            flat.append(None if _unwindowed(leaf, name) else leaf)
             names.append(name)
         trees.append(treedef)
     return tuple(flat), tuple(names), tuple(trees)
@@ -216,6 +231,9 @@ class PipelinePlan:
     in_trees: tuple[Any, ...] = ()
     out_trees: tuple[Any, ...] = ()
     no_pipelining: bool = False
+    # Per flattened leaf of in_trees / out_trees: planned (True) or passed to the body unwindowed.
+    in_windowed: tuple[bool, ...] = ()
+    out_windowed: tuple[bool, ...] = ()
 
     @property
     def num_steps(self) -> Int:
@@ -424,6 +442,12 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
                          f"(leave them at 1 and 0)")
     in_specs, in_names, in_trees = flatten_specs(in_specs, "in")
     out_specs, out_names, out_trees = flatten_specs(out_specs, "out")
+    in_windowed = tuple(spec is not None for spec in in_specs)
+    out_windowed = tuple(spec is not None for spec in out_specs)
+    in_names = tuple(nm for sp, nm in zip(in_specs, in_names) if sp is not None)
+    out_names = tuple(nm for sp, nm in zip(out_specs, out_names) if sp is not None)
+    in_specs = tuple(sp for sp in in_specs if sp is not None)
+    out_specs = tuple(sp for sp in out_specs if sp is not None)
     in_options = [pallas_options(spec, name, True) for spec, name in zip(in_specs, in_names)]
     out_options = [pallas_options(spec, name, False) for spec, name in zip(out_specs, out_names)]
     delay_release = max([delay_release] + [o.delay_release for o in in_options])
@@ -460,4 +484,4 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
 
     return PipelinePlan(grid, build(in_specs, in_names, in_options, True),
                         build(out_specs, out_names, out_options, False), max_concurrent_steps, delay_release,
-                        in_trees, out_trees, no_pipelining)
+                        in_trees, out_trees, no_pipelining, in_windowed, out_windowed)
