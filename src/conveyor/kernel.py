@@ -140,6 +140,7 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         same memory, each traced with its own constant thread index: exact for race-free kernels
         (and the warp-specialized pipeline interleaves its compute threads step by step). Not on
         mosaic_tpu (TPU cores have no warpgroups).
+      `jax.vmap` of the result works on every backend (on mosaic_tpu as a loop of kernel calls).
       grid: run the body once per point of this grid (up to 3 axes), in parallel on hardware
         (TPU grid iterations, GPU thread blocks) and one after the other on xla; the body reads its
         point with `cv.program_id(axis)`. Points should write disjoint parts of the outputs.

@@ -61,4 +61,29 @@ def launch(body, outs, scratch, single, interpret, enter_context, grid=()):
             results = call(*inputs)
         return results[0] if single else tuple(results)
 
-    return run
+    return _batched_as_a_loop(run)
+
+
+def _batched_as_a_loop(run):
+    """`jax.vmap` of a mosaic_tpu kernel: one kernel call per batch element, in a `lax.map`.
+
+    Pallas batches a pallas_call by adding a grid dimension with blocked specs, which operands left
+    in HBM (pl.ANY, as every cv.kernel operand on TPU) cannot take ("Kernel input 0 in HBM but does
+    not have trivial BlockSpec"). A loop of the unbatched kernel computes the same values; it runs
+    the batch elements one after the other.
+    """
+    @jax.custom_batching.custom_vmap
+    def call(*inputs):
+        return run(*inputs)
+
+    @call.def_vmap
+    def _rule(axis_size, in_batched, *inputs):
+        batched = [x for x, b in zip(inputs, in_batched) if b]
+
+        def one(xs):  # through `call` again, so an outer vmap of this loop is a loop too
+            it = iter(xs)
+            return call(*[next(it) if b else x for x, b in zip(inputs, in_batched)])
+        outs = jax.lax.map(one, batched)
+        return outs, jax.tree.map(lambda _: True, outs)
+
+    return call
