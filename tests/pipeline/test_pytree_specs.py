@@ -102,3 +102,32 @@ def test_unwindowed_operand_reaches_the_body_as_its_whole_ref(backend, unwindowe
     f = cv.kernel(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), backend=backend, interpret=_interpret(backend))
     np.testing.assert_array_equal(jax.jit(f)(x, y), x + y)
     assert seen_shapes[0] == (32, 128)
+
+
+def _nested(x_ref, o_ref):
+    """An outer pipeline over groups of row blocks, its operands unwindowed; each step runs an inner
+    pipeline over the group's blocks of the global refs (upstream's nesting pattern)."""
+    def outer(idx, x_whole, o_whole):
+        (g,) = idx
+        spec = cv.BlockSpec((8, 128), lambda i: (g * 2 + i, 0))
+
+        def inner(jdx, xb, ob):
+            ob[...] = xb[...] + g.astype(jnp.float32)
+        cv.emit_pipeline(inner, grid=(2,), in_specs=[spec], out_specs=[spec], max_concurrent_steps=2)(
+            x_whole, o_whole)
+    cv.emit_pipeline(outer, grid=(2,), in_specs=[None], out_specs=[None])(x_ref, o_ref)
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic_tpu", "mosaic_gpu"])
+def test_pipeline_nested_in_a_pipeline(backend):
+    x = jnp.asarray(np.random.default_rng().standard_normal((32, 128)), jnp.float32)
+    f = cv.kernel(_nested, jax.ShapeDtypeStruct(x.shape, x.dtype), backend=backend, interpret=_interpret(backend))
+    want = np.asarray(x) + np.repeat(np.float32([0.0, 1.0]), 16)[:, None]
+    np.testing.assert_array_equal(jax.jit(f)(x), want)
+
+
+@pytest.mark.parametrize("backend, platform", [("mosaic_tpu", "tpu"), ("mosaic_gpu", "cuda")])
+def test_nested_pipeline_exports_for_hardware(backend, platform):
+    shape = jax.ShapeDtypeStruct((32, 128), jnp.float32)
+    exported = jax.export.export(jax.jit(cv.kernel(_nested, shape, backend=backend)), platforms=[platform])(shape)
+    assert exported.platforms == (platform,)
