@@ -163,3 +163,18 @@ def test_out_of_bounds_blocks_read_zeros_and_are_not_written(backend):
     want = np.concatenate([np.ones(BLOCK, np.float32), 2.0 * np.asarray(x) + 1.0])
     # Block 0 is never written (it holds whatever the output memory held); blocks 1..5 are exact.
     np.testing.assert_array_equal(out[rows:], want)
+
+
+def test_megacore_options_validated_or_refused_by_name():
+    spec = cv.BlockSpec((8, 128), lambda i, j: (i, j))
+    # Semantics alone change nothing (as upstream without a core axis): accepted when well formed.
+    cv.emit_pipeline(lambda idx, xb: None, grid=(2, 2), in_specs=[spec],
+                     dimension_semantics=(pltpu.PARALLEL, "arbitrary"))
+    with pytest.raises(ValueError, match=r"dimension_semantics: expected 2 of \('parallel', 'arbitrary'\)"):
+        cv.emit_pipeline(lambda idx, xb: None, grid=(2, 2), in_specs=[spec], dimension_semantics=("parallel",))
+    with pytest.raises(ValueError, match=r"dimension_semantics: .* got \('parallel', 'sequential'\)"):
+        cv.emit_pipeline(lambda idx, xb: None, grid=(2, 2), in_specs=[spec],
+                         dimension_semantics=("parallel", "sequential"))
+    with pytest.raises(NotImplementedError, match=r"core_axis / core_axis_name \(megacore"):
+        cv.emit_pipeline(lambda idx, xb: None, grid=(2, 2), in_specs=[spec], core_axis_name="core",
+                         dimension_semantics=(pltpu.PARALLEL, pltpu.ARBITRARY))

@@ -85,9 +85,30 @@ def _structured_body(p: plan_lib.PipelinePlan, body, passthrough):
     return flat_body
 
 
+SEMANTICS = ("parallel", "arbitrary")
+
+
+def _check_megacore(grid, dimension_semantics, core_axis, core_axis_name) -> None:
+    """Upstream's megacore options: semantics are checked (they change nothing without a core
+    axis, as upstream), a core axis is refused by name."""
+    if core_axis is not None or core_axis_name is not None:
+        raise NotImplementedError("emit_pipeline: core_axis / core_axis_name (megacore: splitting a parallel grid "
+                                  "dimension over a chip's TensorCores) is not supported yet; drop it to run the "
+                                  "whole grid on one core")
+    if dimension_semantics is None:
+        return
+    rank = len(grid) if isinstance(grid, (tuple, list)) else 1
+    names = [getattr(d, "value", d) for d in dimension_semantics]
+    if len(names) != rank or any(n not in SEMANTICS for n in names):
+        raise ValueError(f"dimension_semantics: expected {rank} of {SEMANTICS} (or pltpu.PARALLEL / pltpu.ARBITRARY), "
+                         f"one per grid dimension, got {tuple(dimension_semantics)!r}")
+
+
 def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Sequence[Any] = (),
                   out_specs: Sequence[Any] = (), max_concurrent_steps: int = 1, delay_release: int = 0,
-                  init_carry: Any = None, no_pipelining: bool = False) -> Callable[..., Any]:
+                  init_carry: Any = None, no_pipelining: bool = False,
+                  dimension_semantics: Sequence[Any] | None = None, core_axis: Any = None,
+                  core_axis_name: Any = None) -> Callable[..., Any]:
     """A software pipeline over `grid`: block copies into on-chip memory overlapped with `body`.
 
     Returns a function to call inside a `cv.kernel` body with the global-memory refs (inputs, then
@@ -105,7 +126,11 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
     `no_pipelining=True` (debug) runs one step at a time: no copy is in flight while a body runs
     (one slot per operand; see `conveyor.pipeline.plan.plan`). An output's `pl.Buffered(1)` gives it
     one slot, its write-back awaited at once.
+    `dimension_semantics` (upstream's "parallel" / "arbitrary" per grid dimension) is validated and
+    only matters with a core axis, as upstream; `core_axis` / `core_axis_name` (megacore) are
+    refused by name: not supported yet.
     """
+    _check_megacore(grid, dimension_semantics, core_axis, core_axis_name)
     p = plan_lib.plan(grid=grid, in_specs=in_specs, out_specs=out_specs,
                       max_concurrent_steps=max_concurrent_steps, delay_release=delay_release,
                       no_pipelining=no_pipelining)
