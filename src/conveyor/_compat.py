@@ -486,4 +486,5 @@ def reset_interpreter_state() -> None:
 
 
 __all__ += ["gpu_kernel_options", "gpu_kernel_takes_cost_estimate", "interpreter_races_raise",
-            "avoid_interpreter_dispatch_deadlock", "reset_interpreter_state"]
+            "avoid_interpreter_dispatch_deadlock", "reset_interpreter_state",
+            "record_interpreter_semaphore_leaks", "take_interpreter_semaphore_leaks"]

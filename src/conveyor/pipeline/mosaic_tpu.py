@@ -10,7 +10,6 @@ is zero-filled instead, and nobody waits for a copy that was never started.
 """
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl

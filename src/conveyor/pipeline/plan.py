@@ -181,11 +181,16 @@ def _is_spec(x: Any) -> bool:
     return isinstance(x, BlockSpec) or (hasattr(x, "block_shape") and hasattr(x, "index_map"))
 
 
+def _is_no_block_spec(x: Any) -> bool:
+    """Pallas's `pl.no_block_spec` (matched by type name: its class is private)."""
+    return type(x).__name__ == "NoBlockSpec"
+
+
 def _unwindowed(spec: Any, name: str) -> bool:
     """Whether `spec` passes its operand to the body as it is, unwindowed: None,
     `pl.no_block_spec`, or a Pallas BlockSpec with a memory space and no block shape
     (e.g. `pl.BlockSpec(memory_space=pl.ANY)`)."""
-    if spec is None or type(spec).__name__ == "NoBlockSpec":
+    if spec is None or _is_no_block_spec(spec):
         return True
     if isinstance(spec, BlockSpec) or getattr(spec, "block_shape", ()) is not None:
         return False
@@ -207,7 +212,7 @@ def flatten_specs(specs: Any, side: str) -> tuple[tuple[Any, ...], tuple[str, ..
     flat, names, trees = [], [], []
     for i, tree in enumerate(operands):
         leaves, treedef = jax.tree_util.tree_flatten_with_path(
-            tree, is_leaf=lambda x: x is None or _is_spec(x) or type(x).__name__ == "NoBlockSpec")
+            tree, is_leaf=lambda x: x is None or _is_spec(x) or _is_no_block_spec(x))
         for path, leaf in leaves:
             name = f"{side}[{i}]{jax.tree_util.keystr(path)}"
             flat.append(None if _unwindowed(leaf, name) else leaf)
@@ -230,7 +235,6 @@ class PipelinePlan:
     # are their flattened leaves, in order.
     in_trees: tuple[Any, ...] = ()
     out_trees: tuple[Any, ...] = ()
-    no_pipelining: bool = False
     # Per flattened leaf of in_trees / out_trees: planned (True) or passed to the body unwindowed.
     in_windowed: tuple[bool, ...] = ()
     out_windowed: tuple[bool, ...] = ()
@@ -393,6 +397,29 @@ def _is_invariant(index_map: Callable, grid: tuple[int, ...], name: str, rank: i
     return not used
 
 
+def _slot_count(name: str, is_input: bool, invariant: bool, count: int | None, max_concurrent_steps: int,
+                delay_release: int, no_pipelining: bool) -> int:
+    """An operand's slots: 1 when index-invariant or under no_pipelining; else its own
+    `pl.Buffered(count)` when given and workable (an input needs count > delay_release, an output
+    takes 1 or 2); else max_concurrent_steps for an input, 2 for an output. A count the plan
+    cannot give is a ValueError naming the operand and the rule."""
+    if invariant or no_pipelining:
+        slots, rule = 1, "invariant operands are fetched once" if invariant else "no_pipelining gives every operand one slot"
+    elif count is None:
+        return max_concurrent_steps if is_input else 2
+    elif count > delay_release if is_input else count in (1, 2):
+        return count
+    else:
+        slots = max_concurrent_steps if is_input else 2
+        rule = (f"an input needs more than delay_release={delay_release}, so a slot is free to prefetch into"
+                if is_input else "an output takes 1 or 2")
+    if count is not None and count != slots:
+        raise ValueError(f"{name}: pipeline_mode=Buffered({count}) is not supported for this "
+                         f"{'index-invariant ' if invariant else ''}{'input' if is_input else 'output'} ({rule}); "
+                         f"it gets {slots} slot(s): drop pipeline_mode or change the count")
+    return slots
+
+
 def _grid_size(size: Any, grid: tuple) -> Int:
     """A grid size: a positive Python int (static), or an integer scalar array, typically traced
     inside a kernel (dynamic: it may be 0, and a negative size runs no step)."""
@@ -466,22 +493,11 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
         for spec, name, opts in zip(specs, names, options):
             bs = as_block_spec(spec, name)
             inv = _is_invariant(bs.index_map, grid, name, len(bs.block_shape))
-            slots = 1 if inv else (max_concurrent_steps if is_input else 1 if no_pipelining else 2)
-            count = opts.buffer_count
-            if not inv and not no_pipelining and count is not None and (count > delay_release if is_input
-                                                                         else count in (1, 2)):
-                slots = count  # per-operand buffering
-            if count is not None and count != slots:
-                rule = ("invariant operands are fetched once" if inv else "no_pipelining gives every operand one slot"
-                        if no_pipelining else f"an input needs more than delay_release={delay_release}, so a slot is "
-                        f"free to prefetch into" if is_input else "an output takes 1 or 2")
-                raise ValueError(
-                    f"{name}: pipeline_mode=Buffered({count}) is not supported for this "
-                    f"{'index-invariant ' if inv else ''}{'input' if is_input else 'output'} ({rule}); it gets "
-                    f"{slots} slot(s): drop pipeline_mode or change the count")
+            slots = _slot_count(name, is_input, inv, opts.buffer_count, max_concurrent_steps, delay_release,
+                                no_pipelining)
             ops.append(OperandPlan(name, is_input, tuple(bs.block_shape), bs.index_map, inv, slots, opts.transforms))
         return tuple(ops)
 
     return PipelinePlan(grid, build(in_specs, in_names, in_options, True),
                         build(out_specs, out_names, out_options, False), max_concurrent_steps, delay_release,
-                        in_trees, out_trees, no_pipelining, in_windowed, out_windowed)
+                        in_trees, out_trees, in_windowed, out_windowed)
