@@ -183,13 +183,13 @@ def _check(args) -> int:
     budget = dict(max_states=args.max_states, max_seconds=args.max_seconds,
                   progress=sys.stderr.isatty() if args.progress is None else args.progress)
     if args.which == "ring":
-        from conveyor.ops.collective_matmul.ring import RingPlan
+        from conveyor.plans.ring import RingPlan
         plan = RingPlan(args.devices, not args.unidirectional, args.buffering,
                         collective="scatter" if args.scatter else "gather")
         report = sim.check(plan, credits=not args.no_credits, **budget)
     else:
         from conveyor.pipeline import BlockSpec, plan as make_plan
-        from conveyor.pipeline.warp import WarpSpecializedPlan
+        from conveyor.plans.warp import WarpSpecializedPlan
         grid = tuple(args.grid)
         spec = BlockSpec((1,) * len(grid), lambda *idx: idx)
         p = make_plan(grid=grid, in_specs=[spec] * args.inputs, out_specs=[spec],

@@ -22,6 +22,7 @@ import numpy as np
 
 from conveyor import backends
 from conveyor._compat import call_as_thread, per_device_call, run_state
+from conveyor.plans.grid import unravel
 
 AVAILABLE = ("xla", "mosaic_tpu", "mosaic_gpu")
 
@@ -195,8 +196,6 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         def every_point(refs):
             if not grid:
                 return one_point(refs, ())
-
-            from conveyor.pipeline.plan import unravel  # (conveyor.pipeline imports this module)
 
             def step(i, _):
                 one_point(refs, unravel(i, grid))

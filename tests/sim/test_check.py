@@ -3,8 +3,8 @@ import pytest
 
 import conveyor as cv
 from conveyor.cli import main
-from conveyor.ops.collective_matmul.ring import RingPlan
-from conveyor.pipeline.warp import WarpSpecializedPlan
+from conveyor.plans.ring import RingPlan
+from conveyor.plans.warp import WarpSpecializedPlan
 from conveyor.sim import check
 from conveyor.sim.check import Copy, Read, Signal, Wait, explore
 

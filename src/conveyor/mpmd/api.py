@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from conveyor.mpmd.programs import program_label
 from conveyor.mpmd.scratch import ScratchLayout
 
 
@@ -37,21 +38,6 @@ class Mesh:
         return "cv.Mesh(" + ", ".join(f"{k}={v}" for k, v in self.axis_sizes.items()) + ")"
 
 
-def _label(i: int, fn: Callable) -> str:
-    return f"program {i} ({getattr(fn, '__name__', type(fn).__name__)!r})"
-
-
-def call_program(i: int, fn: Callable, refs: Sequence[Any], scratch: Sequence[Any], layout) -> None:
-    """Run program `i` on its refs, scratch in scratch_shapes' structure (by keyword when it was a
-    dict); it must return None."""
-    args, kwargs = layout.arguments(scratch)
-    result = fn(*refs, *args, **kwargs)
-    if result is not None:
-        what = "an array" if hasattr(result, "shape") else f"a {type(result).__name__}"
-        raise TypeError(f"mpmd_map: {_label(i, fn)} returned {what}; a program writes its "
-                        f"results through the output refs and returns None")
-
-
 def super_mesh(meshes_and_fns) -> dict[str, int]:
     """The union of the programs' axes; an axis given two sizes is an error naming it."""
     axes: dict[str, tuple[int, str]] = {}
@@ -59,8 +45,8 @@ def super_mesh(meshes_and_fns) -> dict[str, int]:
         for name, size in mesh.axis_sizes.items():
             if name in axes and axes[name][0] != size:
                 raise ValueError(f"mpmd_map: axis {name!r} has size {axes[name][0]} in {axes[name][1]} but size "
-                                 f"{size} in {_label(i, fn)}; one axis name must have one size")
-            axes.setdefault(name, (size, _label(i, fn)))
+                                 f"{size} in {program_label(i, fn)}; one axis name must have one size")
+            axes.setdefault(name, (size, program_label(i, fn)))
     return {k: v for k, (v, _) in axes.items()}
 
 
@@ -74,7 +60,7 @@ def _validate(meshes_and_fns):
             raise TypeError(f"mpmd_map: entry {i} must be a (cv.Mesh, fn) pair, got {pair!r}")
         mesh, fn = pair
         if not isinstance(mesh, Mesh):
-            raise TypeError(f"mpmd_map: {_label(i, fn)}: expected a cv.Mesh, got {mesh!r}")
+            raise TypeError(f"mpmd_map: {program_label(i, fn)}: expected a cv.Mesh, got {mesh!r}")
         if not callable(fn):
             raise TypeError(f"mpmd_map: program {i}: fn must be callable, got {fn!r}")
         out.append((mesh, fn))

@@ -22,7 +22,7 @@ import numpy as np
 from conveyor._compat import is_jax_ref, trace_ref_program, underlying_ref
 from conveyor.kernel import poison_numpy
 from conveyor.mpmd import cpu, errors
-from conveyor.mpmd.api import _label, call_program
+from conveyor.mpmd.programs import call_program, program_label
 from conveyor.mpmd.scratch import ScratchLayout
 from conveyor.sync import SYNC_BACKEND, BarrierType, SemaphoreType
 
@@ -52,7 +52,7 @@ def _trace(i, fn, avals, n_fixed, layout, axes, print_jaxpr):
     finally:
         SYNC_BACKEND.reset(token)
     if print_jaxpr:
-        print(f"{_label(i, fn)}:\n{jaxpr}")
+        print(f"{program_label(i, fn)}:\n{jaxpr}")
     return jaxpr
 
 
@@ -132,7 +132,7 @@ def run(programs, axes, in_leaves, out_leaves, layout: ScratchLayout, aliases, p
     jaxprs = [_trace(i, fn, avals, n_fixed, layout, axes, params["print_jaxpr"])
               for i, (_, fn) in enumerate(programs)]
     captures = Captures.of(jaxprs, in_leaves, ref_inputs)
-    instances = [[cpu.Instance(i, _label(i, fn), tuple(point.items())) for point in mesh.points()]
+    instances = [[cpu.Instance(i, program_label(i, fn), tuple(point.items())) for point in mesh.points()]
                  for i, (mesh, fn) in enumerate(programs)]
     operands = [*in_values, *(r[...] for r in captures.refs), *captures.values]
     n_in, n_refs = len(in_values), len(captures.refs)

@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conveyor._compat import call_with_axis_values, gpu_kernel_options, is_jax_ref
-from conveyor.mpmd.api import call_program
+from conveyor.mpmd.programs import call_program
 from conveyor.mpmd.scratch import ScratchLayout
 from conveyor.sync import SYNC_BACKEND, BarrierType, SemaphoreType
 

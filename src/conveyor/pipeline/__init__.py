@@ -1,6 +1,6 @@
 """Software pipelines: the plan (pure data) and its executors."""
 from conveyor.pipeline.api import emit_pipeline, emit_pipeline_warp_specialized
-from conveyor.pipeline.plan import BlockSpec, Event, OperandPlan, PipelinePlan, plan
-from conveyor.pipeline.warp import WarpSpecializedPlan
+from conveyor.plans.pipeline import BlockSpec, Event, OperandPlan, PipelinePlan, plan
+from conveyor.plans.warp import WarpSpecializedPlan
 
 __all__ = ["emit_pipeline", "emit_pipeline_warp_specialized", "WarpSpecializedPlan", "plan", "BlockSpec", "PipelinePlan", "OperandPlan", "Event"]

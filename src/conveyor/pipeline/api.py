@@ -7,7 +7,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from conveyor.kernel import current_context
-from conveyor.pipeline import plan as plan_lib, warp, xla as xla_exec
+from conveyor.pipeline import xla as xla_exec
+from conveyor.plans import pipeline as plan_lib, warp
 
 
 def _check_shapes(p: plan_lib.PipelinePlan, refs):
@@ -115,7 +116,7 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
     outputs). `body(indices, *in_block_refs, *out_block_refs)` runs once per grid step, row-major;
     `indices` is the tuple of grid indices (the same convention on every backend). With
     `init_carry`, `body(indices, *refs, carry)` returns the next carry and the pipeline returns the
-    last one. Schedule and output residency: see `conveyor.pipeline.plan`. Block shapes must
+    last one. Schedule and output residency: see `conveyor.plans.pipeline`. Block shapes must
     divide the arrays (a ValueError says which operand and dimension does not).
     `grid` sizes are positive ints or int32 scalars known only inside the kernel (a dynamic grid,
     possibly empty); the checker and simulator then need `run.plan.with_grid(...)`.
@@ -124,7 +125,7 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
     one pytree of refs per operand and the body gets one pytree of block refs per operand, shaped
     alike. Errors name a leaf by its path, e.g. `in[0]['w']`.
     `no_pipelining=True` (debug) runs one step at a time: no copy is in flight while a body runs
-    (one slot per operand; see `conveyor.pipeline.plan.plan`). An output's `pl.Buffered(1)` gives it
+    (one slot per operand; see `conveyor.plans.pipeline.plan`). An output's `pl.Buffered(1)` gives it
     one slot, its write-back awaited at once.
     `dimension_semantics` (upstream's "parallel" / "arbitrary" per grid dimension) is validated and
     only matters with a core axis, as upstream; `core_axis` / `core_axis_name` (megacore) are
@@ -190,7 +191,7 @@ def emit_pipeline_warp_specialized(
         allocations nest inside the pipeline's own, as Mosaic GPU requires of register
         accumulators. Exclusive with carry_coroutine.
     Outputs may be shared by several compute threads (each writing its part); they are stored once
-    all compute threads are done with the block. Protocol: see `conveyor.pipeline.warp`.
+    all compute threads are done with the block. Protocol: see `conveyor.plans.warp`.
     Not available on mosaic_tpu (NotImplementedError): TPU cores have no warpgroups.
     """
     mem_idx = warp.check_options(memory_registers=memory_registers, num_compute_wgs=num_compute_wgs,

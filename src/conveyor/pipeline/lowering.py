@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from conveyor.pipeline.plan import Int, OperandPlan, PipelinePlan
+from conveyor.plans.pipeline import Int, OperandPlan, PipelinePlan
 
 
 def block_view(p: PipelinePlan, op: OperandPlan, ref, step):

@@ -21,8 +21,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from conveyor._compat import is_jax_ref
 from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.lowering import block_view, call_body, when
-from conveyor.pipeline.plan import PipelinePlan
-from conveyor.pipeline.warp import WarpSpecializedPlan
+from conveyor.plans.pipeline import PipelinePlan
+from conveyor.plans.warp import WarpSpecializedPlan
 
 
 # What Mosaic GPU lets one thread block allocate on sm_90 (H100/H200): 227 KiB of the SM's 228 KB
@@ -132,7 +132,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 
 
 def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry_coroutine, compute_context=None):
-    """The warp-specialized protocol of `conveyor.pipeline.warp` in Mosaic GPU primitives."""
+    """The warp-specialized protocol of `conveyor.plans.warp` in Mosaic GPU primitives."""
     p = wp.pipeline
     n_in, n_out, n = len(p.inputs), len(p.outputs), p.num_steps
     S = p.max_concurrent_steps

@@ -16,7 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from conveyor.pipeline.lowering import block_in_bounds, block_view, call_body, first_block_view, when
-from conveyor.pipeline.plan import PipelinePlan
+from conveyor.plans.pipeline import PipelinePlan
 
 
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):

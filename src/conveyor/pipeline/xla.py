@@ -19,7 +19,7 @@ from conveyor._compat import call_as_thread
 from conveyor.kernel import poison
 from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.lowering import block_in_bounds, call_body
-from conveyor.pipeline.plan import OperandPlan, PipelinePlan
+from conveyor.plans.pipeline import OperandPlan, PipelinePlan
 from conveyor.sync import TraceTimeBarrier
 
 

@@ -26,10 +26,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from conveyor.ops.collective_matmul.ring import RingPlan
+from conveyor.plans.ring import RingPlan
 from conveyor.progress import bar as progress_bar
-from conveyor.pipeline.plan import PipelinePlan
-from conveyor.pipeline.warp import WarpSpecializedPlan
+from conveyor.plans.pipeline import PipelinePlan
+from conveyor.plans.warp import WarpSpecializedPlan
 
 
 # ---- the process model ------------------------------------------------------------------------

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from conveyor.pipeline.plan import BlockSpec, plan
-from conveyor.pipeline.warp import WarpSpecializedPlan
+from conveyor.plans.pipeline import BlockSpec, plan
+from conveyor.plans.warp import WarpSpecializedPlan
 from conveyor.sim.simulate import simulate, simulate_collective_matmul
 
 

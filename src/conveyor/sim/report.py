@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from conveyor.sim.hardware import Hardware
+from conveyor.sim.timeline import actor_order, draw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +108,7 @@ class Report:
 
     def save_trace(self, path) -> None:
         """Chrome / Perfetto trace (open in ui.perfetto.dev or chrome://tracing)."""
-        actors = sorted({b.actor for b in self.boxes}, key=_actor_order)
+        actors = sorted({b.actor for b in self.boxes}, key=actor_order)
         events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": a}}
                   for i, a in enumerate(actors)]
         tid = {a: i for i, a in enumerate(actors)}
@@ -118,13 +119,5 @@ class Report:
                        "otherData": {"workload": self.workload, "hardware": self.hardware.name}}, f)
 
     def save_png(self, path, *, max_boxes: int = 4000, title: str | None = None) -> None:
-        from conveyor.sim.timeline import draw
         draw(self, path, max_boxes=max_boxes, title=title)
 
-
-def _actor_order(actor: str):
-    order = ["memory thread", "copy engine", "thread", "compute", "link right", "link left"]
-    for i, prefix in enumerate(order):
-        if actor.startswith(prefix):
-            return (i, actor)
-    return (len(order), actor)

@@ -16,10 +16,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from conveyor import dtypes
-from conveyor.ops.collective_matmul.ring import RingPlan
+from conveyor.plans.ring import RingPlan
 from conveyor.ops.gmm.metadata import count_visits
-from conveyor.pipeline.plan import BlockSpec, PipelinePlan, plan as make_plan
-from conveyor.pipeline.warp import WarpSpecializedPlan
+from conveyor.plans.pipeline import BlockSpec, PipelinePlan, plan as make_plan
+from conveyor.plans.warp import WarpSpecializedPlan
 from conveyor.sim.hardware import Hardware, get as get_hardware
 from conveyor.sim.report import Box, Report
 

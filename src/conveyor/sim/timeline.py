@@ -14,12 +14,10 @@ def draw(report, path, *, max_boxes: int = 4000, title: str | None = None) -> No
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from conveyor.sim.report import _actor_order
-
     boxes = list(report.boxes)
     if len(boxes) > max_boxes:  # keep the first boxes: fill and steady state are what people read
         boxes = sorted(boxes, key=lambda b: b.start)[:max_boxes]
-    actors = sorted({b.actor for b in boxes}, key=_actor_order)
+    actors = sorted({b.actor for b in boxes}, key=actor_order)
     row = {a: i for i, a in enumerate(reversed(actors))}
     scale, unit = (1e6, "us") if report.time_s < 5e-3 else (1e3, "ms")
     fig, ax = plt.subplots(figsize=(12, 0.55 * len(actors) + 1.6))
@@ -49,3 +47,12 @@ def draw(report, path, *, max_boxes: int = 4000, title: str | None = None) -> No
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)
+
+
+def actor_order(actor: str):
+    """Rows in reading order: memory thread, copy engines, compute threads, links, then the rest."""
+    order = ["memory thread", "copy engine", "thread", "compute", "link right", "link left"]
+    for i, prefix in enumerate(order):
+        if actor.startswith(prefix):
+            return (i, actor)
+    return (len(order), actor)

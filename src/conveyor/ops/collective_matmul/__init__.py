@@ -1,5 +1,5 @@
 """Collective matmuls over device rings: all-gather x matmul and matmul x reduce-scatter."""
 from conveyor.ops.collective_matmul.api import all_gather_matmul, matmul_reduce_scatter
-from conveyor.ops.collective_matmul.ring import RingPlan
+from conveyor.plans.ring import RingPlan
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "RingPlan"]

@@ -14,7 +14,7 @@ from jax import lax
 from conveyor import backends
 from conveyor._compat import varying_axes
 from conveyor.ops.collective_matmul import reference, xla
-from conveyor.ops.collective_matmul.ring import RingPlan
+from conveyor.plans.ring import RingPlan
 
 AVAILABLE = ("xla", "mosaic_tpu", "reference")
 

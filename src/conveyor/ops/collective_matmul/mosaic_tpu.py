@@ -19,7 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from conveyor._compat import out_struct
-from conveyor.ops.collective_matmul.ring import RingPlan
+from conveyor.plans.ring import RingPlan
 
 
 def _remote_copy(bufs, send, recv, dst_dev, src_slot, dst_slot, axis):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-from conveyor.ops.collective_matmul.ring import RingPlan
+from conveyor.plans.ring import RingPlan
 
 
 def _shift(x, axis_name, size, direction):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from conveyor.pipeline.plan import Event, Int, PipelinePlan
+from conveyor.plans.pipeline import Event, Int, PipelinePlan
 
 # A warpgroup thread's register budget: PTX `setmaxnreg` takes multiples of 8 in [24, 256].
 MIN_REGISTERS, MAX_REGISTERS = 24, 256
