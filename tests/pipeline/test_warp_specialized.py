@@ -12,6 +12,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 import conveyor as cv
+from conveyor.plans.program import Signal, Wait
 from tests.platform import gpu_interpret
 
 BACKENDS = ["xla", "mosaic_gpu"]
@@ -204,8 +205,15 @@ def test_plan_roles_and_registers():
     wp = _simple(num_compute_wgs=2, memory_thread_idx=0, max_concurrent_steps=3, delay_release=1).plan
     assert wp.compute_threads == (1, 2) and wp.leader == 1 and wp.num_threads == 3
     assert wp.compute_registers == 232  # (512 - 40) // 2 = 236, rounded down to a multiple of 8
-    kinds = [(e.kind, e.operand, e.target_step) for e in wp.events() if e.kind in ("wait_consumed", "arrive_consumed")]
-    # 4 steps, 3 slots, lookahead 2: the fetch of step 3 refills the slot of step 0 and waits for it.
-    assert ("wait_consumed", "memory", 0) in kinds
-    assert ("arrive_consumed", "compute[1]", 0) in kinds and ("arrive_consumed", "compute[2]", 2) in kinds
-    assert not any(k == "arrive_consumed" and t == 3 for k, _, t in kinds)  # released one step late: never
+    prog = wp.program()
+    memory = [a for a in prog["memory thread"] if isinstance(a, Wait) and a.counter[0] == "consumed"]
+    # 4 steps, 3 slots, lookahead 2: the fetch of step 3 refills the slot of step 0 and waits for its
+    # release by both compute threads (phase 0 of slot 0: 2 arrivals); the drain waits for the
+    # releases of steps 1 and 2 (step 3's is never made: released one step late).
+    assert [(a.counter, a.amount) for a in memory] == [(("consumed", "shared", 0), 2), (("consumed", "shared", 1), 2),
+                                                       (("consumed", "shared", 2), 2)]
+    fetch_3 = next(i for i, a in enumerate(prog["memory thread"]) if getattr(a, "name", "") == "in[0]@step3")
+    assert prog["memory thread"][fetch_3 - 1] == memory[0]
+    for c in ("compute[1]", "compute[2]"):
+        releases = [a.counter for a in prog[c] if isinstance(a, Signal) and a.counter[0] == "consumed"]
+        assert releases == [("consumed", "shared", 0), ("consumed", "shared", 1), ("consumed", "shared", 2)]

@@ -3,10 +3,12 @@ import pytest
 
 import conveyor as cv
 from conveyor.cli import main
+from conveyor.plans.pipeline import PipelinePlan
 from conveyor.plans.ring import RingPlan
 from conveyor.plans.warp import WarpSpecializedPlan
 from conveyor.sim import check
-from conveyor.sim.check import Copy, Read, Signal, Wait, explore
+from conveyor.plans.program import Copy, Read, Signal, Wait, program
+from conveyor.sim.check import explore
 
 SPEC = cv.BlockSpec((8, 128), lambda i: (i, 0))
 BIAS = cv.BlockSpec((8, 128), lambda i: (0, 0))
@@ -35,10 +37,10 @@ def test_matmul_left_in_flight_races_without_delay_release_and_is_clean_with_it(
 
 def test_read_before_copy_completed_and_unsatisfiable_wait():
     procs = {"t": [Copy("a", writes=("slot",), signals=("landed",)), Read("slot", "body")]}
-    report = explore(procs, "missing wait")
+    report = explore(program("missing wait", procs))
     assert [f.kind for f in report.findings] == ["race"] and "before copy a into it completed" in report.findings[0].message
     procs = {"p": [Wait("never", what="a signal nobody sends")], "q": [Signal("other")]}
-    report = explore(procs, "deadlock")
+    report = explore(program("deadlock", procs))
     assert report.findings[0].kind == "deadlock" and "p waits a signal nobody sends" in report.findings[0].message
 
 
@@ -83,3 +85,53 @@ def test_cli_exit_codes(capsys):
     assert main(["check", "pipeline", "--grid", "3", "--warp-specialized", "--compute-threads", "2"]) == 0
     assert main(["check", "ring", "--devices", "3", "--unidirectional", "--no-credits"]) == 1
     assert main(["check", "ring", "--devices", "3", "--unidirectional"]) == 0
+
+
+# ---- the checker catches planted schedule bugs (its programs come from the plans' own rules) ----
+WS_A = cv.BlockSpec((8, 128), lambda i, k: (i, k))
+WS_BIAS = cv.BlockSpec((8, 128), lambda i, k: (0, 0))
+WS_OUT = cv.BlockSpec((8, 128), lambda i, k: (i, 0))
+
+
+def _warp(compute=2, mcs=3, delay=1, manual=False):
+    p = cv.pipeline.plan(grid=(2, 2), in_specs=[WS_A, WS_BIAS, WS_A], out_specs=[WS_OUT], max_concurrent_steps=mcs,
+                         delay_release=delay)
+    return WarpSpecializedPlan(p, "wg", compute, compute, 40, manual)
+
+
+@pytest.mark.parametrize("compute, mcs, delay, manual", [(1, 2, 0, False), (2, 2, 0, True), (2, 3, 1, False),
+                                                         (2, 3, 1, True), (1, 3, 2, True)])
+def test_warp_specialized_protocol_is_clean_with_invariant_inputs_and_revisited_outputs(compute, mcs, delay, manual):
+    report = check(_warp(compute, mcs, delay, manual), in_flight_steps=delay)
+    assert report.ok and report.exhaustive, str(report)
+
+
+def test_planted_warp_bugs_are_found(monkeypatch):
+    # Releasing the current step's slot instead of step s - delay_release's (issue 11's bug 1): slot
+    # 0 is never released, and the memory thread waits for it forever, as the GPU did.
+    with monkeypatch.context() as m:
+        m.setattr(WarpSpecializedPlan, "released_slot", lambda self, s: s % self.pipeline.max_concurrent_steps)
+        report = check(_warp(delay=1), in_flight_steps=1)
+    assert [f.kind for f in report.findings] == ["deadlock"], str(report)
+    assert "memory thread waits consumed barrier shared slot 0 (release of step 0)" in report.findings[0].message
+    # The memory thread never waits for a release: it overwrites slots still being read.
+    with monkeypatch.context() as m:
+        m.setattr(WarpSpecializedPlan, "refill_waits", lambda self, t: False)
+        report = check(_warp(delay=0, mcs=2))
+    assert any("refilled while still read" in f.message for f in report.findings), str(report)
+
+
+def test_planted_pipeline_and_ring_bugs_are_found(monkeypatch):
+    # fetch_step one step too far: step 3's block lands in the slot step 1 reads, and step 2's block
+    # is never fetched, so its wait never returns.
+    with monkeypatch.context() as m:
+        m.setattr(PipelinePlan, "fetch_step", lambda self, op, s: s + self.input_lookahead(op) + 1)
+        report = check(pipeline(grid=5, mcs=2))
+    messages = {f.kind: f.message for f in report.findings}
+    assert "thread waits copy in[0]@step2" in messages["deadlock"]
+    assert "reads in[0]/1 (body of step 1) before copy in[0]@step3 into it completed" in str(report)
+    # A ring that never grants the credit of a freed slot deadlocks.
+    with monkeypatch.context() as m:
+        m.setattr(RingPlan, "grants_credit_after", lambda self, t, direction="right": False)
+        report = check(RingPlan(4, False, 2))
+    assert report.findings and all(f.kind == "deadlock" for f in report.findings), str(report)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from conveyor._compat import args_reaching_outputs
 from conveyor.plans.grid import Int, unravel
+from conveyor.plans.program import Action, check_in_flight_steps, Compute, Copy, Program, Read, Wait, Write, program
 
 @dataclasses.dataclass(frozen=True)
 class BlockSpec:
@@ -366,6 +367,45 @@ class PipelinePlan:
         for (name, slot), target in in_flight.items():
             ev.append(Event(n, "wait_writeback", name, slot, target))
         return tuple(ev)
+
+
+    def program(self, in_flight_steps: int = 0) -> Program:
+        """The schedule as an event program with one actor, "thread", following `events()`.
+
+        The body of step s reads its input slots and writes its output slot. With
+        `in_flight_steps` = k, the body leaves asynchronous work reading its input slots (e.g. an
+        un-awaited matmul), and those reads end during step s + k."""
+        check_in_flight_steps(in_flight_steps)
+        acts: list[Action] = []
+        open_reads: dict[int, list[Read]] = {}
+        writebacks = {op.name: 0 for op in self.outputs}
+        for e in self.events():
+            if e.kind == "fetch":
+                acts.append(Copy(f"{e.operand}@step{e.target_step}", writes=((e.operand, e.slot),),
+                                 signals=(("landed", e.operand, e.target_step),), operand=e.operand))
+            elif e.kind == "wait_fetch":
+                acts.append(Wait(("landed", e.operand, e.target_step), what=f"copy {e.operand}@step{e.target_step}"))
+            elif e.kind == "wait_writeback":
+                acts.append(Wait(("stored", e.operand, e.target_step),
+                                 what=f"write-back {e.operand}@step{e.target_step}"))
+            elif e.kind == "compute":
+                s, tag = e.step, f"body of step {e.step}"
+                reads = [Read((op.name, self.slot(op, s)), tag) for op in self.inputs]
+                acts += reads
+                acts.append(Compute(s, tag))
+                acts += [Write((op.name, self.output_slot(op, writebacks[op.name])), tag) for op in self.outputs]
+                open_reads[s] = reads
+                acts += [dataclasses.replace(r, end=True) for r in open_reads.pop(s - in_flight_steps, [])]
+            elif e.kind == "writeback":
+                acts.append(Copy(f"{e.operand}@step{e.target_step}->hbm", writes=(("hbm", e.operand, e.target_step),),
+                                 reads=((e.operand, e.slot),), signals=(("stored", e.operand, e.target_step),),
+                                 queue="stores", operand=e.operand))
+                writebacks[e.operand] += 1
+        for reads in open_reads.values():
+            acts += [dataclasses.replace(r, end=True) for r in reads]
+        subject = (f"pipeline grid={self.grid} max_concurrent_steps={self.max_concurrent_steps} "
+                   f"delay_release={self.delay_release}{f' body in flight {in_flight_steps} step(s)' if in_flight_steps else ''}")
+        return program(subject, {"thread": acts})
 
 
 def _is_invariant(index_map: Callable, grid: tuple[int, ...], name: str, rank: int) -> bool:

@@ -2,7 +2,7 @@
 
 Pure data over ring offsets (relative to the device): every device follows the same plan, so a
 device `d` at step `t` works on the shard of device `(d + offset) % D`. Lowerings ask it for the
-permutations to issue; the checker and simulator (issue 5) replay it.
+permutations to issue; `program()` gives a stream's whole protocol to the checker.
 
 All-gather (shards travel, the product accumulates locally):
   unidirectional: step t uses the shard of device d - t (received from the left neighbour).
@@ -17,6 +17,8 @@ opposite directions (block d + 1 + t going left).
 from __future__ import annotations
 
 import dataclasses
+
+from conveyor.plans.program import Action, Compute, Copy, Program, Read, Signal, Wait, program
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +89,43 @@ class RingPlan:
         grants = self.initial_credits(direction) + sum(bool(self.grants_credit_after(s, direction)) for s in steps)
         uses = sum(bool(self.sends_at(s, direction)) for s in steps)
         return grants - uses
+
+    def program(self, direction: str = "right", credits: bool = True) -> Program:
+        """One stream of the ring as an event program, one actor per device ("dev{d}").
+
+        Each device receives into slot step % buffering, multiplies with the shard there, forwards
+        it to its downstream neighbour (a remote copy that signals the neighbour's receive
+        semaphore), and grants a credit upstream once the slot is free again. With
+        `credits=False` a device sends as soon as it has its shard, as in JAX's example ring
+        kernel whose receive semaphores are reused across steps: the checker must find the race."""
+        d = self.num_devices
+        link = "link right" if direction == "right" else "link left"
+        uses, first_credits = self.stream_uses(direction), self.initial_credits(direction)
+        actors = {}
+        for dev in range(d):
+            down, up = (dev + 1) % d, (dev - 1) % d
+            acts: list[Action] = []
+            if credits and first_credits:
+                acts.append(Signal(("credit", up), first_credits, what=f"grant {first_credits} credit(s) to dev{up}"))
+            for t in range(uses + 1):
+                slot = (dev, self.slot(t))
+                tag = f"dev{dev} multiplies the shard of step {t}"
+                if t > 0:
+                    acts.append(Wait(("recv", dev), 1, consume=True,
+                                     what=f"receive semaphore of dev{dev} (shard of step {t})"))
+                acts += [Read(slot, tag), Compute(t, tag), Read(slot, tag, end=True)]
+                if self.sends_at(t, direction):
+                    if credits:
+                        acts.append(Wait(("credit", dev), 1, consume=True, what=f"a credit from dev{down}"))
+                    acts.append(Copy(f"dev{dev}->dev{down}#{t + 1}", writes=((down, self.slot(t + 1)),), reads=(slot,),
+                                     signals=(("recv", down), ("sent", dev, t)), queue=link))
+                    acts.append(Wait(("sent", dev, t), what=f"its send of step {t}"))
+                if credits and self.grants_credit_after(t, direction):
+                    acts.append(Signal(("credit", up), what=f"a credit to dev{up}"))
+            actors[f"dev{dev}"] = acts
+        subject = (f"ring {self.collective} {direction} D={d} buffering={self.buffering}"
+                   f"{'' if credits else ' WITHOUT credits'}")
+        return program(subject, actors)
 
     def scatter_block(self, step: int, direction: str = "right") -> int:
         """Ring offset of the block a device adds into the travelling accumulator at `step`."""

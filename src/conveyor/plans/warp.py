@@ -20,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from conveyor.plans.pipeline import Event, Int, PipelinePlan
+from conveyor.plans.grid import Int
+from conveyor.plans.pipeline import PipelinePlan
+from conveyor.plans.program import Action, check_in_flight_steps, Compute, Copy, Counter, Program, Read, Signal, Wait, Write, program
 
 # A warpgroup thread's register budget: PTX `setmaxnreg` takes multiples of 8 in [24, 256].
 MIN_REGISTERS, MAX_REGISTERS = 24, 256
@@ -72,35 +74,121 @@ class WarpSpecializedPlan:
         """Whether fetching the blocks of `fetch_step` must first wait for its slot to be consumed."""
         return fetch_step >= self.pipeline.max_concurrent_steps
 
-    def events(self) -> tuple[Event, ...]:
-        """The schedule by role: the memory thread's fetches and the compute threads' steps.
+    def consumed_barriers(self) -> tuple[tuple[str, ...], dict[str, str]]:
+        """The consumed barriers: the ones a compute thread arrives on after a step, and, per
+        cycling input, the one the memory thread waits on before refilling its slot. With manual
+        barriers each input has its own (named after it). Otherwise one barrier, "shared", is
+        waited on before the first cycling input is refilled, and covers all of them."""
+        cycling = [op.name for op in self.pipeline.inputs if not op.invariant]
+        if self.manual_consumed_barriers:
+            return tuple(op.name for op in self.pipeline.inputs), {name: name for name in cycling}
+        return (("shared",), {cycling[0]: "shared"}) if cycling else ((), {})
 
-        `operand` carries the actor for protocol events ("memory", "compute[t]"); fetch events keep
-        the operand name, as in `PipelinePlan.events()`.
+    def program(self, in_flight_steps: int = 0) -> Program:
+        """The protocol the Mosaic GPU lowering runs, as an event program: "memory thread" and one actor
+        per compute thread ("compute[t]").
+
+        Barriers are counted in arrivals; phase p of a barrier with N arrivals per phase completes
+        at N * (p + 1):
+        - produced (input, slot): a copy into the slot arrives once; step s waits for phase s // slots.
+        - consumed (barrier, slot): every compute thread arrives after step s on the slot of step
+          s - delay_release. The memory thread waits for the release of step t - slots before
+          refilling for step t. After its loop it drains the releases it did not wait for, so
+          every barrier ends at a phase boundary.
+        - out_ready: at a write-back every compute thread arrives and waits. The leader first waits
+          for its previous stores, then stores the blocks once all threads have arrived.
+        `in_flight_steps`: as in `PipelinePlan.program`.
         """
         p = self.pipeline
-        p.require_static("the warp-specialized pipeline's events")
-        n, ev = p.num_steps, []
-        for op in p.inputs:
-            for t in p.prologue_steps(op):
-                ev.append(Event(-1, "fetch", op.name, p.slot(op, t), t))
+        p.require_static("the warp-specialized pipeline's program")
+        check_in_flight_steps(in_flight_steps)
+        slots = p.max_concurrent_steps
+        arrived_on, waited_on = self.consumed_barriers()
+        actors = {"memory thread": self._memory_actions(waited_on)}
+        for c in self.compute_threads:
+            actors[f"compute[{c}]"] = self._compute_actions(c, arrived_on, in_flight_steps)
+        subject = (f"warp-specialized ({self.num_compute_wgs} compute) pipeline grid={p.grid} "
+                   f"max_concurrent_steps={slots} delay_release={p.delay_release}"
+                   f"{f' body in flight {in_flight_steps} step(s)' if in_flight_steps else ''}")
+        return program(subject, actors)
+
+    def _consumed_phase(self, barrier: str, step: int) -> Wait:
+        """Wait until every compute thread released the slot of `step` on `barrier`."""
+        slots = self.pipeline.max_concurrent_steps
+        return Wait(("consumed", barrier, step % slots), self.num_compute_wgs * (step // slots + 1),
+                    what=f"consumed barrier {barrier} slot {step % slots} (release of step {step})")
+
+    def _memory_actions(self, waited_on: dict[str, str]) -> list[Action]:
+        p = self.pipeline
+        n, slots = p.num_steps, p.max_concurrent_steps
+
+        def fetch(op, t):
+            slot = p.slot(op, t)
+            return Copy(f"{op.name}@step{t}", writes=((op.name, slot),), signals=(("produced", op.name, slot),),
+                        operand=op.name)
+
+        acts: list[Action] = [fetch(op, t) for op in p.inputs for t in p.prologue_steps(op)]
         for s in range(n):
             t = p.fetch_at(s)
-            if t < n:
-                if self.refill_waits(t):
-                    ev.append(Event(s, "wait_consumed", "memory", t % p.max_concurrent_steps, t - p.max_concurrent_steps))
-                for op in p.inputs:
-                    if not op.invariant:
-                        ev.append(Event(s, "fetch", op.name, p.slot(op, t), t))
-        for c in self.compute_threads:
-            actor = f"compute[{c}]"
-            for s in range(n):
-                ev.append(Event(s, "wait_produced", actor, s % p.max_concurrent_steps, s))
-                ev.append(Event(s, "compute", actor, None, s))
-                if self.releases_after(s):
-                    ev.append(Event(s, "arrive_consumed", actor, self.released_slot(s), s - p.delay_release))
-        return tuple(ev)
+            if t >= n:
+                continue
+            for op in p.inputs:
+                if op.invariant:
+                    continue
+                if op.name in waited_on and self.refill_waits(t):
+                    acts.append(self._consumed_phase(waited_on[op.name], t - slots))
+                acts.append(fetch(op, t))
+        for barrier in waited_on.values():   # the drain loop
+            acts += [self._consumed_phase(barrier, u) for u in range(max(0, n - slots), n - p.delay_release)]
+        return acts
 
+    def _compute_actions(self, thread: int, arrived_on: tuple[str, ...], in_flight_steps: int) -> list[Action]:
+        p = self.pipeline
+        leader = thread == self.leader
+        acts: list[Action] = []
+        open_reads: dict[int, list[Read]] = {}
+        writebacks = {op.name: 0 for op in p.outputs}
+        stores: list[Counter] = []       # the leader's stores not yet awaited
+        barrier_phase = 0
+        for s in range(p.num_steps):
+            for op in p.inputs:
+                if not op.invariant or s == 0:
+                    slot = p.slot(op, s)
+                    acts.append(Wait(("produced", op.name, slot), 1 if op.invariant else s // op.num_slots + 1,
+                                     what=f"produced barrier {op.name} slot {slot} (step {s})"))
+            tag = f"compute[{thread}] body of step {s}"
+            reads = [Read((op.name, p.slot(op, s)), tag) for op in p.inputs]
+            acts += reads
+            acts.append(Compute(s, tag))
+            acts += [Write((op.name, p.output_slot(op, writebacks[op.name])), tag) for op in p.outputs]
+            open_reads[s] = reads
+            acts += [dataclasses.replace(r, end=True) for r in open_reads.pop(s - in_flight_steps, [])]
+            if self.releases_after(s):
+                slot = self.released_slot(s)
+                acts += [Signal(("consumed", b, slot), what=f"release slot {slot} (step {s - p.delay_release}) on {b}")
+                         for b in arrived_on]
+            stored = [op for op in p.outputs if p.writes_back(op, s)]
+            if not stored:
+                continue
+            if leader:
+                acts += [Wait(c, what=f"store {c[1]}@step{c[2]}") for c in stores]
+                stores.clear()
+            acts.append(Signal(("out_ready",), what=f"output barrier (step {s})"))
+            acts.append(Wait(("out_ready",), self.num_compute_wgs * (barrier_phase + 1),
+                             what=f"output barrier phase {barrier_phase} (step {s})"))
+            barrier_phase += 1
+            for op in stored:
+                if leader:
+                    done = ("stored", op.name, s)
+                    acts.append(Copy(f"{op.name}@step{s}->hbm", writes=(("hbm", op.name, s),),
+                                     reads=((op.name, p.output_slot(op, writebacks[op.name])),), signals=(done,),
+                                     queue="stores", operand=op.name))
+                    stores.append(done)
+                writebacks[op.name] += 1
+        for reads in open_reads.values():
+            acts += [dataclasses.replace(r, end=True) for r in reads]
+        acts += [Wait(c, what=f"store {c[1]}@step{c[2]}") for c in stores]
+        return acts
 
 def check_options(*, memory_registers, num_compute_wgs, wg_axis, memory_thread_idx) -> int:
     """Validate the warp-specialization options; returns the memory thread's index."""

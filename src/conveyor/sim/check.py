@@ -1,10 +1,12 @@
-"""The protocol checker: replay a plan under every interleaving and report races and deadlocks.
+"""The protocol checker: run a plan's event program under every interleaving; report races and deadlocks.
 
-A plan is turned into a few sequential processes (a pipeline's thread, a warp-specialized
-pipeline's memory and compute threads, a ring's devices) that issue asynchronous copies, wait on
-counters (copy completions, semaphores, barriers, credits), signal them, and read or write buffer
-slots. An asynchronous copy may land at any moment between its issue and its completion, so the
-checker treats that whole window as a write of its destination (and a read of its source), and
+A plan's `program()` (conveyor.plans.program) gives its actors: a pipeline's thread, a
+warp-specialized pipeline's memory and compute threads, a ring's devices. They issue asynchronous
+copies, wait on counters (copy completions, semaphores, barrier phases, credits), signal them,
+and read or write buffer slots. The checker is a plain interpreter of that program.
+
+An asynchronous copy may land at any moment between its issue and its completion, so the checker
+treats that whole window as a write of its destination (and a read of its source), and
 explores every order of process steps and copy completions (depth-first, with visited states
 remembered). Found:
 
@@ -23,56 +25,13 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from collections.abc import Sequence
 from typing import Any
 
-from conveyor.plans.ring import RingPlan
-from conveyor.progress import bar as progress_bar
 from conveyor.plans.pipeline import PipelinePlan
+from conveyor.plans.program import Action, Compute, Copy, Program, Read, Signal, Wait, Write
+from conveyor.plans.ring import RingPlan
 from conveyor.plans.warp import WarpSpecializedPlan
-
-
-# ---- the process model ------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Copy:
-    """Issue an asynchronous copy; on completion it adds 1 to each counter in `signals`."""
-    name: str
-    writes: tuple[Any, ...]
-    reads: tuple[Any, ...] = ()
-    signals: tuple[Any, ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Wait:
-    """Block until `counter` >= `amount`; consume it (a semaphore) or not (a barrier phase)."""
-    counter: Any
-    amount: int = 1
-    consume: bool = False
-    what: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Signal:
-    counter: Any
-    amount: int = 1
-    what: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Read:
-    """Begin (`end=False`) or end a read of `slot` by this process, tagged for the report."""
-    slot: Any
-    tag: str
-    end: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Write:
-    slot: Any
-    tag: str
-
-
-Action = Copy | Wait | Signal | Read | Write
+from conveyor.progress import bar as progress_bar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,10 +101,10 @@ def _unwind(trace) -> tuple[str, ...]:
     return tuple(reversed(lines))
 
 
-def explore(processes: dict[str, Sequence[Action]], subject: str, *, max_states: int = 200_000,
-            samples: int = 2_000, seed: int = 0, max_seconds: float | None = None,
-            progress: bool = False) -> CheckReport:
-    """Search the interleavings of `processes`; exhaustive up to `max_states`, then sampled.
+def explore(prog: Program, *, max_states: int = 200_000, samples: int = 2_000, seed: int = 0,
+            max_seconds: float | None = None, progress: bool = False) -> CheckReport:
+    """Search the interleavings of an event program's actors; exhaustive up to `max_states`, then
+    sampled. `Compute` actions are skipped: the reads and writes around them are what is checked.
 
     `max_seconds` bounds the whole search (both phases); when it runs out the report says so and
     holds what was found so far. `progress` draws a bar on stderr.
@@ -156,8 +115,9 @@ def explore(processes: dict[str, Sequence[Action]], subject: str, *, max_states:
         raise ValueError(f"check: max_seconds must be > 0 (or None for no time budget), got {max_seconds}")
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
     out_of_time = lambda: deadline is not None and time.monotonic() > deadline
-    names = tuple(processes)
-    progs = tuple(tuple(processes[n]) for n in names)
+    subject = prog.subject
+    names = prog.names
+    progs = tuple(tuple(a for a in actions if not isinstance(a, Compute)) for _, actions in prog.actors)
     findings: dict[tuple[str, str], Finding] = {}
 
     def enabled(state):
@@ -295,112 +255,6 @@ def explore(processes: dict[str, Sequence[Action]], subject: str, *, max_states:
                        sampled, max_seconds if timed_out else None)
 
 
-# ---- plans as processes -----------------------------------------------------------------------
-def pipeline_processes(p: PipelinePlan, in_flight_steps: int = 0) -> dict[str, list[Action]]:
-    """One thread issuing copies and running the body, following `p.events()`."""
-    acts: list[Action] = []
-    open_reads: dict[int, list[Read]] = {}
-    wb = {op.name: 0 for op in p.outputs}
-    out_slot = {op.name: p.output_slot(op, 0) for op in p.outputs}
-    for e in p.events():
-        if e.kind == "fetch":
-            acts.append(Copy(f"{e.operand}@step{e.target_step}", writes=((e.operand, e.slot),),
-                             signals=(("landed", e.operand, e.target_step),)))
-        elif e.kind == "wait_fetch":
-            acts.append(Wait(("landed", e.operand, e.target_step), what=f"copy {e.operand}@step{e.target_step}"))
-        elif e.kind == "wait_writeback":
-            acts.append(Wait(("stored", e.operand, e.target_step), what=f"write-back {e.operand}@step{e.target_step}"))
-        elif e.kind == "compute":
-            s = e.step
-            reads = [Read((op.name, p.slot(op, s)), f"body of step {s}") for op in p.inputs]
-            acts += reads
-            acts += [Write((op.name, out_slot[op.name]), f"body of step {s}") for op in p.outputs]
-            open_reads[s] = reads
-            done = s - in_flight_steps        # async work of that step is awaited now
-            if done in open_reads:
-                acts += [dataclasses.replace(r, end=True) for r in open_reads.pop(done)]
-        elif e.kind == "writeback":
-            acts.append(Copy(f"{e.operand}@step{e.target_step}->hbm", writes=(("hbm", e.operand, e.target_step),),
-                             reads=((e.operand, e.slot),), signals=(("stored", e.operand, e.target_step),)))
-            wb[e.operand] += 1
-            op = next(o for o in p.outputs if o.name == e.operand)
-            out_slot[e.operand] = p.output_slot(op, wb[e.operand])
-    for reads in open_reads.values():
-        acts += [dataclasses.replace(r, end=True) for r in reads]
-    return {"thread": acts}
-
-
-def warp_processes(wp: WarpSpecializedPlan, in_flight_steps: int = 0) -> dict[str, list[Action]]:
-    """Memory thread and compute threads with produced (copy landed) and consumed barriers."""
-    p = wp.pipeline
-    n, S = p.num_steps, p.max_concurrent_steps
-    memory: list[Action] = []
-
-    def fetch(t):
-        return [Copy(f"{op.name}@step{t}", writes=((op.name, p.slot(op, t)),), signals=(("landed", op.name, t),))
-                for op in p.inputs if not op.invariant or t == 0]
-
-    for t in range(min(p.lookahead, n)):
-        memory += fetch(t)
-    for s in range(n):
-        t = p.fetch_at(s)
-        if t < n:
-            if wp.refill_waits(t):
-                memory.append(Wait(("consumed", t - S), wp.num_compute_wgs, what=f"consumed barrier of step {t - S}"))
-            memory += [c for c in fetch(t) if c.name.split("@")[0] in {o.name for o in p.inputs if not o.invariant}]
-    procs = {"memory": memory}
-    for c in wp.compute_threads:
-        acts: list[Action] = []
-        open_reads: dict[int, list[Read]] = {}
-        for s in range(n):
-            for op in p.inputs:
-                if not op.invariant or s == 0:
-                    acts.append(Wait(("landed", op.name, 0 if op.invariant else s), what=f"produced barrier {op.name}@step{s}"))
-            reads = [Read((op.name, p.slot(op, s)), f"compute[{c}] body of step {s}") for op in p.inputs]
-            acts += reads
-            open_reads[s] = reads
-            if s - in_flight_steps in open_reads:
-                acts += [dataclasses.replace(r, end=True) for r in open_reads.pop(s - in_flight_steps)]
-            if wp.releases_after(s):
-                acts.append(Signal(("consumed", s - p.delay_release), what=f"consumed barrier of step {s - p.delay_release}"))
-        for reads in open_reads.values():
-            acts += [dataclasses.replace(r, end=True) for r in reads]
-        procs[f"compute[{c}]"] = acts
-    return procs
-
-
-def ring_processes(plan: RingPlan, direction: str = "right", credits: bool = True) -> dict[str, list[Action]]:
-    """One stream of a ring collective: each device receives into slot step % buffering, uses it,
-    forwards it to its downstream neighbour (remote copy), and grants credits upstream.
-
-    With `credits=False` a device sends as soon as it has its shard, as in JAX's example ring
-    kernel whose receive semaphores are reused across steps: the checker must find the race."""
-    d = plan.num_devices
-    uses = plan.stream_uses(direction)
-    procs = {}
-    for dev in range(d):
-        down, up = (dev + 1) % d, (dev - 1) % d
-        acts: list[Action] = []
-        if credits and plan.initial_credits(direction):
-            acts.append(Signal(("credit", up), plan.initial_credits(direction), what=f"grant {plan.initial_credits(direction)} credit(s) to dev{up}"))
-        for t in range(uses + 1):
-            slot = (dev, plan.slot(t))
-            if t > 0:
-                acts.append(Wait(("recv", dev), 1, consume=True, what=f"receive semaphore of dev{dev} (shard of step {t})"))
-            acts.append(Read(slot, f"dev{dev} multiplies the shard of step {t}"))
-            acts.append(Read(slot, f"dev{dev} multiplies the shard of step {t}", end=True))
-            if plan.sends_at(t, direction):
-                if credits:
-                    acts.append(Wait(("credit", dev), 1, consume=True, what=f"a credit from dev{down}"))
-                acts.append(Copy(f"dev{dev}->dev{down}#{t + 1}", writes=((down, plan.slot(t + 1)),), reads=(slot,),
-                                 signals=(("recv", down), ("sent", dev, t))))
-                acts.append(Wait(("sent", dev, t), what=f"its send of step {t}"))
-            if credits and plan.grants_credit_after(t, direction):
-                acts.append(Signal(("credit", up), what=f"a credit to dev{up}"))
-        procs[f"dev{dev}"] = acts
-    return procs
-
-
 def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_states: int = 200_000,
           seed: int = 0, max_seconds: float | None = None, progress: bool = False) -> CheckReport:
     """Check a `PipelinePlan`, a `WarpSpecializedPlan` or a `RingPlan` (every stream) for races and deadlocks.
@@ -420,15 +274,11 @@ def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_stat
         plan = plan.plan   # the function returned by emit_pipeline(...)
     if isinstance(plan, (PipelinePlan, WarpSpecializedPlan)):
         (plan if isinstance(plan, PipelinePlan) else plan.pipeline).require_static("cv.sim.check")
-    if isinstance(plan, PipelinePlan):
-        return explore(pipeline_processes(plan, in_flight_steps), _pipeline_subject(plan, in_flight_steps), **budget)
-    if isinstance(plan, WarpSpecializedPlan):
-        return explore(warp_processes(plan, in_flight_steps),
-                       f"warp-specialized ({plan.num_compute_wgs} compute) " + _pipeline_subject(plan.pipeline, in_flight_steps),
-                       **budget)
+    if isinstance(plan, (PipelinePlan, WarpSpecializedPlan)):
+        return explore(plan.program(in_flight_steps), **budget)
     if isinstance(plan, RingPlan):
         directions = ["right"] + (["left"] if plan.bidirectional and plan.stream_uses("left") else [])
-        reports = [explore(ring_processes(plan, dr, credits), f"ring {dr}", **budget) for dr in directions]
+        reports = [explore(plan.program(dr, credits), **budget) for dr in directions]
         subject = (f"ring {plan.collective} D={plan.num_devices} buffering={plan.buffering} "
                    f"{'bidirectional' if plan.bidirectional else 'unidirectional'}{'' if credits else ' WITHOUT credits'}")
         timed = [r.stopped_by_time for r in reports if r.stopped_by_time is not None]
@@ -437,7 +287,3 @@ def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_stat
                            sum(r.samples for r in reports), timed[0] if timed else None)
     raise TypeError(f"check: expected a PipelinePlan, WarpSpecializedPlan or RingPlan, got {type(plan).__name__}")
 
-
-def _pipeline_subject(p: PipelinePlan, k: int) -> str:
-    return (f"pipeline grid={p.grid} max_concurrent_steps={p.max_concurrent_steps} delay_release={p.delay_release}"
-            f"{f' body in flight {k} step(s)' if k else ''}")

@@ -1,10 +1,11 @@
 """Replaying plans against a hardware model to predict time and draw the timeline.
 
 One core (SM / TensorCore) is simulated: the grid of output tiles is spread over the chip's
-cores, and the busiest core's share is replayed through the pipeline plan Conveyor's kernels run
-(`PipelinePlan` rules: slots, lookahead, delay_release, resident outputs, write-backs). A copy
-occupies the copy engine for bytes / bandwidth and lands `copy_latency` later, so several copies
-in flight hide the latency; a step computes for flops / (achievable matrix rate / cores). Rings
+cores, and the busiest core's share runs the event program of the plan Conveyor's kernels run
+(`plan.program()`: slots, lookahead, delay_release, resident outputs, write-backs, barriers) on
+the timing model of `sim/timed.py`. A copy occupies the copy engine for bytes / bandwidth and
+lands `copy_latency` later, so several copies in flight hide the latency; a step computes for
+flops / (achievable matrix rate / cores). Rings
 replay the collective's ring plan: per step a chunk matmul on the whole chip (itself simulated as
 a pipelined matmul) and one shard per link direction.
 """
@@ -21,7 +22,9 @@ from conveyor.ops.gmm.metadata import count_visits
 from conveyor.plans.pipeline import BlockSpec, PipelinePlan, plan as make_plan
 from conveyor.plans.warp import WarpSpecializedPlan
 from conveyor.sim.hardware import Hardware, get as get_hardware
+from conveyor.sim import timed
 from conveyor.sim.report import Box, Report
+from conveyor.sim.timed import Timing
 
 REPLAYED_TILES = 4
 
@@ -59,111 +62,24 @@ class StepCosts:
     store_bandwidth: float   # B/s of one core's stores
 
 
-class _CopyEngine:
-    """Copies in issue order at the given bandwidth; loads and stores queue separately (a store
-    does not hold up the next fetch), each lands `copy_latency` after its transfer."""
-
-    def __init__(self, hw: Hardware, boxes: list[Box]):
-        self.free = {"loads": 0.0, "stores": 0.0}
-        self.hw, self.boxes = hw, boxes
-
-    def copy(self, issue: float, nbytes: float, bandwidth: float, label: str, queue: str = "loads") -> float:
-        """Transfer after `issue`; returns when the data has landed."""
-        start = max(issue, self.free[queue])
-        self.free[queue] = start + nbytes / bandwidth
-        self.boxes.append(Box(f"copy engine ({queue})", "copy", label, start, self.free[queue]))
-        return self.free[queue] + self.hw.copy_latency.value
-
-    @property
-    def done(self) -> float:
-        return max(self.free.values())
+def _timing(p: PipelinePlan, costs: StepCosts, hw: Hardware, warp_specialized: bool) -> Timing:
+    """The cost of each action of a pipeline's program on one core. A step's body costs its flops
+    at the core's rate plus one synchronization; a warp-specialized step's work is split over the
+    compute threads, which run at once (each at its share of the rate), so each takes as long. A
+    warp-specialized memory thread spends a quarter synchronization issuing each copy."""
+    sizes = dict(zip([op.name for op in p.inputs + p.outputs], costs.in_bytes + costs.out_bytes))
+    step_s = costs.flops / costs.compute_rate + hw.sync_latency.value
+    return Timing(copy_s=lambda c: sizes[c.operand] / (costs.store_bandwidth if c.queue == "stores"
+                                                       else costs.load_bandwidth),
+                  compute_s=lambda action, actor: step_s, latency_s=hw.copy_latency.value,
+                  issue_s=hw.sync_latency.value / 4 if warp_specialized else 0.0,
+                  signal_latency_s=hw.sync_latency.value)
 
 
-def replay_pipeline(p: PipelinePlan, costs: StepCosts, hw: Hardware, thread: str = "thread") -> tuple[float, list[Box]]:
-    """Replay a plain pipeline's events on one core: the thread issues copies and runs the body."""
-    boxes: list[Box] = []
-    engine = _CopyEngine(hw, boxes)
-    t = 0.0
-    landed: dict[tuple[str, int], float] = {}
-    stored: dict[tuple[str, int], float] = {}
-    idx = {op.name: i for i, op in enumerate(p.inputs)}
-    oidx = {op.name: i for i, op in enumerate(p.outputs)}
-    for e in p.events():
-        if e.kind == "fetch":
-            landed[(e.operand, e.target_step)] = engine.copy(t, costs.in_bytes[idx[e.operand]], costs.load_bandwidth,
-                                                             f"{e.operand} step {e.target_step}")
-        elif e.kind in ("wait_fetch", "wait_writeback"):
-            ready = (landed if e.kind == "wait_fetch" else stored)[(e.operand, e.target_step)]
-            if ready > t:
-                boxes.append(Box(thread, "wait", f"wait {e.operand}", t, ready))
-                t = ready
-        elif e.kind == "compute":
-            dur = costs.flops / costs.compute_rate + hw.sync_latency.value
-            boxes.append(Box(thread, "compute", f"step {e.step}", t, t + dur))
-            t += dur
-        elif e.kind == "writeback":
-            stored[(e.operand, e.target_step)] = engine.copy(t, costs.out_bytes[oidx[e.operand]],
-                                                             costs.store_bandwidth, f"store {e.operand}", "stores")
-    return max(t, engine.done), boxes
-
-
-def replay_warp_specialized(wp: WarpSpecializedPlan, costs: StepCosts, hw: Hardware) -> tuple[float, list[Box]]:
-    """Replay a warp-specialized pipeline: the memory thread refills a slot as soon as every compute
-    thread released it; compute threads split each step's work and run concurrently."""
-    p = wp.pipeline
-    n, S = p.num_steps, p.max_concurrent_steps
-    boxes: list[Box] = []
-    engine = _CopyEngine(hw, boxes)
-    mem_t = 0.0
-    landed: dict[int, float] = {}
-    released: dict[int, float] = {}
-    comp_t = {c: 0.0 for c in wp.compute_threads}
-    issue = hw.sync_latency.value / 4
-    cycling = [i for i, op in enumerate(p.inputs) if not op.invariant]
-
-    def fetch(step, ops):
-        nonlocal mem_t
-        done = mem_t
-        for i in ops:
-            done = max(done, engine.copy(mem_t, costs.in_bytes[i], costs.load_bandwidth, f"{p.inputs[i].name} step {step}"))
-            boxes.append(Box("memory thread", "copy", f"issue step {step}", mem_t, mem_t + issue))
-            mem_t += issue
-        landed[step] = max(landed.get(step, 0.0), done)
-
-    fetch(0, range(len(p.inputs)))
-    for t in range(1, min(p.lookahead, n)):
-        fetch(t, cycling)
-    share = costs.flops / len(wp.compute_threads)
-    rate = costs.compute_rate / len(wp.compute_threads)
-    for s in range(n):
-        ends = []
-        for c in wp.compute_threads:
-            if landed[s] > comp_t[c]:
-                boxes.append(Box(f"compute[{c}]", "wait", "wait produced", comp_t[c], landed[s]))
-                comp_t[c] = landed[s]
-            dur = share / rate + hw.sync_latency.value
-            boxes.append(Box(f"compute[{c}]", "compute", f"step {s}", comp_t[c], comp_t[c] + dur))
-            comp_t[c] += dur
-            ends.append(comp_t[c])
-        step_end = max(ends)
-        for j, op in enumerate(p.outputs):
-            if p.writes_back(op, s):   # every compute thread arrives on the output barrier, then one stores
-                for c in wp.compute_threads:
-                    if step_end > comp_t[c]:
-                        boxes.append(Box(f"compute[{c}]", "barrier", "output barrier", comp_t[c], step_end))
-                    comp_t[c] = step_end + hw.sync_latency.value
-                engine.copy(step_end, costs.out_bytes[j], costs.store_bandwidth, f"store {op.name}", "stores")
-        if wp.releases_after(s):
-            released[s - p.delay_release] = step_end
-        t = p.fetch_at(s)
-        if t < n:
-            if wp.refill_waits(t):
-                ready = released[t - S] + hw.sync_latency.value
-                if ready > mem_t:
-                    boxes.append(Box("memory thread", "wait", "wait consumed", mem_t, ready))
-                    mem_t = ready
-            fetch(t, cycling)
-    return max(max(comp_t.values()), engine.done), boxes
+def run_plan(plan: PipelinePlan | WarpSpecializedPlan, costs: StepCosts, hw: Hardware) -> tuple[float, list[Box]]:
+    """Run a pipeline's (or warp-specialized pipeline's) event program on one core."""
+    warp = isinstance(plan, WarpSpecializedPlan)
+    return timed.run(plan.program(), _timing(plan.pipeline if warp else plan, costs, hw, warp))
 
 
 # ---- workloads --------------------------------------------------------------------------------
@@ -223,9 +139,8 @@ def _matmul(m: int, k: int, n: int, *, dtype: str, hardware: str | Hardware, til
     def replay(n_tiles):
         p = _matmul_plan(n_tiles, k_steps, (bm, bn, bk), stages, delay_release)
         if warp_specialized:
-            return replay_warp_specialized(WarpSpecializedPlan(p, "wg", compute_threads, compute_threads, 40, False),
-                                           costs, hw)
-        return replay_pipeline(p, costs, hw)
+            return run_plan(WarpSpecializedPlan(p, "wg", compute_threads, compute_threads, 40, False), costs, hw)
+        return run_plan(p, costs, hw)
 
     notes = []
     if per_core > REPLAYED_TILES:
@@ -286,7 +201,7 @@ def simulate_copy(nbytes: float, *, hardware: str | Hardware = "h100", block_byt
     costs = StepCosts((block_bytes,), (block_bytes,), 0.0, 1.0, bw / 2, bw / 2)  # reads and writes share HBM
     p = make_plan(grid=(per_core,), in_specs=[BlockSpec((1,), lambda i: (i,))],
                   out_specs=[BlockSpec((1,), lambda i: (i,))], max_concurrent_steps=stages)
-    time, boxes = replay_pipeline(p, costs, hw)
+    time, boxes = run_plan(p, costs, hw)
     config = {"bytes": nbytes, "block_bytes": block_bytes, "stages": stages, "dtype": "bf16"}
     return Report("copy", hw, time, 0.0, 2 * nbytes, 0.0, int(2 * stages * block_bytes), config, tuple(boxes))
 
@@ -450,14 +365,9 @@ def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16
                          f"{hw.onchip_bytes.value / 1024:.0f} KiB per core")
     costs = StepCosts(in_bytes, out_bytes, float(flops_per_step), hw.matrix_rate(dtype) / int(hw.cores.value),
                       hw.reuse_bandwidth.value / cores, hw.hbm_bandwidth.value * hw.hbm_efficiency.value / cores)
-    if isinstance(plan, WarpSpecializedPlan):
-        time, boxes = replay_warp_specialized(plan, costs, hw)
-    else:
-        time, boxes = replay_pipeline(plan, costs, hw)
-    events = p.events()
-    fetched = sum(in_bytes[[op.name for op in p.inputs].index(e.operand)] for e in events if e.kind == "fetch")
-    stored = sum(out_bytes[[op.name for op in p.outputs].index(e.operand)] for e in events if e.kind == "writeback")
-    moved = fetched + stored
+    time, boxes = run_plan(plan, costs, hw)
+    sizes = dict(zip([op.name for op in p.inputs + p.outputs], in_bytes + out_bytes))
+    moved = sum(sizes[c.operand] for c in plan.program().copies())
     config = {"grid": list(p.grid), "max_concurrent_steps": p.max_concurrent_steps, "delay_release": p.delay_release,
               "dtype": dtype, "flops_per_step": flops_per_step, "active_cores": cores,
               "warp_specialized": isinstance(plan, WarpSpecializedPlan)}
