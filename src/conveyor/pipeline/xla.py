@@ -4,11 +4,22 @@ Each operand gets one block buffer (a fresh ref of the block's shape). At every 
 blocks are read into their buffers, the body runs on the buffers (and may touch any other ref of
 the kernel: scratch, scoped buffers, other outputs), and an output buffer is written to its array
 when the plan says so, then poisoned: it stays resident while its block index does not change.
-There is no real asynchrony on this backend (XLA:CPU runs ops in order): the plan's slots and
-fetch-ahead only matter to the Mosaic lowerings, the checker and the simulator, while the values a
-body sees are exactly those of the schedule. Out-of-bounds blocks follow `lowering`'s rule.
+There is no real asynchrony on this backend (XLA:CPU runs ops in order), so this fast path ignores
+the plan's slots and fetch-ahead; the values a body sees are exactly those of the schedule.
+
+The checked mode (`checked_schedule()`, used by the tests) runs the plan's schedule instead:
+- every slot is a real buffer;
+- an input slot is filled when the plan fetches into it, and poisoned when its step releases it;
+- the body reads the slot the plan names, and an output lives in the slot the plan names.
+So a schedule bug (a fetch one step off or into the wrong slot, a slot read after its release)
+gives wrong numbers or poison in milliseconds on CPU, where the Mosaic interpreters would hang.
+Out-of-bounds blocks follow `lowering`'s rule in both modes.
 """
 from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +29,7 @@ from jax.experimental import pallas as pl
 from conveyor._compat import call_as_thread
 from conveyor.kernel import poison
 from conveyor.pipeline import carry as carry_lib
-from conveyor.pipeline.lowering import block_in_bounds, call_body
+from conveyor.pipeline.lowering import block_in_bounds, call_body, when
 from conveyor.plans.pipeline import OperandPlan, PipelinePlan
 from conveyor.sync import TraceTimeBarrier
 
@@ -29,9 +40,31 @@ def _clamped_index(p: PipelinePlan, op: OperandPlan, step, shape):
                  for off, size, extent in zip(p.offsets(op, step), op.block_dims, shape))
 
 
-def _load(p: PipelinePlan, op: OperandPlan, gref, buf, step):
+_CHECKED = contextvars.ContextVar("conveyor_checked_schedule", default=False)
+
+
+@contextlib.contextmanager
+def checked_schedule(enabled: bool = True) -> Iterator[None]:
+    """Pipelines traced inside this block run the xla backend's checked mode (see the module
+    docstring): slower, and a schedule bug shows up as wrong values. It acts when a pipeline is
+    traced, so a function jitted earlier keeps the mode it was traced with."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"checked_schedule: enabled must be a bool, got {enabled!r}")
+    token = _CHECKED.set(enabled)
+    try:
+        yield
+    finally:
+        _CHECKED.reset(token)
+
+
+def _block(p: PipelinePlan, op: OperandPlan, gref, step):
+    """`op`'s block at `step` as a value of the body's block shape (zeros when out of bounds)."""
     block = gref[_clamped_index(p, op, step, gref.shape)].reshape(op.ref_shape)
-    buf[...] = jnp.where(block_in_bounds(p, op, step, gref.shape), block, jnp.zeros_like(block))
+    return jnp.where(block_in_bounds(p, op, step, gref.shape), block, jnp.zeros_like(block))
+
+
+def _load(p: PipelinePlan, op: OperandPlan, gref, buf, step):
+    buf[...] = _block(p, op, gref, step)
 
 
 def _store(p: PipelinePlan, op: OperandPlan, gref, buf, step, when):
@@ -42,6 +75,8 @@ def _store(p: PipelinePlan, op: OperandPlan, gref, buf, step, when):
 
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
     """Run `body(indices, *in_block_refs, *out_block_refs[, carry])` over the plan's steps."""
+    if _CHECKED.get():
+        return _run_checked(p, body, in_refs, out_refs, init_carry, has_carry)
     n_in = len(p.inputs)
     # Fresh refs (not pl.run_scoped, whose XLA lowering fails when the body is itself inside a
     # user's run_scoped and touches that buffer).
@@ -60,6 +95,50 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         return carry
 
     carry = lax.fori_loop(0, p.num_steps, step, init_carry)
+    return carry if has_carry else None
+
+
+def _run_checked(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
+    """`run_pipeline` in the checked mode: the plan's slots as buffers, filled and poisoned on its schedule."""
+    in_slots = [jax.new_ref(poison((op.num_slots, *op.ref_shape), r.dtype)) for op, r in zip(p.inputs, in_refs)]
+    out_slots = [jax.new_ref(poison((op.num_slots, *op.ref_shape), r.dtype)) for op, r in zip(p.outputs, out_refs)]
+    views = [jax.new_ref(poison(op.ref_shape, r.dtype)) for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))]
+
+    def fetch(op, gref, slots, t):
+        slots[p.slot(op, t)] = _block(p, op, gref, t)
+
+    for op, gref, slots in zip(p.inputs, in_refs, in_slots):
+        for t in p.prologue_steps(op):
+            when(p.before_end(t), lambda op=op, gref=gref, slots=slots, t=t: fetch(op, gref, slots, t))
+
+    def step(s, state):
+        counts, carry = state
+        out_at = [p.output_slot(op, c) for op, c in zip(p.outputs, counts)]
+        for op, slots, view in zip(p.inputs, in_slots, views):
+            view[...] = slots[p.slot(op, s)]
+        for slots, at, view in zip(out_slots, out_at, views[len(p.inputs):]):
+            view[...] = slots[at]
+        carry = call_body(body, p.grid_indices(s), views, carry, has_carry)
+        new_counts = []
+        for op, gref, slots, at, view, c in zip(p.outputs, out_refs, out_slots, out_at, views[len(p.inputs):], counts):
+            written = p.writes_back(op, s)
+            _store(p, op, gref, view, s, written)
+            # A written-back slot is free: poisoned, it holds nothing a later step may rely on.
+            slots[at] = jnp.where(written, poison(view.shape, view.dtype), view[...])
+            new_counts.append(c + jnp.where(written, 1, 0).astype(jnp.int32))
+        for op, gref, slots in zip(p.inputs, in_refs, in_slots):
+            if op.invariant:
+                continue
+            # Step s - delay_release is done with its slot: poison it, then the plan refills it.
+            released = s - p.delay_release
+            when(released >= 0, lambda op=op, slots=slots, r=released: slots.__setitem__(
+                p.slot(op, jnp.maximum(r, 0)), poison(op.ref_shape, slots.dtype)))
+            t = p.fetch_step(op, s)
+            when(t < p.num_steps, lambda op=op, gref=gref, slots=slots, t=t: fetch(op, gref, slots, t))
+        return tuple(new_counts), carry
+
+    counts0 = tuple(jnp.int32(0) for _ in p.outputs)
+    _, carry = lax.fori_loop(0, p.num_steps, step, (counts0, init_carry))
     return carry if has_carry else None
 
 
