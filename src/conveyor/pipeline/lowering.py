@@ -8,14 +8,46 @@ copies. Block shapes divide the arrays, so a block is either wholly inside or wh
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from conveyor.plans.pipeline import Int, OperandPlan, PipelinePlan
 
+_RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("conveyor_lowering_record", default=None)
+
+
+@contextlib.contextmanager
+def record_issued() -> Iterator[list[tuple[int, str, str, int, int]]]:
+    """Record, while the kernel runs, the copies and waits that a Mosaic lowering traced in this
+    block issues, as (at, kind, operand, slot, step) tuples:
+    - `at`: the grid step during which it is issued (-1: the prologue; num_steps: the epilogue);
+    - `kind`: one of the plan's event kinds ("fetch", "wait_fetch", "writeback", "wait_writeback");
+    - `step`: the grid step whose block moves, or -1 where the lowering does not know it (a wait
+      for an earlier write-back).
+    This is for conformance tests against `PipelinePlan.events()`. The records come from
+    unordered debug callbacks (Pallas interpreters refuse ordered ones), so their order within one
+    `at` is not meaningful. When not recording, `issued` adds nothing to the kernel."""
+    log: list[tuple[int, str, str, int, int]] = []
+    token = _RECORDING.set(log)
+    try:
+        yield log
+    finally:
+        _RECORDING.reset(token)
+
+
+def issued(at: Int, kind: str, op: OperandPlan, slot: Int, step: Int = -1) -> None:
+    """Report one copy or wait the lowering issues during grid step `at` (see `record_issued`)."""
+    log = _RECORDING.get()
+    if log is not None:
+        jax.debug.callback(lambda a, sl, st: log.append((int(a), kind, op.name, int(sl), int(st))),
+                           *(jnp.asarray(v, jnp.int32) for v in (at, slot, step)))
 
 def block_view(p: PipelinePlan, op: OperandPlan, ref, step):
     """The global-memory view of `op`'s block at `step`; squeezed dims are indexed by an integer."""

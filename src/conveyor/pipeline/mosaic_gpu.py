@@ -20,7 +20,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conveyor._compat import is_jax_ref
 from conveyor.pipeline import carry as carry_lib
-from conveyor.pipeline.lowering import block_view, call_body, when
+from conveyor.pipeline.lowering import block_view, call_body, issued, when
 from conveyor.plans.pipeline import PipelinePlan
 from conveyor.plans.warp import WarpSpecializedPlan
 
@@ -62,8 +62,10 @@ def _await_blocks(p: PipelinePlan, s, produced, in_bufs, out_bufs, wb_counts):
         if op.invariant:
             @pl.when(s == 0)
             def _():
+                issued(s, "wait_fetch", op, 0, 0)
                 plgpu.barrier_wait(produced[i].at[0])
         else:
+            issued(s, "wait_fetch", op, p.slot(op, s), s)
             plgpu.barrier_wait(produced[i].at[p.slot(op, s)])
     in_blocks = [in_bufs[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
     out_blocks = [out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
@@ -83,14 +85,15 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         out_bufs = args[n_in:n_in + n_out]
         barriers = args[n_in + n_out:]
 
-        def fetch(i, step):
+        def fetch(i, step, at):
             op = p.inputs[i]
             slot = p.slot(op, step)
+            issued(at, "fetch", op, slot, step)
             plgpu.copy_gmem_to_smem(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], barriers[i].at[slot])
 
         for i, op in enumerate(p.inputs):  # prologue (a dynamic grid may have fewer steps)
             for t in p.prologue_steps(op):
-                when(p.before_end(t), lambda i=i, t=t: fetch(i, t))
+                when(p.before_end(t), lambda i=i, t=t: fetch(i, t, -1))
 
         def step(s, state):
             wb_counts, carry = state
@@ -106,6 +109,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 
                 @pl.when(wb)
                 def _():
+                    issued(s, "writeback", op, p.output_slot(op, w), s)
                     plgpu.copy_smem_to_gmem(out_bufs[j].at[p.output_slot(op, w)], block_view(p, op, out_refs[j], s),
                                             commit_group=False)
 
@@ -118,7 +122,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
             for i, op in enumerate(p.inputs):  # each input fetches its own lookahead ahead
                 if not op.invariant:
                     t = p.fetch_step(op, s)
-                    when(t < n, lambda i=i, t=t: fetch(i, jnp.minimum(t, n - 1)))
+                    when(t < n, lambda i=i, t=t: fetch(i, jnp.minimum(t, n - 1), s))
 
             return tuple(new_counts), carry
 
@@ -163,9 +167,10 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
         else:
             wait_before = {cycling[0]: consumed[0]} if cycling else {}
 
-        def fetch(i, step):
+        def fetch(i, step, at):
             op = p.inputs[i]
             slot = p.slot(op, step)
+            issued(at, "fetch", op, slot, step)
             plgpu.copy_gmem_to_smem(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], produced[i].at[slot])
 
         @pl.when(tid == wp.memory_thread_idx)
@@ -173,7 +178,7 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
             plgpu.set_max_registers(wp.memory_registers, action="decrease")
             for i, op in enumerate(p.inputs):
                 for t in p.prologue_steps(op):
-                    when(p.before_end(t), lambda i=i, t=t: fetch(i, t))
+                    when(p.before_end(t), lambda i=i, t=t: fetch(i, t, -1))
 
             def step(s, _):
                 t = p.fetch_at(s)
@@ -189,7 +194,7 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
                                 # Order the compute threads' reads of the slot (generic proxy)
                                 # before the TMA write into it (async proxy).
                                 plgpu.commit_smem()
-                        fetch(i, tt)
+                        fetch(i, tt, s)
                 return None
 
             lax.fori_loop(0, n, step, None)
@@ -245,6 +250,7 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
                             for j, op in enumerate(p.outputs):
                                 @pl.when(wbs[j])
                                 def _():
+                                    issued(s, "writeback", op, p.output_slot(op, wb_counts[j]), s)
                                     plgpu.copy_smem_to_gmem(out_bufs[j].at[p.output_slot(op, wb_counts[j])],
                                                             block_view(p, op, out_refs[j], s), commit_group=False)
                             plgpu.commit_smem_to_gmem_group()

@@ -15,7 +15,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from conveyor.pipeline.lowering import block_in_bounds, block_view, call_body, first_block_view, when
+from conveyor.pipeline.lowering import block_in_bounds, block_view, call_body, first_block_view, issued, when
 from conveyor.plans.pipeline import PipelinePlan
 
 
@@ -38,10 +38,11 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         def in_bounds(ops, refs, k, step):
             return block_in_bounds(p, ops[k], step, refs[k].shape)
 
-        def start_fetch(i, step):
+        def start_fetch(i, step, at):
             op, slot = p.inputs[i], p.slot(p.inputs[i], step)
 
             def copy():
+                issued(at, "fetch", op, slot, step)
                 pltpu.make_async_copy(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot],
                                       in_sems.at[i, slot]).start()
 
@@ -51,9 +52,11 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 
         def wait_fetch(i, step):
             op, slot = p.inputs[i], p.slot(p.inputs[i], step)
-            when(in_bounds(p.inputs, in_refs, i, step),
-                  lambda: pltpu.make_async_copy(first_block_view(op, in_refs[i]), in_bufs[i].at[slot],
-                                                in_sems.at[i, slot]).wait())
+
+            def wait():
+                issued(step, "wait_fetch", op, slot, step)
+                pltpu.make_async_copy(first_block_view(op, in_refs[i]), in_bufs[i].at[slot], in_sems.at[i, slot]).wait()
+            when(in_bounds(p.inputs, in_refs, i, step), wait)
 
         def writeback(j, slot, step=None):
             """The write-back DMA of output j's `slot` to its block at `step` (None: a descriptor to wait on)."""
@@ -61,9 +64,17 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
             dst = first_block_view(op, out_refs[j]) if step is None else block_view(p, op, out_refs[j], step)
             return pltpu.make_async_copy(out_bufs[j].at[slot], dst, out_sems.at[j, slot])
 
+        def start_writeback(j, slot, step):
+            issued(step, "writeback", p.outputs[j], slot, step)
+            writeback(j, slot, step).start()
+
+        def wait_writeback(j, slot, at):
+            issued(at, "wait_writeback", p.outputs[j], slot)
+            writeback(j, slot).wait()
+
         for i, op in enumerate(p.inputs):  # prologue (a dynamic grid may have fewer steps)
             for t in p.prologue_steps(op):
-                when(p.before_end(t), lambda i=i, t=t: start_fetch(i, t))
+                when(p.before_end(t), lambda i=i, t=t: start_fetch(i, t, -1))
 
         def step(s, state):
             wb_counts, started, carry = state
@@ -80,28 +91,28 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
                 w, slot = wb_counts[j], p.output_slot(op, wb_counts[j])
                 wb = jnp.asarray(p.writes_back(op, s))
                 inside = jnp.logical_and(wb, in_bounds(p.outputs, out_refs, j, s))
-                when(inside, lambda j=j, slot=slot: writeback(j, slot, s).start())
+                when(inside, lambda j=j, slot=slot: start_writeback(j, slot, s))
                 if op.num_slots == 1:
                     # the body writes this same slot next: wait for the write-back at once
-                    when(inside, lambda j=j, slot=slot: writeback(j, slot).wait())
+                    when(inside, lambda j=j, slot=slot: wait_writeback(j, slot, s))
                     new_started.append(started[j])  # nothing left in flight for the epilogue
                 else:
                     # the slot used next was last written back by write-back w - 1: wait for it, if it ran
                     when(jnp.logical_and(wb, jnp.logical_and(w >= 1, started[j])),
-                         lambda j=j, slot=slot: writeback(j, 1 - slot).wait())
+                         lambda j=j, slot=slot: wait_writeback(j, 1 - slot, s))
                     new_started.append(jnp.where(wb, inside, started[j]))
                 new_counts.append(w + wb.astype(jnp.int32))
             for i, op in enumerate(p.inputs):  # each input fetches its own lookahead ahead
                 if not op.invariant:
                     t = p.fetch_step(op, s)
-                    when(t < n, lambda i=i, t=t: start_fetch(i, jnp.minimum(t, n - 1)))
+                    when(t < n, lambda i=i, t=t: start_fetch(i, jnp.minimum(t, n - 1), s))
             return tuple(new_counts), tuple(new_started), carry
 
         counts0 = tuple(jnp.int32(0) for _ in p.outputs)
         started0 = tuple(jnp.bool_(False) for _ in p.outputs)
         counts, started, carry = lax.fori_loop(0, n, step, (counts0, started0, init_carry))
         for j, op in enumerate(p.outputs):  # epilogue: the last write-back may still be in flight
-            when(started[j], lambda j=j, op=op: writeback(j, p.output_slot(op, counts[j] - 1)).wait())
+            when(started[j], lambda j=j, op=op: wait_writeback(j, p.output_slot(op, counts[j] - 1), n))
         return carry
 
     return pl.run_scoped(scoped, *scratch)

@@ -331,9 +331,9 @@ class PipelinePlan:
     def events(self) -> tuple[Event, ...]:
         """The whole schedule with concrete steps (for the checker and the simulator).
 
-        Per step: wait for the inputs' copies; wait for the write-back that last used each output
-        slot the body is about to write; compute; issue write-backs; issue the next fetches.
-        The epilogue waits for the write-backs still in flight."""
+        Per step: wait for the inputs' copies; compute; issue write-backs, each followed by the
+        wait for the write-back that last used the output's other slot (the one the body writes
+        next); issue the next fetches. The epilogue waits for the write-backs still in flight."""
         self.require_static("the pipeline's events")
         ev: list[Event] = []
         n = self.num_steps
@@ -346,10 +346,6 @@ class PipelinePlan:
             for op in self.inputs:
                 if not op.invariant or s == 0:
                     ev.append(Event(s, "wait_fetch", op.name, self.slot(op, s), s))
-            for op in self.outputs:
-                key = (op.name, self.output_slot(op, wb_count[op.name]))
-                if key in in_flight:
-                    ev.append(Event(s, "wait_writeback", op.name, key[1], in_flight.pop(key)))
             ev.append(Event(s, "compute", None, None, s))
             for op in self.outputs:
                 if self.writes_back(op, s):
@@ -360,6 +356,11 @@ class PipelinePlan:
                     else:
                         in_flight[(op.name, slot)] = s
                     wb_count[op.name] += 1
+                    # The body writes the other slot next: its write-back is awaited now, as the
+                    # lowerings do (at most one write-back per output stays in flight).
+                    following = (op.name, self.output_slot(op, wb_count[op.name]))
+                    if following in in_flight and following[1] != slot:
+                        ev.append(Event(s, "wait_writeback", op.name, following[1], in_flight.pop(following)))
             for op in self.inputs:
                 t = self.fetch_step(op, s)
                 if not op.invariant and t < n:
