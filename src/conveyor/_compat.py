@@ -4,6 +4,9 @@ Everything else in Conveyor imports these names from here, so a JAX upgrade is m
 """
 from __future__ import annotations
 
+import threading
+import time
+
 from jax._src import config as _config  # the check_vma switch, for lowering per-device code
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -427,6 +430,7 @@ def interpreter_races_raise() -> None:
     cls._conveyor_raises = True
 
 
+_WAIT_DEADLINE = {"seconds": 0.0}   # set by interpreter_wait_deadline
 _SEMAPHORE_LEAKS: list[str] = []
 
 
@@ -453,6 +457,45 @@ def record_interpreter_semaphore_leaks() -> None:
 
     cls.get_sempahores_with_nonzero_count = recording
     cls._conveyor_records_leaks = True
+
+
+def interpreter_wait_deadline(seconds: float) -> None:
+    """Make a Pallas TPU interpreter semaphore wait that is still blocked after `seconds` raise.
+
+    A semaphore that nothing will ever signal (a DMA never started, a signal never sent) makes
+    the interpreter wait forever. After the deadline, the wait raises instead, naming the core,
+    the semaphore and the count it waits for, and the kernel call fails with that message. The
+    interpreter's wait loop polls `SharedMemory.check_failed` every 0.1 s while it blocks; the
+    deadline is checked there, in the waiting thread. Setting it again only changes `seconds`.
+    """
+    if not seconds > 0:
+        raise ValueError(f"interpreter_wait_deadline: seconds must be > 0, got {seconds!r}")
+    from jax._src.pallas.mosaic.interpret import shared_memory as sm
+    _WAIT_DEADLINE["seconds"] = float(seconds)
+    if getattr(sm.Semaphore, "_conveyor_deadline", False):
+        return
+    waiting = threading.local()
+    original_wait, original_check = sm.Semaphore.wait, sm.SharedMemory.check_failed
+
+    def wait(self, value, global_core_id, *args, **kwargs):
+        waiting.since, waiting.what = time.monotonic(), (self.id, value, int(global_core_id))
+        try:
+            return original_wait(self, value, global_core_id, *args, **kwargs)
+        finally:
+            waiting.since = None
+
+    def check_failed(self):
+        original_check(self)
+        since, limit = getattr(waiting, "since", None), _WAIT_DEADLINE["seconds"]
+        if since is not None and time.monotonic() - since > limit:
+            sem, value, core = waiting.what
+            waiting.since = None
+            raise RuntimeError(f"Pallas TPU interpreter: core {core} waited {limit:g} s on semaphore {sem} for a count "
+                               f"of {value}, and nothing signals it: a DMA never started or a signal never sent "
+                               f"(a deadlock; cv.sim.check finds schedule deadlocks with a trace)")
+
+    sm.Semaphore.wait, sm.SharedMemory.check_failed = wait, check_failed
+    sm.Semaphore._conveyor_deadline = True
 
 
 def take_interpreter_semaphore_leaks() -> list[str]:
@@ -487,4 +530,4 @@ def reset_interpreter_state() -> None:
 
 __all__ += ["gpu_kernel_options", "gpu_kernel_takes_cost_estimate", "interpreter_races_raise",
             "avoid_interpreter_dispatch_deadlock", "reset_interpreter_state",
-            "record_interpreter_semaphore_leaks", "take_interpreter_semaphore_leaks"]
+            "record_interpreter_semaphore_leaks", "take_interpreter_semaphore_leaks", "interpreter_wait_deadline"]

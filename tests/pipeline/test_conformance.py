@@ -21,8 +21,9 @@ from conveyor.pipeline.lowering import record_issued
 from tests.platform import gpu_interpret
 
 # Each case runs in about a second; a lowering that waits for a copy it never issued hangs its
-# interpreter, and this deadline turns that into a failure with every thread's stack.
-pytestmark = pytest.mark.timeout(60)
+# interpreter: the TPU interpreter's wait deadline (tests/conftest.py, 60 s) fails it first, and
+# this one catches the GPU interpreter, which has none (it fails the run with every stack).
+pytestmark = pytest.mark.timeout(120)
 
 B = (8, 128)
 X = cv.BlockSpec(B, lambda i, k: (i, k))
