@@ -370,6 +370,17 @@ class PipelinePlan:
         return tuple(ev)
 
 
+    def body_actions(self, step: int, tag: str, writebacks: dict[str, int], open_reads: dict[int, list[Read]],
+                     in_flight_steps: int) -> list[Action]:
+        """The body of `step` in a program: it reads its input slots, computes and writes its output
+        slots (per output, the slot of its write-back count so far). The reads of step
+        `step - in_flight_steps` end here; `open_reads` keeps the ones still open."""
+        reads = [Read((op.name, self.slot(op, step)), tag) for op in self.inputs]
+        acts: list[Action] = [*reads, Compute(step, tag)]
+        acts += [Write((op.name, self.output_slot(op, writebacks[op.name])), tag) for op in self.outputs]
+        open_reads[step] = reads
+        return acts + [dataclasses.replace(r, end=True) for r in open_reads.pop(step - in_flight_steps, [])]
+
     def program(self, in_flight_steps: int = 0) -> Program:
         """The schedule as an event program with one actor, "thread", following `events()`.
 
@@ -390,13 +401,7 @@ class PipelinePlan:
                 acts.append(Wait(("stored", e.operand, e.target_step),
                                  what=f"write-back {e.operand}@step{e.target_step}"))
             elif e.kind == "compute":
-                s, tag = e.step, f"body of step {e.step}"
-                reads = [Read((op.name, self.slot(op, s)), tag) for op in self.inputs]
-                acts += reads
-                acts.append(Compute(s, tag))
-                acts += [Write((op.name, self.output_slot(op, writebacks[op.name])), tag) for op in self.outputs]
-                open_reads[s] = reads
-                acts += [dataclasses.replace(r, end=True) for r in open_reads.pop(s - in_flight_steps, [])]
+                acts += self.body_actions(e.step, f"body of step {e.step}", writebacks, open_reads, in_flight_steps)
             elif e.kind == "writeback":
                 acts.append(Copy(f"{e.operand}@step{e.target_step}->hbm", writes=(("hbm", e.operand, e.target_step),),
                                  reads=((e.operand, e.slot),), signals=(("stored", e.operand, e.target_step),),

@@ -22,7 +22,7 @@ from typing import Any
 
 from conveyor.plans.grid import Int
 from conveyor.plans.pipeline import PipelinePlan
-from conveyor.plans.program import Action, check_in_flight_steps, Compute, Copy, Counter, Program, Read, Signal, Wait, Write, program
+from conveyor.plans.program import Action, check_in_flight_steps, Copy, Counter, Program, Read, Signal, Wait, program
 
 # A warpgroup thread's register budget: PTX `setmaxnreg` takes multiples of 8 in [24, 256].
 MIN_REGISTERS, MAX_REGISTERS = 24, 256
@@ -156,13 +156,7 @@ class WarpSpecializedPlan:
                     slot = p.slot(op, s)
                     acts.append(Wait(("produced", op.name, slot), 1 if op.invariant else s // op.num_slots + 1,
                                      what=f"produced barrier {op.name} slot {slot} (step {s})"))
-            tag = f"compute[{thread}] body of step {s}"
-            reads = [Read((op.name, p.slot(op, s)), tag) for op in p.inputs]
-            acts += reads
-            acts.append(Compute(s, tag))
-            acts += [Write((op.name, p.output_slot(op, writebacks[op.name])), tag) for op in p.outputs]
-            open_reads[s] = reads
-            acts += [dataclasses.replace(r, end=True) for r in open_reads.pop(s - in_flight_steps, [])]
+            acts += p.body_actions(s, f"compute[{thread}] body of step {s}", writebacks, open_reads, in_flight_steps)
             if self.releases_after(s):
                 slot = self.released_slot(s)
                 acts += [Signal(("consumed", b, slot), what=f"release slot {slot} (step {s - p.delay_release}) on {b}")
