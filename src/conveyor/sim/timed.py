@@ -57,7 +57,7 @@ def run(prog: Program, timing: Timing) -> tuple[float, list[Box]]:
         heapq.heappush(pending, (time, seq, tuple(keys), amount))
         seq += 1
 
-    def try_wait(i: int, w: Wait) -> bool:
+    def try_wait(w: Wait) -> bool:
         if counters.get(w.counter, 0) < w.amount:
             return False
         if w.consume:
@@ -68,7 +68,7 @@ def run(prog: Program, timing: Timing) -> tuple[float, list[Box]]:
         """Run actor i's next action at its clock (it may block on a Wait)."""
         a = actions[i][pc[i]]
         if isinstance(a, Wait):
-            if not try_wait(i, a):
+            if not try_wait(a):
                 blocked_since[i] = clock[i]
                 return
         elif isinstance(a, Copy):
@@ -92,7 +92,7 @@ def run(prog: Program, timing: Timing) -> tuple[float, list[Box]]:
 
     def wake(time: float) -> None:
         for i, since in enumerate(blocked_since):
-            if since is not None and try_wait(i, actions[i][pc[i]]):
+            if since is not None and try_wait(actions[i][pc[i]]):
                 boxes.append(Box(names[i], "wait", actions[i][pc[i]].what or "wait", since, time))
                 clock[i] = max(clock[i], time)
                 blocked_since[i] = None
