@@ -49,6 +49,7 @@ def issued(at: Int, kind: str, op: OperandPlan, slot: Int, step: Int = -1) -> No
         jax.debug.callback(lambda a, sl, st: log.append((int(a), kind, op.name, int(sl), int(st))),
                            *(jnp.asarray(v, jnp.int32) for v in (at, slot, step)))
 
+
 def block_view(p: PipelinePlan, op: OperandPlan, ref, step):
     """The global-memory view of `op`'s block at `step`; squeezed dims are indexed by an integer."""
     return _view(op, ref, p.offsets(op, step))

@@ -24,7 +24,6 @@ so a wait for phase p waits for that count.
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Any
 
@@ -108,22 +107,6 @@ class Program:
     def copies(self) -> tuple[Copy, ...]:
         """Every copy of every actor, in actor order then issue order."""
         return tuple(a for _, actions in self.actors for a in actions if isinstance(a, Copy))
-
-    def summary(self) -> dict[str, collections.Counter]:
-        """Per actor, how many actions of each kind it has: copies by queue, waits and signals by
-        counter kind (the first element of the counter)."""
-        out = {}
-        for name, actions in self.actors:
-            c: collections.Counter = collections.Counter()
-            for a in actions:
-                if isinstance(a, Copy):
-                    c[f"copy {a.queue}"] += 1
-                elif isinstance(a, (Wait, Signal)):
-                    c[f"{type(a).__name__.lower()} {a.counter[0]}"] += 1
-                else:
-                    c[type(a).__name__.lower()] += 1
-            out[name] = c
-        return out
 
 
 def program(subject: str, actors: dict[str, list[Action]]) -> Program:

@@ -365,9 +365,10 @@ def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16
                          f"{hw.onchip_bytes.value / 1024:.0f} KiB per core")
     costs = StepCosts(in_bytes, out_bytes, float(flops_per_step), hw.matrix_rate(dtype) / int(hw.cores.value),
                       hw.reuse_bandwidth.value / cores, hw.hbm_bandwidth.value * hw.hbm_efficiency.value / cores)
-    time, boxes = run_plan(plan, costs, hw)
+    prog = plan.program()   # built once: run, then counted
+    time, boxes = timed.run(prog, _timing(p, costs, hw, isinstance(plan, WarpSpecializedPlan)))
     sizes = dict(zip([op.name for op in p.inputs + p.outputs], in_bytes + out_bytes))
-    moved = sum(sizes[c.operand] for c in plan.program().copies())
+    moved = sum(sizes[c.operand] for c in prog.copies())
     config = {"grid": list(p.grid), "max_concurrent_steps": p.max_concurrent_steps, "delay_release": p.delay_release,
               "dtype": dtype, "flops_per_step": flops_per_step, "active_cores": cores,
               "warp_specialized": isinstance(plan, WarpSpecializedPlan)}
