@@ -183,9 +183,9 @@ def _check(args) -> int:
     budget = dict(max_states=args.max_states, max_seconds=args.max_seconds,
                   progress=sys.stderr.isatty() if args.progress is None else args.progress)
     if args.which == "ring":
-        from conveyor.plans.ring import RingPlan
-        plan = RingPlan(args.devices, not args.unidirectional, args.buffering,
-                        collective="scatter" if args.scatter else "gather")
+        from conveyor.plans.ring import ring_plan
+        plan = ring_plan(collective="scatter" if args.scatter else "gather", num_devices=args.devices,
+                         bidirectional=not args.unidirectional, buffering=args.buffering)
         report = sim.check(plan, credits=not args.no_credits, **budget)
     else:
         from conveyor.pipeline import BlockSpec, plan as make_plan

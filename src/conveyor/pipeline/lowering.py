@@ -42,11 +42,13 @@ def record_issued() -> Iterator[list[tuple[int, str, str, int, int]]]:
         _RECORDING.reset(token)
 
 
-def issued(at: Int, kind: str, op: OperandPlan, slot: Int, step: Int = -1) -> None:
-    """Report one copy or wait the lowering issues during grid step `at` (see `record_issued`)."""
+def issued(at: Int, kind: str, op: OperandPlan | str, slot: Int, step: Int = -1) -> None:
+    """Report one copy or wait the lowering issues during grid step `at` (see `record_issued`).
+    `op` is an operand (its name is recorded) or a name, e.g. a ring kernel's stream direction."""
     log = _RECORDING.get()
     if log is not None:
-        jax.debug.callback(lambda a, sl, st: log.append((int(a), kind, op.name, int(sl), int(st))),
+        name = op if isinstance(op, str) else op.name
+        jax.debug.callback(lambda a, sl, st: log.append((int(a), kind, name, int(sl), int(st))),
                            *(jnp.asarray(v, jnp.int32) for v in (at, slot, step)))
 
 

@@ -80,9 +80,11 @@ class Write:
 @dataclasses.dataclass(frozen=True)
 class Compute:
     """The body's work at grid step `step` (ring: the chunk matmul of a ring step). It costs time in
-    the simulator. The checker skips it: the Reads and Writes around it are what it checks."""
+    the simulator. The checker skips it: the Reads and Writes around it are what it checks.
+    `stream` names which of a step's computations it is (a ring direction), for the timing."""
     step: int
     tag: str
+    stream: str = ""
 
 
 Action = Copy | Wait | Signal | Read | Write | Compute

@@ -1,8 +1,13 @@
-"""The ring plan of a collective matmul: which shard each device holds, sends and uses at each step.
+"""The ring plan of a collective matmul: per grid step and per stream, what every device receives,
+multiplies, forwards and frees.
 
 Pure data over ring offsets (relative to the device): every device follows the same plan, so a
-device `d` at step `t` works on the shard of device `(d + offset) % D`. Lowerings ask it for the
-permutations to issue; `program()` gives a stream's whole protocol to the checker.
+device `d` at step `t` works on the shard of device `(d + offset) % D`. The plan gives:
+- `steps()`: one `RingStep` record per (grid step, stream). The TPU ring kernels read these
+  records as a table, one row per step (`step_table`), so the kernel does what the records say;
+- `phases()`: the order of a step's operations, the same at every step;
+- `program()`: the records in that order, per device, as an event program for the checker and
+  the simulator.
 
 All-gather (shards travel, the product accumulates locally):
   unidirectional: step t uses the shard of device d - t (received from the left neighbour).
@@ -13,12 +18,17 @@ Reduce-scatter (partial sums travel): the accumulator for block j starts at devi
 right, so at step t device d adds its partial for block d - 1 - t and passes it on; after D - 1
 hops it arrives at device j. Bidirectional splits the output columns in two halves that travel in
 opposite directions (block d + 1 + t going left).
+
+Flow control: each stream has `buffering` receive slots per device; a device writes into its
+downstream neighbour's slot only with a credit that neighbour granted (its capacity semaphore).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from conveyor.plans.program import Action, Compute, Copy, Program, Read, Signal, Wait, program
+from conveyor.plans.program import Action, Compute, Copy, Program, Read, Signal, Wait, Write, program
+
+COLLECTIVES = ("gather", "scatter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,12 +38,62 @@ class GatherStep:
     sends: tuple[str, ...]               # directions the held shards travel on after this step
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RingStep:
+    """What one stream of the ring does at one grid step, on every device alike.
+
+    A stream is one direction of travel: "right" (to device d + 1, so it arrives from the left)
+    or "left". Slots are the stream's receive slots on this device.
+    """
+    step: int
+    direction: str
+    slot: int               # the slot holding this step's shard (gather) or accumulator (scatter)
+    receives: bool          # first wait for it to land from the upstream neighbour
+    computes: bool          # this stream's chunk matmul runs at this step
+    source: int             # ring offset of the shard used (gather) or of the block added (scatter)
+    sends: bool             # forward the slot downstream (into `send_slot`) once granted a credit
+    send_slot: int
+    awaits_send_of: int | None   # the step whose send this step waits for (scatter: the previous
+                                 # one, so a hop overlaps this step's partial product)
+    grants_credit: bool     # after that wait: one credit upstream for the slot it freed
+    stores: bool            # scatter: the accumulator is complete; store it as the output
+
+
+# A step's operations, in order (the same at every step; a record says which ones happen):
+#   receive: wait for the slot's shard / accumulator to land;
+#   send: wait for a credit, start the copy into the downstream neighbour's slot;
+#   compute: gather: the chunk matmul on the slot; scatter: the partial product (no slot access);
+#   accumulate: scatter: slot += partial;
+#   finish_send: wait for the send named by `awaits_send_of`;
+#   grant: a credit upstream for the freed slot;
+#   store: scatter: the output block from the slot.
+GATHER_PHASES = ("receive", "send", "compute", "finish_send", "grant")
+SCATTER_PHASES = ("compute", "finish_send", "grant", "receive", "accumulate", "send", "store")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class RingPlan:
+    """A collective matmul's ring. Build it with `ring_plan(...)`, which normalizes the request
+    (one direction where two would carry the same shards, at most one slot per device)."""
     num_devices: int
     bidirectional: bool
     buffering: int
     collective: str = "gather"   # "gather": shards travel; "scatter": partial-sum accumulators travel
+
+    def __post_init__(self):
+        for name in ("num_devices", "buffering"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"RingPlan: {name} must be an int >= 1, got {v!r}")
+        if self.collective not in COLLECTIVES:
+            raise ValueError(f"RingPlan: collective must be one of {COLLECTIVES}, got {self.collective!r}")
+        if not isinstance(self.bidirectional, bool):
+            raise ValueError(f"RingPlan: bidirectional must be a bool, got {self.bidirectional!r}")
+
+    @property
+    def directions(self) -> tuple[str, ...]:
+        """The streams: "right", and "left" when bidirectional."""
+        return ("right", "left") if self.bidirectional else ("right",)
 
     def gather_steps(self) -> tuple[GatherStep, ...]:
         d = self.num_devices
@@ -50,9 +110,14 @@ class RingPlan:
             steps.append(GatherStep(tuple(uses), ("right", "left") if more else ()))
         return tuple(steps)
 
+    @property
+    def num_steps(self) -> int:
+        """Grid steps of a ring kernel: the local step 0, then one per received shard or accumulator."""
+        return max(self.stream_uses(d) for d in self.directions) + 1
+
     # ---- flow control of kernels with `buffering` receive slots per stream ----
-    # A stream is one direction of travel; it delivers `uses` shards (or accumulators) to each
-    # device, one per step 1..uses, into slot step % buffering (slot 0 holds the local shard).
+    # A stream delivers `uses` shards (or accumulators) to each device, one per step 1..uses,
+    # into slot step % buffering (slot 0 holds the local shard).
     def stream_uses(self, direction: str = "right") -> int:
         """Shards a device receives on the stream travelling `direction` (shards move right = they
         arrive from the left)."""
@@ -90,46 +155,121 @@ class RingPlan:
         uses = sum(bool(self.sends_at(s, direction)) for s in steps)
         return grants - uses
 
-    def program(self, direction: str = "right", credits: bool = True) -> Program:
-        """One stream of the ring as an event program, one actor per device ("dev{d}").
-
-        Each device receives into slot step % buffering, multiplies with the shard there, forwards
-        it to its downstream neighbour (a remote copy that signals the neighbour's receive
-        semaphore), and grants a credit upstream once the slot is free again. With
-        `credits=False` a device sends as soon as it has its shard, as in JAX's example ring
-        kernel whose receive semaphores are reused across steps: the checker must find the race."""
-        d = self.num_devices
-        link = "link right" if direction == "right" else "link left"
-        uses, first_credits = self.stream_uses(direction), self.initial_credits(direction)
-        actors = {}
-        for dev in range(d):
-            down, up = (dev + 1) % d, (dev - 1) % d
-            acts: list[Action] = []
-            if credits and first_credits:
-                acts.append(Signal(("credit", up), first_credits, what=f"grant {first_credits} credit(s) to dev{up}"))
-            for t in range(uses + 1):
-                slot = (dev, self.slot(t))
-                tag = f"dev{dev} multiplies the shard of step {t}"
-                if t > 0:
-                    acts.append(Wait(("recv", dev), 1, consume=True,
-                                     what=f"receive semaphore of dev{dev} (shard of step {t})"))
-                acts += [Read(slot, tag), Compute(t, tag), Read(slot, tag, end=True)]
-                if self.sends_at(t, direction):
-                    if credits:
-                        acts.append(Wait(("credit", dev), 1, consume=True, what=f"a credit from dev{down}"))
-                    acts.append(Copy(f"dev{dev}->dev{down}#{t + 1}", writes=((down, self.slot(t + 1)),), reads=(slot,),
-                                     signals=(("recv", down), ("sent", dev, t)), queue=link))
-                    acts.append(Wait(("sent", dev, t), what=f"its send of step {t}"))
-                if credits and self.grants_credit_after(t, direction):
-                    acts.append(Signal(("credit", up), what=f"a credit to dev{up}"))
-            actors[f"dev{dev}"] = acts
-        subject = (f"ring {self.collective} {direction} D={d} buffering={self.buffering}"
-                   f"{'' if credits else ' WITHOUT credits'}")
-        return program(subject, actors)
-
     def scatter_block(self, step: int, direction: str = "right") -> int:
         """Ring offset of the block a device adds into the travelling accumulator at `step`."""
         return -1 - step if direction == "right" else 1 + step
+
+    # ---- per-step records ----
+    def phases(self) -> tuple[tuple[str, str], ...]:
+        """A step's operations in order, as (operation, direction): each operation for every
+        stream before the next operation, so both directions are in flight at once."""
+        ops = GATHER_PHASES if self.collective == "gather" else SCATTER_PHASES
+        return tuple((op, d) for op in ops for d in self.directions)
+
+    def step_record(self, step: int, direction: str) -> RingStep:
+        """The record of stream `direction` at grid step `step`."""
+        uses = self.stream_uses(direction)
+        active = step <= uses
+        sends = bool(self.sends_at(step, direction))
+        if self.collective == "gather":
+            awaited = step if sends else None   # the send reads the slot the matmul reads: freed at once
+            grants = bool(self.grants_credit_after(step, direction))
+            source = (-step if direction == "right" else step) if active else 0
+            computes = active and (step > 0 or direction == "right")   # one matmul for the local shard
+        else:
+            awaited = step - 1 if step > 0 and self.sends_at(step - 1, direction) else None
+            grants = step > 0 and bool(self.grants_credit_after(step - 1, direction))
+            source = self.scatter_block(step, direction)
+            computes = active
+        return RingStep(step=step, direction=direction, slot=self.slot(step), receives=0 < step <= uses,
+                        computes=computes, source=source, sends=sends, send_slot=self.slot(step + 1),
+                        awaits_send_of=awaited, grants_credit=grants,
+                        stores=self.collective == "scatter" and step == uses)
+
+    def steps(self) -> tuple[tuple[RingStep, ...], ...]:
+        """Per grid step, one record per stream (in `directions` order)."""
+        return tuple(tuple(self.step_record(t, d) for d in self.directions) for t in range(self.num_steps))
+
+    def program(self, credits: bool = True) -> Program:
+        """The ring as an event program, one actor per device ("dev{d}"), every stream included.
+
+        Each device runs `phases()` at every step as its records say: it waits for its slot to
+        land, forwards it to its downstream neighbour (a remote copy on its own link that signals
+        the neighbour's receive semaphore), multiplies, waits for its send and grants a credit
+        upstream once the slot is free again. With `credits=False` a device sends as soon as it
+        has its shard, as in JAX's example ring kernel whose receive semaphores are reused across
+        steps: the checker must find the race."""
+        actors = {f"dev{dev}": self._device_actions(dev, credits) for dev in range(self.num_devices)}
+        subject = (f"ring {self.collective} D={self.num_devices} buffering={self.buffering} "
+                   f"{'bidirectional' if self.bidirectional else 'unidirectional'}{'' if credits else ' WITHOUT credits'}")
+        return program(subject, actors)
+
+    def operations(self) -> tuple[tuple[str, RingStep], ...]:
+        """Every operation a device performs, in order: (operation, record) for each step and each
+        of `phases()` that the step's record enables. The program and the kernels' conformance
+        tests read this; the kernels decide the same from the table at run time."""
+        return tuple((op, r) for records in self.steps() for op, direction in self.phases()
+                     for r in records if r.direction == direction and _enabled(op, r))
+
+    def _device_actions(self, dev: int, credits: bool) -> list[Action]:
+        d = self.num_devices
+        neighbours = {"right": ((dev + 1) % d, (dev - 1) % d), "left": ((dev - 1) % d, (dev + 1) % d)}
+        acts: list[Action] = []
+        for direction in self.directions:
+            down, up = neighbours[direction]
+            if self.collective == "gather":
+                acts.append(Write((direction, dev, 0), f"dev{dev} copies its shard into {direction} slot 0"))
+            first = self.initial_credits(direction)
+            if credits and first:
+                acts.append(Signal(("credit", direction, up), first,
+                                   what=f"grant {first} credit(s) to dev{up} ({direction})"))
+        for op, r in self.operations():
+            acts += self._actions(op, r, dev, neighbours[r.direction], credits)
+        return acts
+
+    def _actions(self, op: str, r: RingStep, dev: int, neighbours: tuple[int, int], credits: bool) -> list[Action]:
+        """One enabled operation of one stream's record as actions of device `dev`."""
+        down, up = neighbours
+        slot = (r.direction, dev, r.slot)
+        tag = f"dev{dev} step {r.step} {r.direction}"
+        if op == "receive":
+            return [Wait(("recv", r.direction, dev), 1, consume=True,
+                         what=f"its {r.direction} receive semaphore (step {r.step})")]
+        if op == "send":
+            waits = [Wait(("credit", r.direction, dev), 1, consume=True,
+                          what=f"a credit from dev{down} ({r.direction})")] if credits else []
+            return waits + [Copy(f"dev{dev}->dev{down} {r.direction} #{r.step + 1}",
+                                 writes=((r.direction, down, r.send_slot),), reads=(slot,),
+                                 signals=(("recv", r.direction, down), ("sent", r.direction, dev, r.step)),
+                                 queue=f"link {r.direction} dev{dev}")]
+        if op == "compute":
+            work = [Compute(r.step, tag, stream=r.direction)]
+            return [Read(slot, tag), *work, Read(slot, tag, end=True)] if self.collective == "gather" else work
+        if op == "accumulate":
+            return [Write(slot, tag)]
+        if op == "finish_send":
+            return [Wait(("sent", r.direction, dev, r.awaits_send_of), what=f"its send of step {r.awaits_send_of}")]
+        if op == "grant":
+            return [Signal(("credit", r.direction, up), what=f"a credit to dev{up} ({r.direction})")] if credits else []
+        assert op == "store", op
+        return [Read(slot, tag), Read(slot, tag, end=True)]
+
+    # ---- the table the TPU kernels read ----
+    def step_table(self) -> tuple[int, ...]:
+        """The records as a flat int32 table: row (step, stream) holds `TABLE_FIELDS` in order;
+        `table_index` finds a field. An absent `awaits_send_of` is -1."""
+        out = []
+        for records in self.steps():
+            for r in records:
+                awaited = -1 if r.awaits_send_of is None else self.slot(r.awaits_send_of)
+                values = dict(dataclasses.asdict(r), awaits_slot=awaited)
+                out += [int(values[f]) for f in TABLE_FIELDS]
+        return tuple(out)
+
+    def table_index(self, step, direction: str, field: str):
+        """Index of `field` of (step, direction) in `step_table()`; `step` may be traced."""
+        row = step * len(self.directions) + self.directions.index(direction)
+        return row * len(TABLE_FIELDS) + TABLE_FIELDS.index(field)
 
     @property
     def num_gather_steps(self) -> int:
@@ -139,3 +279,24 @@ class RingPlan:
         """Every source shard is used exactly once (a plan invariant, checked in tests)."""
         used = [off % self.num_devices for s in self.gather_steps() for _, off in s.uses]
         assert sorted(used) == list(range(self.num_devices)), used
+
+
+def _enabled(op: str, r: RingStep) -> bool:
+    """Whether record `r` performs operation `op` (see `phases()`)."""
+    return {"receive": r.receives, "send": r.sends, "compute": r.computes, "accumulate": r.computes,
+            "finish_send": r.awaits_send_of is not None, "grant": r.grants_credit, "store": r.stores}[op]
+
+
+TABLE_FIELDS = ("slot", "receives", "computes", "source", "sends", "send_slot", "awaits_slot", "grants_credit",
+                "stores")
+
+
+def ring_plan(*, collective: str, num_devices: int, bidirectional: bool, buffering: int) -> RingPlan:
+    """The plan a ring kernel runs for a request: two directions only where they carry different
+    data (gather: more than 2 devices; scatter: more than 1, each direction carrying half the
+    columns), and at most `num_devices` receive slots (more would never be used)."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective: expected one of {COLLECTIVES}, got {collective!r}")
+    bidi = bool(bidirectional) and num_devices > (2 if collective == "gather" else 1)
+    return RingPlan(num_devices=num_devices, bidirectional=bidi, buffering=max(1, min(buffering, num_devices)),
+                    collective=collective)

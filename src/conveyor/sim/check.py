@@ -257,7 +257,7 @@ def explore(prog: Program, *, max_states: int = 200_000, samples: int = 2_000, s
 
 def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_states: int = 200_000,
           seed: int = 0, max_seconds: float | None = None, progress: bool = False) -> CheckReport:
-    """Check a `PipelinePlan`, a `WarpSpecializedPlan` or a `RingPlan` (every stream) for races and deadlocks.
+    """Check a `PipelinePlan`, a `WarpSpecializedPlan` or a `RingPlan` (every stream at once) for races and deadlocks.
 
     Args:
       in_flight_steps: pipelines: the body leaves asynchronous work reading its input slots that
@@ -277,13 +277,6 @@ def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_stat
     if isinstance(plan, (PipelinePlan, WarpSpecializedPlan)):
         return explore(plan.program(in_flight_steps), **budget)
     if isinstance(plan, RingPlan):
-        directions = ["right"] + (["left"] if plan.bidirectional and plan.stream_uses("left") else [])
-        reports = [explore(plan.program(dr, credits), **budget) for dr in directions]
-        subject = (f"ring {plan.collective} D={plan.num_devices} buffering={plan.buffering} "
-                   f"{'bidirectional' if plan.bidirectional else 'unidirectional'}{'' if credits else ' WITHOUT credits'}")
-        timed = [r.stopped_by_time for r in reports if r.stopped_by_time is not None]
-        return CheckReport(subject, tuple(f for r in reports for f in r.findings), sum(r.states for r in reports),
-                           all(r.exhaustive for r in reports), any(r.state_budget_reached for r in reports),
-                           sum(r.samples for r in reports), timed[0] if timed else None)
+        return explore(plan.program(credits), **budget)
     raise TypeError(f"check: expected a PipelinePlan, WarpSpecializedPlan or RingPlan, got {type(plan).__name__}")
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from conveyor import dtypes
-from conveyor.plans.ring import RingPlan
+from conveyor.plans.ring import RingPlan, ring_plan
 from conveyor.ops.gmm.metadata import count_visits
 from conveyor.plans.pipeline import BlockSpec, PipelinePlan, plan as make_plan
 from conveyor.plans.warp import WarpSpecializedPlan
@@ -280,8 +280,10 @@ def simulate_collective_matmul(kind: str, m: int, k: int, n: int, devices: int, 
             t += full.time_s
         time = t
     else:
-        plan = RingPlan(devices, bidi, buffering, "gather" if kind == "all_gather_matmul" else "scatter")
-        time = _replay_ring(plan, chunk.time_s, hop, boxes, kind, hw.overlap_slowdown.value)
+        plan = ring_plan(collective="gather" if kind == "all_gather_matmul" else "scatter", num_devices=devices,
+                         bidirectional=bidirectional, buffering=buffering)
+        bidi = plan.bidirectional
+        time, boxes = _run_ring(plan, chunk.time_s, hop, hw.overlap_slowdown.value)
     config = {"kind": kind, "m": m, "k": k, "n": n, "devices": devices, "dtype": dtype, "bidirectional": bidi,
               "buffering": buffering, "unfused": unfused, "chunk_tiling": chunk.config["tiling"],
               "chunk_us": chunk.time_s * 1e6, "hop_us": hop * 1e6}
@@ -289,48 +291,26 @@ def simulate_collective_matmul(kind: str, m: int, k: int, n: int, devices: int, 
     return Report(kind, hw, time, flops, hbm, shard * (devices - 1), chunk.onchip_bytes, config, tuple(boxes))
 
 
-def _replay_ring(plan: RingPlan, chunk_s: float, hop_s: float, boxes: list[Box], kind: str,
-                 slowdown: float = 0.0) -> float:
-    """Every device is alike: replay one device's ring steps. Gather: step t multiplies the shard
-    received at step t; a shard is forwarded as soon as it arrived and the downstream slot is free
-    (credits: at most `buffering` shards ahead). Scatter: step t adds its partial into the
-    accumulator that arrived and forwards it."""
-    directions = ["right", "left"] if plan.bidirectional else ["right"]
-    uses = {d: plan.stream_uses(d) for d in directions}
-    arrive = {d: [0.0] * (uses[d] + 1) for d in directions}
-    link_free = {d: 0.0 for d in directions}
-    compute_free = 0.0
-    done_step = {d: [0.0] * (uses[d] + 1) for d in directions}
-    steps = max(uses.values()) + 1
-    halves = kind == "matmul_reduce_scatter" and plan.bidirectional   # each stream carries half the columns
-    dur = chunk_s / 2 if halves else chunk_s
-    hop = hop_s / 2 if halves else hop_s
-    for t in range(steps):
-        # this step's chunk matmuls (one per stream with a shard at step t; step 0 is local)
-        for d in directions:
-            if t > uses[d]:
-                continue
-            scatter = kind == "matmul_reduce_scatter"
-            if scatter or t > 0 or d == "right":
-                # gather multiplies the shard that arrived; scatter computes its partial before the
-                # accumulator arrives and only the addition waits for it
-                start = compute_free if scatter else max(compute_free, arrive[d][t])
-                if start > compute_free:
-                    boxes.append(Box("compute", "wait", f"wait shard {t}", compute_free, start))
-                # a step whose shard is forwarded meanwhile computes slower (transfers share HBM / SMs)
-                busy = dur * (1.0 + slowdown) if plan.sends_at(t, d) else dur
-                boxes.append(Box("compute", "compute", f"step {t} {d}", start, start + busy))
-                compute_free = start + busy
-            done_step[d][t] = max(compute_free, arrive[d][t]) if scatter else compute_free
-            # forward: gather sends the received shard on as soon as it arrived; scatter sends the sum
-            if t < uses[d]:
-                ready = arrive[d][t] if not scatter else done_step[d][t]
-                credit = done_step[d][t + 1 - plan.buffering] if t + 1 - plan.buffering >= 0 else 0.0
-                start = max(ready, link_free[d], credit)
-                link_free[d] = start + hop
-                boxes.append(Box(f"link {d}", "link", f"shard {t + 1}", start, start + hop))
-                arrive[d][t + 1] = link_free[d]
-    return max(compute_free, *link_free.values())
+def _run_ring(plan: RingPlan, chunk_s: float, hop_s: float, slowdown: float = 0.0) -> tuple[float, list[Box]]:
+    """Run the ring's event program (every device; the TPU kernels run the same records) and keep
+    device 0's timeline: its matmuls on a "compute" row and its sends on one row per link.
+
+    A chunk matmul takes `chunk_s` (half of it per stream when a bidirectional reduce-scatter
+    splits the columns), `slowdown` longer when a send of the same stream runs meanwhile
+    (transfers share HBM / SMs); a hop takes `hop_s` (halved likewise) on the sender's link."""
+    halves = plan.collective == "scatter" and plan.bidirectional   # each stream carries half the columns
+    dur, hop = (chunk_s / 2, hop_s / 2) if halves else (chunk_s, hop_s)
+    records = {(r.step, r.direction): r for rs in plan.steps() for r in rs}
+    # gather forwards the shard it multiplies; scatter forwards the previous step's sum meanwhile
+    overlapped = {key: (r.sends if plan.collective == "gather" else r.awaits_send_of is not None)
+                  for key, r in records.items()}
+
+    def compute_s(action, actor):
+        return dur * (1.0 + slowdown) if overlapped[(action.step, action.stream)] else dur
+
+    time, boxes = timed.run(plan.program(), Timing(copy_s=lambda c: hop, compute_s=compute_s))
+    rows = {"dev0": "compute", **{f"link {d} dev0": f"link {d}" for d in plan.directions}}
+    return time, [dataclasses.replace(b, actor=rows[b.actor]) for b in boxes if b.actor in rows]
 
 
 def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16", flops_per_step: float = 0.0,

@@ -35,7 +35,7 @@ def arr(*shape):
 @pytest.mark.parametrize("d", range(1, 10))
 @pytest.mark.parametrize("bidi", [False, True])
 def test_ring_plan_uses_every_shard_once(d, bidi):
-    plan = RingPlan(d, bidi, 2)
+    plan = RingPlan(num_devices=d, bidirectional=bidi, buffering=2)
     plan.check_covers_ring()
     assert plan.num_gather_steps == (d // 2 + 1 if bidi else d)
 
@@ -44,7 +44,7 @@ def test_ring_plan_uses_every_shard_once(d, bidi):
 @pytest.mark.parametrize("buffering", [2, 3, 5])
 @pytest.mark.parametrize("bidi", [False, True])
 def test_ring_plan_credits_balance(d, buffering, bidi):
-    plan = RingPlan(d, bidi, min(buffering, d))
+    plan = RingPlan(num_devices=d, bidirectional=bidi, buffering=min(buffering, d))
     for direction in (["right", "left"] if bidi else ["right"]):
         assert plan.credit_balance(direction) == 0
         # in lockstep, a sender never needs more credits than its neighbour has granted by then

@@ -5,7 +5,9 @@ reduce-scatter (and an all-gather matmul for the stationary operand), and vice v
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +16,33 @@ from jax import lax
 from conveyor import backends
 from conveyor._compat import varying_axes
 from conveyor.ops.collective_matmul import reference, xla
-from conveyor.plans.ring import RingPlan
+from conveyor.plans.ring import RingPlan, ring_plan
 
 AVAILABLE = ("xla", "mosaic_tpu", "reference")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RingConfig:
+    """One collective matmul call's configuration, validated by the public functions before it is
+    built. Hashable: it is the static argument of the custom VJPs, and the backward pass derives
+    its own (another dim and dtype, the same ring) with `derived`."""
+    axis_name: Any
+    size: int              # devices on the ring
+    dim: int               # gather_dim or scatter_dim
+    bidirectional: bool    # as requested; `plan` decides whether two directions are used
+    buffering: int         # receive slots per stream (kernel backends)
+    out_dtype: Any
+    backend: str
+    interpret: Any = None  # mosaic_tpu: None, or the interpreter's parameters
+
+    def plan(self, collective: str) -> RingPlan:
+        """The ring plan every backend of this call follows."""
+        return ring_plan(collective=collective, num_devices=self.size, bidirectional=self.bidirectional,
+                         buffering=self.buffering)
+
+    def derived(self, dim: int, dtype) -> RingConfig:
+        """The same ring (backend included) for a derived op: another dim and output dtype."""
+        return dataclasses.replace(self, dim=dim, out_dtype=jnp.dtype(dtype))
 
 
 def _axis_size(axis_name) -> int:
@@ -70,8 +96,9 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, *, axis_name, gather_dim: 
     if rhs.shape[0] != want:
         what = f"{size} devices x lhs.shape[1]={lhs.shape[1]}" if gather_dim == 1 else f"lhs.shape[1]={lhs.shape[1]}"
         raise ValueError(f"rhs: contraction size rhs.shape[0] must be {want} ({what}), got rhs shape {tuple(rhs.shape)}")
-    cfg = (axis_name, size, gather_dim, bool(bidirectional), buffering, _out_dtype(lhs, rhs, preferred_element_type),
-           backend, _hashable(interpret))
+    cfg = RingConfig(axis_name=axis_name, size=size, dim=gather_dim, bidirectional=bool(bidirectional),
+                     buffering=buffering, out_dtype=_out_dtype(lhs, rhs, preferred_element_type), backend=backend,
+                     interpret=interpret or None)
     return _agm(cfg, lhs, rhs)
 
 
@@ -95,42 +122,38 @@ def matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, *, axis_name, scatter_
     dim = (lhs.shape[0], rhs.shape[1])[scatter_dim]
     if dim % size:
         raise ValueError(f"scatter_dim: the scattered dimension ({dim}) must be divisible by the ring size {size}")
-    cfg = (axis_name, size, scatter_dim, bool(bidirectional), buffering, _out_dtype(lhs, rhs, preferred_element_type),
-           backend, _hashable(interpret))
+    cfg = RingConfig(axis_name=axis_name, size=size, dim=scatter_dim, bidirectional=bool(bidirectional),
+                     buffering=buffering, out_dtype=_out_dtype(lhs, rhs, preferred_element_type), backend=backend,
+                     interpret=interpret or None)
     return _mrs(cfg, lhs, rhs)
 
 
-def _hashable(interpret):
-    return interpret if interpret else None
-
-
-def _run_agm(cfg, lhs, rhs):
-    axis_name, size, gather_dim, bidi, buffering, out_dtype, backend, interpret = cfg
-    if backend == "mosaic_tpu":
+def _run_agm(cfg: RingConfig, lhs, rhs):
+    plan = cfg.plan("gather")
+    if cfg.backend == "mosaic_tpu":
         from conveyor.ops.collective_matmul import mosaic_tpu
-        return mosaic_tpu.all_gather_matmul_mosaic_tpu(lhs, rhs, axis_name=axis_name, size=size,
-                                                       plan=RingPlan(size, bidi, buffering), out_dtype=out_dtype,
-                                                       interpret=interpret, gather_dim=gather_dim)
-    if backend == "reference":
-        return reference.all_gather_matmul_reference(lhs, rhs, axis_name=axis_name, gather_dim=gather_dim,
-                                                     out_dtype=out_dtype)
-    return xla.all_gather_matmul_xla(lhs, rhs, axis_name=axis_name, size=size, gather_dim=gather_dim,
-                                     plan=RingPlan(size, bidi, buffering), out_dtype=out_dtype)
+        return mosaic_tpu.all_gather_matmul_mosaic_tpu(lhs, rhs, axis_name=cfg.axis_name, plan=plan,
+                                                       out_dtype=cfg.out_dtype, interpret=cfg.interpret,
+                                                       gather_dim=cfg.dim)
+    if cfg.backend == "reference":
+        return reference.all_gather_matmul_reference(lhs, rhs, axis_name=cfg.axis_name, gather_dim=cfg.dim,
+                                                     out_dtype=cfg.out_dtype)
+    return xla.all_gather_matmul_xla(lhs, rhs, axis_name=cfg.axis_name, size=cfg.size, gather_dim=cfg.dim,
+                                     plan=plan, out_dtype=cfg.out_dtype)
 
 
-def _run_mrs(cfg, lhs, rhs):
-    axis_name, size, scatter_dim, bidi, buffering, out_dtype, backend, interpret = cfg
-    if backend == "mosaic_tpu":
+def _run_mrs(cfg: RingConfig, lhs, rhs):
+    plan = cfg.plan("scatter")
+    if cfg.backend == "mosaic_tpu":
         from conveyor.ops.collective_matmul import mosaic_tpu
-        return mosaic_tpu.matmul_reduce_scatter_mosaic_tpu(lhs, rhs, axis_name=axis_name, size=size,
-                                                           plan=RingPlan(size, bidi, buffering),
-                                                           out_dtype=out_dtype, interpret=interpret,
-                                                           scatter_dim=scatter_dim)
-    if backend == "reference":
-        return reference.matmul_reduce_scatter_reference(lhs, rhs, axis_name=axis_name, scatter_dim=scatter_dim,
-                                                         out_dtype=out_dtype)
-    return xla.matmul_reduce_scatter_xla(lhs, rhs, axis_name=axis_name, size=size, scatter_dim=scatter_dim,
-                                         plan=RingPlan(size, bidi, buffering), out_dtype=out_dtype)
+        return mosaic_tpu.matmul_reduce_scatter_mosaic_tpu(lhs, rhs, axis_name=cfg.axis_name, plan=plan,
+                                                           out_dtype=cfg.out_dtype, interpret=cfg.interpret,
+                                                           scatter_dim=cfg.dim)
+    if cfg.backend == "reference":
+        return reference.matmul_reduce_scatter_reference(lhs, rhs, axis_name=cfg.axis_name, scatter_dim=cfg.dim,
+                                                         out_dtype=cfg.out_dtype)
+    return xla.matmul_reduce_scatter_xla(lhs, rhs, axis_name=cfg.axis_name, size=cfg.size, scatter_dim=cfg.dim,
+                                         plan=plan, out_dtype=cfg.out_dtype)
 
 
 def _match_vma(ct, primal):
@@ -138,12 +161,6 @@ def _match_vma(ct, primal):
     of all devices' cotangents, as JAX's own collectives do; otherwise its cotangent is local."""
     extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
     return lax.psum(ct, extra) if extra else ct
-
-
-def _with(cfg, dim, dtype):
-    """The same ring configuration (backend included) for a derived op: another dim and output dtype."""
-    axis_name, size, _, bidi, buffering, _, backend, interpret = cfg
-    return (axis_name, size, dim, bidi, buffering, jnp.dtype(dtype), backend, interpret)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -157,9 +174,9 @@ def _agm_fwd(cfg, lhs, rhs):
 
 def _agm_bwd(cfg, res, ct):
     lhs, rhs = res
-    gather_dim = cfg[2]   # out = AG_gather_dim(lhs) @ rhs
-    d_lhs = _mrs(_with(cfg, gather_dim, lhs.dtype), ct, rhs.T)
-    d_rhs = _agm(_with(cfg, 1 - gather_dim, rhs.dtype), lhs.T, ct)
+    gather_dim = cfg.dim   # out = AG_gather_dim(lhs) @ rhs
+    d_lhs = _mrs(cfg.derived(gather_dim, lhs.dtype), ct, rhs.T)
+    d_rhs = _agm(cfg.derived(1 - gather_dim, rhs.dtype), lhs.T, ct)
     return _match_vma(d_lhs, lhs), _match_vma(d_rhs, rhs)
 
 
@@ -177,10 +194,10 @@ def _mrs_fwd(cfg, lhs, rhs):
 
 def _mrs_bwd(cfg, res, ct):
     lhs, rhs = res
-    scatter_dim = cfg[2]
+    scatter_dim = cfg.dim
     # d partial = all_gather(ct) along scatter_dim; both gradients are all-gather matmuls.
-    d_lhs = _agm(_with(cfg, scatter_dim, lhs.dtype), ct, rhs.T)
-    d_rhs = _agm(_with(cfg, 1 - scatter_dim, rhs.dtype), ct.T, lhs).T
+    d_lhs = _agm(cfg.derived(scatter_dim, lhs.dtype), ct, rhs.T)
+    d_rhs = _agm(cfg.derived(1 - scatter_dim, rhs.dtype), ct.T, lhs).T
     return _match_vma(d_lhs, lhs), _match_vma(d_rhs, rhs)
 
 

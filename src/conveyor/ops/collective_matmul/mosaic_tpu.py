@@ -1,17 +1,24 @@
 """Mosaic TPU ring kernels with credits: all_gather_matmul (gather_dim 1 and 0) and
 matmul_reduce_scatter (scatter_dim 0 and 1), each unidirectional or bidirectional.
 
-Step t of the grid multiplies the shard of device (me - t) by the matching K-block of the
-stationary rhs, which a BlockSpec driven by the step fetches. Shards travel right through
-`buffering` receive slots per device. Flow control: a device may write into its right
-neighbour's slot only after that neighbour granted a credit on the sender's capacity semaphore.
-The schedule (slots, when to send, the credits granted on entry and after each step) comes from
-`RingPlan`, whose `credit_balance()` is zero: every semaphore is back to zero at the end.
-Receive and send semaphores are per slot, never shared between in-flight transfers.
+The kernels run the ring plan's records (`RingPlan.steps()`), which they read at run time from a
+table in SMEM (`RingPlan.step_table()`, scalar-prefetched): at grid step t, each operation of
+`RingPlan.phases()` (receive, send, compute, ...) runs for each stream whose record enables it.
+The same records are the event program the checker explores and the simulator times. So:
+- both directions of a bidirectional ring are in flight at once (each phase runs for both streams
+  before the next phase);
+- a reduce-scatter send is awaited at the next step, after that step's partial product, so a hop
+  overlaps the matmul;
+- block indices (which shard, which output block) come from the records' `source` offsets.
+Flow control: a device writes into its downstream neighbour's slot only after that neighbour
+granted a credit on the sender's capacity semaphore; `credit_balance()` is zero, so every
+semaphore is back to zero at the end. Receive and send semaphores are per slot.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any, Callable
 
 import jax.numpy as jnp
 from jax import lax
@@ -19,302 +26,266 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from conveyor._compat import out_struct
+from conveyor.pipeline.lowering import issued
 from conveyor.plans.ring import RingPlan
 
+# The flag that enables each operation, and the slot each one is reported with (conformance).
+_FLAG = {"receive": "receives", "send": "sends", "compute": "computes", "accumulate": "computes",
+         "grant": "grants_credit", "store": "stores"}
+SLOT_FIELD = {"receive": "slot", "send": "send_slot", "compute": "slot", "accumulate": "slot",
+              "finish_send": "awaits_slot", "grant": "slot", "store": "slot"}
 
-def _remote_copy(bufs, send, recv, dst_dev, src_slot, dst_slot, axis):
-    """DMA of slot `src_slot` into slot `dst_slot` of the same buffer on the device at ring position
-    `dst_dev` along mesh axis `axis` (its other mesh coordinates are this device's own)."""
-    return pltpu.make_async_remote_copy(bufs.at[src_slot], bufs.at[dst_slot], send.at[src_slot], recv.at[dst_slot],
-                                        device_id={axis: dst_dev})
+
+@dataclasses.dataclass(frozen=True)
+class _Stream:
+    """One direction's receive slots and semaphores on this device, and its neighbours."""
+    direction: str
+    bufs: Any
+    send: Any
+    recv: Any
+    cap: Any
+    downstream: Any
+    upstream: Any
+    axis: Any
+
+    def copy(self, src_slot, dst_slot):
+        """The DMA of slot `src_slot` into slot `dst_slot` of the downstream neighbour (along mesh
+        axis `axis`; its other mesh coordinates are this device's own)."""
+        return pltpu.make_async_remote_copy(self.bufs.at[src_slot], self.bufs.at[dst_slot], self.send.at[src_slot],
+                                            self.recv.at[dst_slot], device_id={self.axis: self.downstream})
+
+    def grant(self, credits):
+        pl.semaphore_signal(self.cap, credits, device_id={self.axis: self.upstream})
 
 
-def _ring_position(me_ref, plan: RingPlan):
-    """(step, left neighbour, right neighbour, this step's slot, next step's slot)."""
+def _streams(plan: RingPlan, me_ref, axis, per_stream) -> dict[str, _Stream]:
+    """The plan's streams from their scratch refs (bufs, send, recv, cap), in `directions` order."""
     size = plan.num_devices
-    t = pl.program_id(0)
     me = me_ref[0]
-    return t, lax.rem(me + size - 1, size), lax.rem(me + 1, size), plan.slot(t), plan.slot(t + 1)
+    left, right = lax.rem(me + size - 1, size), lax.rem(me + 1, size)
+    ends = {"right": (right, left), "left": (left, right)}   # (downstream, upstream)
+    return {d: _Stream(d, *refs, *ends[d], axis) for d, refs in zip(plan.directions, per_stream)}
 
 
-def _kernel(me_ref, lhs_hbm, rhs_blk, out_ref, bufs, send_sems, recv_sems, cap_sem, local_sem, *, plan: RingPlan,
-            axis, accumulate: bool = True):
-    """accumulate=True (gather_dim=1): out += shard @ K-block. False (gather_dim=0): the step's
-    output row block (chosen by the out BlockSpec) = shard @ rhs."""
-    t, left, right, slot, nxt = _ring_position(me_ref, plan)
+def _run_step(plan: RingPlan, tab_ref, streams: dict[str, _Stream], work: dict[str, Callable]) -> None:
+    """Grid step t: every operation of `plan.phases()`, for each stream, where its record enables it.
+    Ring transfers are common; `work[op](stream, field, enabled)` emits the kernel's own
+    operations (compute, accumulate, store) and guards them itself."""
+    t = pl.program_id(0)
+    for op, direction in plan.phases():
+        s = streams[direction]
 
-    def transfer(src_slot, dst_slot):
-        return _remote_copy(bufs, send_sems, recv_sems, right, src_slot, dst_slot, axis)
+        def field(name, direction=direction):
+            return tab_ref[plan.table_index(t, direction, name)]
 
-    @pl.when(t == 0)
-    def _():
-        local = pltpu.make_async_copy(lhs_hbm, bufs.at[0], local_sem)
-        local.start()
-        local.wait()
-        if accumulate:
-            out_ref[...] = jnp.zeros_like(out_ref)
-        if plan.initial_credits():
-            pl.semaphore_signal(cap_sem, plan.initial_credits(), device_id={axis: left})
+        enabled = field("awaits_slot") >= 0 if op == "finish_send" else field(_FLAG[op]) == 1
 
-    @pl.when(t > 0)
-    def _():
-        transfer(slot, slot).wait_recv()   # the shard of device me - t has landed in `slot`
+        @pl.when(enabled)
+        def _(op=op, field=field, s=s):
+            issued(t, op, s.direction, field(SLOT_FIELD[op]), t)
+            if op == "receive":
+                s.copy(field("slot"), field("slot")).wait_recv()
+            elif op == "send":
+                pl.semaphore_wait(s.cap, 1)   # the downstream slot is free
+                s.copy(field("slot"), field("send_slot")).start()
+            elif op == "finish_send":
+                awaited = field("awaits_slot")
+                s.copy(awaited, lax.rem(awaited + 1, plan.buffering)).wait_send()
+            elif op == "grant":   # the slot is free and the upstream neighbour will send into it again
+                s.grant(1)
 
-    @pl.when(plan.sends_at(t))
-    def _():
-        pl.semaphore_wait(cap_sem, 1)   # the right neighbour's slot `nxt` is free
-        transfer(slot, nxt).start()
-
-    if accumulate:
-        out_ref[...] += jnp.dot(bufs[slot], rhs_blk[...], preferred_element_type=jnp.float32)
-    else:
-        out_ref[...] = jnp.dot(bufs[slot], rhs_blk[...], preferred_element_type=jnp.float32)
-
-    @pl.when(plan.sends_at(t))
-    def _():
-        transfer(slot, nxt).wait_send()
-
-    @pl.when(plan.grants_credit_after(t))
-    def _():   # slot is free again and the left neighbour will send into it once more
-        pl.semaphore_signal(cap_sem, 1, device_id={axis: left})
+        if op in work:
+            work[op](s, field, enabled)
 
 
-def _bidi_kernel(me_ref, lhs_hbm, rhs_r, rhs_l, out_ref, bufs_r, bufs_l, send_r, recv_r, send_l, recv_l,
-                 cap_r, cap_l, local_sem, *, plan: RingPlan, axis, rows: int | None = None):
-    """Two streams: shards moving right (used at step t: device me - t) and moving left (me + t).
-
-    rows=None (gather_dim=1): out += shard @ K-block. rows=n (gather_dim=0): the whole output
-    stays resident and each shard's product fills its own row block (source device * n)."""
-    t, left, right, slot, nxt = _ring_position(me_ref, plan)
+def _source_block(plan: RingPlan, direction: str):
+    """Index map of the block at ring offset `source` of `direction`'s record: (block, 0)."""
     size = plan.num_devices
 
-    def emit(src, value):
-        if rows is None:
-            out_ref[...] += value
-        else:
-            out_ref[pl.ds(pl.multiple_of(src * rows, rows), rows), :] = value
-    streams = (("right", bufs_r, send_r, recv_r, cap_r, right, left, rhs_r),
-               ("left", bufs_l, send_l, recv_l, cap_l, left, right, rhs_l))
+    def index(t, me_ref, tab_ref):
+        return lax.rem(me_ref[0] + tab_ref[plan.table_index(t, direction, "source")] + 2 * size, size), 0
+    return index
 
-    @pl.when(t == 0)
+
+def _gather_kernel(me_ref, tab_ref, lhs_hbm, *refs, plan: RingPlan, axis, mode: str):
+    """Shards travel; each computing record multiplies its slot's shard by its rhs block. mode:
+    "accumulate" (gather_dim=1): out += shard @ K-block; "block" (unidirectional gather_dim=0):
+    the step's output row block, chosen by the out BlockSpec, = shard @ rhs; "rows"
+    (bidirectional gather_dim=0): the resident output's row block of the source device = shard @ rhs.
+
+    refs: rhs blocks (one per stream), out, then per stream: slots, send sems, receive sems,
+    capacity semaphore; then the semaphore of the local copy."""
+    k = len(plan.directions)
+    rhs_blks, out_ref, scratch, local_sem = refs[:k], refs[k], refs[k + 1:-1], refs[-1]
+    streams = _streams(plan, me_ref, axis, [scratch[4 * i:4 * i + 4] for i in range(k)])
+    rhs = dict(zip(plan.directions, rhs_blks))
+    rows = out_ref.shape[0] // plan.num_devices
+
+    @pl.when(pl.program_id(0) == 0)
     def _():
-        for bufs in (bufs_r, bufs_l):
-            local = pltpu.make_async_copy(lhs_hbm, bufs.at[0], local_sem)
+        for s in streams.values():
+            local = pltpu.make_async_copy(lhs_hbm, s.bufs.at[0], local_sem)
             local.start()
             local.wait()
-        local = jnp.dot(bufs_r[0], rhs_r[...], preferred_element_type=jnp.float32)
-        if rows is None:
-            out_ref[...] = local
-        else:
-            emit(me_ref[0], local)
-        for direction, _, _, _, cap, _, upstream, _ in streams:
-            if plan.initial_credits(direction):
-                pl.semaphore_signal(cap, plan.initial_credits(direction), device_id={axis: upstream})
+        if mode == "accumulate":
+            out_ref[...] = jnp.zeros_like(out_ref)
+        for d, s in streams.items():
+            if plan.initial_credits(d):
+                s.grant(plan.initial_credits(d))
 
-    for direction, bufs, send, recv, cap, downstream, upstream, rhs_blk in streams:
-        uses = plan.stream_uses(direction)
-
-        @pl.when((t > 0) & (t <= uses))
+    def compute(s, field, enabled):
+        @pl.when(enabled)
         def _():
-            _remote_copy(bufs, send, recv, downstream, slot, slot, axis).wait_recv()
+            value = jnp.dot(s.bufs[field("slot")], rhs[s.direction][...], preferred_element_type=jnp.float32)
+            if mode == "accumulate":
+                out_ref[...] += value
+            elif mode == "block":
+                out_ref[...] = value
+            else:
+                src = lax.rem(me_ref[0] + field("source") + plan.num_devices, plan.num_devices)
+                out_ref[pl.ds(pl.multiple_of(src * rows, rows), rows), :] = value
 
-        @pl.when(plan.sends_at(t, direction))
-        def _():
-            pl.semaphore_wait(cap, 1)
-            _remote_copy(bufs, send, recv, downstream, slot, nxt, axis).start()
-
-        @pl.when((t > 0) & (t <= uses))
-        def _():
-            src = lax.rem(me_ref[0] + (size - t if direction == "right" else t), size)
-            emit(src, jnp.dot(bufs[slot], rhs_blk[...], preferred_element_type=jnp.float32))
-
-        @pl.when(plan.sends_at(t, direction))
-        def _():
-            _remote_copy(bufs, send, recv, downstream, slot, nxt, axis).wait_send()
-
-        @pl.when(plan.grants_credit_after(t, direction))
-        def _():
-            pl.semaphore_signal(cap, 1, device_id={axis: upstream})
+    _run_step(plan, tab_ref, streams, {"compute": compute})
 
 
-def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, out_dtype, interpret,
-                                 gather_dim: int = 1):
-    n, kd = lhs.shape
-    m = rhs.shape[1]
-    buffering = max(1, min(plan.buffering, size))
-    plan = RingPlan(size, plan.bidirectional and size > 2, buffering)
-    if buffering < 2 and size > 1:
-        raise NotImplementedError("mosaic_tpu: all_gather_matmul needs buffering >= 2 (one slot computes "
-                                  "while the next shard lands)")
-    me = lax.axis_index(axis_name).astype(jnp.int32)[None]
-    steps = plan.num_gather_steps
-
-    def from_left(t, me_ref):
-        return lax.rem(me_ref[0] - t + size, size), 0
-
-    def from_right(t, me_ref):
-        return lax.rem(me_ref[0] + t, size), 0
-
-    sems = [pltpu.SemaphoreType.DMA((buffering,)), pltpu.SemaphoreType.DMA((buffering,))]
-    if plan.bidirectional and gather_dim == 0:   # output resident in VMEM, rows filled by both streams
-        kernel = functools.partial(_bidi_kernel, rows=n)
-        stationary = pl.BlockSpec((kd, m), lambda t, me_ref: (0, 0))
-        in_specs = [pl.BlockSpec(memory_space=pl.ANY), stationary, stationary]
-        scratch = [pltpu.VMEM((buffering, n, kd), lhs.dtype)] * 2 + sems * 2 + \
-                  [pltpu.SemaphoreType.REGULAR] * 2 + [pltpu.SemaphoreType.DMA]
-        args = (me, lhs, rhs, rhs)
-    elif plan.bidirectional:
-        kernel = _bidi_kernel
-        in_specs = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((kd, m), from_left),
-                    pl.BlockSpec((kd, m), from_right)]
-        scratch = [pltpu.VMEM((buffering, n, kd), lhs.dtype)] * 2 + sems * 2 + \
-                  [pltpu.SemaphoreType.REGULAR] * 2 + [pltpu.SemaphoreType.DMA]
-        args = (me, lhs, rhs, rhs)
-    elif gather_dim == 0:   # lhs [Mb, K] row shards travel; each step writes output row block me - t
-        kernel = functools.partial(_kernel, accumulate=False)
-        in_specs = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((kd, m), lambda t, me_ref: (0, 0))]
-        scratch = [pltpu.VMEM((buffering, n, kd), lhs.dtype)] + sems + \
-                  [pltpu.SemaphoreType.REGULAR, pltpu.SemaphoreType.DMA]
-        args = (me, lhs, rhs)
-    else:
-        kernel = _kernel
-        in_specs = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec((kd, m), from_left)]
-        scratch = [pltpu.VMEM((buffering, n, kd), lhs.dtype)] + sems + \
-                  [pltpu.SemaphoreType.REGULAR, pltpu.SemaphoreType.DMA]
-        args = (me, lhs, rhs)
-    if gather_dim == 0 and plan.bidirectional:
-        out_shape, out_spec = (size * n, m), pl.BlockSpec((size * n, m), lambda t, me_ref: (0, 0))
-    elif gather_dim == 0:
-        out_shape, out_spec = (size * n, m), pl.BlockSpec((n, m), from_left)
-    else:
-        out_shape, out_spec = (n, m), pl.BlockSpec((n, m), lambda t, me_ref: (0, 0))
+def _kernel_call(kernel, plan: RingPlan, *, axis, name, args, in_specs, out_shape, out_spec, scratch, interpret):
+    """The pallas_call of a ring kernel: one grid step per plan step, the device's ring position and
+    the plan's table scalar-prefetched."""
+    me = lax.axis_index(axis).astype(jnp.int32)[None]
+    table = jnp.asarray(plan.step_table(), jnp.int32)
     call = pl.pallas_call(
-        functools.partial(kernel, plan=plan, axis=axis_name),
+        functools.partial(kernel, plan=plan, axis=axis),
         out_shape=out_struct(out_shape, jnp.float32, *args),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(steps,), in_specs=in_specs, out_specs=out_spec, scratch_shapes=scratch),
+            num_scalar_prefetch=2, grid=(plan.num_steps,), in_specs=in_specs, out_specs=out_spec,
+            scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), has_side_effects=True),
         interpret=(pltpu.InterpretParams() if interpret is True else interpret) if interpret else False,
-        name="conveyor_all_gather_matmul")
-    return call(*args).astype(out_dtype)
+        name=name)
+    return call(me, table, *args)
 
 
-def _rs_kernel(me_ref, *refs, plan: RingPlan, axis, columns: tuple[slice, ...]):
-    """One stream per column range: the stream going right adds block me - 1 - t, the one going
-    left (bidirectional only) block me + 1 + t; each accumulator makes the whole D - 1 hop trip.
+def _stream_scratch(plan: RingPlan, slot_shape, dtype) -> list:
+    """Per stream: `buffering` receive slots, send and receive semaphores per slot, a capacity semaphore."""
+    one = [pltpu.VMEM((plan.buffering, *slot_shape), dtype), pltpu.SemaphoreType.DMA((plan.buffering,)),
+           pltpu.SemaphoreType.DMA((plan.buffering,)), pltpu.SemaphoreType.REGULAR]
+    return one * len(plan.directions)
 
-    refs: lhs blocks, rhs blocks (one per stream), out, then per stream: receive slots, send
-    semaphores, receive semaphores, capacity semaphore.
-    """
-    k = len(columns)
-    lhs_blks, rhs_blks, (out_ref,) = refs[:k], refs[k:2 * k], refs[2 * k:2 * k + 1]
-    bufs_s, send_s, recv_s, cap_s = (refs[2 * k + 1 + i * k:2 * k + 1 + (i + 1) * k] for i in range(4))
+
+def _require_double_buffering(plan: RingPlan, op: str) -> None:
+    if plan.buffering < 2 and plan.num_devices > 1:
+        raise NotImplementedError(f"mosaic_tpu: {op} needs buffering >= 2 (one slot computes while the next "
+                                  f"shard lands; with one, every device waits for a credit: cv.sim.check shows "
+                                  f"the deadlock), got buffering={plan.buffering}")
+
+
+def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, plan: RingPlan, out_dtype, interpret,
+                                 gather_dim: int = 1):
+    """The ring kernel of `plan` (from `ring_plan(collective="gather", ...)`, used as given)."""
+    _require_double_buffering(plan, "all_gather_matmul")
+    n, kd = lhs.shape
+    m = rhs.shape[1]
     size = plan.num_devices
-    t, left, right, slot, nxt = _ring_position(me_ref, plan)
-    directions = ("right", "left")[:k]
-    neighbours = {"right": (right, left), "left": (left, right)}   # (downstream, upstream)
+    if gather_dim == 1:   # lhs [n, K/D] shards of the contraction; each step's K-block of rhs
+        mode, out_shape = "accumulate", (n, m)
+        rhs_specs = [pl.BlockSpec((kd, m), _source_block(plan, d)) for d in plan.directions]
+        out_spec = pl.BlockSpec((n, m), lambda t, me_ref, tab_ref: (0, 0))
+    elif plan.bidirectional:   # output resident, row blocks filled by both streams
+        mode, out_shape = "rows", (size * n, m)
+        rhs_specs = [pl.BlockSpec((kd, m), lambda t, me_ref, tab_ref: (0, 0))] * 2
+        out_spec = pl.BlockSpec(out_shape, lambda t, me_ref, tab_ref: (0, 0))
+    else:   # each step writes the output row block of its shard's source
+        mode, out_shape = "block", (size * n, m)
+        rhs_specs = [pl.BlockSpec((kd, m), lambda t, me_ref, tab_ref: (0, 0))]
+        out_spec = pl.BlockSpec((n, m), _source_block(plan, "right"))
+    streams = len(plan.directions)
+    return _kernel_call(
+        functools.partial(_gather_kernel, mode=mode), plan, axis=axis_name, name="conveyor_all_gather_matmul",
+        args=(lhs,) + (rhs,) * streams, in_specs=[pl.BlockSpec(memory_space=pl.ANY)] + rhs_specs,
+        out_shape=out_shape, out_spec=out_spec,
+        scratch=_stream_scratch(plan, (n, kd), lhs.dtype) + [pltpu.SemaphoreType.DMA],
+        interpret=interpret).astype(out_dtype)
 
-    @pl.when(t == 0)
+
+def _scatter_kernel(me_ref, tab_ref, *refs, plan: RingPlan, axis, columns: tuple[slice, ...]):
+    """Accumulators travel, one stream per column range: at each step a stream's partial product
+    for the block at its record's `source` is added into the accumulator that arrived and sent on;
+    the last step stores it. Every record computes (each step has a partial), so the partial
+    products are computed before the transfers are awaited.
+
+    refs: lhs blocks, rhs blocks (one per stream), out, then per stream: slots, send semaphores,
+    receive semaphores, capacity semaphore."""
+    k = len(plan.directions)
+    lhs_blks, rhs_blks, out_ref, scratch = refs[:k], refs[k:2 * k], refs[2 * k], refs[2 * k + 1:]
+    streams = _streams(plan, me_ref, axis, [scratch[4 * i:4 * i + 4] for i in range(k)])
+    assert all(r.computes for records in plan.steps() for r in records), "a scatter step without a partial"
+    blocks = {d: (lhs_blks[i], rhs_blks[i], columns[i]) for i, d in enumerate(plan.directions)}
+    partials = {}
+
+    @pl.when(pl.program_id(0) == 0)
     def _():
-        for direction, cap in zip(directions, cap_s):
-            if plan.initial_credits(direction):
-                pl.semaphore_signal(cap, plan.initial_credits(direction), device_id={axis: neighbours[direction][1]})
+        for d, s in streams.items():
+            if plan.initial_credits(d):
+                s.grant(plan.initial_credits(d))
 
-    for i, direction in enumerate(directions):
-        bufs, send, recv, cap = bufs_s[i], send_s[i], recv_s[i], cap_s[i]
-        downstream, upstream = neighbours[direction]
-        partial = jnp.dot(lhs_blks[i][...], rhs_blks[i][...], preferred_element_type=jnp.float32)
+    def compute(s, field, enabled):
+        lhs_blk, rhs_blk, _ = blocks[s.direction]
+        partials[s.direction] = jnp.dot(lhs_blk[...], rhs_blk[...], preferred_element_type=jnp.float32)
 
-        @pl.when(t == 0)
+    def accumulate(s, field, enabled):
+        slot, partial = field("slot"), partials[s.direction]
+
+        @pl.when(field("receives") == 1)
         def _():
-            bufs[slot] = partial
+            s.bufs[slot] = s.bufs[slot] + partial
 
-        @pl.when(t > 0)
+        @pl.when(field("receives") == 0)
         def _():
-            _remote_copy(bufs, send, recv, downstream, slot, slot, axis).wait_recv()
-            bufs[slot] = bufs[slot] + partial
+            s.bufs[slot] = partial
 
-        @pl.when(plan.sends_at(t, direction))
+    def store(s, field, enabled):
+        @pl.when(enabled)
         def _():
-            pl.semaphore_wait(cap, 1)
-            _remote_copy(bufs, send, recv, downstream, slot, nxt, axis).start()
-            _remote_copy(bufs, send, recv, downstream, slot, nxt, axis).wait_send()
+            out_ref[:, blocks[s.direction][2]] = s.bufs[field("slot")]
 
-        @pl.when(t == size - 1)
-        def _():
-            out_ref[:, columns[i]] = bufs[slot]
-
-        @pl.when(plan.grants_credit_after(t, direction))
-        def _():
-            pl.semaphore_signal(cap, 1, device_id={axis: upstream})
+    _run_step(plan, tab_ref, streams, {"compute": compute, "accumulate": accumulate, "store": store})
 
 
-def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, size, plan: RingPlan, out_dtype, interpret,
+def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, plan: RingPlan, out_dtype, interpret,
                                      scatter_dim: int = 0):
-    """scatter_dim=0: lhs [M, K_local] row blocks fetched by step-driven BlockSpecs. Bidirectional
+    """The ring kernel of `plan` (from `ring_plan(collective="scatter", ...)`, used as given).
+    scatter_dim=0: lhs [M, K_local] row blocks fetched by step-driven BlockSpecs. Bidirectional
     splits the n output columns in two halves travelling opposite ways (n must be even)."""
     m, k = lhs.shape
     n = rhs.shape[1]
-    mb = m // size
-    buffering = max(1, min(plan.buffering, size))
-    bidi = plan.bidirectional and size > 1
-    if scatter_dim == 1 and bidi and (n // size) % 2:
+    size = plan.num_devices
+    if scatter_dim == 1 and plan.bidirectional and (n // size) % 2:
         raise NotImplementedError(f"mosaic_tpu: bidirectional scatter_dim=1 splits each device's {n // size} output "
                                   f"columns in halves and needs an even count; pass bidirectional=False")
-    if scatter_dim == 0 and bidi and n % 2:
+    if scatter_dim == 0 and plan.bidirectional and n % 2:
         raise NotImplementedError(f"mosaic_tpu: bidirectional matmul_reduce_scatter splits the {n} output "
                                   f"columns in halves and needs an even count; pass bidirectional=False")
-    plan = RingPlan(size, bidi, buffering, collective="scatter")
-    if buffering < 2 and size > 1:
-        raise NotImplementedError("mosaic_tpu: matmul_reduce_scatter needs buffering >= 2")
-    me = lax.axis_index(axis_name).astype(jnp.int32)[None]
+    _require_double_buffering(plan, "matmul_reduce_scatter")
+    whole = lambda t, me_ref, tab_ref: (0, 0)   # noqa: E731
+    if scatter_dim == 1:   # column blocks of rhs are the step-driven operand (halves when bidirectional)
+        width = n // size // len(plan.directions)
+        columns = (slice(0, width), slice(width, None))[:len(plan.directions)]
 
-    def block_from(direction):
-        def index(t, me_ref):
-            off = plan.scatter_block(t, direction)
-            return lax.rem(me_ref[0] + off + 2 * size, size), 0
-        return index
-
-    if bidi and scatter_dim == 1:   # each device's column block split in halves, one per direction
-        hb = n // size // 2
-
-        def half_block(direction, half):
-            index = block_from(direction)
-            return lambda t, me_ref: (0, 2 * index(t, me_ref)[0] + half)
-        columns = (slice(0, hb), slice(hb, None))
-        stationary = pl.BlockSpec((m, k), lambda t, me_ref: (0, 0))
-        in_specs = [stationary, stationary, pl.BlockSpec((k, hb), half_block("right", 0)),
-                    pl.BlockSpec((k, hb), half_block("left", 1))]
-        acc_shape, args = (m, hb), (me, lhs, lhs, rhs, rhs)
-    elif bidi:
-        h = n // 2
-        columns = (slice(0, h), slice(h, None))
-        in_specs = [pl.BlockSpec((mb, k), block_from("right")), pl.BlockSpec((mb, k), block_from("left")),
-                    pl.BlockSpec((k, h), lambda t, me_ref: (0, 0)), pl.BlockSpec((k, h), lambda t, me_ref: (0, 1))]
-        acc_shape, args = (mb, h), (me, lhs, lhs, rhs, rhs)
-    elif scatter_dim == 1:   # column blocks of rhs are the step-driven operand
-        nb = n // size
-        right = block_from("right")
-        columns = (slice(None),)
-        in_specs = [pl.BlockSpec((m, k), lambda t, me_ref: (0, 0)),
-                    pl.BlockSpec((k, nb), lambda t, me_ref: (0, right(t, me_ref)[0]))]
-        acc_shape, args = (m, nb), (me, lhs, rhs)
-    else:
-        columns = (slice(None),)
-        in_specs = [pl.BlockSpec((mb, k), block_from("right")), pl.BlockSpec((k, n), lambda t, me_ref: (0, 0))]
-        acc_shape, args = (mb, n), (me, lhs, rhs)
-    streams = len(columns)
-    scratch = ([pltpu.VMEM((buffering, *acc_shape), jnp.float32)] * streams
-               + [pltpu.SemaphoreType.DMA((buffering,))] * (2 * streams) + [pltpu.SemaphoreType.REGULAR] * streams)
-    kernel = functools.partial(_rs_kernel, plan=plan, axis=axis_name, columns=columns)
-    out_shape = (m, n // size) if scatter_dim == 1 else (mb, n)
-    call = pl.pallas_call(
-        kernel,
-        out_shape=out_struct(out_shape, jnp.float32, *args),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(size,), in_specs=in_specs,
-            out_specs=pl.BlockSpec(out_shape, lambda t, me_ref: (0, 0)), scratch_shapes=scratch),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), has_side_effects=True),
-        interpret=(pltpu.InterpretParams() if interpret is True else interpret) if interpret else False,
-        name="conveyor_matmul_reduce_scatter")
-    return call(*args).astype(out_dtype)
+        def column_block(half, direction):
+            block = _source_block(plan, direction)
+            return lambda t, me_ref, tab_ref: (0, len(columns) * block(t, me_ref, tab_ref)[0] + half)
+        lhs_specs = [pl.BlockSpec((m, k), whole)] * len(columns)
+        rhs_specs = [pl.BlockSpec((k, width), column_block(i, d)) for i, d in enumerate(plan.directions)]
+        acc_shape, out_shape = (m, width), (m, n // size)
+    else:                  # row blocks of lhs are step-driven; the columns split in halves when bidirectional
+        mb, width = m // size, n // len(plan.directions)
+        columns = (slice(0, width), slice(width, None))[:len(plan.directions)]
+        lhs_specs = [pl.BlockSpec((mb, k), _source_block(plan, d)) for d in plan.directions]
+        rhs_specs = [pl.BlockSpec((k, width), lambda t, me_ref, tab_ref, i=i: (0, i)) for i in range(len(columns))]
+        acc_shape, out_shape = (mb, width), (mb, n)
+    streams = len(plan.directions)
+    return _kernel_call(
+        functools.partial(_scatter_kernel, columns=columns), plan, axis=axis_name,
+        name="conveyor_matmul_reduce_scatter", args=(lhs,) * streams + (rhs,) * streams,
+        in_specs=lhs_specs + rhs_specs, out_shape=out_shape, out_spec=pl.BlockSpec(out_shape, whole),
+        scratch=_stream_scratch(plan, acc_shape, jnp.float32), interpret=interpret).astype(out_dtype)
