@@ -86,7 +86,8 @@ def run(prog: Program, timing: Timing) -> tuple[float, list[Box]]:
             post(clock[i] + timing.signal_latency_s, (a.counter,), a.amount)
         elif isinstance(a, Compute):
             dur = timing.compute_s(a, names[i])
-            boxes.append(Box(names[i], "compute", f"step {a.step}", clock[i], clock[i] + dur))
+            label = f"step {a.step} {a.stream}" if a.stream else f"step {a.step}"
+            boxes.append(Box(names[i], "compute", label, clock[i], clock[i] + dur))
             clock[i] += dur
         pc[i] += 1
 
