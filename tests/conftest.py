@@ -14,8 +14,9 @@ from conveyor import _compat  # noqa: E402
 _compat.interpreter_races_raise()
 # A DMA semaphore left non-zero at a TPU kernel's exit (a copy never awaited) fails the test.
 _compat.record_interpreter_semaphore_leaks()
-# A TPU-interpreter wait that nothing will satisfy fails its test with the semaphore it waits on,
-# instead of hanging until the test timeout aborts the whole run (legitimate waits take seconds).
+# An interpreter wait that nothing will satisfy fails its test with the semaphore (TPU) or barrier
+# (GPU) it waits on, instead of hanging until the test timeout aborts the whole run (legitimate
+# waits take seconds).
 _compat.interpreter_wait_deadline(60)
 # jax 0.11 only: the TPU interpreter's callbacks can deadlock against async dispatch (see _compat).
 _compat.avoid_interpreter_dispatch_deadlock()

@@ -460,18 +460,22 @@ def record_interpreter_semaphore_leaks() -> None:
 
 
 def interpreter_wait_deadline(seconds: float) -> None:
-    """Make a Pallas TPU interpreter semaphore wait that is still blocked after `seconds` raise.
+    """Make a Pallas interpreter wait that is still blocked after `seconds` raise, on TPU and GPU.
 
-    A semaphore that nothing will ever signal (a DMA never started, a signal never sent) makes
-    the interpreter wait forever. After the deadline, the wait raises instead, naming the core,
-    the semaphore and the count it waits for, and the kernel call fails with that message. The
-    interpreter's wait loop polls `SharedMemory.check_failed` every 0.1 s while it blocks; the
-    deadline is checked there, in the waiting thread. Setting it again only changes `seconds`.
+    A semaphore that nothing will ever signal (a DMA never started, a signal never sent), or a
+    barrier phase that never completes (an arrival never made), makes an interpreter wait forever.
+    After the deadline the wait raises instead, naming what it waits for, and the kernel call fails
+    with that message. Setting it again only changes `seconds`.
+    - TPU: the interpreter's semaphore wait loop polls `SharedMemory.check_failed` every 0.1 s
+      while it blocks; the deadline is checked there, in the waiting thread.
+    - GPU: a barrier wait blocks on the barrier's condition variable; each barrier gets one whose
+      untimed wait raises when nothing arrives at the barrier for `seconds` (an arrival notifies it).
     """
     if not seconds > 0:
         raise ValueError(f"interpreter_wait_deadline: seconds must be > 0, got {seconds!r}")
-    from jax._src.pallas.mosaic.interpret import shared_memory as sm
     _WAIT_DEADLINE["seconds"] = float(seconds)
+    _gpu_barrier_deadline()
+    from jax._src.pallas.mosaic.interpret import shared_memory as sm
     if getattr(sm.Semaphore, "_conveyor_deadline", False):
         return
     waiting = threading.local()
@@ -496,6 +500,46 @@ def interpreter_wait_deadline(seconds: float) -> None:
 
     sm.Semaphore.wait, sm.SharedMemory.check_failed = wait, check_failed
     sm.Semaphore._conveyor_deadline = True
+
+
+def _gpu_barrier_deadline() -> None:
+    """The GPU interpreter's half of `interpreter_wait_deadline` (installed once)."""
+    from jax._src.pallas.mosaic_gpu.interpret import shared_memory as gsm
+    barrier_cls = gsm.Barrier
+    if getattr(barrier_cls, "_conveyor_deadline", False):
+        return
+    waiting = threading.local()
+
+    class DeadlineCondition(threading.Condition):
+        def __init__(self, barrier):
+            super().__init__()
+            self.barrier = barrier
+
+        def wait(self, timeout=None):
+            limit = _WAIT_DEADLINE["seconds"]
+            if timeout is not None or not limit:
+                return super().wait(timeout)
+            if super().wait(limit):
+                return True
+            b = self.barrier
+            raise RuntimeError(
+                f"Pallas GPU interpreter: {getattr(waiting, 'thread', 'a thread')} waited {limit:g} s at barrier "
+                f"{id(b)} ({b.num_arrivals} arrival(s) per phase) for phase {b.phase} to complete, and nothing "
+                f"arrived meanwhile: an arrival never made or a copy never issued (a deadlock; cv.sim.check finds "
+                f"schedule deadlocks with a trace)")
+
+    original_init, original_wait = barrier_cls.__init__, barrier_cls._wait
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        self.cv = DeadlineCondition(self)
+
+    def wait(self, thread, *args, **kwargs):
+        waiting.thread = thread
+        return original_wait(self, thread, *args, **kwargs)
+
+    barrier_cls.__init__, barrier_cls._wait = init, wait
+    barrier_cls._conveyor_deadline = True
 
 
 def take_interpreter_semaphore_leaks() -> list[str]:

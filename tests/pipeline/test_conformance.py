@@ -20,9 +20,8 @@ import conveyor as cv
 from conveyor.pipeline.lowering import record_issued
 from tests.platform import gpu_interpret
 
-# Each case runs in about a second; a lowering that waits for a copy it never issued hangs its
-# interpreter: the TPU interpreter's wait deadline (tests/conftest.py, 60 s) fails it first, and
-# this one catches the GPU interpreter, which has none (it fails the run with every stack).
+# Each case runs in about a second; a lowering that waits for a copy it never issued fails at the
+# interpreters' wait deadline (tests/conftest.py, 60 s), naming the semaphore or barrier.
 pytestmark = pytest.mark.timeout(120)
 
 B = (8, 128)
