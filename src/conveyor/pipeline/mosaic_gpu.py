@@ -11,7 +11,10 @@ branches (`pl.when`) around unpredicated copies.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
@@ -56,6 +59,14 @@ def _slots(p: PipelinePlan, in_refs, out_refs) -> list:
             for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))]
 
 
+def _fetch(p: PipelinePlan, in_refs, in_bufs, produced, i: int, step, at) -> None:
+    """The TMA copy of input i's block of `step` into its slot, issued during grid step `at`."""
+    op = p.inputs[i]
+    slot = p.slot(op, step)
+    issued(at, "fetch", op, slot, step)
+    plgpu.copy_gmem_to_smem(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], produced[i].at[slot])
+
+
 def _await_blocks(p: PipelinePlan, s, produced, in_bufs, out_bufs, wb_counts):
     """Wait until step s's input copies landed; return the input and output slot views of step s."""
     for i, op in enumerate(p.inputs):
@@ -86,10 +97,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         barriers = args[n_in + n_out:]
 
         def fetch(i, step, at):
-            op = p.inputs[i]
-            slot = p.slot(op, step)
-            issued(at, "fetch", op, slot, step)
-            plgpu.copy_gmem_to_smem(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], barriers[i].at[slot])
+            _fetch(p, in_refs, in_bufs, barriers, i, step, at)
 
         for i, op in enumerate(p.inputs):  # prologue (a dynamic grid may have fewer steps)
             for t in p.prologue_steps(op):
@@ -135,143 +143,175 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     return pl.run_scoped(scoped, *scratch)
 
 
-def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry_coroutine, compute_context=None):
-    """The warp-specialized protocol of `conveyor.plans.warp` in Mosaic GPU primitives."""
+@dataclasses.dataclass(frozen=True)
+class _WarpRefs:
+    """A warp-specialized pipeline's global operands, its scoped SMEM slots and barriers, and the
+    index of the thread running."""
+    wp: WarpSpecializedPlan
+    in_refs: tuple
+    out_refs: tuple
+    in_bufs: tuple
+    out_bufs: tuple
+    produced: tuple     # per input, one barrier per slot: its copy landed
+    consumed: tuple     # one shared barrier per slot, or one per input with manual barriers
+    out_ready: Any      # every compute thread wrote its part of the step's output blocks
+    tid: Any
+
+    @property
+    def p(self) -> PipelinePlan:
+        return self.wp.pipeline
+
+    def cycling(self) -> list[int]:
+        return [i for i, op in enumerate(self.p.inputs) if not op.invariant]
+
+    def wait_before(self) -> dict:
+        """The consumed barrier the memory thread waits on before refilling input i's slot: each
+        input's own with manual barriers; otherwise one shared barrier, waited before the first."""
+        cycling = self.cycling()
+        if self.wp.manual_consumed_barriers:
+            return {i: self.consumed[i] for i in cycling}
+        return {cycling[0]: self.consumed[0]} if cycling else {}
+
+
+def _warp_scratch(wp: WarpSpecializedPlan, in_refs, out_refs) -> tuple[list, int]:
+    """The SMEM slots and barriers of a warp-specialized pipeline, and how many consumed barriers."""
     p = wp.pipeline
-    n_in, n_out, n = len(p.inputs), len(p.outputs), p.num_steps
-    S = p.max_concurrent_steps
     single = [op.name for op in p.outputs if op.num_slots == 1 and not op.invariant]
     if single:
         raise NotImplementedError(f"emit_pipeline_warp_specialized: one-slot outputs ({', '.join(single)}: "
                                   f"pl.Buffered(1)) are not supported on mosaic_gpu; the compute threads would write "
                                   f"the slot while its store reads it. Leave the output at 2 slots")
-    cycling = [i for i, op in enumerate(p.inputs) if not op.invariant]
-    n_consumed = n_in if wp.manual_consumed_barriers else int(bool(cycling))
+    cycling = any(not op.invariant for op in p.inputs)
+    n_consumed = len(p.inputs) if wp.manual_consumed_barriers else int(cycling)
     scratch = _slots(p, in_refs, out_refs)
     scratch += [plgpu.Barrier(num_barriers=op.num_slots) for op in p.inputs]                     # produced
-    scratch += [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=S) for _ in range(n_consumed)]
-    scratch += [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=1)] if n_out else []  # outputs ready
+    scratch += [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=p.max_concurrent_steps)
+                for _ in range(n_consumed)]
+    scratch += [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=1)] if p.outputs else []  # out ready
     check_smem_budget(p, scratch, "emit_pipeline_warp_specialized")
+    return scratch, n_consumed
+
+
+def _memory_thread(r: _WarpRefs) -> None:
+    """The prologue fetches, then per step: wait for the refilled slot's release, fetch; then drain
+    the arrivals nobody waited for, so every barrier ends at a phase boundary."""
+    p, wp = r.p, r.wp
+    n, S = p.num_steps, p.max_concurrent_steps
+    wait_before = r.wait_before()
+    plgpu.set_max_registers(wp.memory_registers, action="decrease")
+    for i, op in enumerate(p.inputs):
+        for t in p.prologue_steps(op):
+            when(p.before_end(t), lambda i=i, t=t: _fetch(p, r.in_refs, r.in_bufs, r.produced, i, t, -1))
+
+    def step(s, _):
+        t = p.fetch_at(s)
+
+        @pl.when(t < n)
+        def _():
+            tt = jnp.minimum(t, n - 1)
+            for i in r.cycling():
+                if i in wait_before:
+                    @pl.when(wp.refill_waits(tt))
+                    def _():
+                        plgpu.barrier_wait(wait_before[i].at[tt % S])
+                        # Order the compute threads' reads of the slot (generic proxy) before the
+                        # TMA write into it (async proxy).
+                        plgpu.commit_smem()
+                _fetch(p, r.in_refs, r.in_bufs, r.produced, i, tt, s)
+
+    lax.fori_loop(0, n, step, None)
+    for b in wait_before.values():
+        if p.is_static:
+            for u in range(max(0, n - S), n - p.delay_release):
+                plgpu.barrier_wait(b.at[u % S])
+        else:
+            def drain(u, _, b=b):
+                plgpu.barrier_wait(b.at[u % S])
+            lax.fori_loop(jnp.maximum(0, n - S), n - p.delay_release, drain, None)
+
+
+def _store_outputs(r: _WarpRefs, s, wb_counts) -> tuple:
+    """Step s's write-backs: every compute thread fences its SMEM writes and arrives at the output
+    barrier; the leader waits for its earlier stores, then stores the blocks. New write-back counts."""
+    p = r.p
+    is_leader = r.tid == r.wp.leader
+    wbs = [p.writes_back(op, s) for op in p.outputs]
+    any_wb = functools.reduce(jnp.logical_or, wbs)
+
+    @pl.when(any_wb)
+    def _():
+        plgpu.commit_smem()  # this thread's SMEM writes become visible to the TMA engine
+
+        @pl.when(is_leader)
+        def _():  # the slot the other threads write next was stored two write-backs ago
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        plgpu.barrier_arrive(r.out_ready.at[0])
+        plgpu.barrier_wait(r.out_ready.at[0])
+
+        @pl.when(is_leader)
+        def _():
+            for j, op in enumerate(p.outputs):
+                @pl.when(wbs[j])
+                def _():
+                    issued(s, "writeback", op, p.output_slot(op, wb_counts[j]), s)
+                    plgpu.copy_smem_to_gmem(r.out_bufs[j].at[p.output_slot(op, wb_counts[j])],
+                                            block_view(p, op, r.out_refs[j], s), commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+    return tuple(w + jnp.where(wb, 1, 0).astype(jnp.int32) for w, wb in zip(wb_counts, wbs))
+
+
+def _compute_steps(r: _WarpRefs, body, init, has_carry):
+    """A compute thread's loop over the steps; a Ref carry (e.g. a wgmma accumulator) is passed to
+    every step as it is instead of travelling through the loop."""
+    p, wp = r.p, r.wp
+    fixed = init if is_jax_ref(init) else None
+    shared_release = bool(r.cycling()) and not wp.manual_consumed_barriers
+
+    def step(s, state):
+        wb_counts, carry = state
+        carry = fixed if fixed is not None else carry
+        in_blocks, out_blocks = _await_blocks(p, s, r.produced, r.in_bufs, r.out_bufs, wb_counts)
+        # Upstream's protocol: the body gets the slot of step s - delay_release and skips its
+        # arrival during the first delay_release steps (see the public docstring).
+        manual = ([r.consumed[i].at[wp.released_slot(s)] for i in range(len(p.inputs))]
+                  if wp.manual_consumed_barriers else [])
+        carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks, *manual), carry, has_carry)
+        carry = None if fixed is not None else carry
+        if shared_release:
+            @pl.when(wp.releases_after(s))
+            def _():
+                plgpu.barrier_arrive(r.consumed[0].at[wp.released_slot(s)])
+        return (_store_outputs(r, s, wb_counts) if p.outputs else ()), carry
+
+    counts0 = tuple(jnp.int32(0) for _ in p.outputs)
+    _, final = lax.fori_loop(0, p.num_steps, step, (counts0, None if fixed is not None else init))
+    if p.outputs:
+        @pl.when(r.tid == wp.leader)
+        def _():
+            plgpu.wait_smem_to_gmem(0)
+    return fixed if fixed is not None else final
+
+
+def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry_coroutine, compute_context=None):
+    """The warp-specialized protocol of `conveyor.plans.warp` in Mosaic GPU primitives."""
+    p = wp.pipeline
+    n_in, n_out = len(p.inputs), len(p.outputs)
+    scratch, n_consumed = _warp_scratch(wp, in_refs, out_refs)
 
     def scoped(*args):
-        in_bufs, out_bufs = args[:n_in], args[n_in:n_in + n_out]
         produced = args[n_in + n_out:2 * n_in + n_out]
-        consumed = args[2 * n_in + n_out:2 * n_in + n_out + n_consumed]
-        out_ready = args[-1] if n_out else None
-        tid = lax.axis_index(wp.wg_axis)
+        r = _WarpRefs(wp, tuple(in_refs), tuple(out_refs), args[:n_in], args[n_in:n_in + n_out], produced,
+                      args[2 * n_in + n_out:2 * n_in + n_out + n_consumed], args[-1] if n_out else None,
+                      lax.axis_index(wp.wg_axis))
+        pl.when(r.tid == wp.memory_thread_idx)(lambda: _memory_thread(r))
 
-        # The consumed barrier the memory thread waits on before refilling input i's slot: each
-        # input's own with manual barriers; otherwise one shared barrier, waited before the first.
-        if wp.manual_consumed_barriers:
-            wait_before = {i: consumed[i] for i in cycling}
-        else:
-            wait_before = {cycling[0]: consumed[0]} if cycling else {}
-
-        def fetch(i, step, at):
-            op = p.inputs[i]
-            slot = p.slot(op, step)
-            issued(at, "fetch", op, slot, step)
-            plgpu.copy_gmem_to_smem(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], produced[i].at[slot])
-
-        @pl.when(tid == wp.memory_thread_idx)
-        def _memory_thread():
-            plgpu.set_max_registers(wp.memory_registers, action="decrease")
-            for i, op in enumerate(p.inputs):
-                for t in p.prologue_steps(op):
-                    when(p.before_end(t), lambda i=i, t=t: fetch(i, t, -1))
-
-            def step(s, _):
-                t = p.fetch_at(s)
-
-                @pl.when(t < n)
-                def _():
-                    tt = jnp.minimum(t, n - 1)
-                    for i in cycling:
-                        if i in wait_before:
-                            @pl.when(wp.refill_waits(tt))
-                            def _():
-                                plgpu.barrier_wait(wait_before[i].at[tt % S])
-                                # Order the compute threads' reads of the slot (generic proxy)
-                                # before the TMA write into it (async proxy).
-                                plgpu.commit_smem()
-                        fetch(i, tt, s)
-                return None
-
-            lax.fori_loop(0, n, step, None)
-            # Consume the arrivals nobody waited for, so every barrier ends at a phase boundary.
-            for b in wait_before.values():
-                if p.is_static:
-                    for u in range(max(0, n - S), n - p.delay_release):
-                        plgpu.barrier_wait(b.at[u % S])
-                else:
-                    def drain(u, _, b=b):
-                        plgpu.barrier_wait(b.at[u % S])
-                    lax.fori_loop(jnp.maximum(0, n - S), n - p.delay_release, drain, None)
-
-        def run_steps(init, has_carry):
-            """The compute thread's loop over the steps; a Ref carry (e.g. a wgmma accumulator) is
-            passed to every step as it is instead of travelling through the loop."""
-            fixed = init if is_jax_ref(init) else None
-            is_leader = tid == wp.leader
-
-            def step(s, state):
-                wb_counts, carry = state
-                carry = fixed if fixed is not None else carry
-                in_blocks, out_blocks = _await_blocks(p, s, produced, in_bufs, out_bufs, wb_counts)
-                # Upstream's protocol: the body gets the slot of step s - delay_release and skips its
-                # arrival during the first delay_release steps (see the public docstring).
-                manual = ([consumed[i].at[wp.released_slot(s)] for i in range(n_in)]
-                          if wp.manual_consumed_barriers else [])
-                carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks, *manual), carry, has_carry)
-                carry = None if fixed is not None else carry
-                if cycling and not wp.manual_consumed_barriers:
-                    @pl.when(wp.releases_after(s))
-                    def _():
-                        plgpu.barrier_arrive(consumed[0].at[wp.released_slot(s)])
-                new_counts = []
-                if n_out:
-                    wbs = [p.writes_back(op, s) for op in p.outputs]
-                    any_wb = wbs[0]
-                    for w in wbs[1:]:
-                        any_wb = jnp.logical_or(any_wb, w)
-
-                    @pl.when(any_wb)
-                    def _():
-                        plgpu.commit_smem()  # this thread's SMEM writes become visible to the TMA engine
-
-                        @pl.when(is_leader)
-                        def _():  # the slot the other threads write next was stored two write-backs ago
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        plgpu.barrier_arrive(out_ready.at[0])
-                        plgpu.barrier_wait(out_ready.at[0])
-
-                        @pl.when(is_leader)
-                        def _():
-                            for j, op in enumerate(p.outputs):
-                                @pl.when(wbs[j])
-                                def _():
-                                    issued(s, "writeback", op, p.output_slot(op, wb_counts[j]), s)
-                                    plgpu.copy_smem_to_gmem(out_bufs[j].at[p.output_slot(op, wb_counts[j])],
-                                                            block_view(p, op, out_refs[j], s), commit_group=False)
-                            plgpu.commit_smem_to_gmem_group()
-                    new_counts = [w + jnp.where(wb, 1, 0).astype(jnp.int32) for w, wb in zip(wb_counts, wbs)]
-                return tuple(new_counts), carry
-
-            counts0 = tuple(jnp.int32(0) for _ in p.outputs)
-            _, final = lax.fori_loop(0, n, step, (counts0, None if fixed is not None else init))
-            if n_out:
-                @pl.when(is_leader)
-                def _():
-                    plgpu.wait_smem_to_gmem(0)
-            return fixed if fixed is not None else final
-
-        @pl.when(tid != wp.memory_thread_idx)
+        @pl.when(r.tid != wp.memory_thread_idx)
         def _compute_thread():
             plgpu.set_max_registers(wp.compute_registers, action="increase")
             if compute_context is not None:
-                compute_context(lambda carry=None: run_steps(carry, carry is not None))
+                compute_context(lambda carry=None: _compute_steps(r, body, carry, carry is not None))
                 return
             gen, init = carry_lib.start(carry_coroutine)
-            carry_lib.finish(gen, run_steps(init, gen is not None))
+            carry_lib.finish(gen, _compute_steps(r, body, init, gen is not None))
 
     pl.run_scoped(scoped, *scratch, collective_axes=wp.wg_axis)

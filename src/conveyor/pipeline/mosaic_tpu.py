@@ -10,109 +10,142 @@ is zero-filled instead, and nobody waits for a copy that was never started.
 """
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from conveyor.pipeline.lowering import block_in_bounds, block_view, call_body, first_block_view, issued, when
-from conveyor.plans.pipeline import PipelinePlan
+from conveyor.plans.pipeline import OperandPlan, PipelinePlan
 
 
-def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
+@dataclasses.dataclass(frozen=True)
+class _Copies:
+    """A pipeline's DMAs on TPU: its global operands, its VMEM slots and their semaphores. Blocks
+    out of bounds are not copied: an input slot is zero-filled instead, an output block dropped."""
+    p: PipelinePlan
+    in_refs: tuple
+    out_refs: tuple
+    in_bufs: tuple
+    out_bufs: tuple
+    in_sems: Any      # [input, slot]
+    out_sems: Any     # [output, slot]
+
+    def _in_bounds(self, op: OperandPlan, ref, step):
+        return block_in_bounds(self.p, op, step, ref.shape)
+
+    def start_fetch(self, i: int, step, at) -> None:
+        p, op = self.p, self.p.inputs[i]
+        slot = p.slot(op, step)
+
+        def copy():
+            issued(at, "fetch", op, slot, step)
+            pltpu.make_async_copy(block_view(p, op, self.in_refs[i], step), self.in_bufs[i].at[slot],
+                                  self.in_sems.at[i, slot]).start()
+
+        def zero_fill():
+            self.in_bufs[i].at[slot][...] = jnp.zeros(op.ref_shape, self.in_bufs[i].dtype)
+        when(self._in_bounds(op, self.in_refs[i], step), copy, otherwise=zero_fill)
+
+    def wait_fetch(self, i: int, step) -> None:
+        op = self.p.inputs[i]
+        slot = self.p.slot(op, step)
+
+        def wait():
+            issued(step, "wait_fetch", op, slot, step)
+            pltpu.make_async_copy(first_block_view(op, self.in_refs[i]), self.in_bufs[i].at[slot],
+                                  self.in_sems.at[i, slot]).wait()
+        when(self._in_bounds(op, self.in_refs[i], step), wait)
+
+    def output_in_bounds(self, j: int, step):
+        return self._in_bounds(self.p.outputs[j], self.out_refs[j], step)
+
+    def _writeback(self, j: int, slot, step=None):
+        """The write-back DMA of output j's `slot` to its block at `step` (None: a descriptor to wait on)."""
+        op = self.p.outputs[j]
+        dst = first_block_view(op, self.out_refs[j]) if step is None else block_view(self.p, op, self.out_refs[j], step)
+        return pltpu.make_async_copy(self.out_bufs[j].at[slot], dst, self.out_sems.at[j, slot])
+
+    def start_writeback(self, j: int, slot, step) -> None:
+        issued(step, "writeback", self.p.outputs[j], slot, step)
+        self._writeback(j, slot, step).start()
+
+    def wait_writeback(self, j: int, slot, at) -> None:
+        issued(at, "wait_writeback", self.p.outputs[j], slot)
+        self._writeback(j, slot).wait()
+
+
+def _write_back(c: _Copies, s, wb_counts, started) -> tuple[tuple, tuple]:
+    """Step s's write-backs, and the wait for each output's other slot: new write-back counts, and
+    per output whether its last write-back was started (an out-of-bounds block is not)."""
+    new_counts, new_started = [], []
+    for j, op in enumerate(c.p.outputs):
+        w, slot = wb_counts[j], c.p.output_slot(op, wb_counts[j])
+        wb = jnp.asarray(c.p.writes_back(op, s))
+        inside = jnp.logical_and(wb, c.output_in_bounds(j, s))
+        when(inside, lambda j=j, slot=slot: c.start_writeback(j, slot, s))
+        if op.num_slots == 1:
+            # the body writes this same slot next: wait for the write-back at once
+            when(inside, lambda j=j, slot=slot: c.wait_writeback(j, slot, s))
+            new_started.append(started[j])  # nothing left in flight for the epilogue
+        else:
+            # the slot used next was last written back by write-back w - 1: wait for it, if it ran
+            when(jnp.logical_and(wb, jnp.logical_and(w >= 1, started[j])),
+                 lambda j=j, slot=slot: c.wait_writeback(j, 1 - slot, s))
+            new_started.append(jnp.where(wb, inside, started[j]))
+        new_counts.append(w + wb.astype(jnp.int32))
+    return tuple(new_counts), tuple(new_started)
+
+
+def _scratch(p: PipelinePlan, in_refs, out_refs) -> list:
+    """The VMEM slots of every operand (inputs, then outputs) and the DMA semaphores per slot."""
     transformed = [op.name for op in p.inputs + p.outputs if op.transforms]
     if transformed:
         raise NotImplementedError(f"emit_pipeline on mosaic_tpu: block transforms ({', '.join(transformed)}) are Mosaic "
                                   f"GPU shared-memory layouts; TPU VMEM blocks have their own tiling. Drop them for TPU")
-    n_in, n_out = len(p.inputs), len(p.outputs)
     in_slots = max([op.num_slots for op in p.inputs], default=1)
-    scratch = [pltpu.VMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.inputs, in_refs)]
-    scratch += [pltpu.VMEM((op.num_slots, *op.ref_shape), r.dtype) for op, r in zip(p.outputs, out_refs)]
-    scratch += [pltpu.SemaphoreType.DMA((max(n_in, 1), in_slots)), pltpu.SemaphoreType.DMA((max(n_out, 1), 2))]
-    n = p.num_steps
+    scratch = [pltpu.VMEM((op.num_slots, *op.ref_shape), r.dtype)
+               for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))]
+    return scratch + [pltpu.SemaphoreType.DMA((max(len(p.inputs), 1), in_slots)),
+                      pltpu.SemaphoreType.DMA((max(len(p.outputs), 1), 2))]
+
+
+def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
+    """The plan's schedule in Mosaic TPU DMAs: prologue fetches, then per step: wait for the
+    inputs, run the body, write back, fetch ahead; then wait for the last write-backs."""
+    n_in, n_out, n = len(p.inputs), len(p.outputs), p.num_steps
 
     def scoped(*args):
-        in_bufs, out_bufs = args[:n_in], args[n_in:n_in + n_out]
-        in_sems, out_sems = args[n_in + n_out:]
-
-        def in_bounds(ops, refs, k, step):
-            return block_in_bounds(p, ops[k], step, refs[k].shape)
-
-        def start_fetch(i, step, at):
-            op, slot = p.inputs[i], p.slot(p.inputs[i], step)
-
-            def copy():
-                issued(at, "fetch", op, slot, step)
-                pltpu.make_async_copy(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot],
-                                      in_sems.at[i, slot]).start()
-
-            def zero_fill():
-                in_bufs[i].at[slot][...] = jnp.zeros(op.ref_shape, in_bufs[i].dtype)
-            when(in_bounds(p.inputs, in_refs, i, step), copy, otherwise=zero_fill)
-
-        def wait_fetch(i, step):
-            op, slot = p.inputs[i], p.slot(p.inputs[i], step)
-
-            def wait():
-                issued(step, "wait_fetch", op, slot, step)
-                pltpu.make_async_copy(first_block_view(op, in_refs[i]), in_bufs[i].at[slot], in_sems.at[i, slot]).wait()
-            when(in_bounds(p.inputs, in_refs, i, step), wait)
-
-        def writeback(j, slot, step=None):
-            """The write-back DMA of output j's `slot` to its block at `step` (None: a descriptor to wait on)."""
-            op = p.outputs[j]
-            dst = first_block_view(op, out_refs[j]) if step is None else block_view(p, op, out_refs[j], step)
-            return pltpu.make_async_copy(out_bufs[j].at[slot], dst, out_sems.at[j, slot])
-
-        def start_writeback(j, slot, step):
-            issued(step, "writeback", p.outputs[j], slot, step)
-            writeback(j, slot, step).start()
-
-        def wait_writeback(j, slot, at):
-            issued(at, "wait_writeback", p.outputs[j], slot)
-            writeback(j, slot).wait()
-
+        c = _Copies(p, tuple(in_refs), tuple(out_refs), args[:n_in], args[n_in:n_in + n_out], *args[n_in + n_out:])
         for i, op in enumerate(p.inputs):  # prologue (a dynamic grid may have fewer steps)
             for t in p.prologue_steps(op):
-                when(p.before_end(t), lambda i=i, t=t: start_fetch(i, t, -1))
+                when(p.before_end(t), lambda i=i, t=t: c.start_fetch(i, t, -1))
 
         def step(s, state):
             wb_counts, started, carry = state
             for i, op in enumerate(p.inputs):
                 if op.invariant:
-                    when(s == 0, lambda i=i: wait_fetch(i, 0))
+                    when(s == 0, lambda i=i: c.wait_fetch(i, 0))
                 else:
-                    wait_fetch(i, s)
-            in_blocks = [in_bufs[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
-            out_blocks = [out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
+                    c.wait_fetch(i, s)
+            in_blocks = [c.in_bufs[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
+            out_blocks = [c.out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
             carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks), carry, has_carry)
-            new_counts, new_started = [], []
-            for j, op in enumerate(p.outputs):
-                w, slot = wb_counts[j], p.output_slot(op, wb_counts[j])
-                wb = jnp.asarray(p.writes_back(op, s))
-                inside = jnp.logical_and(wb, in_bounds(p.outputs, out_refs, j, s))
-                when(inside, lambda j=j, slot=slot: start_writeback(j, slot, s))
-                if op.num_slots == 1:
-                    # the body writes this same slot next: wait for the write-back at once
-                    when(inside, lambda j=j, slot=slot: wait_writeback(j, slot, s))
-                    new_started.append(started[j])  # nothing left in flight for the epilogue
-                else:
-                    # the slot used next was last written back by write-back w - 1: wait for it, if it ran
-                    when(jnp.logical_and(wb, jnp.logical_and(w >= 1, started[j])),
-                         lambda j=j, slot=slot: wait_writeback(j, 1 - slot, s))
-                    new_started.append(jnp.where(wb, inside, started[j]))
-                new_counts.append(w + wb.astype(jnp.int32))
+            wb_counts, started = _write_back(c, s, wb_counts, started)
             for i, op in enumerate(p.inputs):  # each input fetches its own lookahead ahead
                 if not op.invariant:
                     t = p.fetch_step(op, s)
-                    when(t < n, lambda i=i, t=t: start_fetch(i, jnp.minimum(t, n - 1), s))
-            return tuple(new_counts), tuple(new_started), carry
+                    when(t < n, lambda i=i, t=t: c.start_fetch(i, jnp.minimum(t, n - 1), s))
+            return wb_counts, started, carry
 
         counts0 = tuple(jnp.int32(0) for _ in p.outputs)
         started0 = tuple(jnp.bool_(False) for _ in p.outputs)
         counts, started, carry = lax.fori_loop(0, n, step, (counts0, started0, init_carry))
         for j, op in enumerate(p.outputs):  # epilogue: the last write-back may still be in flight
-            when(started[j], lambda j=j, op=op: wait_writeback(j, p.output_slot(op, counts[j] - 1), n))
+            when(started[j], lambda j=j, op=op: c.wait_writeback(j, p.output_slot(op, counts[j] - 1), n))
         return carry
 
-    return pl.run_scoped(scoped, *scratch)
+    return pl.run_scoped(scoped, *_scratch(p, in_refs, out_refs))
