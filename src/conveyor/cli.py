@@ -195,7 +195,7 @@ def _check(args) -> int:
         p = make_plan(grid=grid, in_specs=[spec] * args.inputs, out_specs=[spec],
                       max_concurrent_steps=args.stages, delay_release=args.delay_release)
         if args.warp_specialized:
-            p = WarpSpecializedPlan(p, "wg", args.compute_threads, args.compute_threads, 40, False)
+            p = WarpSpecializedPlan(pipeline=p, num_compute_wgs=args.compute_threads)
         report = sim.check(p, in_flight_steps=args.in_flight, **budget)
     print(report)
     return 0 if report.ok else 1

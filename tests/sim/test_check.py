@@ -46,7 +46,7 @@ def test_read_before_copy_completed_and_unsatisfiable_wait():
 
 @pytest.mark.parametrize("compute, mcs, delay", [(1, 2, 0), (2, 2, 0), (2, 3, 1)])
 def test_warp_specialized_plans_are_clean_and_in_flight_bodies_race(compute, mcs, delay):
-    wp = WarpSpecializedPlan(pipeline(grid=4, mcs=mcs, delay=delay), "wg", compute, compute, 40, False)
+    wp = WarpSpecializedPlan(pipeline=pipeline(grid=4, mcs=mcs, delay=delay), num_compute_wgs=compute)
     assert check(wp, in_flight_steps=delay).ok
     if delay == 0:
         assert not check(wp, in_flight_steps=1).ok
@@ -97,7 +97,7 @@ WS_OUT = cv.BlockSpec((8, 128), lambda i, k: (i, 0))
 def _warp(compute=2, mcs=3, delay=1, manual=False):
     p = cv.pipeline.plan(grid=(2, 2), in_specs=[WS_A, WS_BIAS, WS_A], out_specs=[WS_OUT], max_concurrent_steps=mcs,
                          delay_release=delay)
-    return WarpSpecializedPlan(p, "wg", compute, compute, 40, manual)
+    return WarpSpecializedPlan(pipeline=p, num_compute_wgs=compute, manual_consumed_barriers=manual)
 
 
 @pytest.mark.parametrize("compute, mcs, delay, manual", [(1, 2, 0, False), (2, 2, 0, True), (2, 3, 1, False),

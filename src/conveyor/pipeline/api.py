@@ -208,8 +208,9 @@ def emit_pipeline_warp_specialized(
         raise NotImplementedError(f"emit_pipeline_warp_specialized: per-input buffering ({', '.join(uneven)}: a "
                                   f"pl.Buffered count other than max_concurrent_steps={p.max_concurrent_steps}) is not "
                                   f"supported: the consumed barriers are shared by every input's slots")
-    wp = warp.WarpSpecializedPlan(p, wg_axis, num_compute_wgs, mem_idx, memory_registers,
-                                  bool(manual_consumed_barriers))
+    wp = warp.WarpSpecializedPlan(pipeline=p, wg_axis=wg_axis, num_compute_wgs=num_compute_wgs,
+                                  memory_thread_idx=mem_idx, memory_registers=memory_registers,
+                                  manual_consumed_barriers=bool(manual_consumed_barriers))
 
     def run(*refs):
         ctx = current_context("emit_pipeline_warp_specialized(...)(refs)")

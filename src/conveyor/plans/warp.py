@@ -29,14 +29,24 @@ MIN_REGISTERS, MAX_REGISTERS = 24, 256
 REGISTER_FILE_PER_THREAD = 512  # 64K registers per SM / 128 threads of one warpgroup
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class WarpSpecializedPlan:
+    """A pipeline plan split over one memory thread and `num_compute_wgs` compute threads (the
+    warpgroups along the kernel's thread axis `wg_axis`). Validated on construction;
+    `memory_thread_idx=None` means the last thread."""
     pipeline: PipelinePlan
-    wg_axis: str
     num_compute_wgs: int
-    memory_thread_idx: int
-    memory_registers: int
-    manual_consumed_barriers: bool
+    wg_axis: str = "wg"
+    memory_thread_idx: int | None = None
+    memory_registers: int = 40
+    manual_consumed_barriers: bool = False
+
+    def __post_init__(self):
+        idx = check_options(memory_registers=self.memory_registers, num_compute_wgs=self.num_compute_wgs,
+                            wg_axis=self.wg_axis, memory_thread_idx=self.memory_thread_idx)
+        object.__setattr__(self, "memory_thread_idx", idx)
+        if not isinstance(self.manual_consumed_barriers, bool):
+            raise ValueError(f"manual_consumed_barriers: expected a bool, got {self.manual_consumed_barriers!r}")
 
     @property
     def num_threads(self) -> int:

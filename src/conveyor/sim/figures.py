@@ -32,7 +32,7 @@ def figures() -> dict[str, tuple]:
     r = simulate(_matmul_plan(3, 1), "h100", flops_per_step=FLOPS)
     out["delay-release"] = (r, f"max_concurrent_steps=3, delay_release=1: {r.time_us:.1f} us "
                                f"(two fetches in flight, one slot held for the in-flight matmul)")
-    wp = WarpSpecializedPlan(_matmul_plan(3), "wg", 2, 2, 40, False)
+    wp = WarpSpecializedPlan(pipeline=_matmul_plan(3), num_compute_wgs=2)
     r = simulate(wp, "h100", flops_per_step=FLOPS)
     out["warp-specialized"] = (r, f"warp-specialized, 2 compute threads, 3 slots: {r.time_us:.1f} us")
     for bidi in (False, True):

@@ -139,7 +139,7 @@ def _matmul(m: int, k: int, n: int, *, dtype: str, hardware: str | Hardware, til
     def replay(n_tiles):
         p = _matmul_plan(n_tiles, k_steps, (bm, bn, bk), stages, delay_release)
         if warp_specialized:
-            return run_plan(WarpSpecializedPlan(p, "wg", compute_threads, compute_threads, 40, False), costs, hw)
+            return run_plan(WarpSpecializedPlan(pipeline=p, num_compute_wgs=compute_threads), costs, hw)
         return run_plan(p, costs, hw)
 
     notes = []

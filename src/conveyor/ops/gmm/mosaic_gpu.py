@@ -27,6 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
 from conveyor.ops.gmm.metadata import local_row_mask, make_group_metadata
+from conveyor.ops.gmm.tiling import Tile
 
 GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 COMPUTE_THREADS = 2
@@ -36,14 +37,14 @@ DEFAULT_TILING = (TM, 64, 128)
 STAGES = 4
 
 
-def check_gmm_args(lhs, rhs, tiling, transpose_rhs) -> tuple[int, int, int]:
+def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs) -> tuple[int, int, int]:
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     if jnp.dtype(lhs.dtype) != jnp.dtype(rhs.dtype) or jnp.dtype(lhs.dtype) not in GPU_DTYPES:
         raise NotImplementedError(
             f"mosaic_gpu gmm: wgmma takes bfloat16 or float16 operands of one dtype, got lhs {jnp.dtype(lhs.dtype)} "
             f"and rhs {jnp.dtype(rhs.dtype)}; cast them (accumulation stays float32) or use backend='xla'")
-    tm, tk, tn = tiling
+    tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
     if tm != TM:
         raise ValueError(f"tiling: mosaic_gpu gmm uses tm={TM} (two compute warpgroups of {ROWS_PER_THREAD} rows), "
                          f"got tm={tm}")

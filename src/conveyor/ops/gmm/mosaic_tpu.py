@@ -111,7 +111,7 @@ def gmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     cdt = _compute_dtype(lhs.dtype, rhs.dtype)
     if jnp.dtype(out_dtype) not in _SUPPORTED:
         raise NotImplementedError(f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}")
-    t = check_tiles(dict(m=m, k=k, n=n), dict(zip("mkn", tiling)), "m", cdt, "gmm")
+    t = check_tiles(dict(m=m, k=k, n=n), dict(m=tiling.tm, k=tiling.tk, n=tiling.tn), "m", cdt, "gmm")
     tm, tk, tn = t["m"], t["k"], t["n"]
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     visits = meta.group_ids.shape[0]
@@ -189,7 +189,7 @@ def tgmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
     if jnp.dtype(out_dtype) not in _SUPPORTED:
         raise NotImplementedError(f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}")
     # The lhs block is (tk, tm): here tm is a lane dimension (multiple of 128) and tk a sublane one.
-    t = check_tiles(dict(m=m, k=k, n=n), dict(zip("mkn", tiling)), "k", cdt, "tgmm")
+    t = check_tiles(dict(m=m, k=k, n=n), dict(m=tiling.tm, k=tiling.tk, n=tiling.tn), "k", cdt, "tgmm")
     tm, tk, tn = t["m"], t["k"], t["n"]
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     visits = meta.group_ids.shape[0]

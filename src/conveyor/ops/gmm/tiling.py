@@ -1,6 +1,7 @@
 """Tile sizes for gmm/tgmm: validation of the user's `tiling` and per-backend defaults."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Union
 
@@ -28,10 +29,24 @@ def _check_tuple(t, arg):
         raise ValueError(f"{arg}: expected positive tile sizes (tm, tk, tn), got {tuple(t)!r}")
 
 
-def resolve(tiling: Tiling, m: int, k: int, n: int, default: tuple[int, int, int]) -> tuple[int, int, int]:
-    """The (tm, tk, tn) to use for an (m, k, n) problem; a callable may return None for the default."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Tile:
+    """The tile sizes one gmm/tgmm call runs with, resolved from the user's `tiling` (upstream's
+    (tm, tk, tn) tuple or callable) and validated once: what every backend receives."""
+    tm: int
+    tk: int
+    tn: int
+
+    def __post_init__(self):
+        _check_tuple((self.tm, self.tk, self.tn), "tiling")
+
+
+def resolve(tiling: Tiling, m: int, k: int, n: int, default: tuple[int, int, int]) -> Tile:
+    """The tile to use for an (m, k, n) problem; a callable may return None for the default."""
     t = tiling(m, k, n) if callable(tiling) else tiling
     if t is None:
-        return default
-    _check_tuple(t, f"tiling({m}, {k}, {n}) returned" if callable(tiling) else "tiling")
-    return tuple(t)
+        t = default
+    else:
+        _check_tuple(t, f"tiling({m}, {k}, {n}) returned" if callable(tiling) else "tiling")
+    tm, tk, tn = t
+    return Tile(tm=tm, tk=tk, tn=tn)

@@ -122,7 +122,7 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs,
             **_):
     m, _k = lhs.shape
     num_groups = rhs.shape[0]
-    tm = min(tiling[0], m)
+    tm = min(tiling.tm, m)
     cdt = compute_dtype(lhs.dtype, rhs.dtype)
     acc = accum_dtype(cdt)
     lhs = lhs.astype(cdt)
@@ -173,7 +173,7 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
     dtype) carry, cast to `out_dtype` once at the end.
     """
     k, m = lhs.shape
-    tm = min(tiling[0], m)
+    tm = min(tiling.tm, m)
     cdt = compute_dtype(lhs.dtype, rhs.dtype)
     acc_t = accum_dtype(cdt)
     lhs = lhs.astype(cdt)
