@@ -112,3 +112,43 @@ def test_warp_specialized_memory_thread_fetches_as_planned():
     stores = sorted((c.operand, c.reads[0][1], int(c.name.split("@step")[1].split("->")[0]))
                     for c in program["compute[0]"] if type(c).__name__ == "Copy")
     assert sorted((op, slot, step) for _, kind, op, slot, step in log if kind == "writeback") == stores
+
+
+@pytest.mark.parametrize("mcs, delay", [(2, 0), (3, 1)])
+def test_warp_specialized_barriers_are_the_programs(mcs, delay):
+    """The memory thread's consumed-barrier waits (barrier, slot, phase), the compute threads'
+    releases (slot, phase) and output-barrier arrivals, as many of each as the program has."""
+    def body(idx, xb, wb, ob):
+        ob[...] = xb[...] + wb[...]
+
+    pipe = cv.emit_pipeline_warp_specialized(body, grid=(2, 3), in_specs=[X, W], out_specs=[OUT],
+                                             max_concurrent_steps=mcs, delay_release=delay, wg_axis="wg", memory_registers=40,
+                                             num_compute_wgs=2)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((16, 384)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((24, 128)), jnp.float32)
+    with record_issued() as log:
+        jax.block_until_ready(cv.kernel(lambda x_ref, w_ref, o_ref: pipe(x_ref, w_ref, o_ref),
+                                        jax.ShapeDtypeStruct((16, 128), jnp.float32), num_threads=3,
+                                        thread_name="wg", backend="mosaic_gpu", interpret=gpu_interpret())(x, w))
+    threads = 2
+    program = pipe.plan.program()
+    planned = collections.Counter()
+    for actor, actions in program.actors:
+        for a in actions:
+            kind = type(a).__name__
+            if kind == "Wait" and a.counter[0] == "consumed":     # waits for phase amount / threads - 1
+                planned[("wait_consumed", a.counter[1], a.counter[2], a.amount // threads - 1)] += 1
+            elif kind == "Signal" and a.counter[0] == "consumed":
+                planned[("release", a.counter[1], a.counter[2])] += 1
+            elif kind == "Signal" and a.counter == ("out_ready",):
+                planned[("output_barrier",)] += 1
+    got = collections.Counter()
+    for at, kind, name, slot, step in log:
+        if kind == "wait_consumed":
+            got[(kind, name, slot, step // mcs)] += 1
+        elif kind == "release":
+            got[(kind, name, slot)] += 1
+        elif kind == "output_barrier":
+            got[(kind,)] += 1
+    assert planned and got == planned, (sorted((got - planned).items()), sorted((planned - got).items()))

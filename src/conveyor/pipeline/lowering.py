@@ -29,9 +29,12 @@ def record_issued() -> Iterator[list[tuple[int, str, str, int, int]]]:
     block issues, as (at, kind, operand, slot, step) tuples:
     - `at`: the grid step during which it is issued (-1: the prologue; num_steps: the epilogue);
     - `kind`: one of the plan's event kinds ("fetch", "wait_fetch", "writeback", "wait_writeback");
-    - `step`: the grid step whose block moves, or -1 where the lowering does not know it (a wait
-      for an earlier write-back).
-    This is for conformance tests against `PipelinePlan.events()`. The records come from
+      warp-specialized pipelines add "wait_consumed" (operand: the barrier's name), "release" and
+      "output_barrier"; the ring kernels record the operations of `RingPlan.phases()` (operand:
+      the stream's direction);
+    - `step`: the grid step whose block moves (or whose slot is released), or -1 where the lowering
+      does not know it (a wait for an earlier write-back).
+    This is for conformance tests against the plans' events and programs. The records come from
     unordered debug callbacks (Pallas interpreters refuse ordered ones), so their order within one
     `at` is not meaningful. When not recording, `issued` adds nothing to the kernel."""
     log: list[tuple[int, str, str, int, int]] = []

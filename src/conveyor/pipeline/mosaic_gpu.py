@@ -165,12 +165,13 @@ class _WarpRefs:
         return [i for i, op in enumerate(self.p.inputs) if not op.invariant]
 
     def wait_before(self) -> dict:
-        """The consumed barrier the memory thread waits on before refilling input i's slot: each
-        input's own with manual barriers; otherwise one shared barrier, waited before the first."""
+        """The consumed barrier the memory thread waits on before refilling input i's slot, with its
+        name in the plan's program: each input's own with manual barriers; otherwise one shared
+        barrier, waited before the first (`WarpSpecializedPlan.consumed_barriers`)."""
         cycling = self.cycling()
         if self.wp.manual_consumed_barriers:
-            return {i: self.consumed[i] for i in cycling}
-        return {cycling[0]: self.consumed[0]} if cycling else {}
+            return {i: (self.consumed[i], self.p.inputs[i].name) for i in cycling}
+        return {cycling[0]: (self.consumed[0], "shared")} if cycling else {}
 
 
 def _warp_scratch(wp: WarpSpecializedPlan, in_refs, out_refs) -> tuple[list, int]:
@@ -213,20 +214,23 @@ def _memory_thread(r: _WarpRefs) -> None:
                 if i in wait_before:
                     @pl.when(wp.refill_waits(tt))
                     def _():
-                        plgpu.barrier_wait(wait_before[i].at[tt % S])
+                        barrier, name = wait_before[i]
+                        issued(s, "wait_consumed", name, tt % S, tt - S)
+                        plgpu.barrier_wait(barrier.at[tt % S])
                         # Order the compute threads' reads of the slot (generic proxy) before the
                         # TMA write into it (async proxy).
                         plgpu.commit_smem()
                 _fetch(p, r.in_refs, r.in_bufs, r.produced, i, tt, s)
 
     lax.fori_loop(0, n, step, None)
-    for b in wait_before.values():
+    for b, name in wait_before.values():
+        def drain(u, _=None, b=b, name=name):
+            issued(n, "wait_consumed", name, u % S, u)
+            plgpu.barrier_wait(b.at[u % S])
         if p.is_static:
             for u in range(max(0, n - S), n - p.delay_release):
-                plgpu.barrier_wait(b.at[u % S])
+                drain(u)
         else:
-            def drain(u, _, b=b):
-                plgpu.barrier_wait(b.at[u % S])
             lax.fori_loop(jnp.maximum(0, n - S), n - p.delay_release, drain, None)
 
 
@@ -245,6 +249,7 @@ def _store_outputs(r: _WarpRefs, s, wb_counts) -> tuple:
         @pl.when(is_leader)
         def _():  # the slot the other threads write next was stored two write-backs ago
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        issued(s, "output_barrier", "out_ready", 0, s)
         plgpu.barrier_arrive(r.out_ready.at[0])
         plgpu.barrier_wait(r.out_ready.at[0])
 
@@ -280,6 +285,7 @@ def _compute_steps(r: _WarpRefs, body, init, has_carry):
         if shared_release:
             @pl.when(wp.releases_after(s))
             def _():
+                issued(s, "release", "shared", wp.released_slot(s), s - p.delay_release)
                 plgpu.barrier_arrive(r.consumed[0].at[wp.released_slot(s)])
         return (_store_outputs(r, s, wb_counts) if p.outputs else ()), carry
 
