@@ -6,8 +6,9 @@ cores, and the busiest core's share runs the event program of the plan Conveyor'
 the timing model of `sim/timed.py`. A copy occupies the copy engine for bytes / bandwidth and
 lands `copy_latency` later, so several copies in flight hide the latency; a step computes for
 flops / (achievable matrix rate / cores). Rings
-replay the collective's ring plan: per step a chunk matmul on the whole chip (itself simulated as
-a pipelined matmul) and one shard per link direction.
+run the ring plan's event program on every device of the ring (the records the TPU ring kernels
+run): per step a chunk matmul on the whole chip (itself simulated as a pipelined matmul) and one
+shard per link direction.
 """
 from __future__ import annotations
 
