@@ -194,8 +194,6 @@ def emit_pipeline_warp_specialized(
     all compute threads are done with the block. Protocol: see `conveyor.plans.warp`.
     Not available on mosaic_tpu (NotImplementedError): TPU cores have no warpgroups.
     """
-    mem_idx = warp.check_options(memory_registers=memory_registers, num_compute_wgs=num_compute_wgs,
-                                 wg_axis=wg_axis, memory_thread_idx=memory_thread_idx)
     if carry_coroutine is not None and not callable(carry_coroutine):
         raise TypeError(f"carry_coroutine: expected a generator function, got {carry_coroutine!r}")
     if compute_context is not None and (carry_coroutine is not None or not callable(compute_context)):
@@ -209,7 +207,7 @@ def emit_pipeline_warp_specialized(
                                   f"pl.Buffered count other than max_concurrent_steps={p.max_concurrent_steps}) is not "
                                   f"supported: the consumed barriers are shared by every input's slots")
     wp = warp.WarpSpecializedPlan(pipeline=p, wg_axis=wg_axis, num_compute_wgs=num_compute_wgs,
-                                  memory_thread_idx=mem_idx, memory_registers=memory_registers,
+                                  memory_thread_idx=memory_thread_idx, memory_registers=memory_registers,
                                   manual_consumed_barriers=bool(manual_consumed_barriers))
 
     def run(*refs):

@@ -31,13 +31,6 @@ from conveyor.plans.program import Action, Compute, Copy, Program, Read, Signal,
 COLLECTIVES = ("gather", "scatter")
 
 
-@dataclasses.dataclass(frozen=True)
-class GatherStep:
-    """Shards used at one step: (direction, ring offset of the source device)."""
-    uses: tuple[tuple[str, int], ...]   # direction in {"local", "from_left", "from_right"}
-    sends: tuple[str, ...]               # directions the held shards travel on after this step
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RingStep:
     """What one stream of the ring does at one grid step, on every device alike.
@@ -94,21 +87,6 @@ class RingPlan:
     def directions(self) -> tuple[str, ...]:
         """The streams: "right", and "left" when bidirectional."""
         return ("right", "left") if self.bidirectional else ("right",)
-
-    def gather_steps(self) -> tuple[GatherStep, ...]:
-        d = self.num_devices
-        if not self.bidirectional:
-            return tuple(GatherStep(((("local", 0),) if t == 0 else (("from_left", -t),)),
-                                    ("right",) if t < d - 1 else ()) for t in range(d))
-        steps = [GatherStep((("local", 0),), ("right", "left") if d > 1 else ())]
-        half = d // 2
-        for t in range(1, half + 1):
-            uses = [("from_left", -t)]
-            if d - t != t:           # even ring: the last step's two shards are the same one
-                uses.append(("from_right", t))
-            more = t < half
-            steps.append(GatherStep(tuple(uses), ("right", "left") if more else ()))
-        return tuple(steps)
 
     @property
     def num_steps(self) -> int:
@@ -271,20 +249,20 @@ class RingPlan:
         row = step * len(self.directions) + self.directions.index(direction)
         return row * len(TABLE_FIELDS) + TABLE_FIELDS.index(field)
 
-    @property
-    def num_gather_steps(self) -> int:
-        return len(self.gather_steps())
-
     def check_covers_ring(self) -> None:
-        """Every source shard is used exactly once (a plan invariant, checked in tests)."""
-        used = [off % self.num_devices for s in self.gather_steps() for _, off in s.uses]
+        """Gather: every device's shard is multiplied exactly once (a plan invariant, checked in tests)."""
+        used = [r.source % self.num_devices for records in self.steps() for r in records if r.computes]
         assert sorted(used) == list(range(self.num_devices)), used
+
+
+# The record flag that enables each operation; finish_send is enabled by `awaits_send_of` not None.
+ENABLED_BY = {"receive": "receives", "send": "sends", "compute": "computes", "accumulate": "computes",
+              "grant": "grants_credit", "store": "stores"}
 
 
 def _enabled(op: str, r: RingStep) -> bool:
     """Whether record `r` performs operation `op` (see `phases()`)."""
-    return {"receive": r.receives, "send": r.sends, "compute": r.computes, "accumulate": r.computes,
-            "finish_send": r.awaits_send_of is not None, "grant": r.grants_credit, "store": r.stores}[op]
+    return r.awaits_send_of is not None if op == "finish_send" else bool(getattr(r, ENABLED_BY[op]))
 
 
 TABLE_FIELDS = ("slot", "receives", "computes", "source", "sends", "send_slot", "awaits_slot", "grants_credit",

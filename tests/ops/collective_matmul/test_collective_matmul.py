@@ -37,7 +37,7 @@ def arr(*shape):
 def test_ring_plan_uses_every_shard_once(d, bidi):
     plan = RingPlan(num_devices=d, bidirectional=bidi, buffering=2)
     plan.check_covers_ring()
-    assert plan.num_gather_steps == (d // 2 + 1 if bidi else d)
+    assert plan.num_steps == (d // 2 + 1 if bidi else d)
 
 
 @pytest.mark.parametrize("d", range(1, 10))

@@ -27,11 +27,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 from conveyor._compat import out_struct
 from conveyor.pipeline.lowering import issued
-from conveyor.plans.ring import RingPlan
+from conveyor.plans.ring import ENABLED_BY, RingPlan
 
-# The flag that enables each operation, and the slot each one is reported with (conformance).
-_FLAG = {"receive": "receives", "send": "sends", "compute": "computes", "accumulate": "computes",
-         "grant": "grants_credit", "store": "stores"}
+# The slot each operation is reported with (conformance).
 SLOT_FIELD = {"receive": "slot", "send": "send_slot", "compute": "slot", "accumulate": "slot",
               "finish_send": "awaits_slot", "grant": "slot", "store": "slot"}
 
@@ -78,7 +76,7 @@ def _run_step(plan: RingPlan, tab_ref, streams: dict[str, _Stream], work: dict[s
         def field(name, direction=direction):
             return tab_ref[plan.table_index(t, direction, name)]
 
-        enabled = field("awaits_slot") >= 0 if op == "finish_send" else field(_FLAG[op]) == 1
+        enabled = field("awaits_slot") >= 0 if op == "finish_send" else field(ENABLED_BY[op]) == 1
 
         @pl.when(enabled)
         def _(op=op, field=field, s=s):

@@ -39,7 +39,6 @@ def all_gather_matmul_xla(lhs, rhs, **config):
 
 def _all_gather_matmul(lhs, rhs, *, axis_name, size, gather_dim, plan: RingPlan, out_dtype, merge: bool):
     me = lax.axis_index(axis_name)
-    steps = plan.gather_steps()
     if gather_dim == 1:
         kd = lhs.shape[1]
 
@@ -55,22 +54,19 @@ def _all_gather_matmul(lhs, rhs, *, axis_name, size, gather_dim, plan: RingPlan,
                 acc = jnp.zeros((size * mb, rhs.shape[1]), _dot(shard[:1], rhs[:, :1], out_dtype).dtype)
             return lax.dynamic_update_slice_in_dim(acc, _dot(shard, rhs, out_dtype), ((me + offset) % size) * mb, 0)
 
-    held = {"local": lhs}
+    held = {d: lhs for d in plan.directions}   # step 0: every stream holds the local shard
     acc = None
     arrived = []   # (shard, offset) in ring order
-    for i, step in enumerate(steps):
+    for records in plan.steps():
         # Issue the transfers for the next step first, then compute on what is here.
-        nxt = {}
-        if i + 1 < len(steps):
-            for _, offset in steps[i + 1].uses:
-                src = "from_left" if offset < 0 else "from_right"
-                prev = held.get(src, lhs)
-                nxt[src] = _shift(prev, axis_name, size, "right" if src == "from_left" else "left")
-        for where, offset in step.uses:
+        nxt = {r.direction: _shift(held[r.direction], axis_name, size, r.direction) for r in records if r.sends}
+        for r in records:
+            if not r.computes:
+                continue
             if merge:
-                arrived.append((held[where], offset))
+                arrived.append((held[r.direction], r.source))
             else:
-                acc = contribute(acc, held[where], offset)
+                acc = contribute(acc, held[r.direction], r.source)
         held = nxt
     if merge:
         acc = _merged(arrived, rhs, me, size, gather_dim, out_dtype)
