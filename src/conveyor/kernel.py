@@ -22,7 +22,7 @@ import numpy as np
 
 from conveyor import backends
 from conveyor._compat import call_as_thread, per_device_call, run_state
-from conveyor.plans.grid import unravel
+from conveyor.plans.grid import normalize_semantics, unravel
 
 AVAILABLE = ("xla", "mosaic_tpu", "mosaic_gpu")
 
@@ -122,7 +122,8 @@ def _check_threads(num_threads, thread_name, backend) -> int:
 
 def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = None, interpret: Any = False,
            num_threads: int | None = None, thread_name: str | None = None,
-           scratch_shapes: Sequence[Any] = (), grid: Sequence[int] = ()) -> Callable[..., Any]:
+           scratch_shapes: Sequence[Any] = (), grid: Sequence[int] = (),
+           dimension_semantics: Sequence[Any] | None = None) -> Callable[..., Any]:
     """Wrap `body(*in_refs, *out_refs, *scratch_refs)` into a function of arrays returning `out_shape`.
 
     Args:
@@ -145,12 +146,18 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
       grid: run the body once per point of this grid (up to 3 axes), in parallel on hardware
         (TPU grid iterations, GPU thread blocks) and one after the other on xla; the body reads its
         point with `cv.program_id(axis)`. Points should write disjoint parts of the outputs.
+      dimension_semantics: "parallel" or "arbitrary" per grid axis (or `pltpu.PARALLEL` /
+        `pltpu.ARBITRARY`). On mosaic_tpu it goes to Mosaic, which spreads "parallel" axes over a
+        chip's TensorCores (megacore: TPU v4 / v5p; with `cv.emit_pipeline(core_axis=...)`) and
+        runs "arbitrary" ones in order on one core (the default). GPU thread blocks are always
+        independent and xla always runs points in order: there it is validated and changes nothing.
     """
     backend = backends.check_backend(backend, AVAILABLE, "cv.kernel")
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
     if len(grid) > 3 or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in grid):
         raise ValueError(f"cv.kernel: grid must be up to 3 positive ints, got {grid!r}")
     threads = _check_threads(num_threads, thread_name, backend)
+    semantics = normalize_semantics(dimension_semantics, len(grid), "cv.kernel: dimension_semantics")
     single = not isinstance(out_shape, (tuple, list))
     outs = _shapes(out_shape, "out_shape")
     scratch = tuple(scratch_shapes)
@@ -160,7 +167,7 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
     if backend == "mosaic_tpu":
         from conveyor import kernel_tpu
         return kernel_tpu.launch(body, outs, scratch, single, interpret,
-                                 lambda: _entered(KernelContext(backend, interpret, grid=grid)), grid)
+                                 lambda: _entered(KernelContext(backend, interpret, grid=grid)), grid, semantics)
     ctx = KernelContext(backend, interpret, threads, thread_name, grid=grid)
     if backend == "mosaic_gpu":
         from conveyor import kernel_gpu

@@ -38,7 +38,7 @@ def _tpu_mesh():
                                                        abstract_device=tpu))
 
 
-def launch(body, outs, scratch, single, interpret, enter_context, grid=()):
+def launch(body, outs, scratch, single, interpret, enter_context, grid=(), dimension_semantics=None):
     def run(*inputs):
         n_in = len(inputs)
 
@@ -55,6 +55,8 @@ def launch(body, outs, scratch, single, interpret, enter_context, grid=()):
             scratch_shapes=[pltpu.VMEM(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s for s in scratch],
             interpret=_interpret(interpret),
             grid=grid,
+            compiler_params=(pltpu.CompilerParams(dimension_semantics=dimension_semantics)
+                             if dimension_semantics else None),
             name="conveyor_kernel")
         mesh = _tpu_mesh() if interpret or jax.default_backend() != "tpu" else contextlib.nullcontext()
         with mesh:

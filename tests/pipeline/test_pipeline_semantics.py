@@ -165,7 +165,7 @@ def test_out_of_bounds_blocks_read_zeros_and_are_not_written(backend):
     np.testing.assert_array_equal(out[rows:], want)
 
 
-def test_megacore_options_validated_or_refused_by_name():
+def test_dimension_semantics_validated():
     spec = cv.BlockSpec((8, 128), lambda i, j: (i, j))
     # Semantics alone change nothing (as upstream without a core axis): accepted when well formed.
     cv.emit_pipeline(lambda idx, xb: None, grid=(2, 2), in_specs=[spec],
@@ -175,6 +175,3 @@ def test_megacore_options_validated_or_refused_by_name():
     with pytest.raises(ValueError, match=r"dimension_semantics: .* got \('parallel', 'sequential'\)"):
         cv.emit_pipeline(lambda idx, xb: None, grid=(2, 2), in_specs=[spec],
                          dimension_semantics=("parallel", "sequential"))
-    with pytest.raises(NotImplementedError, match=r"core_axis / core_axis_name \(megacore"):
-        cv.emit_pipeline(lambda idx, xb: None, grid=(2, 2), in_specs=[spec], core_axis_name="core",
-                         dimension_semantics=(pltpu.PARALLEL, pltpu.ARBITRARY))

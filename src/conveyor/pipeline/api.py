@@ -5,8 +5,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
+from jax import lax
 
-from conveyor.kernel import current_context
+from conveyor.kernel import current_context, program_id
 from conveyor.pipeline import xla as xla_exec
 from conveyor.plans import pipeline as plan_lib, warp
 
@@ -86,23 +87,25 @@ def _structured_body(p: plan_lib.PipelinePlan, body, passthrough):
     return flat_body
 
 
-SEMANTICS = ("parallel", "arbitrary")
-
-
-def _check_megacore(grid, dimension_semantics, core_axis, core_axis_name) -> None:
-    """Upstream's megacore options: semantics are checked (they change nothing without a core
-    axis, as upstream), a core axis is refused by name."""
-    if core_axis is not None or core_axis_name is not None:
-        raise NotImplementedError("emit_pipeline: core_axis / core_axis_name (megacore: splitting a parallel grid "
-                                  "dimension over a chip's TensorCores) is not supported yet; drop it to run the "
-                                  "whole grid on one core")
-    if dimension_semantics is None:
-        return
-    rank = len(grid) if isinstance(grid, (tuple, list)) else 1
-    names = [getattr(d, "value", d) for d in dimension_semantics]
-    if len(names) != rank or any(n not in SEMANTICS for n in names):
-        raise ValueError(f"dimension_semantics: expected {rank} of {SEMANTICS} (or pltpu.PARALLEL / pltpu.ARBITRARY), "
-                         f"one per grid dimension, got {tuple(dimension_semantics)!r}")
+def _core_info(core_axis: Any, core_axis_name: Any, ctx) -> tuple[int, Any] | None:
+    """Megacore: (number of cores, this core's index) from the kernel grid axis `core_axis` or the
+    named axis `core_axis_name`, as upstream resolves them; None without either."""
+    if core_axis is not None and core_axis_name is not None:
+        raise ValueError(f"emit_pipeline: give core_axis ({core_axis!r}) or core_axis_name ({core_axis_name!r}), "
+                         f"not both")
+    if core_axis is not None:
+        if isinstance(core_axis, bool) or not isinstance(core_axis, int) or not 0 <= core_axis < len(ctx.grid):
+            raise ValueError(f"core_axis: expected an axis of this kernel's grid {ctx.grid} (an int in "
+                             f"[0, {len(ctx.grid)})), got {core_axis!r}")
+        return ctx.grid[core_axis], program_id(core_axis)
+    if core_axis_name is not None:
+        if not isinstance(core_axis_name, str):
+            raise NotImplementedError(f"core_axis_name: one axis name is supported, got {core_axis_name!r}")
+        size = lax.axis_size(core_axis_name)
+        if not isinstance(size, int):
+            raise ValueError(f"core_axis_name={core_axis_name!r}: the axis size must be static, got {size!r}")
+        return size, lax.axis_index(core_axis_name)
+    return None
 
 
 def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Sequence[Any] = (),
@@ -127,17 +130,22 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
     `no_pipelining=True` (debug) runs one step at a time: no copy is in flight while a body runs
     (one slot per operand; see `conveyor.plans.pipeline.plan`). An output's `pl.Buffered(1)` gives it
     one slot, its write-back awaited at once.
-    `dimension_semantics` (upstream's "parallel" / "arbitrary" per grid dimension) is validated and
-    only matters with a core axis, as upstream; `core_axis` / `core_axis_name` (megacore) are
-    refused by name: not supported yet.
+    Megacore, as upstream: with `core_axis` (an axis of the `cv.kernel` grid) or `core_axis_name`
+    (a named axis in scope, e.g. a `shard_map` axis), each of the axis's programs runs its own part
+    of `grid`, cut along a dimension marked "parallel" in `dimension_semantics` (see
+    `PipelinePlan.for_core`); indices stay those of the whole grid. Launch the kernel with
+    `dimension_semantics=("parallel", ...)` for its grid axis so that Mosaic TPU places the
+    programs on a chip's TensorCores; xla runs them one after the other, with the same results.
+    Without a core axis `dimension_semantics` is validated and changes nothing, as upstream.
     """
-    _check_megacore(grid, dimension_semantics, core_axis, core_axis_name)
-    p = plan_lib.plan(grid=grid, in_specs=in_specs, out_specs=out_specs,
-                      max_concurrent_steps=max_concurrent_steps, delay_release=delay_release,
-                      no_pipelining=no_pipelining)
+    whole = plan_lib.plan(grid=grid, in_specs=in_specs, out_specs=out_specs,
+                          max_concurrent_steps=max_concurrent_steps, delay_release=delay_release,
+                          no_pipelining=no_pipelining, dimension_semantics=dimension_semantics)
 
     def run(*refs):
         ctx = current_context("emit_pipeline(...)(refs)")
+        cores = _core_info(core_axis, core_axis_name, ctx)
+        p = whole if cores is None else whole.for_core(cores[1], cores[0])
         ins, outs, passthrough = _split_refs(p, refs, "pipeline")
         body_on_blocks = _structured_body(p, body, passthrough)
         if ctx.backend == "xla":
@@ -147,11 +155,16 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
             _check_tpu_tiling(p, ins + outs)
             return mosaic_tpu.run_pipeline(p, body_on_blocks, ins, outs, init_carry, init_carry is not None)
         if ctx.backend == "mosaic_gpu":
+            if ctx.num_threads > 1:
+                raise NotImplementedError(
+                    f"emit_pipeline: a plain pipeline inside a mosaic_gpu kernel with num_threads={ctx.num_threads} "
+                    f"is not supported (its shared-memory slots would have to be allocated per warpgroup): use "
+                    f"cv.emit_pipeline_warp_specialized, or launch the kernel with one thread")
             from conveyor.pipeline import mosaic_gpu
             return mosaic_gpu.run_pipeline(p, body_on_blocks, ins, outs, init_carry, init_carry is not None)
         raise NotImplementedError(f"emit_pipeline: backend {ctx.backend!r} is not implemented yet")
 
-    run.plan = p
+    run.plan = whole
     return run
 
 

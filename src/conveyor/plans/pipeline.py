@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from conveyor._compat import args_reaching_outputs
-from conveyor.plans.grid import Int, unravel
+from conveyor.plans.grid import ARBITRARY, Int, normalize_semantics, partition_grid, unravel
 from conveyor.plans.program import Action, check_in_flight_steps, Compute, Copy, Program, Read, Wait, Write, program
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +225,10 @@ class PipelinePlan:
     # Per flattened leaf of in_trees / out_trees: planned (True) or passed to the body unwindowed.
     in_windowed: tuple[bool, ...] = ()
     out_windowed: tuple[bool, ...] = ()
+    # Megacore: "parallel" / "arbitrary" per grid dimension (None: all arbitrary), and the offset of
+    # this plan's grid indices in the whole grid when it is one core's part (`for_core`).
+    dimension_semantics: tuple[str, ...] | None = None
+    grid_offsets: tuple[Int, ...] = ()
 
     @property
     def num_steps(self) -> Int:
@@ -232,8 +236,23 @@ class PipelinePlan:
 
     @property
     def is_static(self) -> bool:
-        """Every grid size is a Python int."""
-        return all(isinstance(g, int) for g in self.grid)
+        """Every grid size (and, for one core's part, every offset) is a Python int."""
+        return all(isinstance(g, int) for g in self.grid + self.grid_offsets)
+
+    def for_core(self, core_id: Int, num_cores: int) -> PipelinePlan:
+        """The part of this pipeline that core `core_id` of `num_cores` runs (megacore): its
+        grid is cut along a parallel dimension (`conveyor.plans.grid.partition_grid`), and its
+        grid indices, which the index maps and the body see, are those of the whole grid.
+        With Python ints it is a concrete plan the checker and the simulator take."""
+        if isinstance(num_cores, bool) or not isinstance(num_cores, int) or num_cores < 1:
+            raise ValueError(f"num_cores: expected a static int >= 1 (the size of the core axis), got {num_cores!r}")
+        if self.grid_offsets:
+            raise ValueError("for_core: this plan is already one core's part of a pipeline")
+        if isinstance(core_id, int) and not 0 <= core_id < num_cores:
+            raise ValueError(f"core_id: expected an int in [0, {num_cores}), got {core_id}")
+        semantics = self.dimension_semantics or (ARBITRARY,) * len(self.grid)
+        grid, offsets = partition_grid(self.grid, semantics, num_cores, core_id)
+        return dataclasses.replace(self, grid=grid, grid_offsets=offsets)
 
     def require_static(self, api: str) -> None:
         """Refuse a dynamic grid where a concrete schedule is needed (checker, simulator, events)."""
@@ -260,8 +279,11 @@ class PipelinePlan:
 
     # ---- rules: valid on Python ints and on traced int32 scalars ----
     def grid_indices(self, step: Int) -> tuple[Int, ...]:
-        """Row-major grid indices of a linear step."""
-        return unravel(step, self.grid)
+        """Row-major grid indices of a linear step (in the whole grid: offset for one core's part)."""
+        indices = unravel(step, self.grid)
+        if not self.grid_offsets:
+            return indices
+        return tuple(i + o for i, o in zip(indices, self.grid_offsets))
 
     def block_indices(self, op: OperandPlan, step: Int) -> tuple[Int, ...]:
         out = op.index_map(*self.grid_indices(step))
@@ -468,7 +490,8 @@ def _grid_size(size: Any, grid: tuple) -> Int:
 
 
 def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequence[Any] = (),
-         max_concurrent_steps: int = 1, delay_release: int = 0, no_pipelining: bool = False) -> PipelinePlan:
+         max_concurrent_steps: int = 1, delay_release: int = 0, no_pipelining: bool = False,
+         dimension_semantics: Sequence[Any] | None = None) -> PipelinePlan:
     """Build the pipeline plan (see the module docstring for the schedule it encodes).
 
     `grid` may mix static ints with dynamic sizes (integer scalars traced inside the kernel; see
@@ -482,6 +505,8 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
     `no_pipelining=True` is the debug schedule: one input slot (the next step's fetch is issued
     after the body and awaited before the next body) and one slot per output, so no copy is ever
     in flight while a body runs.
+    `dimension_semantics`: "parallel" / "arbitrary" per grid dimension (or Pallas TPU's
+    `pltpu.PARALLEL` / `pltpu.ARBITRARY`); it decides which dimension `for_core` cuts.
 
     Raises:
       ValueError: non-positive static grid sizes, max_concurrent_steps < 1, delay_release < 0, or
@@ -489,6 +514,7 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
     """
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
     grid = tuple(_grid_size(g, grid) for g in grid)
+    semantics = normalize_semantics(dimension_semantics, len(grid))
     if not isinstance(max_concurrent_steps, int) or max_concurrent_steps < 1:
         raise ValueError(f"max_concurrent_steps: expected an int >= 1, got {max_concurrent_steps!r}")
     if not isinstance(delay_release, int) or delay_release < 0:
@@ -532,4 +558,4 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
 
     return PipelinePlan(grid, build(in_specs, in_names, in_options, True),
                         build(out_specs, out_names, out_options, False), max_concurrent_steps, delay_release,
-                        in_trees, out_trees, in_windowed, out_windowed)
+                        in_trees, out_trees, in_windowed, out_windowed, semantics)
