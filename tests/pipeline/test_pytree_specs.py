@@ -49,8 +49,8 @@ def test_plan_names_leaves_by_path():
         cv.pipeline.plan(grid=(4,), in_specs=[{"w": cv.BlockSpec((8, 128), lambda i: (i,))}])
     p = cv.pipeline.plan(grid=(4,), in_specs=[(ROWS, None), pl.BlockSpec(memory_space=pl.ANY)])
     assert [op.name for op in p.inputs] == ["in[0][0]"] and p.in_windowed == (True, False, False)
-    with pytest.raises(NotImplementedError, match=r"in\[0\]: a BlockSpec without block_shape .* not supported yet"):
-        cv.pipeline.plan(grid=(4,), in_specs=[pl.BlockSpec()])
+    whole = cv.pipeline.plan(grid=(4,), in_specs=[pl.BlockSpec()])  # the whole array (test_whole_array_specs)
+    assert whole.in_windowed == (True,) and whole.unresolved == ("in[0]",)
     with pytest.raises(ValueError, match=r"in\[0\]: an unwindowed spec .* takes no index_map"):
         cv.pipeline.plan(grid=(4,), in_specs=[pl.BlockSpec(None, lambda i: (i, 0), memory_space=pl.ANY)])
     with pytest.raises(ValueError, match=r"in\[0\]\['w'\]: BlockSpec\.memory_space=.* is not supported"):

@@ -1,6 +1,7 @@
 """cv.emit_pipeline: build the plan, then hand it to the launching kernel's backend."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,9 +44,9 @@ def _check_tpu_tiling(p: plan_lib.PipelinePlan, refs):
 
 
 def _split_refs(p: plan_lib.PipelinePlan, refs, api: str):
-    """From one argument per operand (each a pytree of refs shaped like its spec): the refs of the
-    planned inputs and outputs, and every flattened leaf's ref in order (the body wrapper passes
-    the unwindowed ones through)."""
+    """From one argument per operand (each a pytree of refs shaped like its spec): the plan with
+    its whole-array blocks sized, the refs of the planned inputs and outputs, and every flattened
+    leaf's ref in order (the body wrapper passes the unwindowed ones through)."""
     n_in, n_out = len(p.in_trees), len(p.out_trees)
     if len(refs) != n_in + n_out:
         raise ValueError(f"{api}: expected {n_in} input refs and {n_out} output refs "
@@ -62,8 +63,9 @@ def _split_refs(p: plan_lib.PipelinePlan, refs, api: str):
     n_leaves_in = len(p.in_windowed)
     ins = tuple(r for r, w in zip(flat[:n_leaves_in], p.in_windowed) if w)
     outs = tuple(r for r, w in zip(flat[n_leaves_in:], p.out_windowed) if w)
+    p = p.with_array_shapes([r.shape for r in ins + outs])
     _check_shapes(p, ins + outs)
-    return ins, outs, tuple(r if not w else None for r, w in zip(flat, windowed))
+    return p, ins, outs, tuple(r if not w else None for r, w in zip(flat, windowed))
 
 
 def _structured_body(p: plan_lib.PipelinePlan, body, passthrough):
@@ -146,7 +148,7 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
         ctx = current_context("emit_pipeline(...)(refs)")
         cores = _core_info(core_axis, core_axis_name, ctx)
         p = whole if cores is None else whole.for_core(cores[1], cores[0])
-        ins, outs, passthrough = _split_refs(p, refs, "pipeline")
+        p, ins, outs, passthrough = _split_refs(p, refs, "pipeline")
         body_on_blocks = _structured_body(p, body, passthrough)
         if ctx.backend == "xla":
             return xla_exec.run_pipeline(p, body_on_blocks, ins, outs, init_carry, init_carry is not None)
@@ -233,15 +235,16 @@ def emit_pipeline_warp_specialized(
             raise ValueError(f"emit_pipeline_warp_specialized: wg_axis={wg_axis!r} with num_compute_wgs={num_compute_wgs} "
                              f"needs a kernel launched with num_threads={wp.num_threads}, thread_name={wg_axis!r}; "
                              f"this kernel has num_threads={ctx.num_threads}, thread_name={ctx.thread_name!r}")
-        ins, outs, passthrough = _split_refs(p, refs, "warp-specialized pipeline")
-        body_on_blocks = _structured_body(p, body, passthrough)
+        sized, ins, outs, passthrough = _split_refs(p, refs, "warp-specialized pipeline")
+        body_on_blocks = _structured_body(sized, body, passthrough)
+        plan = wp if sized is p else dataclasses.replace(wp, pipeline=sized)
         if compute_context is not None and ctx.backend != "mosaic_gpu":
             raise NotImplementedError(f"emit_pipeline_warp_specialized: compute_context is implemented on mosaic_gpu "
                                       f"only, not on {ctx.backend}; use carry_coroutine there")
         if ctx.backend == "xla":
-            return xla_exec.run_warp_specialized(wp, body_on_blocks, ins, outs, carry_coroutine, ctx.thread_index)
+            return xla_exec.run_warp_specialized(plan, body_on_blocks, ins, outs, carry_coroutine, ctx.thread_index)
         from conveyor.pipeline import mosaic_gpu
-        return mosaic_gpu.run_warp_specialized(wp, body_on_blocks, ins, outs, carry_coroutine, compute_context)
+        return mosaic_gpu.run_warp_specialized(plan, body_on_blocks, ins, outs, carry_coroutine, compute_context)
 
     run.plan = wp
     return run

@@ -33,13 +33,15 @@ from conveyor.plans.program import Action, check_in_flight_steps, Compute, Copy,
 class BlockSpec:
     """A block of an array visited by a pipeline: `block_shape` and `index_map(*grid_indices)`.
 
-    `index_map` returns block indices (array offset = block index * block size per dimension).
-    A `None` in `block_shape` squeezes that dimension (block size 1, dropped from the block ref).
+    `index_map` returns block indices (array offset = block index * block size per dimension);
+    None means block 0 in every dimension, as upstream. A `None` in `block_shape` squeezes that
+    dimension (block size 1, dropped from the block ref); `block_shape=None` is the whole array as
+    one block (fetched or written once).
     `transforms`: the block's shared-memory layout on mosaic_gpu (`plgpu.TilingTransform`,
     `plgpu.SwizzleTransform`, ...), as `plgpu.BlockSpec(transforms=...)`; see `OperandPlan`.
     """
-    block_shape: tuple[int | None, ...]
-    index_map: Callable[..., tuple[Int, ...]]
+    block_shape: tuple[int | None, ...] | None
+    index_map: Callable[..., tuple[Int, ...]] | None = None
     transforms: tuple[Any, ...] = ()
 
 
@@ -47,14 +49,24 @@ def as_block_spec(spec: Any, name: str) -> BlockSpec:
     """Accept a cv.BlockSpec or a Pallas BlockSpec (anything with block_shape and index_map).
 
     Fields of Pallas BlockSpecs beyond those two are honoured or refused (`pallas_options`)."""
-    if isinstance(spec, BlockSpec):
+    if isinstance(spec, BlockSpec) and spec.block_shape is not None and spec.index_map is not None:
         return spec
-    shape = getattr(spec, "block_shape", None)
-    imap = getattr(spec, "index_map", None)
-    if shape is None or imap is None:
+    if not (hasattr(spec, "block_shape") and hasattr(spec, "index_map")):
         raise TypeError(f"{name}: expected a cv.BlockSpec or pl.BlockSpec with block_shape and index_map, got {spec!r}")
+    shape, imap = spec.block_shape, spec.index_map
+    transforms = tuple(spec.transforms) if isinstance(spec, BlockSpec) else ()
+    if shape is None:  # the whole array: its shape is known when the pipeline is called
+        return BlockSpec(WHOLE_ARRAY, imap, transforms)
     shape = tuple(None if (d is None or type(d).__name__ == "Squeezed") else int(d) for d in shape)
-    return BlockSpec(shape, imap)
+    return BlockSpec(shape, _zeros_map(len(shape)) if imap is None else imap, transforms)
+
+
+WHOLE_ARRAY = ()  # `BlockSpec.block_shape` of a whole-array spec before its array's shape is known
+
+
+def _zeros_map(rank: int) -> Callable[..., tuple[int, ...]]:
+    """Upstream's index map when a spec gives none: block 0 in every dimension."""
+    return lambda *indices: (0,) * rank
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,6 +154,9 @@ class OperandPlan:
     invariant: bool       # the index map ignores the grid: fetched / written exactly once
     num_slots: int
     transforms: tuple[Any, ...] = ()
+    # A whole-array spec (no block_shape): its block is the whole array, block_shape is () until
+    # `PipelinePlan.with_array_shapes` gives it the array's shape.
+    whole_array: bool = False
 
     @property
     def block_dims(self) -> tuple[int, ...]:
@@ -182,8 +197,7 @@ def _unwindowed(spec: Any, name: str) -> bool:
     if isinstance(spec, BlockSpec) or getattr(spec, "block_shape", ()) is not None:
         return False
     if getattr(spec, "memory_space", None) is None:
-        raise NotImplementedError(f"{name}: a BlockSpec without block_shape (the whole array as one block) is not "
-                                  f"supported yet: give the array's shape as block_shape and a constant index_map")
+        return False  # a whole-array spec: one block, the array's shape
     if getattr(spec, "index_map", None) is not None or getattr(spec, "pipeline_mode", None) is not None:
         raise ValueError(f"{name}: an unwindowed spec (memory_space={spec.memory_space}, no block_shape) takes no "
                          f"index_map or pipeline_mode: the body gets the whole ref as it is")
@@ -254,8 +268,40 @@ class PipelinePlan:
         grid, offsets = partition_grid(self.grid, semantics, num_cores, core_id)
         return dataclasses.replace(self, grid=grid, grid_offsets=offsets)
 
+    @property
+    def unresolved(self) -> tuple[str, ...]:
+        """The operands with a whole-array spec whose array shape is not known yet."""
+        return tuple(op.name for op in self.inputs + self.outputs if op.whole_array and op.block_shape == WHOLE_ARRAY)
+
+    def with_array_shapes(self, shapes: Sequence[Sequence[int]]) -> PipelinePlan:
+        """This plan with the block of every whole-array spec set to its array's shape (one shape
+        per planned operand, inputs then outputs, as the pipeline is called with); a plan without
+        such specs is returned as it is."""
+        if not self.unresolved:
+            return self
+        ops = self.inputs + self.outputs
+        if len(shapes) != len(ops):
+            raise ValueError(f"with_array_shapes: expected {len(ops)} shapes (one per planned operand), got {len(shapes)}")
+        resolved = []
+        for op, shape in zip(ops, shapes):
+            if op.whole_array:
+                shape = tuple(int(d) for d in shape)
+                imap = op.index_map or _zeros_map(len(shape))
+                if not _is_invariant(imap, self.grid, op.name, len(shape)):
+                    raise ValueError(f"{op.name}: a whole-array spec (no block_shape) has one block, so its index_map "
+                                     f"must not depend on the grid")
+                op = dataclasses.replace(op, block_shape=shape, index_map=imap)
+            resolved.append(op)
+        n_in = len(self.inputs)
+        return dataclasses.replace(self, inputs=tuple(resolved[:n_in]), outputs=tuple(resolved[n_in:]))
+
     def require_static(self, api: str) -> None:
-        """Refuse a dynamic grid where a concrete schedule is needed (checker, simulator, events)."""
+        """Refuse a dynamic grid where a concrete schedule is needed (checker, simulator, events),
+        and whole-array blocks whose shape is not known yet."""
+        if self.unresolved:
+            raise ValueError(f"{api}: {', '.join(self.unresolved)} have whole-array specs (no block_shape), whose "
+                             f"block shape is their array's: give the arrays' shapes with "
+                             f"plan.with_array_shapes([...])")
         if not self.is_static:
             sizes = ", ".join(str(g) if isinstance(g, int) else "<traced>" for g in self.grid)
             raise ValueError(f"{api}: the pipeline's grid ({sizes}) has sizes known only when the kernel runs; "
@@ -550,10 +596,14 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
         ops = []
         for spec, name, opts in zip(specs, names, options):
             bs = as_block_spec(spec, name)
-            inv = _is_invariant(bs.index_map, grid, name, len(bs.block_shape))
+            whole = bs.block_shape == WHOLE_ARRAY
+            # A whole-array block is the only block: fetched or written once (its map is checked
+            # once its rank is known, in with_array_shapes).
+            inv = whole or _is_invariant(bs.index_map, grid, name, len(bs.block_shape))
             slots = _slot_count(name, is_input, inv, opts.buffer_count, max_concurrent_steps, delay_release,
                                 no_pipelining)
-            ops.append(OperandPlan(name, is_input, tuple(bs.block_shape), bs.index_map, inv, slots, opts.transforms))
+            ops.append(OperandPlan(name, is_input, tuple(bs.block_shape), bs.index_map, inv, slots, opts.transforms,
+                                   whole_array=whole))
         return tuple(ops)
 
     return PipelinePlan(grid, build(in_specs, in_names, in_options, True),
