@@ -19,7 +19,7 @@ def _check_shapes(p: plan_lib.PipelinePlan, refs):
             raise ValueError(f"{op.name}: block_shape {op.block_shape} has {len(op.block_shape)} dims, "
                              f"the ref has shape {tuple(ref.shape)}")
         for d, (b, s) in enumerate(zip(op.block_dims, ref.shape)):
-            if s % b:
+            if s % b and d not in op.element_dims:  # an Element window starts at any offset
                 raise ValueError(f"{op.name}: block_shape {op.block_shape} does not divide the array shape "
                                  f"{tuple(ref.shape)} (dimension {d}: {s} % {b} != 0); pad the array or "
                                  f"choose a dividing block")

@@ -5,6 +5,8 @@ Out-of-bounds blocks, one rule on every backend: a block whose index lies outsid
 block reads as zeros; an out-of-bounds output block is not written back (the array keeps what it
 held). This is the rule of a TMA copy on GPU, which the other backends follow by predicating their
 copies. Block shapes divide the arrays, so a block is either wholly inside or wholly outside.
+A `pl.Element` dimension's window starts at any element: the array need not be a multiple of its
+size, and a window that does not lie wholly inside the array counts as out of bounds.
 """
 from __future__ import annotations
 
@@ -76,9 +78,9 @@ def block_in_bounds(p: PipelinePlan, op: OperandPlan, step: Int, array_shape) ->
     """Whether `op`'s block at `step` lies inside an array of `array_shape` (Python bool when
     everything is static, else a traced bool)."""
     ok: Any = True
-    for index, size, extent in zip(p.block_indices(op, step), op.block_dims, array_shape):
-        num_blocks = extent // size
-        inside = 0 <= index < num_blocks if isinstance(index, int) else jnp.logical_and(index >= 0, index < num_blocks)
+    for start, size, extent in zip(p.offsets(op, step), op.block_dims, array_shape):
+        inside = (0 <= start <= extent - size if isinstance(start, int)
+                  else jnp.logical_and(start >= 0, start <= extent - size))
         ok = ok and inside if isinstance(ok, bool) and isinstance(inside, bool) else jnp.logical_and(ok, inside)
     return ok
 

@@ -35,8 +35,10 @@ class BlockSpec:
 
     `index_map` returns block indices (array offset = block index * block size per dimension);
     None means block 0 in every dimension, as upstream. A `None` in `block_shape` squeezes that
-    dimension (block size 1, dropped from the block ref); `block_shape=None` is the whole array as
-    one block (fetched or written once).
+    dimension (block size 1, dropped from the block ref); a `pl.Element(n)` entry is a window of n
+    whose index-map entry is an element offset, not a block index (ragged windows; see
+    `conveyor.pipeline.lowering` for its bounds); `block_shape=None` is the whole array as one
+    block (fetched or written once).
     `transforms`: the block's shared-memory layout on mosaic_gpu (`plgpu.TilingTransform`,
     `plgpu.SwizzleTransform`, ...), as `plgpu.BlockSpec(transforms=...)`; see `OperandPlan`.
     """
@@ -49,16 +51,42 @@ def as_block_spec(spec: Any, name: str) -> BlockSpec:
     """Accept a cv.BlockSpec or a Pallas BlockSpec (anything with block_shape and index_map).
 
     Fields of Pallas BlockSpecs beyond those two are honoured or refused (`pallas_options`)."""
-    if isinstance(spec, BlockSpec) and spec.block_shape is not None and spec.index_map is not None:
-        return spec
     if not (hasattr(spec, "block_shape") and hasattr(spec, "index_map")):
         raise TypeError(f"{name}: expected a cv.BlockSpec or pl.BlockSpec with block_shape and index_map, got {spec!r}")
     shape, imap = spec.block_shape, spec.index_map
     transforms = tuple(spec.transforms) if isinstance(spec, BlockSpec) else ()
     if shape is None:  # the whole array: its shape is known when the pipeline is called
         return BlockSpec(WHOLE_ARRAY, imap, transforms)
-    shape = tuple(None if (d is None or type(d).__name__ == "Squeezed") else int(d) for d in shape)
-    return BlockSpec(shape, _zeros_map(len(shape)) if imap is None else imap, transforms)
+    return BlockSpec(tuple(shape), _zeros_map(len(shape)) if imap is None else imap, transforms)
+
+
+def block_dimensions(shape: Sequence[Any], name: str) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
+    """A block shape's sizes (None: squeezed) and the dimensions whose index-map entry is an element
+    offset (`pl.Element(n)`) rather than a block index. Upstream's other dimension kinds are
+    refused by name: `pl.Element` with padding and `pl.BoundedSlice` (a window whose size varies)."""
+    sizes, elements = [], []
+    for d, dim in enumerate(shape):
+        kind = type(dim).__name__
+        if dim is None or kind == "Squeezed":
+            sizes.append(None)
+        elif kind == "Element":
+            if tuple(dim.padding) != (0, 0):
+                raise NotImplementedError(f"{name}: block dimension {d} is {dim}: pl.Element with padding is not "
+                                          f"supported; pad the array instead")
+            sizes.append(int(dim.block_size))
+            elements.append(d)
+        elif kind == "Blocked":
+            sizes.append(int(dim.block_size))
+        elif kind == "BoundedSlice":
+            raise NotImplementedError(f"{name}: block dimension {d} is {dim}: pl.BoundedSlice (a window whose "
+                                      f"size is chosen per step) is not supported; use a fixed block size "
+                                      f"with pl.Element offsets")
+        elif isinstance(dim, int) and not isinstance(dim, bool) and dim > 0:
+            sizes.append(dim)
+        else:
+            raise ValueError(f"{name}: block dimension {d} is {dim!r}: expected a positive int, None / pl.squeezed, "
+                             f"or pl.Element(n)")
+    return tuple(sizes), tuple(elements)
 
 
 WHOLE_ARRAY = ()  # `BlockSpec.block_shape` of a whole-array spec before its array's shape is known
@@ -154,6 +182,8 @@ class OperandPlan:
     invariant: bool       # the index map ignores the grid: fetched / written exactly once
     num_slots: int
     transforms: tuple[Any, ...] = ()
+    # Dimensions whose index-map entry is an element offset (`pl.Element(n)`), not a block index.
+    element_dims: tuple[int, ...] = ()
     # A whole-array spec (no block_shape): its block is the whole array, block_shape is () until
     # `PipelinePlan.with_array_shapes` gives it the array's shape.
     whole_array: bool = False
@@ -341,7 +371,8 @@ class PipelinePlan:
 
     def offsets(self, op: OperandPlan, step: Int) -> tuple[Int, ...]:
         """Element offsets of the operand's block at `step`."""
-        return tuple(i * d for i, d in zip(self.block_indices(op, step), op.block_dims))
+        return tuple(i if d in op.element_dims else i * size
+                     for d, (i, size) in enumerate(zip(self.block_indices(op, step), op.block_dims)))
 
     def slot(self, op: OperandPlan, step: Int) -> Int:
         """The buffer slot the body uses for `op` at `step` (outputs: see `output_slot`)."""
@@ -602,8 +633,9 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
             inv = whole or _is_invariant(bs.index_map, grid, name, len(bs.block_shape))
             slots = _slot_count(name, is_input, inv, opts.buffer_count, max_concurrent_steps, delay_release,
                                 no_pipelining)
-            ops.append(OperandPlan(name, is_input, tuple(bs.block_shape), bs.index_map, inv, slots, opts.transforms,
-                                   whole_array=whole))
+            sizes, elements = block_dimensions(bs.block_shape, name)
+            ops.append(OperandPlan(name, is_input, sizes, bs.index_map, inv, slots, opts.transforms,
+                                   element_dims=elements, whole_array=whole))
         return tuple(ops)
 
     return PipelinePlan(grid, build(in_specs, in_names, in_options, True),
