@@ -70,3 +70,9 @@ def test_other_dimension_kinds_are_refused_by_name():
         cv.pipeline.plan(grid=(2,), in_specs=[pl.BlockSpec((pl.BoundedSlice(8), 128), lambda g: (pl.ds(g, 8), 0))])
     with pytest.raises(ValueError, match=r"out\[0\]: block dimension 1 is 'x': expected a positive int"):
         cv.pipeline.plan(grid=(2,), out_specs=[cv.BlockSpec((8, "x"), lambda g: (g, 0))])
+
+
+def test_numpy_integer_block_sizes_are_accepted():
+    for spec in (cv.BlockSpec((np.int64(8), 128), lambda g: (g, 0)), pl.BlockSpec((np.int32(8), 128), lambda g: (g, 0))):
+        p = cv.pipeline.plan(grid=(2,), in_specs=[spec])
+        assert p.inputs[0].block_shape == (8, 128) and all(type(d) is int for d in p.inputs[0].block_shape)

@@ -133,7 +133,7 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
     (one slot per operand; see `conveyor.plans.pipeline.plan`). An output's `pl.Buffered(1)` gives it
     one slot, its write-back awaited at once.
     Megacore, as upstream: with `core_axis` (an axis of the `cv.kernel` grid) or `core_axis_name`
-    (a named axis in scope, e.g. a `shard_map` axis), each of the axis's programs runs its own part
+    (a named axis in scope, e.g. the kernel's thread axis on xla), each of the axis's programs runs its own part
     of `grid`, cut along a dimension marked "parallel" in `dimension_semantics` (see
     `PipelinePlan.for_core`); indices stay those of the whole grid. Launch the kernel with
     `dimension_semantics=("parallel", ...)` for its grid axis so that Mosaic TPU places the

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -60,6 +61,14 @@ def as_block_spec(spec: Any, name: str) -> BlockSpec:
     return BlockSpec(tuple(shape), _zeros_map(len(shape)) if imap is None else imap, transforms)
 
 
+def _positive_int(dim: Any) -> bool:
+    """A positive integer of any integer type (NumPy's too), not a bool."""
+    try:
+        return not isinstance(dim, bool) and operator.index(dim) > 0
+    except TypeError:
+        return False
+
+
 def block_dimensions(shape: Sequence[Any], name: str) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
     """A block shape's sizes (None: squeezed) and the dimensions whose index-map entry is an element
     offset (`pl.Element(n)`) rather than a block index. Upstream's other dimension kinds are
@@ -81,8 +90,8 @@ def block_dimensions(shape: Sequence[Any], name: str) -> tuple[tuple[int | None,
             raise NotImplementedError(f"{name}: block dimension {d} is {dim}: pl.BoundedSlice (a window whose "
                                       f"size is chosen per step) is not supported; use a fixed block size "
                                       f"with pl.Element offsets")
-        elif isinstance(dim, int) and not isinstance(dim, bool) and dim > 0:
-            sizes.append(dim)
+        elif _positive_int(dim):
+            sizes.append(int(dim))
         else:
             raise ValueError(f"{name}: block dimension {d} is {dim!r}: expected a positive int, None / pl.squeezed, "
                              f"or pl.Element(n)")
