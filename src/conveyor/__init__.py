@@ -11,10 +11,10 @@ from conveyor.ops.gmm import GroupMetadata, gmm, make_group_metadata, ragged_dot
 from conveyor.pipeline import BlockSpec, emit_pipeline, emit_pipeline_warp_specialized
 from conveyor.mpmd import Mesh, MpmdDeadlock, mpmd_errors, mpmd_map
 from conveyor.sync import (BarrierType, SemaphoreType, barrier_arrive, barrier_wait, fence, semaphore_signal,
-                           semaphore_wait)
+                           semaphore_wait, wait_produced)
 
 __version__ = "0.1.0"
 __all__ = ["dot", "gmm", "tgmm", "ragged_dot", "make_group_metadata", "GroupMetadata", "kernel", "program_id", "emit_pipeline",
            "emit_pipeline_warp_specialized", "BlockSpec", "pipeline", "sim", "moe", "all_gather_matmul",
            "matmul_reduce_scatter", "mpmd_map", "Mesh", "MpmdDeadlock", "mpmd_errors", "SemaphoreType", "BarrierType",
-           "semaphore_signal", "semaphore_wait", "barrier_wait", "barrier_arrive", "fence", "__version__"]
+           "semaphore_signal", "semaphore_wait", "barrier_wait", "barrier_arrive", "wait_produced", "fence", "__version__"]

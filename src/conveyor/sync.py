@@ -10,15 +10,18 @@ import jax.numpy as jnp
 
 
 class TraceTimeBarrier:
-    """A consumed barrier on the xla backend, where threads need no real synchronization.
+    """A pipeline barrier handed to a body on the xla backend, where threads need no real
+    synchronization (copies are synchronous there).
 
-    It counts the body's arrivals while it is traced, so a body that never arrives (which would
-    make a GPU's memory thread wait forever) is reported instead of silently accepted.
+    It counts the body's arrivals and waits while it is traced, so a body that never arrives on a
+    consumed barrier (a GPU's memory thread would wait forever) or never waits on a produced one
+    (a GPU would read the slot before its copy lands) is reported instead of silently accepted.
     """
 
     def __init__(self, name: str):
         self.name = name
         self.arrivals = 0
+        self.waits = 0
 
     def __repr__(self) -> str:
         return f"TraceTimeBarrier({self.name!r})"
@@ -31,6 +34,18 @@ def barrier_arrive(barrier: Any) -> None:
         return
     from jax.experimental.pallas import mosaic_gpu as plgpu
     plgpu.barrier_arrive(barrier)
+
+
+def wait_produced(barrier: Any) -> None:
+    """Wait on a produced barrier handed to a warp-specialized pipeline's body
+    (`manual_produced_barriers=True`): returns once the copy of that input's block for this step
+    has landed in its slot. On mosaic_gpu it is `plgpu.barrier_wait` (upstream bodies that call
+    that directly run unchanged there); on xla the block is already there and the wait is counted."""
+    if isinstance(barrier, TraceTimeBarrier):
+        barrier.waits += 1
+        return
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    plgpu.barrier_wait(barrier)
 
 
 # ---- semaphores and barriers shared by the programs of cv.mpmd_map -----------------------------

@@ -217,3 +217,80 @@ def test_plan_roles_and_registers():
     for c in ("compute[1]", "compute[2]"):
         releases = [a.counter for a in prog[c] if isinstance(a, Signal) and a.counter[0] == "consumed"]
         assert releases == [("consumed", "shared", 0), ("consumed", "shared", 1), ("consumed", "shared", 2)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("num_compute, mcs, delay, consumed_too", [(1, 2, 0, False), (2, 3, 1, True)])
+def test_manual_produced_barriers(backend, num_compute, mcs, delay, consumed_too):
+    """The body waits for each input's copy itself, starting on x before y has been waited for
+    (upstream's manual_produced_barriers); with manual consumed barriers too, they come after."""
+    # Small integers in float32: 3x - y is exact however it is fused.
+    x, y = jnp.round(4 * arr(20 + mcs, 96, 128)), jnp.round(4 * arr(21 + delay, 96, 128))
+
+    def k(x_ref, y_ref, o_ref):
+        def body(idx, xb, yb, ob, x_landed, y_landed, *consumed):
+            rows = share(compute_index(None), 16, num_compute)
+            cv.wait_produced(x_landed)
+            ob[rows, :] = 3.0 * xb[rows, :]
+            cv.wait_produced(y_landed)
+            ob[rows, :] = ob[rows, :] - yb[rows, :]
+            for b in consumed:
+                @pl.when(idx[0] >= delay)
+                def _():
+                    cv.barrier_arrive(b)
+        spec = cv.BlockSpec((16, 128), lambda i: (i, 0))
+        cv.emit_pipeline_warp_specialized(
+            body, grid=(6,), memory_registers=40, in_specs=[spec, spec], out_specs=[spec], max_concurrent_steps=mcs,
+            delay_release=delay, wg_axis="wg", num_compute_wgs=num_compute, manual_produced_barriers=True,
+            manual_consumed_barriers=consumed_too)(x_ref, y_ref, o_ref)
+
+    out = run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, y, threads=num_compute + 1, backend=backend)
+    np.testing.assert_array_equal(out, 3.0 * x - y)
+
+
+def test_manual_produced_barrier_never_waited_is_reported():
+    def body(idx, xb, ob, landed):
+        ob[...] = xb[...]
+    with pytest.raises(ValueError, match=r"never waits on the produced barrier of in\[0\].*cv.wait_produced"):
+        _launch(_simple(body, manual_produced_barriers=True))
+
+
+def test_manual_produced_barriers_refuse_invariant_inputs_and_non_bools():
+    spec, bias = cv.BlockSpec((8, 128), lambda i: (i, 0)), cv.BlockSpec((8, 128), lambda i: (0, 0))
+    with pytest.raises(NotImplementedError, match=r"index-invariant inputs \(in\[1\]\)"):
+        _simple(manual_produced_barriers=True, in_specs=[spec, bias])
+    with pytest.raises(ValueError, match="manual_produced_barriers: expected a bool"):
+        _simple(manual_produced_barriers="yes")
+
+
+@pytest.mark.timeout(240)
+def test_manual_produced_barriers_export_for_cuda():
+    def k(x_ref, o_ref):
+        def body(idx, xb, ob, landed):
+            cv.wait_produced(landed)
+            ob[...] = xb[...] + 1.0
+        spec = cv.BlockSpec((64, 128), lambda i: (i, 0))
+        cv.emit_pipeline_warp_specialized(body, grid=(4,), memory_registers=40, wg_axis="wg", num_compute_wgs=1,
+                                          manual_produced_barriers=True, in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+
+    shape = jax.ShapeDtypeStruct((256, 128), jnp.float32)
+    f = cv.kernel(k, shape, backend="mosaic_gpu", num_threads=2, thread_name="wg")
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(shape)
+    assert "cuda" in exported.platforms and exported.mlir_module()
+
+
+@pytest.mark.timeout(240)
+def test_manual_produced_barrier_skipped_is_a_race_on_the_gpu_interpreter():
+    """The compute threads leave the waits to the body: one that skips them reads a slot the
+    memory thread's copy is writing, which the interpreter's race detector reports."""
+    x = arr(30, 96, 128)
+
+    def k(x_ref, o_ref):
+        def body(idx, xb, ob, landed):
+            ob[...] = xb[...] + 1.0
+        spec = cv.BlockSpec((16, 128), lambda i: (i, 0))
+        cv.emit_pipeline_warp_specialized(body, grid=(6,), memory_registers=40, wg_axis="wg", num_compute_wgs=1,
+                                          manual_produced_barriers=True, in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+
+    with pytest.raises(Exception, match="RACE DETECTED"):
+        run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, threads=2, backend="mosaic_gpu")

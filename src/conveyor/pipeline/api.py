@@ -173,7 +173,7 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
 def emit_pipeline_warp_specialized(
         body: Callable[..., Any], *, grid: Sequence[Any], memory_registers: int, in_specs: Sequence[Any] = (),
         out_specs: Sequence[Any] = (), max_concurrent_steps: int = 2, delay_release: int = 0, wg_axis: str,
-        num_compute_wgs: int, manual_consumed_barriers: bool = False,
+        num_compute_wgs: int, manual_consumed_barriers: bool = False, manual_produced_barriers: bool = False,
         carry_coroutine: Callable[[], Any] | None = None, memory_thread_idx: int | None = None,
         compute_context: Callable[[Callable[..., Any]], None] | None = None) -> Callable[..., Any]:
     """A pipeline whose fetches are issued by one memory thread while `num_compute_wgs` threads compute.
@@ -181,7 +181,8 @@ def emit_pipeline_warp_specialized(
     Call the result inside a `cv.kernel(..., num_threads=num_compute_wgs + 1, thread_name=wg_axis)`
     body with the global refs (inputs, then outputs). Every thread calls it; the thread whose
     `lax.axis_index(wg_axis)` is `memory_thread_idx` (default: the last) fetches, the others run
-    `body(indices, *in_block_refs, *out_block_refs[, *consumed_barriers][, carry])` at each step and
+    `body(indices, *in_block_refs, *out_block_refs[, *produced_barriers][, *consumed_barriers][, carry])`
+    at each step and
     pick their share with `lax.axis_index(wg_axis)` (their raw thread index: with
     `memory_thread_idx=0` the compute threads are 1..num_compute_wgs).
 
@@ -196,6 +197,12 @@ def emit_pipeline_warp_specialized(
         also arrives in the first delay_release steps releases slots early (a race on hardware);
         one that never arrives is reported on xla. Otherwise each compute thread arrives after the
         body, delayed by `delay_release` steps, on its own.
+      manual_produced_barriers: pass one produced barrier per input to the body (after the output
+        refs, before any consumed barriers), as upstream Pallas does: the barrier of the slot step s
+        reads, which completes when that block's copy has landed. The compute threads then do not
+        wait for the copies; the body must `cv.wait_produced` on each barrier at every step before
+        it reads that input's block (e.g. to start on one input while another is still in flight).
+        A body that never waits is reported on xla. Inputs must depend on the grid.
       carry_coroutine: a generator function run by each compute thread: it yields the initial carry,
         receives the final carry as the value of that yield (`final = yield init`) and returns
         (an epilogue, e.g. storing the carry). The body then takes and returns the carry.
@@ -223,7 +230,8 @@ def emit_pipeline_warp_specialized(
                                   f"supported: the consumed barriers are shared by every input's slots")
     wp = warp.WarpSpecializedPlan(pipeline=p, wg_axis=wg_axis, num_compute_wgs=num_compute_wgs,
                                   memory_thread_idx=memory_thread_idx, memory_registers=memory_registers,
-                                  manual_consumed_barriers=bool(manual_consumed_barriers))
+                                  manual_consumed_barriers=bool(manual_consumed_barriers),
+                                  manual_produced_barriers=manual_produced_barriers)
 
     def run(*refs):
         ctx = current_context("emit_pipeline_warp_specialized(...)(refs)")

@@ -67,9 +67,10 @@ def _fetch(p: PipelinePlan, in_refs, in_bufs, produced, i: int, step, at) -> Non
     plgpu.copy_gmem_to_smem(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], produced[i].at[slot])
 
 
-def _await_blocks(p: PipelinePlan, s, produced, in_bufs, out_bufs, wb_counts):
-    """Wait until step s's input copies landed; return the input and output slot views of step s."""
-    for i, op in enumerate(p.inputs):
+def _await_blocks(p: PipelinePlan, s, produced, in_bufs, out_bufs, wb_counts, wait: bool = True):
+    """Wait until step s's input copies landed (unless the body waits itself: `wait=False`); return
+    the input and output slot views of step s."""
+    for i, op in enumerate(p.inputs if wait else ()):
         if op.invariant:
             @pl.when(s == 0)
             def _():
@@ -275,11 +276,15 @@ def _compute_steps(r: _WarpRefs, body, init, has_carry):
     def step(s, state):
         wb_counts, carry = state
         carry = fixed if fixed is not None else carry
-        in_blocks, out_blocks = _await_blocks(p, s, r.produced, r.in_bufs, r.out_bufs, wb_counts)
-        # Upstream's protocol: the body gets the slot of step s - delay_release and skips its
-        # arrival during the first delay_release steps (see the public docstring).
-        manual = ([r.consumed[i].at[wp.released_slot(s)] for i in range(len(p.inputs))]
-                  if wp.manual_consumed_barriers else [])
+        in_blocks, out_blocks = _await_blocks(p, s, r.produced, r.in_bufs, r.out_bufs, wb_counts,
+                                              wait=not wp.manual_produced_barriers)
+        # Upstream's protocol: produced barriers of this step's slots (the body waits on them), then
+        # consumed ones of the slot of step s - delay_release, whose arrival the body skips during
+        # the first delay_release steps (see the public docstring).
+        manual = ([r.produced[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
+                  if wp.manual_produced_barriers else [])
+        manual += ([r.consumed[i].at[wp.released_slot(s)] for i in range(len(p.inputs))]
+                   if wp.manual_consumed_barriers else [])
         carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks, *manual), carry, has_carry)
         carry = None if fixed is not None else carry
         if shared_release:

@@ -142,6 +142,21 @@ def _run_checked(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     return carry if has_carry else None
 
 
+def _check_manual_barriers(produced: list[TraceTimeBarrier], consumed: list[TraceTimeBarrier]) -> None:
+    """A body that never waits on a manual produced barrier, or never arrives on a manual consumed
+    one, is an error: on GPU it would read a slot before its copy lands, or hang the memory thread."""
+    for b in produced:
+        if b.waits == 0:
+            raise ValueError(f"manual_produced_barriers=True but the body never waits on the produced barrier of "
+                             f"{b.name} (call cv.wait_produced on it before reading the block): on GPU it would read "
+                             f"the slot before its copy lands")
+    for b in consumed:
+        if b.arrivals == 0:
+            raise ValueError(f"manual_consumed_barriers=True but the body never arrives on the consumed "
+                             f"barrier of {b.name} (call cv.barrier_arrive on it): the memory thread would "
+                             f"wait forever before refilling that slot")
+
+
 def run_warp_specialized(wp, body, in_refs, out_refs, carry_coroutine, thread_index: int):
     """The warp-specialized pipeline on xla.
 
@@ -170,14 +185,11 @@ def run_warp_specialized(wp, body, in_refs, out_refs, carry_coroutine, thread_in
         blocks, carries = args[:n_blocks], (args[n_blocks] if has_carry else [None] * len(threads))
         new = []
         for c, carry in zip(threads, carries):
-            barriers = [TraceTimeBarrier(op.name) for op in p.inputs] if wp.manual_consumed_barriers else []
+            produced = [TraceTimeBarrier(op.name) for op in p.inputs] if wp.manual_produced_barriers else []
+            consumed = [TraceTimeBarrier(op.name) for op in p.inputs] if wp.manual_consumed_barriers else []
             extra = (carry,) if has_carry else ()
-            new.append(as_thread(c, lambda: body(indices, *blocks, *barriers, *extra)))
-            for b in barriers:
-                if b.arrivals == 0:
-                    raise ValueError(f"manual_consumed_barriers=True but the body never arrives on the consumed "
-                                     f"barrier of {b.name} (call cv.barrier_arrive on it): the memory thread would "
-                                     f"wait forever before refilling that slot")
+            new.append(as_thread(c, lambda: body(indices, *blocks, *produced, *consumed, *extra)))
+            _check_manual_barriers(produced, consumed)
             if not has_carry and new[-1] is not None:
                 raise TypeError("pipeline body returned a value but no carry_coroutine was given")
         return tuple(new) if has_carry else None

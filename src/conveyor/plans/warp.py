@@ -40,13 +40,23 @@ class WarpSpecializedPlan:
     memory_thread_idx: int | None = None
     memory_registers: int = 40
     manual_consumed_barriers: bool = False
+    # The body waits on each input's produced barrier itself (`cv.wait_produced`), e.g. to start
+    # on one input before another has landed; the program still models the wait before the reads.
+    manual_produced_barriers: bool = False
 
     def __post_init__(self):
         idx = check_options(memory_registers=self.memory_registers, num_compute_wgs=self.num_compute_wgs,
                             wg_axis=self.wg_axis, memory_thread_idx=self.memory_thread_idx)
         object.__setattr__(self, "memory_thread_idx", idx)
-        if not isinstance(self.manual_consumed_barriers, bool):
-            raise ValueError(f"manual_consumed_barriers: expected a bool, got {self.manual_consumed_barriers!r}")
+        for option in ("manual_consumed_barriers", "manual_produced_barriers"):
+            if not isinstance(getattr(self, option), bool):
+                raise ValueError(f"{option}: expected a bool, got {getattr(self, option)!r}")
+        fetched_once = [op.name for op in self.pipeline.inputs if op.invariant]
+        if self.manual_produced_barriers and fetched_once:
+            raise NotImplementedError(
+                f"manual_produced_barriers=True with index-invariant inputs ({', '.join(fetched_once)}) is not "
+                f"supported: such a block is fetched once, so its barrier completes one phase only and a wait at "
+                f"every step would hang. Pass the block unwindowed, or leave manual_produced_barriers off")
 
     @property
     def num_threads(self) -> int:
