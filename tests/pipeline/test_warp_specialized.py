@@ -294,3 +294,79 @@ def test_manual_produced_barrier_skipped_is_a_race_on_the_gpu_interpreter():
 
     with pytest.raises(Exception, match="RACE DETECTED"):
         run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, threads=2, backend="mosaic_gpu")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("num_compute, memory_idx", [(1, None), (2, None), (2, 0)])
+def test_compute_context_value_carry(backend, num_compute, memory_idx):
+    """Upstream's compute_context: each compute thread runs its prologue, the pipeline with a value
+    carry (a running sum of its rows), and an epilogue storing the final carry."""
+    x = jnp.round(4 * arr(40 + num_compute, 64, 128))  # small integers: sums are exact
+    per = 8 // num_compute
+
+    def k(x_ref, o_ref, s_ref):
+        def body(idx, xb, ob, carry):
+            rows = share(compute_index(memory_idx), 8, num_compute)
+            ob[rows, :] = xb[rows, :] * 2.0
+            return carry + xb[rows, :]
+
+        def context(eval_pipeline):
+            final = eval_pipeline(jnp.full((per, 128), 1.0, jnp.float32))
+            s_ref[share(compute_index(memory_idx), 8, num_compute), :] = final
+
+        spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
+        cv.emit_pipeline_warp_specialized(
+            body, grid=(8,), memory_registers=40, wg_axis="wg", num_compute_wgs=num_compute,
+            memory_thread_idx=memory_idx, compute_context=context, in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+
+    out, sums = run(k, (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((8, 128), jnp.float32)),
+                    x, threads=num_compute + 1, backend=backend)
+    np.testing.assert_array_equal(out, 2.0 * x)
+    np.testing.assert_array_equal(sums, x.reshape(8, 8, 128).sum(0) + 1.0)
+
+
+def test_compute_context_ref_carry_allocated_in_the_context():
+    """A Ref carry allocated by each compute thread's context (how upstream kernels keep a wgmma
+    accumulator): every step gets the same ref, and the epilogue reads it after the pipeline.
+    On xla only: the GPU interpreter refuses scoped SMEM inside one thread and does not model
+    plgpu.ACC; on mosaic_gpu this path is the gmm kernel's, exported for cuda in tests/ops/gmm."""
+    backend = "xla"
+    x = jnp.round(4 * arr(50, 64, 128))
+
+    def k(x_ref, o_ref, s_ref):
+        def body(idx, xb, ob, acc):
+            rows = share(compute_index(None), 8, 2)
+            ob[rows, :] = xb[rows, :] + 1.0
+            acc[...] += xb[rows, :]
+            return acc
+
+        def context(eval_pipeline):
+            def with_acc(acc):
+                final = eval_pipeline(acc)
+                s_ref[share(compute_index(None), 8, 2), :] = final[...]
+            with_acc(jax.new_ref(jnp.zeros((4, 128), jnp.float32)))
+
+        spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
+        cv.emit_pipeline_warp_specialized(
+            body, grid=(8,), memory_registers=40, wg_axis="wg", num_compute_wgs=2, compute_context=context,
+            in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+
+    out, sums = run(k, (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((8, 128), jnp.float32)),
+                    x, threads=3, backend=backend)
+    np.testing.assert_array_equal(out, x + 1.0)
+    np.testing.assert_array_equal(sums, x.reshape(8, 8, 128).sum(0))
+
+
+@pytest.mark.parametrize("calls, match", [(0, "returned without calling the pipeline"),
+                                          (2, "called the pipeline .eval_pipeline. a second time")])
+def test_compute_context_must_call_the_pipeline_once(calls, match):
+    def body(idx, xb, ob, carry):
+        ob[...] = xb[...]
+        return carry
+
+    def context(eval_pipeline):
+        for _ in range(calls):
+            eval_pipeline(jnp.float32(0.0))
+
+    with pytest.raises(ValueError, match=match):
+        _launch(_simple(body, compute_context=context))

@@ -206,12 +206,14 @@ def emit_pipeline_warp_specialized(
       carry_coroutine: a generator function run by each compute thread: it yields the initial carry,
         receives the final carry as the value of that yield (`final = yield init`) and returns
         (an epilogue, e.g. storing the carry). The body then takes and returns the carry.
-      compute_context: upstream's form of the carry, mosaic_gpu only: each compute thread calls
+      compute_context: upstream's form of the carry: each compute thread calls
         `compute_context(eval_pipeline)`, which may allocate (e.g. a `plgpu.ACC` accumulator with
         `pl.run_scoped`), call `eval_pipeline(carry)` (the body then takes and returns the carry;
         a Ref carry is handed to every step as it is) and run an epilogue on the result. Its
         allocations nest inside the pipeline's own, as Mosaic GPU requires of register
-        accumulators. Exclusive with carry_coroutine.
+        accumulators (on xla, each thread's context runs inside the previous one's `eval_pipeline`, and
+        the innermost runs the pipeline once for all). It must call `eval_pipeline` exactly once
+        (a ValueError otherwise). Exclusive with carry_coroutine.
     Outputs may be shared by several compute threads (each writing its part); they are stored once
     all compute threads are done with the block. Protocol: see `conveyor.plans.warp`.
     Not available on mosaic_tpu (NotImplementedError): TPU cores have no warpgroups.
@@ -246,11 +248,9 @@ def emit_pipeline_warp_specialized(
         sized, ins, outs, passthrough = _split_refs(p, refs, "warp-specialized pipeline")
         body_on_blocks = _structured_body(sized, body, passthrough)
         plan = wp if sized is p else dataclasses.replace(wp, pipeline=sized)
-        if compute_context is not None and ctx.backend != "mosaic_gpu":
-            raise NotImplementedError(f"emit_pipeline_warp_specialized: compute_context is implemented on mosaic_gpu "
-                                      f"only, not on {ctx.backend}; use carry_coroutine there")
         if ctx.backend == "xla":
-            return xla_exec.run_warp_specialized(plan, body_on_blocks, ins, outs, carry_coroutine, ctx.thread_index)
+            return xla_exec.run_warp_specialized(plan, body_on_blocks, ins, outs, carry_coroutine, ctx.thread_index,
+                                                 compute_context)
         from conveyor.pipeline import mosaic_gpu
         return mosaic_gpu.run_warp_specialized(plan, body_on_blocks, ins, outs, carry_coroutine, compute_context)
 

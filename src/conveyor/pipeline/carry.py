@@ -1,4 +1,5 @@
-"""Carry coroutines of warp-specialized pipelines: prologue, then the final carry sent back."""
+"""Carries of warp-specialized pipelines: carry coroutines (prologue, then the final carry sent
+back) and upstream's compute contexts (which must call the pipeline exactly once)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Generator
@@ -45,3 +46,17 @@ def finish(gen: Generator | None, final: Any, run: Callable = _direct) -> None:
         return
     raise ValueError("carry_coroutine yielded a second time; it must yield exactly once (the initial carry) "
                      "and receive the final carry as the value of that yield")
+
+
+def check_single_call(called: list) -> None:
+    """A compute context's `eval_pipeline` runs the pipeline once: a second call is an error."""
+    if called:
+        raise ValueError("compute_context called the pipeline (eval_pipeline) a second time; it must call it "
+                         "exactly once")
+
+
+def check_called(called: list) -> None:
+    """A compute context that returned without calling `eval_pipeline` is an error."""
+    if not called:
+        raise ValueError("compute_context returned without calling the pipeline (eval_pipeline); it must call "
+                         "it exactly once")

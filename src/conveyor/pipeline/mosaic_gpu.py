@@ -320,7 +320,14 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
         def _compute_thread():
             plgpu.set_max_registers(wp.compute_registers, action="increase")
             if compute_context is not None:
-                compute_context(lambda carry=None: _compute_steps(r, body, carry, carry is not None))
+                called = []
+
+                def eval_pipeline(carry=None):
+                    carry_lib.check_single_call(called)
+                    called.append(True)
+                    return _compute_steps(r, body, carry, carry is not None)
+                compute_context(eval_pipeline)
+                carry_lib.check_called(called)
                 return
             gen, init = carry_lib.start(carry_coroutine)
             carry_lib.finish(gen, _compute_steps(r, body, init, gen is not None))

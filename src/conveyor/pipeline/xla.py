@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from conveyor._compat import call_as_thread
+from conveyor._compat import call_as_thread, is_jax_ref
 from conveyor.kernel import poison
 from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.lowering import block_in_bounds, call_body, when
@@ -157,43 +157,98 @@ def _check_manual_barriers(produced: list[TraceTimeBarrier], consumed: list[Trac
                              f"wait forever before refilling that slot")
 
 
-def run_warp_specialized(wp, body, in_refs, out_refs, carry_coroutine, thread_index: int):
+def run_warp_specialized(wp, body, in_refs, out_refs, carry_coroutine, thread_index: int, compute_context=None):
     """The warp-specialized pipeline on xla.
 
     `cv.kernel` traces its threads one after the other; the pipeline runs once, in the leader's
     trace, and at every step runs the body for each compute thread in turn on the same blocks
     (each traced with its own `lax.axis_index(wg_axis)`), so compute threads share output blocks
     exactly as on GPU. The memory thread has nothing to do: reads are synchronous here.
+    Each thread's carry comes from its `carry_coroutine` or its `compute_context` (`_nested_contexts`).
     """
     if thread_index != wp.leader:
         return None
-    p = wp.pipeline
     threads = wp.compute_threads
 
     def as_thread(c, fn):
         return call_as_thread(fn, wp.wg_axis, wp.num_threads, c)
 
+    if compute_context is not None:
+        _nested_contexts(wp, body, in_refs, out_refs, compute_context, as_thread)
+        return None
     gens, inits = [], []
     for c in threads:
         gen, init = carry_lib.start(carry_coroutine, lambda fn, c=c: as_thread(c, fn))
         gens.append(gen)
         inits.append(init)
     has_carry = carry_coroutine is not None
+    finals = _run_threads(wp, body, in_refs, out_refs, [(init, has_carry) for init in inits], as_thread)
+    for c, gen, final in zip(threads, gens, finals):
+        carry_lib.finish(gen, final, lambda fn, c=c: as_thread(c, fn))
+
+
+def _run_threads(wp, body, in_refs, out_refs, carries, as_thread) -> list:
+    """The pipeline with every compute thread's body at each step; `carries` holds per compute
+    thread (initial carry, whether it has one). Returns the final carries (a Ref carry is handed
+    to every step as it is, as on GPU, and is its own final)."""
+    p = wp.pipeline
+    threads = wp.compute_threads
     n_blocks = len(p.inputs) + len(p.outputs)
+    fixed = [c if is_jax_ref(c) else None for c, _ in carries]
 
     def every_thread(indices, *args):
-        blocks, carries = args[:n_blocks], (args[n_blocks] if has_carry else [None] * len(threads))
+        blocks, loop_carries = args[:n_blocks], args[n_blocks]
         new = []
-        for c, carry in zip(threads, carries):
+        for c, carry, ref, (_, has_carry) in zip(threads, loop_carries, fixed, carries):
             produced = [TraceTimeBarrier(op.name) for op in p.inputs] if wp.manual_produced_barriers else []
             consumed = [TraceTimeBarrier(op.name) for op in p.inputs] if wp.manual_consumed_barriers else []
-            extra = (carry,) if has_carry else ()
-            new.append(as_thread(c, lambda: body(indices, *blocks, *produced, *consumed, *extra)))
-            _check_manual_barriers(produced, consumed)
-            if not has_carry and new[-1] is not None:
-                raise TypeError("pipeline body returned a value but no carry_coroutine was given")
-        return tuple(new) if has_carry else None
+            extra = ((carry if ref is None else ref),) if has_carry else ()
 
-    finals = run_pipeline(p, every_thread, in_refs, out_refs, tuple(inits) if has_carry else None, has_carry)
-    for c, gen, final in zip(threads, gens, finals if has_carry else [None] * len(threads)):
-        carry_lib.finish(gen, final, lambda fn, c=c: as_thread(c, fn))
+            def call(extra=extra, produced=produced, consumed=consumed, ref=ref):
+                out = body(indices, *blocks, *produced, *consumed, *extra)
+                return None if ref is not None else out  # a Ref carry is not returned through the trace
+            out = as_thread(c, call)
+            _check_manual_barriers(produced, consumed)
+            if not has_carry and out is not None:
+                raise TypeError("pipeline body returned a value but the pipeline has no carry (give a carry_coroutine, "
+                                "or call eval_pipeline with an initial carry in compute_context)")
+            new.append(out if has_carry and ref is None else None)
+        return tuple(new)
+
+    inits = tuple(None if ref is not None else c for (c, _), ref in zip(carries, fixed))
+    finals = run_pipeline(p, every_thread, in_refs, out_refs, inits, True)
+    return [final if ref is None else ref for final, ref in zip(finals, fixed)]
+
+
+def _nested_contexts(wp, body, in_refs, out_refs, compute_context, as_thread) -> None:
+    """Upstream's `compute_context` on xla, where one trace runs every compute thread's body.
+
+    Each compute thread's context runs as that thread; its `eval_pipeline(carry)` runs the next
+    thread's context inside it, and the innermost runs the pipeline once with every carry. So each
+    context's allocations (e.g. `pl.run_scoped`) enclose the pipeline, as on GPU. An outer thread's
+    final carry leaves the inner traces as an output of theirs."""
+    threads = wp.compute_threads
+
+    def level(k: int, carries: list) -> list:
+        """Run the contexts of threads k.. around the pipeline; the finals of threads 0..k-1."""
+        if k == len(threads):
+            return _run_threads(wp, body, in_refs, out_refs, carries, as_thread)
+        called = []
+
+        def eval_pipeline(carry=None):
+            carry_lib.check_single_call(called)
+            finals = level(k + 1, carries + [(carry, carry is not None)])
+            called.append(finals[:k])
+            return finals[k]
+
+        def context():
+            compute_context(eval_pipeline)
+            carry_lib.check_called(called)
+            # Outer threads' finals leave this trace as its outputs (a Ref final is its own carry,
+            # which the outer thread already holds).
+            return [None if is_jax_ref(c) else f for (c, _), f in zip(carries, called[0])]
+
+        outer = as_thread(threads[k], context)
+        return [c if is_jax_ref(c) else f for (c, _), f in zip(carries, outer)]
+
+    level(0, [])
