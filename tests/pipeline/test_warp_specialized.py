@@ -140,9 +140,9 @@ def _simple(body=None, **options):
     return cv.emit_pipeline_warp_specialized(body, **kw)
 
 
-def _launch(pipeline, threads=2, thread_name="wg", backend="xla"):
+def _launch(pipeline, threads=2, thread_name="wg", backend="xla", **call_options):
     x = jnp.ones((32, 128), jnp.float32)
-    return cv.kernel(lambda x_ref, o_ref: pipeline(x_ref, o_ref), jax.ShapeDtypeStruct(x.shape, x.dtype),
+    return cv.kernel(lambda x_ref, o_ref: pipeline(x_ref, o_ref, **call_options), jax.ShapeDtypeStruct(x.shape, x.dtype),
                      num_threads=threads, thread_name=thread_name, backend=backend)(x)
 
 
@@ -370,3 +370,114 @@ def test_compute_context_must_call_the_pipeline_once(calls, match):
 
     with pytest.raises(ValueError, match=match):
         _launch(_simple(body, compute_context=context))
+
+
+def _chain_kernel(num_compute, mcs, scales, traced_state, manual=False):
+    """A kernel running one warp-specialized pipeline per leading index g of x (scaling its rows by
+    scales[g]) as a chain START, STEADY..., STOP on one set of allocations; with traced_state the
+    middle pipelines run in a fori_loop with a traced pipeline_state."""
+    PS = cv.pipeline.PipelineState
+    spec = cv.BlockSpec((16, 128), lambda i: (i, 0))
+    last = len(scales) - 1
+
+    def make(state, scale):
+        def body(idx, xb, ob, *consumed):
+            rows = share(compute_index(None), 16, num_compute)
+            ob[rows, :] = xb[rows, :] * scale
+            for b in consumed:
+                cv.barrier_arrive(b)
+        return cv.emit_pipeline_warp_specialized(
+            body, grid=(4,), memory_registers=40, wg_axis="wg", num_compute_wgs=num_compute, in_specs=[spec],
+            out_specs=[spec], max_concurrent_steps=mcs, pipeline_state=state, manual_consumed_barriers=manual)
+
+    def k(x_ref, s_ref, o_ref):
+        first = make(PS.START, s_ref[0])
+
+        def chain(allocations):
+            first(x_ref.at[0], o_ref.at[0], allocations=allocations)
+            if traced_state:
+                def middle(g, _):
+                    make(jnp.int32(PS.STEADY), s_ref[g])(x_ref.at[g], o_ref.at[g], allocations=allocations)
+                lax.fori_loop(1, last, middle, None)
+            else:
+                for g in range(1, last):
+                    make(PS.STEADY, s_ref[g])(x_ref.at[g], o_ref.at[g], allocations=allocations)
+            make(PS.STOP, s_ref[last])(x_ref.at[last], o_ref.at[last], allocations=allocations)
+        first.with_allocations(chain, x_ref.at[0], o_ref.at[0])
+    return k
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("num_compute, mcs, pipelines, traced_state, manual", [
+    (1, 2, 2, False, False), (2, 2, 4, True, False), (2, 4, 3, False, True)])
+def test_chained_pipelines_share_allocations(backend, num_compute, mcs, pipelines, traced_state, manual):
+    """Pipelines chained START, STEADY..., STOP: each STEADY / STOP refills the slots the previous
+    pipeline's last steps read as they are released (a missing wait is a race the GPU interpreter
+    reports; a wait for a release that never comes fails at its deadline). Outputs start as NaN."""
+    x = jnp.round(4 * arr(60 + pipelines, pipelines, 64, 128))
+    scales = jnp.arange(1, pipelines + 1, dtype=jnp.float32)
+    k = _chain_kernel(num_compute, mcs, list(range(pipelines)), traced_state, manual)
+    out = run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, scales, threads=num_compute + 1, backend=backend)
+    np.testing.assert_array_equal(out, x * scales[:, None, None])
+
+
+@pytest.mark.timeout(240)
+def test_chained_pipelines_fetch_the_next_prologue_before_the_last_steps_finish():
+    """The memory thread's records on the GPU interpreter: only the START fetches before its loop
+    without waiting; the STOP's first fetches wait for the START's last releases; only the STOP drains."""
+    from conveyor.pipeline.lowering import record_issued
+    x = jnp.round(4 * arr(70, 2, 64, 128))
+    k = _chain_kernel(1, 2, [0, 1], False)
+    with record_issued() as log:
+        out = run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, jnp.array([1.0, 2.0]), threads=2,
+                  backend="mosaic_gpu")
+    np.testing.assert_array_equal(out, x * jnp.array([1.0, 2.0])[:, None, None])
+    waits = sorted((at, slot, step) for at, kind, _, slot, step in log if kind == "wait_consumed")
+    # START (4 steps, 2 slots): fetches of steps 2, 3 wait for releases of 0, 1 (issued at steps 0, 1);
+    # STOP: its prologue (at -1) waits for the START's releases of steps 2, 3 (as steps -2, -1 of its
+    # own count), its loop for its steps 0, 1, and its drain (at 4) for its steps 2, 3.
+    assert waits == sorted([(0, 0, 0), (1, 1, 1), (-1, 0, -2), (-1, 1, -1), (0, 0, 0), (1, 1, 1),
+                            (4, 0, 2), (4, 1, 3)])
+
+
+@pytest.mark.parametrize("options, match", [
+    (dict(pipeline_state=5), r"pipeline_state: expected 0 \(START\), 1 \(STEADY\) or 2 \(STOP\), got 5"),
+    (dict(pipeline_state="start"), "pipeline_state: expected PipelineState.START"),
+    (dict(pipeline_state=0, grid=(3,)), "divisible by max_concurrent_steps=2"),
+    (dict(pipeline_state=0, max_concurrent_steps=2, delay_release=1), "do not support delay_release"),
+    (dict(pipeline_state=0, in_specs=[cv.BlockSpec((8, 128), lambda i: (0, 0))]), "in.0. are index-invariant"),
+])
+def test_chained_pipeline_conditions_are_refused_by_name(options, match):
+    with pytest.raises((ValueError, NotImplementedError), match=match):
+        _simple(**options)
+
+
+def test_chained_pipeline_needs_caller_allocations_that_fit():
+    with pytest.raises(ValueError, match="needs caller-owned allocations"):
+        _launch(_simple(pipeline_state=cv.pipeline.PipelineState.START))
+    with pytest.raises(ValueError, match="on xla a pipeline has no on-chip memory"):
+        _launch(_simple(), allocations={"slots": []})
+
+
+def test_chained_pipeline_allocations_must_match_on_gpu():
+    """Allocations made for one pipeline refused by a pipeline with other blocks, naming the slots."""
+    spec8, spec16 = (cv.BlockSpec((s, 128), lambda i: (i, 0)) for s in (8, 16))
+    small = _simple(in_specs=[spec8], out_specs=[spec8])
+    big = _simple(in_specs=[spec16], out_specs=[spec16], grid=(2,))
+
+    def k(x_ref, o_ref):
+        small.with_allocations(lambda a: big(x_ref, o_ref, allocations=a), x_ref, o_ref)
+    x = jnp.ones((32, 128), jnp.float32)
+    with pytest.raises(ValueError, match=r"allocations: the slots of in\[0\] are float32\(2, 8, 128\), this pipeline "
+                                         r"needs float32\(2, 16, 128\)"):
+        jax.jit(cv.kernel(k, jax.ShapeDtypeStruct(x.shape, x.dtype), backend="mosaic_gpu",
+                          interpret=gpu_interpret(), num_threads=2, thread_name="wg"))(x)
+
+
+@pytest.mark.timeout(240)
+def test_chained_pipelines_export_for_cuda():
+    x = jax.ShapeDtypeStruct((3, 64, 128), jnp.float32)
+    k = _chain_kernel(2, 2, [0, 1, 2], True)
+    f = cv.kernel(k, x, backend="mosaic_gpu", num_threads=3, thread_name="wg")
+    exported = jax.export.export(jax.jit(f), platforms=["cuda"])(x, jax.ShapeDtypeStruct((3,), jnp.float32))
+    assert "cuda" in exported.platforms and exported.mlir_module()

@@ -2,6 +2,6 @@
 from conveyor.pipeline.api import emit_pipeline, emit_pipeline_warp_specialized
 from conveyor.pipeline.xla import checked_schedule
 from conveyor.plans.pipeline import BlockSpec, Event, OperandPlan, PipelinePlan, plan
-from conveyor.plans.warp import WarpSpecializedPlan
+from conveyor.plans.warp import PipelineState, WarpSpecializedPlan
 
-__all__ = ["emit_pipeline", "checked_schedule", "emit_pipeline_warp_specialized", "WarpSpecializedPlan", "plan", "BlockSpec", "PipelinePlan", "OperandPlan", "Event"]
+__all__ = ["emit_pipeline", "checked_schedule", "emit_pipeline_warp_specialized", "WarpSpecializedPlan", "PipelineState", "plan", "BlockSpec", "PipelinePlan", "OperandPlan", "Event"]

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
 
 from conveyor.kernel import current_context, program_id
 from conveyor.pipeline import xla as xla_exec
@@ -175,7 +176,8 @@ def emit_pipeline_warp_specialized(
         out_specs: Sequence[Any] = (), max_concurrent_steps: int = 2, delay_release: int = 0, wg_axis: str,
         num_compute_wgs: int, manual_consumed_barriers: bool = False, manual_produced_barriers: bool = False,
         carry_coroutine: Callable[[], Any] | None = None, memory_thread_idx: int | None = None,
-        compute_context: Callable[[Callable[..., Any]], None] | None = None) -> Callable[..., Any]:
+        compute_context: Callable[[Callable[..., Any]], None] | None = None,
+        pipeline_state: Any = None) -> Callable[..., Any]:
     """A pipeline whose fetches are issued by one memory thread while `num_compute_wgs` threads compute.
 
     Call the result inside a `cv.kernel(..., num_threads=num_compute_wgs + 1, thread_name=wg_axis)`
@@ -214,8 +216,23 @@ def emit_pipeline_warp_specialized(
         accumulators (on xla, each thread's context runs inside the previous one's `eval_pipeline`, and
         the innermost runs the pipeline once for all). It must call `eval_pipeline` exactly once
         (a ValueError otherwise). Exclusive with carry_coroutine.
+      pipeline_state: chain pipelines without a bubble between them, as upstream: the first of a
+        chain is `PipelineState.START` (or `plgpu.PipelinePipeline.START`), then any number of
+        STEADY, then one STOP; a traced int32 scalar picks at run time (e.g. in a loop over
+        pipelines). Only the START fetches a prologue; the others fetch their first blocks as the
+        previous pipeline's last steps release their slots, and only the STOP waits for the last
+        releases. Every pipeline of the chain must run on the same caller-owned allocations
+        (`run.get_allocations` / `run.with_allocations`, then `run(*refs, allocations=...)`), with
+        the same block shapes, dtypes and max_concurrent_steps; the grid may differ but its number
+        of steps must be a multiple of max_concurrent_steps; no delay_release, no index-invariant
+        input. Until the STOP is done, the compute threads' operands may change only through the
+        chain's pipelines.
     Outputs may be shared by several compute threads (each writing its part); they are stored once
     all compute threads are done with the block. Protocol: see `conveyor.plans.warp`.
+    The returned `run(*refs, allocations=None)` also has `run.get_allocations(*refs)` (the shared
+    memory it runs on, as `pl.run_scoped` takes it: a dict; empty on xla, which has none) and
+    `run.with_allocations(fn, *refs)`, which calls `fn(allocations)` inside that scope on every
+    backend (on mosaic_gpu `pl.run_scoped(fn, get_allocations(*refs), collective_axes=wg_axis)`).
     Not available on mosaic_tpu (NotImplementedError): TPU cores have no warpgroups.
     """
     if carry_coroutine is not None and not callable(carry_coroutine):
@@ -233,10 +250,10 @@ def emit_pipeline_warp_specialized(
     wp = warp.WarpSpecializedPlan(pipeline=p, wg_axis=wg_axis, num_compute_wgs=num_compute_wgs,
                                   memory_thread_idx=memory_thread_idx, memory_registers=memory_registers,
                                   manual_consumed_barriers=bool(manual_consumed_barriers),
-                                  manual_produced_barriers=manual_produced_barriers)
+                                  manual_produced_barriers=manual_produced_barriers, pipeline_state=pipeline_state)
 
-    def run(*refs):
-        ctx = current_context("emit_pipeline_warp_specialized(...)(refs)")
+    def prepare(refs, api: str):
+        ctx = current_context(api)
         if ctx.backend == "mosaic_tpu":
             raise NotImplementedError("emit_pipeline_warp_specialized: not available on mosaic_tpu (a TPU core has "
                                       "no warpgroups; its DMA engine already overlaps copies with compute): use "
@@ -246,13 +263,40 @@ def emit_pipeline_warp_specialized(
                              f"needs a kernel launched with num_threads={wp.num_threads}, thread_name={wg_axis!r}; "
                              f"this kernel has num_threads={ctx.num_threads}, thread_name={ctx.thread_name!r}")
         sized, ins, outs, passthrough = _split_refs(p, refs, "warp-specialized pipeline")
-        body_on_blocks = _structured_body(sized, body, passthrough)
         plan = wp if sized is p else dataclasses.replace(wp, pipeline=sized)
+        return ctx, plan, ins, outs, passthrough
+
+    def get_allocations(*refs) -> dict:
+        ctx, plan, ins, outs, _ = prepare(refs, "emit_pipeline_warp_specialized(...).get_allocations(refs)")
         if ctx.backend == "xla":
+            return {}   # no on-chip memory: the pipeline's blocks are fresh refs
+        from conveyor.pipeline import mosaic_gpu
+        return mosaic_gpu.warp_allocations(plan, ins, outs)
+
+    def with_allocations(fn: Callable[[dict], Any], *refs) -> Any:
+        allocations = get_allocations(*refs)
+        if not allocations:
+            return fn(allocations)
+        return pl.run_scoped(fn, allocations, collective_axes=wg_axis)
+
+    def run(*refs, allocations: dict | None = None):
+        ctx, plan, ins, outs, passthrough = prepare(refs, "emit_pipeline_warp_specialized(...)(refs)")
+        body_on_blocks = _structured_body(plan.pipeline, body, passthrough)
+        if pipeline_state is not None and allocations is None:
+            raise ValueError(f"pipeline_state={pipeline_state!r} needs caller-owned allocations shared by the chain: "
+                             f"call the pipeline with allocations=... from run.get_allocations(*refs) (or inside "
+                             f"run.with_allocations); with its own scoped allocation each pipeline would start afresh")
+        if ctx.backend == "xla":
+            if allocations not in (None, {}):
+                raise ValueError(f"allocations: on xla a pipeline has no on-chip memory; pass what "
+                                 f"get_allocations gives there ({{}}), got {allocations!r}")
             return xla_exec.run_warp_specialized(plan, body_on_blocks, ins, outs, carry_coroutine, ctx.thread_index,
                                                  compute_context)
         from conveyor.pipeline import mosaic_gpu
-        return mosaic_gpu.run_warp_specialized(plan, body_on_blocks, ins, outs, carry_coroutine, compute_context)
+        return mosaic_gpu.run_warp_specialized(plan, body_on_blocks, ins, outs, carry_coroutine, compute_context,
+                                               allocations)
 
     run.plan = wp
+    run.get_allocations = get_allocations
+    run.with_allocations = with_allocations
     return run

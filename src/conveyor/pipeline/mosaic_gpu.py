@@ -175,8 +175,10 @@ class _WarpRefs:
         return {cycling[0]: (self.consumed[0], "shared")} if cycling else {}
 
 
-def _warp_scratch(wp: WarpSpecializedPlan, in_refs, out_refs) -> tuple[list, int]:
-    """The SMEM slots and barriers of a warp-specialized pipeline, and how many consumed barriers."""
+def warp_allocations(wp: WarpSpecializedPlan, in_refs, out_refs) -> dict[str, list]:
+    """The shared memory a warp-specialized pipeline runs on, as `pl.run_scoped` takes it: its SMEM
+    slots (inputs, then outputs), a produced barrier per input, the consumed barriers (one shared,
+    or one per input with manual barriers) and the output barrier."""
     p = wp.pipeline
     single = [op.name for op in p.outputs if op.num_slots == 1 and not op.invariant]
     if single:
@@ -185,54 +187,85 @@ def _warp_scratch(wp: WarpSpecializedPlan, in_refs, out_refs) -> tuple[list, int
                                   f"the slot while its store reads it. Leave the output at 2 slots")
     cycling = any(not op.invariant for op in p.inputs)
     n_consumed = len(p.inputs) if wp.manual_consumed_barriers else int(cycling)
-    scratch = _slots(p, in_refs, out_refs)
-    scratch += [plgpu.Barrier(num_barriers=op.num_slots) for op in p.inputs]                     # produced
-    scratch += [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=p.max_concurrent_steps)
-                for _ in range(n_consumed)]
-    scratch += [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=1)] if p.outputs else []  # out ready
-    check_smem_budget(p, scratch, "emit_pipeline_warp_specialized")
-    return scratch, n_consumed
+    allocations = {
+        "slots": _slots(p, in_refs, out_refs),
+        "produced": [plgpu.Barrier(num_barriers=op.num_slots) for op in p.inputs],
+        "consumed": [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=p.max_concurrent_steps)
+                     for _ in range(n_consumed)],
+        "out_ready": [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=1)] if p.outputs else [],
+    }
+    check_smem_budget(p, [b for part in allocations.values() for b in part], "emit_pipeline_warp_specialized")
+    return allocations
+
+
+def check_allocations(wp: WarpSpecializedPlan, needed: dict[str, list], given: Any) -> None:
+    """Caller-owned allocations must be the ones this pipeline would allocate: same parts, same
+    number of barriers, slots of the same shape and dtype (e.g. another pipeline's with other
+    block shapes or slot counts is refused, naming the first difference)."""
+    if not isinstance(given, dict) or set(given) != set(needed):
+        raise ValueError(f"allocations: expected the dict of get_allocations(*refs) with keys {sorted(needed)}, got "
+                         f"{type(given).__name__}{' with keys ' + str(sorted(given)) if isinstance(given, dict) else ''}")
+    for key, parts in needed.items():
+        if len(given[key]) != len(parts):
+            raise ValueError(f"allocations[{key!r}]: this pipeline needs {len(parts)}, got {len(given[key])} "
+                             f"(allocated for a pipeline with other operands or barriers?)")
+    names = [op.name for op in wp.pipeline.inputs + wp.pipeline.outputs]
+    for name, need, ref in zip(names, needed["slots"], given["slots"]):
+        if tuple(ref.shape) != tuple(need.shape) or jnp.dtype(ref.dtype) != jnp.dtype(need.dtype):
+            raise ValueError(f"allocations: the slots of {name} are {jnp.dtype(ref.dtype).name}{tuple(ref.shape)}, this "
+                             f"pipeline needs {jnp.dtype(need.dtype).name}{tuple(need.shape)} (slots x block); chained "
+                             f"pipelines must share block shapes, dtypes and max_concurrent_steps")
+
+
+def _fetch_round(r: _WarpRefs, t, at) -> None:
+    """The memory thread's fetches of step t's blocks, each cycling one after waiting, when the plan
+    says so, for the release of the slot it refills (`WarpSpecializedPlan.refill_waits`)."""
+    p, wp = r.p, r.wp
+    S = p.max_concurrent_steps
+    wait_before = r.wait_before()
+    for i, op in enumerate(p.inputs):
+        if op.invariant:
+            if isinstance(t, int) and t == 0:
+                _fetch(p, r.in_refs, r.in_bufs, r.produced, i, 0, at)
+            continue
+        if i in wait_before:
+            def wait(barrier=wait_before[i][0], name=wait_before[i][1]):
+                issued(at, "wait_consumed", name, t % S, t - S)
+                plgpu.barrier_wait(barrier.at[t % S])
+                # Order the compute threads' reads of the slot (generic proxy) before the TMA
+                # write into it (async proxy).
+                plgpu.commit_smem()
+            when(wp.refill_waits(t), wait)
+        _fetch(p, r.in_refs, r.in_bufs, r.produced, i, t, at)
 
 
 def _memory_thread(r: _WarpRefs) -> None:
     """The prologue fetches, then per step: wait for the refilled slot's release, fetch; then drain
-    the arrivals nobody waited for, so every barrier ends at a phase boundary."""
+    the arrivals nobody waited for, so every barrier ends at a phase boundary. In a chain of
+    pipelines only the START fetches a prologue without waiting, and only the STOP drains."""
     p, wp = r.p, r.wp
     n, S = p.num_steps, p.max_concurrent_steps
-    wait_before = r.wait_before()
     plgpu.set_max_registers(wp.memory_registers, action="decrease")
-    for i, op in enumerate(p.inputs):
-        for t in p.prologue_steps(op):
-            when(p.before_end(t), lambda i=i, t=t: _fetch(p, r.in_refs, r.in_bufs, r.produced, i, t, -1))
+    for t in range(p.lookahead):
+        when(p.before_end(t), lambda t=t: _fetch_round(r, t, -1))
 
     def step(s, _):
         t = p.fetch_at(s)
-
-        @pl.when(t < n)
-        def _():
-            tt = jnp.minimum(t, n - 1)
-            for i in r.cycling():
-                if i in wait_before:
-                    @pl.when(wp.refill_waits(tt))
-                    def _():
-                        barrier, name = wait_before[i]
-                        issued(s, "wait_consumed", name, tt % S, tt - S)
-                        plgpu.barrier_wait(barrier.at[tt % S])
-                        # Order the compute threads' reads of the slot (generic proxy) before the
-                        # TMA write into it (async proxy).
-                        plgpu.commit_smem()
-                _fetch(p, r.in_refs, r.in_bufs, r.produced, i, tt, s)
+        when(t < n, lambda: _fetch_round(r, jnp.minimum(t, n - 1), s))
 
     lax.fori_loop(0, n, step, None)
-    for b, name in wait_before.values():
-        def drain(u, _=None, b=b, name=name):
-            issued(n, "wait_consumed", name, u % S, u)
-            plgpu.barrier_wait(b.at[u % S])
-        if p.is_static:
-            for u in range(max(0, n - S), n - p.delay_release):
-                drain(u)
-        else:
-            lax.fori_loop(jnp.maximum(0, n - S), n - p.delay_release, drain, None)
+
+    def drain_all():
+        for b, name in r.wait_before().values():
+            def drain(u, _=None, b=b, name=name):
+                issued(n, "wait_consumed", name, u % S, u)
+                plgpu.barrier_wait(b.at[u % S])
+            if p.is_static:
+                for u in range(max(0, n - S), n - p.delay_release):
+                    drain(u)
+            else:
+                lax.fori_loop(jnp.maximum(0, n - S), n - p.delay_release, drain, None)
+    when(wp.drains, drain_all)
 
 
 def _store_outputs(r: _WarpRefs, s, wb_counts) -> tuple:
@@ -303,16 +336,18 @@ def _compute_steps(r: _WarpRefs, body, init, has_carry):
     return fixed if fixed is not None else final
 
 
-def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry_coroutine, compute_context=None):
-    """The warp-specialized protocol of `conveyor.plans.warp` in Mosaic GPU primitives."""
+def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry_coroutine, compute_context=None,
+                         allocations: dict | None = None):
+    """The warp-specialized protocol of `conveyor.plans.warp` in Mosaic GPU primitives, on scoped
+    shared memory or on the caller's `allocations` (from `warp_allocations`, e.g. shared by a chain
+    of pipelines)."""
     p = wp.pipeline
-    n_in, n_out = len(p.inputs), len(p.outputs)
-    scratch, n_consumed = _warp_scratch(wp, in_refs, out_refs)
+    n_in = len(p.inputs)
+    needed = warp_allocations(wp, in_refs, out_refs)
 
-    def scoped(*args):
-        produced = args[n_in + n_out:2 * n_in + n_out]
-        r = _WarpRefs(wp, tuple(in_refs), tuple(out_refs), args[:n_in], args[n_in:n_in + n_out], produced,
-                      args[2 * n_in + n_out:2 * n_in + n_out + n_consumed], args[-1] if n_out else None,
+    def scoped(a):
+        r = _WarpRefs(wp, tuple(in_refs), tuple(out_refs), tuple(a["slots"][:n_in]), tuple(a["slots"][n_in:]),
+                      tuple(a["produced"]), tuple(a["consumed"]), a["out_ready"][0] if p.outputs else None,
                       lax.axis_index(wp.wg_axis))
         pl.when(r.tid == wp.memory_thread_idx)(lambda: _memory_thread(r))
 
@@ -332,4 +367,8 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
             gen, init = carry_lib.start(carry_coroutine)
             carry_lib.finish(gen, _compute_steps(r, body, init, gen is not None))
 
-    pl.run_scoped(scoped, *scratch, collective_axes=wp.wg_axis)
+    if allocations is not None:
+        check_allocations(wp, needed, allocations)
+        scoped(allocations)
+        return
+    pl.run_scoped(scoped, needed, collective_axes=wp.wg_axis)

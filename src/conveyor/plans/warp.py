@@ -18,7 +18,10 @@ protocol, per input slot (all rules work on Python ints and traced int32 scalars
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any
+
+import jax.numpy as jnp
 
 from conveyor.plans.grid import Int
 from conveyor.plans.pipeline import PipelinePlan
@@ -27,6 +30,16 @@ from conveyor.plans.program import Action, check_in_flight_steps, Copy, Counter,
 # A warpgroup thread's register budget: PTX `setmaxnreg` takes multiples of 8 in [24, 256].
 MIN_REGISTERS, MAX_REGISTERS = 24, 256
 REGISTER_FILE_PER_THREAD = 512  # 64K registers per SM / 128 threads of one warpgroup
+
+
+class PipelineState(enum.IntEnum):
+    """Where a warp-specialized pipeline stands in a chain of pipelines run back to back on the same
+    allocations (upstream's `plgpu.PipelinePipeline`, whose values are the same): START fetches its
+    prologue and leaves its last slots in flight; STEADY fetches its first blocks as the previous
+    pipeline's last steps release their slots; STOP does that and drains at the end."""
+    START = 0
+    STEADY = 1
+    STOP = 2
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,6 +56,8 @@ class WarpSpecializedPlan:
     # The body waits on each input's produced barrier itself (`cv.wait_produced`), e.g. to start
     # on one input before another has landed; the program still models the wait before the reads.
     manual_produced_barriers: bool = False
+    # A chain of pipelines (`PipelineState`, its int value, or a traced int32 scalar): None runs alone.
+    pipeline_state: Any = None
 
     def __post_init__(self):
         idx = check_options(memory_registers=self.memory_registers, num_compute_wgs=self.num_compute_wgs,
@@ -57,6 +72,43 @@ class WarpSpecializedPlan:
                 f"manual_produced_barriers=True with index-invariant inputs ({', '.join(fetched_once)}) is not "
                 f"supported: such a block is fetched once, so its barrier completes one phase only and a wait at "
                 f"every step would hang. Pass the block unwindowed, or leave manual_produced_barriers off")
+        if self.pipeline_state is not None:
+            self._check_chainable()
+
+    def _check_chainable(self) -> None:
+        """Upstream's conditions for chaining pipelines, on which the barriers' phases line up: a
+        static grid whose steps are a multiple of the slots, no delay_release, no invariant input."""
+        p, state = self.pipeline, self.pipeline_state
+        if isinstance(state, bool) or not (isinstance(state, int) or getattr(state, "shape", None) == ()):
+            raise ValueError(f"pipeline_state: expected PipelineState.START / STEADY / STOP (or "
+                             f"plgpu.PipelinePipeline, or an int32 scalar), got {state!r}")
+        if isinstance(state, int) and state not in tuple(PipelineState):
+            raise ValueError(f"pipeline_state: expected 0 (START), 1 (STEADY) or 2 (STOP), got {state!r}")
+        where = f"pipeline_state={state!r}"
+        if not p.is_static:
+            raise NotImplementedError(f"{where}: chained pipelines need a static grid, got {p.grid}")
+        if p.num_steps % p.max_concurrent_steps:
+            raise NotImplementedError(f"{where}: chained pipelines need a number of steps (here {p.num_steps}, grid "
+                                      f"{p.grid}) divisible by max_concurrent_steps={p.max_concurrent_steps}, so "
+                                      f"each pipeline ends on the last slot")
+        if p.delay_release:
+            raise NotImplementedError(f"{where}: chained pipelines do not support delay_release "
+                                      f"(got {p.delay_release})")
+        fetched_once = [op.name for op in p.inputs if op.invariant]
+        if fetched_once:
+            raise NotImplementedError(f"{where}: chained pipelines need every input to depend on the grid; "
+                                      f"{', '.join(fetched_once)} are index-invariant (the next pipeline would "
+                                      f"refill their one slot while this one reads it)")
+
+    @property
+    def starts(self) -> Any:
+        """Whether the memory thread fetches a prologue (alone, or the START of a chain)."""
+        return True if self.pipeline_state is None else _equals(self.pipeline_state, PipelineState.START)
+
+    @property
+    def drains(self) -> Any:
+        """Whether the memory thread drains the releases at the end (alone, or the STOP of a chain)."""
+        return True if self.pipeline_state is None else _equals(self.pipeline_state, PipelineState.STOP)
 
     @property
     def num_threads(self) -> int:
@@ -91,8 +143,13 @@ class WarpSpecializedPlan:
         return step >= self.pipeline.delay_release
 
     def refill_waits(self, fetch_step: Int) -> Any:
-        """Whether fetching the blocks of `fetch_step` must first wait for its slot to be consumed."""
-        return fetch_step >= self.pipeline.max_concurrent_steps
+        """Whether fetching the blocks of `fetch_step` must first wait for its slot to be consumed:
+        from the second round of slots on, and always after the first pipeline of a chain (its
+        first fetches refill the slots the previous pipeline's last steps read)."""
+        later = fetch_step >= self.pipeline.max_concurrent_steps
+        if self.pipeline_state is None:
+            return later
+        return _or(later, _not(self.starts))
 
     def consumed_barriers(self) -> tuple[tuple[str, ...], dict[str, str]]:
         """The consumed barriers: the ones a compute thread arrives on after a step, and, per
@@ -221,3 +278,17 @@ def check_options(*, memory_registers, num_compute_wgs, wg_axis, memory_thread_i
         raise ValueError(f"memory_thread_idx: expected an int in [0, {num_compute_wgs}] (there are "
                          f"{num_compute_wgs + 1} threads), got {memory_thread_idx!r}")
     return memory_thread_idx
+
+
+def _equals(x: Any, value: int) -> Any:
+    return x == value if isinstance(x, int) else jnp.asarray(x) == value
+
+
+def _not(x: Any) -> Any:
+    return (not x) if isinstance(x, bool) else jnp.logical_not(x)
+
+
+def _or(x: Any, y: Any) -> Any:
+    if isinstance(x, bool) and isinstance(y, bool):
+        return x or y
+    return jnp.logical_or(x, y)
