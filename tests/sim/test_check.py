@@ -5,7 +5,7 @@ import conveyor as cv
 from conveyor.cli import main
 from conveyor.plans.pipeline import PipelinePlan
 from conveyor.plans.ring import RingPlan
-from conveyor.plans.warp import WarpSpecializedPlan
+from conveyor.plans.warp import chain_program, WarpSpecializedPlan
 from conveyor.sim import check
 from conveyor.plans.program import Copy, Read, Signal, Wait, program
 from conveyor.sim.check import explore
@@ -136,3 +136,39 @@ def test_planted_pipeline_and_ring_bugs_are_found(monkeypatch):
         m.setattr(RingPlan, "grants_credit_after", lambda self, t, direction="right": False)
         report = check(RingPlan(num_devices=4, bidirectional=False, buffering=2))
     assert report.findings and all(f.kind == "deadlock" for f in report.findings), str(report)
+
+
+def _chainable(compute=2, mcs=2, grid=(2, 2), manual=False):
+    p = cv.pipeline.plan(grid=grid, in_specs=[WS_A, WS_A], out_specs=[WS_OUT], max_concurrent_steps=mcs)
+    return WarpSpecializedPlan(pipeline=p, num_compute_wgs=compute, manual_consumed_barriers=manual)
+
+
+@pytest.mark.parametrize("compute, mcs, length, manual", [(1, 2, 2, False), (2, 2, 3, False), (1, 4, 2, True)])
+def test_chained_warp_pipelines_are_clean(compute, mcs, length, manual):
+    """A chain START, STEADY..., STOP: the next pipeline refills slots as the previous one's last
+    steps release them, with the barrier phases continuing; no race, no deadlock."""
+    chain = [_chainable(compute, mcs, manual=manual) for _ in range(length)]
+    report = check(chain)
+    assert report.ok and report.exhaustive, str(report)
+    memory = chain_program(chain)["memory thread"]
+    # Only the first pipeline fetches without waiting: 2 inputs x mcs prologue fetches before any wait.
+    first_wait = next(i for i, a in enumerate(memory) if isinstance(a, Wait))
+    assert first_wait == 2 * mcs, first_wait
+
+
+def test_planted_chain_bug_is_found(monkeypatch):
+    """A STEADY pipeline that fetches its first blocks without waiting for the previous pipeline's
+    last releases overwrites slots still being read."""
+    with monkeypatch.context() as m:
+        m.setattr(WarpSpecializedPlan, "refill_waits", lambda self, t: t >= self.pipeline.max_concurrent_steps)
+        report = check([_chainable(), _chainable()])
+    assert any("refilled while still read" in f.message for f in report.findings), str(report)
+
+
+def test_chain_program_refuses_unchainable_plans():
+    with pytest.raises(NotImplementedError, match="divisible by max_concurrent_steps=3"):
+        check([_chainable(mcs=3), _chainable(mcs=3)])
+    with pytest.raises(ValueError, match="pipeline 1 differs from pipeline 0"):
+        check([_chainable(compute=1), _chainable(compute=2)])
+    with pytest.raises(TypeError, match="a chain of pipelines"):
+        check([_chainable(), "x"])

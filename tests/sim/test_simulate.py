@@ -129,3 +129,17 @@ def test_gmm_tile_count_is_the_metadata_schedule():
             assert count_visits(sizes, tm) == int(meta.num_visits), (sizes, tm)
     report = cv.sim.simulate_gmm([10, 10, 12], 256, 256, tiling=(16, 64, 128))
     assert report.config["tiles"] == 4 * 2      # 4 visits x 2 column tiles of 128
+
+
+def test_chained_pipelines_simulate_shorter_than_one_after_another():
+    """Three chained warp-specialized pipelines (pipeline_state): the next pipeline's first fetches
+    overlap the previous one's last steps, so the chain takes less than the three run alone."""
+    spec = cv.BlockSpec((128, 64), lambda i, k: (i, k))
+    p = cv.pipeline.plan(grid=(2, 4), in_specs=[spec, spec], out_specs=[cv.BlockSpec((128, 64), lambda i, k: (i, 0))],
+                         max_concurrent_steps=2)
+    chain = [cv.pipeline.WarpSpecializedPlan(pipeline=p, num_compute_wgs=2) for _ in range(3)]
+    flops = 2 * 128 * 64 * 64
+    chained = cv.sim.simulate(chain, "h100", flops_per_step=flops)
+    alone = [cv.sim.simulate(wp, "h100", flops_per_step=flops) for wp in chain]
+    assert chained.time_s < sum(r.time_s for r in alone)
+    assert chained.flops == sum(r.flops for r in alone) and chained.hbm_bytes == sum(r.hbm_bytes for r in alone)

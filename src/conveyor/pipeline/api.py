@@ -145,7 +145,12 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
                           max_concurrent_steps=max_concurrent_steps, delay_release=delay_release,
                           no_pipelining=no_pipelining, dimension_semantics=dimension_semantics)
 
-    def run(*refs):
+    def run(*refs, **call_options):
+        if call_options:  # upstream TPU's call options (allocations, first_cycle, prefetch, ...)
+            raise NotImplementedError(
+                f"emit_pipeline(...)(refs, {', '.join(f'{k}=' for k in sorted(call_options))}): not supported by "
+                f"Conveyor's plain pipeline (caller-owned allocations and cross-pipeline state are implemented "
+                f"for emit_pipeline_warp_specialized: pipeline_state, allocations=); call it with the refs only")
         ctx = current_context("emit_pipeline(...)(refs)")
         cores = _core_info(core_axis, core_axis_name, ctx)
         p = whole if cores is None else whole.for_core(cores[1], cores[0])

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -174,69 +175,68 @@ class WarpSpecializedPlan:
           every barrier ends at a phase boundary.
         - out_ready: at a write-back every compute thread arrives and waits. The leader first waits
           for its previous stores, then stores the blocks once all threads have arrived.
-        `in_flight_steps`: as in `PipelinePlan.program`.
+        `in_flight_steps`: as in `PipelinePlan.program`. A chain of pipelines: `chain_program`.
         """
-        p = self.pipeline
-        p.require_static("the warp-specialized pipeline's program")
-        check_in_flight_steps(in_flight_steps)
-        slots = p.max_concurrent_steps
-        arrived_on, waited_on = self.consumed_barriers()
-        actors = {"memory thread": self._memory_actions(waited_on)}
-        for c in self.compute_threads:
-            actors[f"compute[{c}]"] = self._compute_actions(c, arrived_on, in_flight_steps)
-        subject = (f"warp-specialized ({self.num_compute_wgs} compute) pipeline grid={p.grid} "
-                   f"max_concurrent_steps={slots} delay_release={p.delay_release}"
-                   f"{f' body in flight {in_flight_steps} step(s)' if in_flight_steps else ''}")
-        return program(subject, actors)
+        return chain_program([dataclasses.replace(self, pipeline_state=None)], in_flight_steps)
 
     def _consumed_phase(self, barrier: str, step: int) -> Wait:
-        """Wait until every compute thread released the slot of `step` on `barrier`."""
+        """Wait until every compute thread released the slot of `step` (counted over the chain) on `barrier`."""
         slots = self.pipeline.max_concurrent_steps
         return Wait(("consumed", barrier, step % slots), self.num_compute_wgs * (step // slots + 1),
                     what=f"consumed barrier {barrier} slot {step % slots} (release of step {step})")
 
-    def _memory_actions(self, waited_on: dict[str, str]) -> list[Action]:
+    def _memory_actions(self, waited_on: dict[str, str], offset: int) -> list[Action]:
+        """The memory thread's part of one pipeline whose steps follow `offset` earlier steps of a
+        chain; the same rules as the lowering's (`refill_waits`, `drains`)."""
         p = self.pipeline
         n, slots = p.num_steps, p.max_concurrent_steps
 
         def fetch(op, t):
             slot = p.slot(op, t)
-            return Copy(f"{op.name}@step{t}", writes=((op.name, slot),), signals=(("produced", op.name, slot),),
+            return Copy(f"{op.name}@step{offset + t}", writes=((op.name, slot),), signals=(("produced", op.name, slot),),
                         operand=op.name)
 
-        acts: list[Action] = [fetch(op, t) for op in p.inputs for t in p.prologue_steps(op)]
+        def fetch_round(t):
+            acts: list[Action] = []
+            for op in p.inputs:
+                if op.invariant and t:
+                    continue
+                if op.name in waited_on and not op.invariant and self.refill_waits(t):
+                    acts.append(self._consumed_phase(waited_on[op.name], offset + t - slots))
+                acts.append(fetch(op, t))
+            return acts
+
+        acts = [a for t in range(min(p.lookahead, n)) for a in fetch_round(t)]
         for s in range(n):
             t = p.fetch_at(s)
-            if t >= n:
-                continue
-            for op in p.inputs:
-                if op.invariant:
-                    continue
-                if op.name in waited_on and self.refill_waits(t):
-                    acts.append(self._consumed_phase(waited_on[op.name], t - slots))
-                acts.append(fetch(op, t))
-        for barrier in waited_on.values():   # the drain loop
-            acts += [self._consumed_phase(barrier, u) for u in range(max(0, n - slots), n - p.delay_release)]
+            if t < n:
+                acts += fetch_round(t)
+        if self.drains:
+            for barrier in waited_on.values():
+                acts += [self._consumed_phase(barrier, offset + u) for u in range(max(0, n - slots), n - p.delay_release)]
         return acts
 
-    def _compute_actions(self, thread: int, arrived_on: tuple[str, ...], in_flight_steps: int) -> list[Action]:
+    def _compute_actions(self, thread: int, arrived_on: tuple[str, ...], in_flight_steps: int, offset: int,
+                         barrier_phase: int) -> tuple[list[Action], int]:
+        """A compute thread's part of one pipeline after `offset` steps of a chain, whose output
+        barrier has completed `barrier_phase` phases; returns its actions and the phases after it."""
         p = self.pipeline
         leader = thread == self.leader
         acts: list[Action] = []
         open_reads: dict[int, list[Read]] = {}
         writebacks = {op.name: 0 for op in p.outputs}
         stores: list[Counter] = []       # the leader's stores not yet awaited
-        barrier_phase = 0
         for s in range(p.num_steps):
+            g = offset + s
             for op in p.inputs:
                 if not op.invariant or s == 0:
                     slot = p.slot(op, s)
-                    acts.append(Wait(("produced", op.name, slot), 1 if op.invariant else s // op.num_slots + 1,
-                                     what=f"produced barrier {op.name} slot {slot} (step {s})"))
-            acts += p.body_actions(s, f"compute[{thread}] body of step {s}", writebacks, open_reads, in_flight_steps)
+                    acts.append(Wait(("produced", op.name, slot), 1 if op.invariant else g // op.num_slots + 1,
+                                     what=f"produced barrier {op.name} slot {slot} (step {g})"))
+            acts += p.body_actions(s, f"compute[{thread}] body of step {g}", writebacks, open_reads, in_flight_steps)
             if self.releases_after(s):
                 slot = self.released_slot(s)
-                acts += [Signal(("consumed", b, slot), what=f"release slot {slot} (step {s - p.delay_release}) on {b}")
+                acts += [Signal(("consumed", b, slot), what=f"release slot {slot} (step {g - p.delay_release}) on {b}")
                          for b in arrived_on]
             stored = [op for op in p.outputs if p.writes_back(op, s)]
             if not stored:
@@ -244,14 +244,14 @@ class WarpSpecializedPlan:
             if leader:
                 acts += [Wait(c, what=f"store {c[1]}@step{c[2]}") for c in stores]
                 stores.clear()
-            acts.append(Signal(("out_ready",), what=f"output barrier (step {s})"))
+            acts.append(Signal(("out_ready",), what=f"output barrier (step {g})"))
             acts.append(Wait(("out_ready",), self.num_compute_wgs * (barrier_phase + 1),
-                             what=f"output barrier phase {barrier_phase} (step {s})"))
+                             what=f"output barrier phase {barrier_phase} (step {g})"))
             barrier_phase += 1
             for op in stored:
                 if leader:
-                    done = ("stored", op.name, s)
-                    acts.append(Copy(f"{op.name}@step{s}->hbm", writes=(("hbm", op.name, s),),
+                    done = ("stored", op.name, g)
+                    acts.append(Copy(f"{op.name}@step{g}->hbm", writes=(("hbm", op.name, g),),
                                      reads=((op.name, p.output_slot(op, writebacks[op.name])),), signals=(done,),
                                      queue="stores", operand=op.name))
                     stores.append(done)
@@ -259,7 +259,62 @@ class WarpSpecializedPlan:
         for reads in open_reads.values():
             acts += [dataclasses.replace(r, end=True) for r in reads]
         acts += [Wait(c, what=f"store {c[1]}@step{c[2]}") for c in stores]
-        return acts
+        return acts, barrier_phase
+
+
+def as_chain(plan: Any) -> list[WarpSpecializedPlan] | None:
+    """A list or tuple of warp-specialized plans (or of the functions `emit_pipeline_warp_specialized`
+    returned) as the chain it describes; None for anything else."""
+    if not isinstance(plan, (list, tuple)):
+        return None
+    plans = [getattr(x, "plan", x) for x in plan]
+    if not plans or not all(isinstance(x, WarpSpecializedPlan) for x in plans):
+        raise TypeError(f"a chain of pipelines: expected a non-empty list of WarpSpecializedPlans (or the functions "
+                        f"emit_pipeline_warp_specialized returned), got {[type(x).__name__ for x in plans]}")
+    return plans
+
+
+def chain_program(plans: Sequence[WarpSpecializedPlan], in_flight_steps: int = 0) -> Program:
+    """The event program of warp-specialized pipelines run back to back on one set of allocations
+    (`pipeline_state`): the first is the START, the last the STOP, the others STEADY, whatever
+    their own `pipeline_state` says (which may be traced). One plan alone is `program()`.
+    Operands are matched by position (`in[0]` is the same slots in every pipeline), and barrier
+    phases continue from one pipeline to the next."""
+    plans = list(plans)
+    if not plans:
+        raise ValueError("chain_program: expected at least one warp-specialized plan")
+    check_in_flight_steps(in_flight_steps)
+    for k, wp in enumerate(plans):
+        wp.pipeline.require_static(f"pipeline {k} of the chain")
+    if len(plans) > 1:  # each plan in its role (this checks upstream's conditions too)
+        roles = [PipelineState.START] + [PipelineState.STEADY] * (len(plans) - 2) + [PipelineState.STOP]
+        plans = [dataclasses.replace(wp, pipeline_state=role) for wp, role in zip(plans, roles)]
+    first = plans[0]
+    for k, wp in enumerate(plans):
+        same = (wp.num_compute_wgs, wp.memory_thread_idx, wp.pipeline.max_concurrent_steps,
+                wp.manual_consumed_barriers, len(wp.pipeline.inputs), len(wp.pipeline.outputs))
+        if same != (first.num_compute_wgs, first.memory_thread_idx, first.pipeline.max_concurrent_steps,
+                    first.manual_consumed_barriers, len(first.pipeline.inputs), len(first.pipeline.outputs)):
+            raise ValueError(f"chain_program: pipeline {k} differs from pipeline 0 in its threads, slots, barriers or "
+                             f"number of operands; a chain shares one set of allocations")
+    actors: dict[str, list[Action]] = {"memory thread": []}
+    phases = {c: 0 for c in first.compute_threads}
+    offset = 0
+    for k, wp in enumerate(plans):
+        arrived_on, waited_on = wp.consumed_barriers()
+        actors["memory thread"] += wp._memory_actions(waited_on, offset)
+        for c in wp.compute_threads:
+            acts, phases[c] = wp._compute_actions(c, arrived_on, in_flight_steps, offset, phases[c])
+            actors.setdefault(f"compute[{c}]", []).extend(acts)
+        offset += wp.pipeline.num_steps
+    p = first.pipeline
+    grids = " + ".join(str(wp.pipeline.grid) for wp in plans)
+    subject = (f"warp-specialized ({first.num_compute_wgs} compute) pipeline{'s' if len(plans) > 1 else ''} "
+               f"grid={grids if len(plans) > 1 else p.grid} max_concurrent_steps={p.max_concurrent_steps} "
+               f"delay_release={p.delay_release}"
+               f"{f' body in flight {in_flight_steps} step(s)' if in_flight_steps else ''}")
+    return program(subject, actors)
+
 
 def check_options(*, memory_registers, num_compute_wgs, wg_axis, memory_thread_idx) -> int:
     """Validate the warp-specialization options; returns the memory thread's index."""

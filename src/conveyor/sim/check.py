@@ -30,7 +30,7 @@ from typing import Any
 from conveyor.plans.pipeline import PipelinePlan
 from conveyor.plans.program import Action, Compute, Copy, Program, Read, Signal, Wait, Write
 from conveyor.plans.ring import RingPlan
-from conveyor.plans.warp import WarpSpecializedPlan
+from conveyor.plans.warp import as_chain, chain_program, WarpSpecializedPlan
 from conveyor.progress import bar as progress_bar
 
 
@@ -257,7 +257,9 @@ def explore(prog: Program, *, max_states: int = 200_000, samples: int = 2_000, s
 
 def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_states: int = 200_000,
           seed: int = 0, max_seconds: float | None = None, progress: bool = False) -> CheckReport:
-    """Check a `PipelinePlan`, a `WarpSpecializedPlan` or a `RingPlan` (every stream at once) for races and deadlocks.
+    """Check a `PipelinePlan`, a `WarpSpecializedPlan`, a list of them chained on one set of
+    allocations (`pipeline_state`: the first is the START, the last the STOP) or a `RingPlan`
+    (every stream at once) for races and deadlocks.
 
     Args:
       in_flight_steps: pipelines: the body leaves asynchronous work reading its input slots that
@@ -270,6 +272,9 @@ def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_stat
       progress: draw a progress bar on stderr.
     """
     budget = dict(max_states=max_states, seed=seed, max_seconds=max_seconds, progress=progress)
+    chain = as_chain(plan)
+    if chain is not None:
+        return explore(chain_program(chain, in_flight_steps), **budget)
     if hasattr(plan, "plan") and not isinstance(plan, (PipelinePlan, WarpSpecializedPlan, RingPlan)):
         plan = plan.plan   # the function returned by emit_pipeline(...)
     if isinstance(plan, (PipelinePlan, WarpSpecializedPlan)):

@@ -35,6 +35,11 @@ def figures() -> dict[str, tuple]:
     wp = WarpSpecializedPlan(pipeline=_matmul_plan(3), num_compute_wgs=2)
     r = simulate(wp, "h100", flops_per_step=FLOPS)
     out["warp-specialized"] = (r, f"warp-specialized, 2 compute threads, 3 slots: {r.time_us:.1f} us")
+    chain = [WarpSpecializedPlan(pipeline=_matmul_plan(2, steps=8), num_compute_wgs=2) for _ in range(3)]
+    r = simulate(chain, "h100", flops_per_step=FLOPS)
+    alone = sum(simulate(wp, "h100", flops_per_step=FLOPS).time_us for wp in chain)
+    out["chained-pipelines"] = (r, f"3 warp-specialized pipelines chained (START, STEADY, STOP): {r.time_us:.1f} us; "
+                                   f"one after another, each alone: {alone:.1f} us")
     for bidi in (False, True):
         r = simulate_collective_matmul("all_gather_matmul", 1024, 2048, 1024, 8, hardware="v5e", bidirectional=bidi)
         out["ring-" + ("bidirectional" if bidi else "unidirectional")] = (

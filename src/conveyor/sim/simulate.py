@@ -21,7 +21,7 @@ from conveyor import dtypes
 from conveyor.plans.ring import RingPlan, ring_plan
 from conveyor.ops.gmm.metadata import count_visits
 from conveyor.plans.pipeline import BlockSpec, PipelinePlan, plan as make_plan
-from conveyor.plans.warp import WarpSpecializedPlan
+from conveyor.plans.warp import as_chain, chain_program, WarpSpecializedPlan
 from conveyor.sim.hardware import Hardware, get as get_hardware
 from conveyor.sim import timed
 from conveyor.sim.report import Box, Report
@@ -318,12 +318,16 @@ def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16
              active_cores: int | None = None, **collective: Any) -> Report:
     """Replay a plan on a hardware model.
 
-    - `PipelinePlan` / `WarpSpecializedPlan` (or the function `emit_pipeline` returned): one core
-      runs the plan; block bytes come from the block shapes and `dtype`, each step computes
+    - `PipelinePlan` / `WarpSpecializedPlan` (or the function `emit_pipeline` returned), or a list
+      of warp-specialized plans chained on one set of allocations (`pipeline_state`; they share
+      block shapes): one core runs the plan; block bytes come from the block shapes and `dtype`, each step computes
       `flops_per_step`; `active_cores` cores share the load bandwidth (default: all of them).
     - `RingPlan`: pass `kind`, `m`, `k`, `n` (see `simulate_collective_matmul`).
     """
     hw = get_hardware(hardware)
+    chain = as_chain(plan)
+    if chain is not None:
+        plan = chain[0]
     if hasattr(plan, "plan") and not isinstance(plan, (PipelinePlan, WarpSpecializedPlan, RingPlan)):
         plan = plan.plan
     if isinstance(plan, RingPlan):
@@ -335,7 +339,8 @@ def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16
     if not isinstance(plan, (PipelinePlan, WarpSpecializedPlan)):
         raise TypeError(f"simulate: expected a PipelinePlan, WarpSpecializedPlan or RingPlan, got {type(plan).__name__}")
     p = plan.pipeline if isinstance(plan, WarpSpecializedPlan) else plan
-    p.require_static("cv.sim.simulate")
+    for wp in chain or [plan]:
+        (wp.pipeline if isinstance(wp, WarpSpecializedPlan) else wp).require_static("cv.sim.simulate")
     b = dtypes.itemsize(dtype)
     cores = active_cores or int(hw.cores.value)
     in_bytes = tuple(math.prod(op.block_dims) * b for op in p.inputs)
@@ -346,15 +351,16 @@ def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16
                          f"{hw.onchip_bytes.value / 1024:.0f} KiB per core")
     costs = StepCosts(in_bytes, out_bytes, float(flops_per_step), hw.matrix_rate(dtype) / int(hw.cores.value),
                       hw.reuse_bandwidth.value / cores, hw.hbm_bandwidth.value * hw.hbm_efficiency.value / cores)
-    prog = plan.program()   # built once: run, then counted
+    prog = chain_program(chain) if chain else plan.program()   # built once: run, then counted
+    steps = sum(wp.pipeline.num_steps for wp in chain) if chain else p.num_steps
     time, boxes = timed.run(prog, _timing(p, costs, hw, isinstance(plan, WarpSpecializedPlan)))
     sizes = dict(zip([op.name for op in p.inputs + p.outputs], in_bytes + out_bytes))
     moved = sum(sizes[c.operand] for c in prog.copies())
-    config = {"grid": list(p.grid), "max_concurrent_steps": p.max_concurrent_steps, "delay_release": p.delay_release,
+    config = {"grid": [list(wp.pipeline.grid) for wp in chain] if chain else list(p.grid), "max_concurrent_steps": p.max_concurrent_steps, "delay_release": p.delay_release,
               "dtype": dtype, "flops_per_step": flops_per_step, "active_cores": cores,
               "warp_specialized": isinstance(plan, WarpSpecializedPlan)}
     # One core's roofline: its share of the matrix peak, and its share of the load bandwidth.
-    floor = max(float(flops_per_step) * p.num_steps / (hw.matrix_peak_rate(dtype) / int(hw.cores.value)),
+    floor = max(float(flops_per_step) * steps / (hw.matrix_peak_rate(dtype) / int(hw.cores.value)),
                 moved / (hw.reuse_bandwidth.value / cores))
-    return Report("pipeline", hw, time, float(flops_per_step) * p.num_steps, moved, 0.0,
+    return Report("pipeline", hw, time, float(flops_per_step) * steps, moved, 0.0,
                   int(used), config, tuple(boxes), floor_s=floor)
