@@ -45,6 +45,14 @@ def compute_index(memory_idx):
     return jnp.where(t > memory_idx, t - 1, t) if memory_idx is not None else t
 
 
+def release(consumed, step, delay):
+    """Manual consumed barriers written the upstream way: release step s - delay, from step delay on."""
+    for b in consumed:
+        @pl.when(step >= delay)
+        def _():
+            cv.barrier_arrive(b)
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("num_compute, mcs, delay, memory_idx, manual", [
     (1, 2, 0, None, False), (2, 2, 0, None, False), (2, 3, 1, None, False), (2, 2, 0, 0, False),
@@ -56,10 +64,7 @@ def test_elementwise_scale_shift(backend, num_compute, mcs, delay, memory_idx, m
         def body(idx, xb, yb, ob, *barriers):
             rows = share(compute_index(memory_idx), 16, num_compute)
             ob[rows, :] = 2.0 * xb[rows, :] - yb[rows, :]
-            for b in barriers:  # written the upstream way: release step s - delay, from step delay on
-                @pl.when(idx[0] >= delay)
-                def _():
-                    cv.barrier_arrive(b)
+            release(barriers, idx[0], delay)
         spec = cv.BlockSpec((16, 128), lambda i: (i, 0))
         cv.emit_pipeline_warp_specialized(
             body, grid=(6,), memory_registers=40, in_specs=[spec, spec], out_specs=[spec], max_concurrent_steps=mcs,
@@ -234,10 +239,7 @@ def test_manual_produced_barriers(backend, num_compute, mcs, delay, consumed_too
             ob[rows, :] = 3.0 * xb[rows, :]
             cv.wait_produced(y_landed)
             ob[rows, :] = ob[rows, :] - yb[rows, :]
-            for b in consumed:
-                @pl.when(idx[0] >= delay)
-                def _():
-                    cv.barrier_arrive(b)
+            release(consumed, idx[0], delay)
         spec = cv.BlockSpec((16, 128), lambda i: (i, 0))
         cv.emit_pipeline_warp_specialized(
             body, grid=(6,), memory_registers=40, in_specs=[spec, spec], out_specs=[spec], max_concurrent_steps=mcs,
