@@ -74,11 +74,12 @@ class WarpSpecializedPlan:
                 f"supported: such a block is fetched once, so its barrier completes one phase only and a wait at "
                 f"every step would hang. Pass the block unwindowed, or leave manual_produced_barriers off")
         if self.pipeline_state is not None:
-            self._check_chainable()
+            self._check_chainable(fetched_once)
 
-    def _check_chainable(self) -> None:
+    def _check_chainable(self, fetched_once: list[str]) -> None:
         """Upstream's conditions for chaining pipelines, on which the barriers' phases line up: a
-        static grid whose steps are a multiple of the slots, no delay_release, no invariant input."""
+        static grid whose steps are a multiple of the slots, no delay_release, no invariant input
+        (`fetched_once`)."""
         p, state = self.pipeline, self.pipeline_state
         if isinstance(state, bool) or not (isinstance(state, int) or getattr(state, "shape", None) == ()):
             raise ValueError(f"pipeline_state: expected PipelineState.START / STEADY / STOP (or "
@@ -95,16 +96,10 @@ class WarpSpecializedPlan:
         if p.delay_release:
             raise NotImplementedError(f"{where}: chained pipelines do not support delay_release "
                                       f"(got {p.delay_release})")
-        fetched_once = [op.name for op in p.inputs if op.invariant]
         if fetched_once:
             raise NotImplementedError(f"{where}: chained pipelines need every input to depend on the grid; "
                                       f"{', '.join(fetched_once)} are index-invariant (the next pipeline would "
                                       f"refill their one slot while this one reads it)")
-
-    @property
-    def starts(self) -> Any:
-        """Whether the memory thread fetches a prologue (alone, or the START of a chain)."""
-        return True if self.pipeline_state is None else _equals(self.pipeline_state, PipelineState.START)
 
     @property
     def drains(self) -> Any:
@@ -150,7 +145,10 @@ class WarpSpecializedPlan:
         later = fetch_step >= self.pipeline.max_concurrent_steps
         if self.pipeline_state is None:
             return later
-        return _or(later, _not(self.starts))
+        first_of_chain = _equals(self.pipeline_state, PipelineState.START)
+        if isinstance(later, bool) and isinstance(first_of_chain, bool):
+            return later or not first_of_chain
+        return jnp.logical_or(later, jnp.logical_not(first_of_chain))
 
     def consumed_barriers(self) -> tuple[tuple[str, ...], dict[str, str]]:
         """The consumed barriers: the ones a compute thread arrives on after a step, and, per
@@ -290,11 +288,13 @@ def chain_program(plans: Sequence[WarpSpecializedPlan], in_flight_steps: int = 0
         roles = [PipelineState.START] + [PipelineState.STEADY] * (len(plans) - 2) + [PipelineState.STOP]
         plans = [dataclasses.replace(wp, pipeline_state=role) for wp, role in zip(plans, roles)]
     first = plans[0]
-    for k, wp in enumerate(plans):
-        same = (wp.num_compute_wgs, wp.memory_thread_idx, wp.pipeline.max_concurrent_steps,
+
+    def shared(wp: WarpSpecializedPlan) -> tuple:
+        """What the pipelines of a chain share with their allocations: threads, slots, barriers."""
+        return (wp.num_compute_wgs, wp.memory_thread_idx, wp.pipeline.max_concurrent_steps,
                 wp.manual_consumed_barriers, len(wp.pipeline.inputs), len(wp.pipeline.outputs))
-        if same != (first.num_compute_wgs, first.memory_thread_idx, first.pipeline.max_concurrent_steps,
-                    first.manual_consumed_barriers, len(first.pipeline.inputs), len(first.pipeline.outputs)):
+    for k, wp in enumerate(plans):
+        if shared(wp) != shared(first):
             raise ValueError(f"chain_program: pipeline {k} differs from pipeline 0 in its threads, slots, barriers or "
                              f"number of operands; a chain shares one set of allocations")
     actors: dict[str, list[Action]] = {"memory thread": []}
@@ -337,13 +337,3 @@ def check_options(*, memory_registers, num_compute_wgs, wg_axis, memory_thread_i
 
 def _equals(x: Any, value: int) -> Any:
     return x == value if isinstance(x, int) else jnp.asarray(x) == value
-
-
-def _not(x: Any) -> Any:
-    return (not x) if isinstance(x, bool) else jnp.logical_not(x)
-
-
-def _or(x: Any, y: Any) -> Any:
-    if isinstance(x, bool) and isinstance(y, bool):
-        return x or y
-    return jnp.logical_or(x, y)

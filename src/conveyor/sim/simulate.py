@@ -356,7 +356,8 @@ def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16
     time, boxes = timed.run(prog, _timing(p, costs, hw, isinstance(plan, WarpSpecializedPlan)))
     sizes = dict(zip([op.name for op in p.inputs + p.outputs], in_bytes + out_bytes))
     moved = sum(sizes[c.operand] for c in prog.copies())
-    config = {"grid": [list(wp.pipeline.grid) for wp in chain] if chain else list(p.grid), "max_concurrent_steps": p.max_concurrent_steps, "delay_release": p.delay_release,
+    config = {"grid": [list(wp.pipeline.grid) for wp in chain] if chain else list(p.grid),
+              "max_concurrent_steps": p.max_concurrent_steps, "delay_release": p.delay_release,
               "dtype": dtype, "flops_per_step": flops_per_step, "active_cores": cores,
               "warp_specialized": isinstance(plan, WarpSpecializedPlan)}
     # One core's roofline: its share of the matrix peak, and its share of the load bandwidth.
