@@ -75,7 +75,6 @@ def _imap(i):
     (pl.BlockSpec(BLOCK, _imap, memory_space=pltpu.VMEM), "memory_space"),
     (pl.BlockSpec(BLOCK, lambda i: (0, 0), pipeline_mode=pl.Buffered(2)),
      r"in\[0\]: pipeline_mode=Buffered\(2\) is not supported for this index-invariant input"),
-    (pl.BlockSpec(BLOCK, _imap, pipeline_mode=pl.Buffered(2, use_lookahead=True)), "use_lookahead"),
     (plgpu.BlockSpec(BLOCK, _imap, collective_axes=("x",)), "collective_axes"),
 ])
 def test_unsupported_blockspec_fields_are_refused_by_name(spec, match):

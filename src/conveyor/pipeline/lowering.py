@@ -17,9 +17,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 from jax.experimental import pallas as pl
 
+from conveyor.plans.fetch import when  # noqa: F401  (re-exported for the executors)
 from conveyor.plans.pipeline import Int, OperandPlan, PipelinePlan
 
 _RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("conveyor_lowering_record", default=None)
@@ -83,18 +83,6 @@ def block_in_bounds(p: PipelinePlan, op: OperandPlan, step: Int, array_shape) ->
                   else jnp.logical_and(start >= 0, start <= extent - size))
         ok = ok and inside if isinstance(ok, bool) and isinstance(inside, bool) else jnp.logical_and(ok, inside)
     return ok
-
-
-def when(cond: Any, fn, otherwise=None) -> None:
-    """Run `fn` under `cond` (else `otherwise`, if given): decided at trace time when `cond` is a
-    Python bool, else as a branch."""
-    if isinstance(cond, bool):
-        if cond or otherwise is not None:
-            (fn if cond else otherwise)()
-    elif otherwise is None:
-        pl.when(cond)(fn)
-    else:
-        lax.cond(cond, fn, otherwise)
 
 
 def call_body(body, indices, blocks, carry, has_carry: bool):

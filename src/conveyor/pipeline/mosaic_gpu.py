@@ -1,8 +1,8 @@
 """Mosaic GPU lowering of a pipeline plan: SMEM slots filled by TMA copies, tracked by mbarriers.
 
-Inputs: one SMEM buffer of `num_slots` blocks and one barrier per slot; the prologue issues the
-first `lookahead` copies, step s waits on its slot's barrier, runs the body, then issues the copy
-for step s + lookahead into the slot step s - delay_release used. Outputs: two SMEM slots; at a
+Inputs: one SMEM buffer of `num_slots` blocks and one barrier per slot; each input carries its
+fetch cursor (`conveyor.plans.fetch`): the prologue issues the first copies, step s waits on its
+slot's barrier when its block changes, runs the body, then issues the next copies. Outputs: two SMEM slots; at a
 write-back the block is fenced (`commit_smem`) and stored by TMA. Stores of one step form one bulk
 group; after committing it we wait until at most that group is in flight, so the slot the next
 step writes (last stored two write-backs ago, at an earlier step) is free again.
@@ -24,6 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from conveyor._compat import is_jax_ref
 from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.lowering import block_view, call_body, issued, when
+from conveyor.plans import fetch
 from conveyor.plans.pipeline import PipelinePlan
 from conveyor.plans.warp import WarpSpecializedPlan
 
@@ -59,10 +60,11 @@ def _slots(p: PipelinePlan, in_refs, out_refs) -> list:
             for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))]
 
 
-def _fetch(p: PipelinePlan, in_refs, in_bufs, produced, i: int, step, at) -> None:
-    """The TMA copy of input i's block of `step` into its slot, issued during grid step `at`."""
+def _fetch(p: PipelinePlan, in_refs, in_bufs, produced, i: int, step, at, slot=None) -> None:
+    """The TMA copy of input i's block of `step` into `slot` (default: the every-step rule's),
+    issued during grid step `at`."""
     op = p.inputs[i]
-    slot = p.slot(op, step)
+    slot = p.slot(op, step) if slot is None else slot
     issued(at, "fetch", op, slot, step)
     plgpu.copy_gmem_to_smem(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], produced[i].at[slot])
 
@@ -97,16 +99,20 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         out_bufs = args[n_in:n_in + n_out]
         barriers = args[n_in + n_out:]
 
-        def fetch(i, step, at):
-            _fetch(p, in_refs, in_bufs, barriers, i, step, at)
-
-        for i, op in enumerate(p.inputs):  # prologue (a dynamic grid may have fewer steps)
-            for t in p.prologue_steps(op):
-                when(p.before_end(t), lambda i=i, t=t: fetch(i, t, -1))
+        def fetcher(i, at):
+            return lambda t, slot: _fetch(p, in_refs, in_bufs, barriers, i, t, at, slot)
+        cursors0 = tuple(fetch.as_carry(fetch.prologue(p, op, fetcher(i, -1))) for i, op in enumerate(p.inputs))
 
         def step(s, state):
-            wb_counts, carry = state
-            in_blocks, out_blocks = _await_blocks(p, s, barriers, in_bufs, out_bufs, wb_counts)
+            wb_counts, cursors, carry = state
+            stepped = [fetch.begin_step(p, op, cur, s) for op, cur in zip(p.inputs, cursors)]
+            for i, (op, (_, changed, slot)) in enumerate(zip(p.inputs, stepped)):
+                def wait(i=i, op=op, slot=slot):
+                    issued(s, "wait_fetch", op, slot, s)
+                    plgpu.barrier_wait(barriers[i].at[slot])
+                when(changed, wait)
+            in_blocks = [in_bufs[i].at[slot] for i, (_, _, slot) in enumerate(stepped)]
+            out_blocks = [out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
             indices = p.grid_indices(s)
             carry = call_body(body, indices, (*in_blocks, *out_blocks), carry, has_carry)
             if n_out:
@@ -128,15 +134,12 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
                 # Two-slot outputs: the slot written next was stored a group ago, one group may stay
                 # in flight. A one-slot output is written again next step: wait for every store.
                 plgpu.wait_smem_to_gmem(0 if one_slot_outputs else 1, wait_read_only=True)
-            for i, op in enumerate(p.inputs):  # each input fetches its own lookahead ahead
-                if not op.invariant:
-                    t = p.fetch_step(op, s)
-                    when(t < n, lambda i=i, t=t: fetch(i, jnp.minimum(t, n - 1), s))
-
-            return tuple(new_counts), carry
+            cursors = tuple(fetch.as_carry(fetch.after_step(p, op, cur, s, fetcher(i, s)))
+                            for i, (op, (cur, _, _)) in enumerate(zip(p.inputs, stepped)))
+            return tuple(new_counts), cursors, carry
 
         counts0 = tuple(jnp.int32(0) for _ in p.outputs)
-        _, carry = lax.fori_loop(0, n, step, (counts0, init_carry))
+        _, _, carry = lax.fori_loop(0, n, step, (counts0, cursors0, init_carry))
         if n_out:
             plgpu.wait_smem_to_gmem(0)
         return carry

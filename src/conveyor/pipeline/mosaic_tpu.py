@@ -1,9 +1,9 @@
 """Mosaic TPU lowering of a pipeline plan: VMEM slots, async DMAs and DMA semaphores.
 
-Follows the plan's schedule literally: a prologue fetches the first `lookahead` steps; at step s
-the kernel waits for step s's blocks, runs the body on slot s % S, then issues the fetch for step
-s + lookahead into the slot step s - delay_release used (issued after the body, so delay_release=0
-is safe too). Outputs live in two VMEM slots: a write-back starts when the plan says so, and
+Follows the plan's schedule literally, each input carrying its fetch cursor
+(`conveyor.plans.fetch`): a prologue issues the first fetches; at step s the kernel waits for the
+inputs whose block changes, runs the body on the slots the cursors name, then issues the next
+fetches (after the body, so delay_release=0 is safe too). Outputs live in two VMEM slots: a write-back starts when the plan says so, and
 before the body writes into the other slot the write-back that last used it is awaited.
 Out-of-bounds blocks (`conveyor.pipeline.lowering`): their DMAs are predicated off; an input slot
 is zero-filled instead, and nobody waits for a copy that was never started.
@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from conveyor.pipeline.lowering import block_in_bounds, block_view, call_body, first_block_view, issued, when
+from conveyor.plans import fetch
 from conveyor.plans.pipeline import OperandPlan, PipelinePlan
 
 
@@ -37,9 +38,8 @@ class _Copies:
     def _in_bounds(self, op: OperandPlan, ref, step):
         return block_in_bounds(self.p, op, step, ref.shape)
 
-    def start_fetch(self, i: int, step, at) -> None:
+    def start_fetch(self, i: int, step, slot, at) -> None:
         p, op = self.p, self.p.inputs[i]
-        slot = p.slot(op, step)
 
         def copy():
             issued(at, "fetch", op, slot, step)
@@ -50,9 +50,8 @@ class _Copies:
             self.in_bufs[i].at[slot][...] = jnp.zeros(op.ref_shape, self.in_bufs[i].dtype)
         when(self._in_bounds(op, self.in_refs[i], step), copy, otherwise=zero_fill)
 
-    def wait_fetch(self, i: int, step) -> None:
+    def wait_fetch(self, i: int, step, slot) -> None:
         op = self.p.inputs[i]
-        slot = self.p.slot(op, step)
 
         def wait():
             issued(step, "wait_fetch", op, slot, step)
@@ -120,30 +119,26 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 
     def scoped(*args):
         c = _Copies(p, tuple(in_refs), tuple(out_refs), args[:n_in], args[n_in:n_in + n_out], *args[n_in + n_out:])
-        for i, op in enumerate(p.inputs):  # prologue (a dynamic grid may have fewer steps)
-            for t in p.prologue_steps(op):
-                when(p.before_end(t), lambda i=i, t=t: c.start_fetch(i, t, -1))
+        def fetcher(i, at):
+            return lambda t, slot: c.start_fetch(i, t, slot, at)
+        cursors0 = tuple(fetch.as_carry(fetch.prologue(p, op, fetcher(i, -1))) for i, op in enumerate(p.inputs))
 
         def step(s, state):
-            wb_counts, started, carry = state
-            for i, op in enumerate(p.inputs):
-                if op.invariant:
-                    when(s == 0, lambda i=i: c.wait_fetch(i, 0))
-                else:
-                    c.wait_fetch(i, s)
-            in_blocks = [c.in_bufs[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
+            wb_counts, started, cursors, carry = state
+            stepped = [fetch.begin_step(p, op, cur, s) for op, cur in zip(p.inputs, cursors)]
+            for i, (_, changed, slot) in enumerate(stepped):
+                when(changed, lambda i=i, slot=slot: c.wait_fetch(i, s, slot))
+            in_blocks = [c.in_bufs[i].at[slot] for i, (_, _, slot) in enumerate(stepped)]
             out_blocks = [c.out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
             carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks), carry, has_carry)
             wb_counts, started = _write_back(c, s, wb_counts, started)
-            for i, op in enumerate(p.inputs):  # each input fetches its own lookahead ahead
-                if not op.invariant:
-                    t = p.fetch_step(op, s)
-                    when(t < n, lambda i=i, t=t: c.start_fetch(i, jnp.minimum(t, n - 1), s))
-            return wb_counts, started, carry
+            cursors = tuple(fetch.as_carry(fetch.after_step(p, op, cur, s, fetcher(i, s)))
+                            for i, (op, (cur, _, _)) in enumerate(zip(p.inputs, stepped)))
+            return wb_counts, started, cursors, carry
 
         counts0 = tuple(jnp.int32(0) for _ in p.outputs)
         started0 = tuple(jnp.bool_(False) for _ in p.outputs)
-        counts, started, carry = lax.fori_loop(0, n, step, (counts0, started0, init_carry))
+        counts, started, _, carry = lax.fori_loop(0, n, step, (counts0, started0, cursors0, init_carry))
         for j, op in enumerate(p.outputs):  # epilogue: the last write-back may still be in flight
             when(started[j], lambda j=j, op=op: c.wait_writeback(j, p.output_slot(op, counts[j] - 1), n))
         return carry

@@ -5,7 +5,9 @@ blocks are read into their buffers, the body runs on the buffers (and may touch 
 the kernel: scratch, scoped buffers, other outputs), and an output buffer is written to its array
 when the plan says so, then poisoned: it stays resident while its block index does not change.
 There is no real asynchrony on this backend (XLA:CPU runs ops in order), so this fast path ignores
-the plan's slots and fetch-ahead; the values a body sees are exactly those of the schedule.
+the plan's slots and fetch-ahead; the values a body sees are exactly those of the schedule: an
+input block is read only at the steps its fetch rule fetches (`conveyor.plans.fetch`), so a body
+that writes into an input block sees its writes until the block changes, as on the other backends.
 
 The checked mode (`checked_schedule()`, used by the tests) runs the plan's schedule instead:
 - every slot is a real buffer;
@@ -30,6 +32,7 @@ from conveyor._compat import call_as_thread, is_jax_ref
 from conveyor.kernel import poison
 from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.lowering import block_in_bounds, call_body, when
+from conveyor.plans import fetch
 from conveyor.plans.pipeline import OperandPlan, PipelinePlan
 from conveyor.sync import TraceTimeBarrier
 
@@ -85,7 +88,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 
     def step(s, carry):
         for op, gref, buf in zip(p.inputs, in_refs, in_bufs):
-            _load(p, op, gref, buf, s)
+            when(fetch.changes_at(p, op, s), lambda op=op, gref=gref, buf=buf: _load(p, op, gref, buf, s))
         carry = call_body(body, p.grid_indices(s), (*in_bufs, *out_bufs), carry, has_carry)
         for op, gref, buf in zip(p.outputs, out_refs, out_bufs):
             written = p.writes_back(op, s)
@@ -104,21 +107,26 @@ def _run_checked(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     out_slots = [jax.new_ref(poison((op.num_slots, *op.ref_shape), r.dtype)) for op, r in zip(p.outputs, out_refs)]
     views = [jax.new_ref(poison(op.ref_shape, r.dtype)) for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))]
 
-    def fetch(op, gref, slots, t):
-        slots[p.slot(op, t)] = _block(p, op, gref, t)
+    def fetcher(op, gref, slots):
+        def fill(t, slot):
+            slots[slot] = _block(p, op, gref, t)
+        return fill
 
-    for op, gref, slots in zip(p.inputs, in_refs, in_slots):
-        for t in p.prologue_steps(op):
-            when(p.before_end(t), lambda op=op, gref=gref, slots=slots, t=t: fetch(op, gref, slots, t))
+    cursors0 = tuple(fetch.as_carry(fetch.prologue(p, op, fetcher(op, gref, slots)))
+                     for op, gref, slots in zip(p.inputs, in_refs, in_slots))
+    d = p.delay_release
 
     def step(s, state):
-        counts, carry = state
+        counts, cursors, recent, carry = state
         out_at = [p.output_slot(op, c) for op, c in zip(p.outputs, counts)]
-        for op, slots, view in zip(p.inputs, in_slots, views):
-            view[...] = slots[p.slot(op, s)]
+        stepped = [fetch.begin_step(p, op, cur, s) for op, cur in zip(p.inputs, cursors)]
+        for (_, _, slot), slots, view in zip(stepped, in_slots, views):
+            view[...] = slots[slot]
         for slots, at, view in zip(out_slots, out_at, views[len(p.inputs):]):
             view[...] = slots[at]
         carry = call_body(body, p.grid_indices(s), views, carry, has_carry)
+        for (_, _, slot), slots, view in zip(stepped, in_slots, views):
+            slots[slot] = view[...]  # the body works on the slot itself on the other backends
         new_counts = []
         for op, gref, slots, at, view, c in zip(p.outputs, out_refs, out_slots, out_at, views[len(p.inputs):], counts):
             written = p.writes_back(op, s)
@@ -126,19 +134,25 @@ def _run_checked(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
             # A written-back slot is free: poisoned, it holds nothing a later step may rely on.
             slots[at] = jnp.where(written, poison(view.shape, view.dtype), view[...])
             new_counts.append(c + jnp.where(written, 1, 0).astype(jnp.int32))
-        for op, gref, slots in zip(p.inputs, in_refs, in_slots):
-            if op.invariant:
-                continue
-            # Step s - delay_release is done with its slot: poison it, then the plan refills it.
-            released = s - p.delay_release
-            when(released >= 0, lambda op=op, slots=slots, r=released: slots.__setitem__(
-                p.slot(op, jnp.maximum(r, 0)), poison(op.ref_shape, slots.dtype)))
-            t = p.fetch_step(op, s)
-            when(t < p.num_steps, lambda op=op, gref=gref, slots=slots, t=t: fetch(op, gref, slots, t))
-        return tuple(new_counts), carry
+        new_cursors, new_recent = [], []
+        for op, gref, slots, (cur, _, slot), held in zip(p.inputs, in_refs, in_slots, stepped, recent):
+            # `held`: the slots of steps s - d .. s - 1. Step r = s - d is done with its block when
+            # the block changes after it (or r is the last step): poison that slot, then refill.
+            held = (*held, slot)
+            if not op.invariant:
+                r = s - d
+                done = jnp.logical_and(r >= 0, jnp.logical_or(r == p.num_steps - 1,
+                                                              p.block_changes(op, jnp.maximum(r, 0))))
+                when(done, lambda op=op, slots=slots, at=held[0]: slots.__setitem__(
+                    at, poison(op.ref_shape, slots.dtype)))
+                cur = fetch.after_step(p, op, cur, s, fetcher(op, gref, slots))
+            new_cursors.append(fetch.as_carry(cur))
+            new_recent.append(held[1:])
+        return tuple(new_counts), tuple(new_cursors), tuple(new_recent), carry
 
     counts0 = tuple(jnp.int32(0) for _ in p.outputs)
-    _, carry = lax.fori_loop(0, p.num_steps, step, (counts0, init_carry))
+    recent0 = tuple((jnp.int32(0),) * d for _ in p.inputs)
+    _, _, _, carry = lax.fori_loop(0, p.num_steps, step, (counts0, cursors0, recent0, init_carry))
     return carry if has_carry else None
 
 

@@ -9,6 +9,9 @@ Schedule (inputs): an input with `S = max_concurrent_steps` slots keeps `L = S -
 fetches in flight. Before step 0 the prologue fetches steps 0..L-1; at step s the body reads slot
 s % S, and the fetch for step s + L is issued into slot (s + L) % S, the slot step s - delay_release
 used, so a slot is refilled `delay_release` steps after its last use.
+A step whose block index equals the previous step's reuses that block (no copy, no wait) in
+plain pipelines; `pl.Buffered(n, use_lookahead=True)` fetches further ahead: the fetch rules and
+their slot arithmetic are in `conveyor.plans.fetch` (above: the every-step rule).
 Index-invariant operands (index map ignores the grid) have one slot, fetched once.
 Outputs: the block stays resident while its block index does not change (so a body can accumulate
 across a reduction axis) and is written back when the next step's index differs, or at the last
@@ -27,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from conveyor._compat import args_reaching_outputs
+from conveyor.plans import fetch as fetch_lib
 from conveyor.plans.grid import ARBITRARY, Int, normalize_semantics, partition_grid, unravel
 from conveyor.plans.program import Action, check_in_flight_steps, Compute, Copy, Program, Read, Wait, Write, program
 
@@ -112,6 +116,7 @@ class PallasOptions:
     the buffer count of its `pipeline_mode` (None: not asked) and its GPU layout transforms."""
     delay_release: int = 0
     buffer_count: int | None = None
+    use_lookahead: bool = False
     transforms: tuple[Any, ...] = ()
 
 
@@ -136,7 +141,7 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
         return PallasOptions(transforms=tuple(spec.transforms))
     if not dataclasses.is_dataclass(spec):
         return PallasOptions()
-    delay, count, transforms = 0, None, ()
+    delay, count, lookahead, transforms = 0, None, False, ()
     for field in dataclasses.fields(spec):
         value = getattr(spec, field.name)
         if field.name in ("block_shape", "index_map") or value is None or _is_default(value, field):
@@ -150,7 +155,7 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
                 raise ValueError(f"{where}: expected an int >= 0")
             delay = value
         elif field.name == "pipeline_mode":
-            count = _buffer_count(value, where)
+            count, lookahead = _buffering(value, where, is_input)
         elif field.name == "oob_fill_mode" and getattr(value, "name", None) == "ZEROS":
             continue
         elif field.name == "transforms":
@@ -161,18 +166,25 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
         else:
             raise ValueError(f"{where} is not supported by Conveyor pipelines (it would be ignored); "
                              f"leave it unset")
-    return PallasOptions(delay_release=delay, buffer_count=count, transforms=transforms)
+    return PallasOptions(delay_release=delay, buffer_count=count, use_lookahead=lookahead, transforms=transforms)
 
 
-def _buffer_count(mode: Any, where: str) -> int:
+def _buffering(mode: Any, where: str, is_input: bool) -> tuple[int, bool]:
+    """`pl.Buffered(buffer_count, use_lookahead=...)`: the slot count and whether the input fetches
+    with lookahead (`conveyor.plans.fetch`); any other Buffered option is refused by name."""
     count = getattr(mode, "buffer_count", None)
     if not isinstance(count, int) or isinstance(count, bool):
         raise ValueError(f"{where} is not supported: only pl.Buffered(buffer_count) pipeline modes are")
-    extra = [f.name for f in dataclasses.fields(mode) if f.name != "buffer_count"
+    lookahead = bool(getattr(mode, "use_lookahead", False))
+    if lookahead and not is_input:
+        raise ValueError(f"{where}: use_lookahead applies to inputs (it fetches future blocks early); an output "
+                         f"has nothing to fetch")
+    extra = [f.name for f in dataclasses.fields(mode) if f.name not in ("buffer_count", "use_lookahead")
              and not _is_default(getattr(mode, f.name), f)] if dataclasses.is_dataclass(mode) else []
     if extra:
-        raise ValueError(f"{where}: Buffered options {extra} are not supported; only buffer_count is")
-    return count
+        raise ValueError(f"{where}: Buffered options {extra} are not supported; only buffer_count and "
+                         f"use_lookahead are")
+    return count, lookahead
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +208,8 @@ class OperandPlan:
     # A whole-array spec (no block_shape): its block is the whole array, block_shape is () until
     # `PipelinePlan.with_array_shapes` gives it the array's shape.
     whole_array: bool = False
+    # Inputs: which steps are fetched, and when (`conveyor.plans.fetch`).
+    fetch_rule: str = fetch_lib.ON_CHANGE
 
     @property
     def block_dims(self) -> tuple[int, ...]:
@@ -412,7 +426,8 @@ class PipelinePlan:
         """True when `op`'s block index at step + 1 differs from step's (False at the last step)."""
         if op.invariant:
             return False
-        nxt = jnp.minimum(step + 1, self.num_steps - 1) if not isinstance(step, int) else min(step + 1, self.num_steps - 1)
+        n = self.num_steps
+        nxt = min(step + 1, n - 1) if isinstance(step, int) and isinstance(n, int) else jnp.minimum(step + 1, n - 1)
         a, b = self.block_indices(op, step), self.block_indices(op, nxt)
         if all(isinstance(x, int) for x in a + b):
             return a != b
@@ -439,21 +454,23 @@ class PipelinePlan:
     def events(self) -> tuple[Event, ...]:
         """The whole schedule with concrete steps (for the checker and the simulator).
 
-        Per step: wait for the inputs' copies; compute; issue write-backs, each followed by the
+        Per step: wait for the inputs' copies (of the inputs whose block changes); compute; issue write-backs, each followed by the
         wait for the write-back that last used the output's other slot (the one the body writes
         next); issue the next fetches. The epilogue waits for the write-backs still in flight."""
         self.require_static("the pipeline's events")
         ev: list[Event] = []
         n = self.num_steps
-        for op in self.inputs:
-            for t in self.prologue_steps(op):
-                ev.append(Event(-1, "fetch", op.name, self.slot(op, t), t))
+
+        def fetcher(at: int, op: OperandPlan):
+            return lambda t, slot: ev.append(Event(at, "fetch", op.name, slot, t))
+        cursors = {op.name: fetch_lib.prologue(self, op, fetcher(-1, op)) for op in self.inputs}
         wb_count = {op.name: 0 for op in self.outputs}
         in_flight: dict[tuple[str, int], int] = {}   # (output, slot) -> step of its pending write-back
         for s in range(n):
             for op in self.inputs:
-                if not op.invariant or s == 0:
-                    ev.append(Event(s, "wait_fetch", op.name, self.slot(op, s), s))
+                cursors[op.name], changed, slot = fetch_lib.begin_step(self, op, cursors[op.name], s)
+                if changed:
+                    ev.append(Event(s, "wait_fetch", op.name, slot, s))
             ev.append(Event(s, "compute", None, None, s))
             for op in self.outputs:
                 if self.writes_back(op, s):
@@ -470,20 +487,20 @@ class PipelinePlan:
                     if following in in_flight and following[1] != slot:
                         ev.append(Event(s, "wait_writeback", op.name, following[1], in_flight.pop(following)))
             for op in self.inputs:
-                t = self.fetch_step(op, s)
-                if not op.invariant and t < n:
-                    ev.append(Event(s, "fetch", op.name, self.slot(op, t), t))
+                cursors[op.name] = fetch_lib.after_step(self, op, cursors[op.name], s, fetcher(s, op))
         for (name, slot), target in in_flight.items():
             ev.append(Event(n, "wait_writeback", name, slot, target))
         return tuple(ev)
 
 
     def body_actions(self, step: int, tag: str, writebacks: dict[str, int], open_reads: dict[int, list[Read]],
-                     in_flight_steps: int) -> list[Action]:
-        """The body of `step` in a program: it reads its input slots, computes and writes its output
-        slots (per output, the slot of its write-back count so far). The reads of step
-        `step - in_flight_steps` end here; `open_reads` keeps the ones still open."""
-        reads = [Read((op.name, self.slot(op, step)), tag) for op in self.inputs]
+                     in_flight_steps: int, in_slots: dict[str, int] | None = None) -> list[Action]:
+        """The body of `step` in a program: it reads its input slots (`in_slots` per input, else the
+        every-step rule's), computes and writes its output slots (per output, the slot of its
+        write-back count so far). The reads of step `step - in_flight_steps` end here; `open_reads`
+        keeps the ones still open."""
+        reads = [Read((op.name, self.slot(op, step) if in_slots is None else in_slots[op.name]), tag)
+                 for op in self.inputs]
         acts: list[Action] = [*reads, Compute(step, tag)]
         acts += [Write((op.name, self.output_slot(op, writebacks[op.name])), tag) for op in self.outputs]
         open_reads[step] = reads
@@ -499,17 +516,20 @@ class PipelinePlan:
         acts: list[Action] = []
         open_reads: dict[int, list[Read]] = {}
         writebacks = {op.name: 0 for op in self.outputs}
+        reading = {op.name: 0 for op in self.inputs}  # the slot each input's body reads: its last wait's
         for e in self.events():
             if e.kind == "fetch":
                 acts.append(Copy(f"{e.operand}@step{e.target_step}", writes=((e.operand, e.slot),),
                                  signals=(("landed", e.operand, e.target_step),), operand=e.operand))
             elif e.kind == "wait_fetch":
+                reading[e.operand] = e.slot
                 acts.append(Wait(("landed", e.operand, e.target_step), what=f"copy {e.operand}@step{e.target_step}"))
             elif e.kind == "wait_writeback":
                 acts.append(Wait(("stored", e.operand, e.target_step),
                                  what=f"write-back {e.operand}@step{e.target_step}"))
             elif e.kind == "compute":
-                acts += self.body_actions(e.step, f"body of step {e.step}", writebacks, open_reads, in_flight_steps)
+                acts += self.body_actions(e.step, f"body of step {e.step}", writebacks, open_reads, in_flight_steps,
+                                          dict(reading))
             elif e.kind == "writeback":
                 acts.append(Copy(f"{e.operand}@step{e.target_step}->hbm", writes=(("hbm", e.operand, e.target_step),),
                                  reads=((e.operand, e.slot),), signals=(("stored", e.operand, e.target_step),),
@@ -560,6 +580,16 @@ def _slot_count(name: str, is_input: bool, invariant: bool, count: int | None, m
     return slots
 
 
+def _fetch_rule(name: str, options: PallasOptions, reuse_unchanged_blocks: bool, api: str) -> str:
+    if options.use_lookahead and not reuse_unchanged_blocks:
+        raise NotImplementedError(f"{name}: pl.Buffered(use_lookahead=True) is not supported by {api}: its compute "
+                                  f"threads wait for a copy at every step, so every step is fetched; drop "
+                                  f"use_lookahead (cv.emit_pipeline supports it)")
+    if options.use_lookahead:
+        return fetch_lib.LOOKAHEAD
+    return fetch_lib.ON_CHANGE if reuse_unchanged_blocks else fetch_lib.EVERY_STEP
+
+
 def _grid_size(size: Any, grid: tuple) -> Int:
     """A grid size: a positive Python int (static), or an integer scalar array, typically traced
     inside a kernel (dynamic: it may be 0, and a negative size runs no step)."""
@@ -577,7 +607,8 @@ def _grid_size(size: Any, grid: tuple) -> Int:
 
 def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequence[Any] = (),
          max_concurrent_steps: int = 1, delay_release: int = 0, no_pipelining: bool = False,
-         dimension_semantics: Sequence[Any] | None = None) -> PipelinePlan:
+         dimension_semantics: Sequence[Any] | None = None, reuse_unchanged_blocks: bool = True,
+         api: str = "emit_pipeline") -> PipelinePlan:
     """Build the pipeline plan (see the module docstring for the schedule it encodes).
 
     `grid` may mix static ints with dynamic sizes (integer scalars traced inside the kernel; see
@@ -593,6 +624,10 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
     in flight while a body runs.
     `dimension_semantics`: "parallel" / "arbitrary" per grid dimension (or Pallas TPU's
     `pltpu.PARALLEL` / `pltpu.ARBITRARY`); it decides which dimension `for_core` cuts.
+    Fetch rules (`conveyor.plans.fetch`): with `reuse_unchanged_blocks` (plain pipelines) an input
+    is fetched only at steps that change its block, and `pl.Buffered(n, use_lookahead=True)`
+    fetches it as far ahead as its slots allow; without (warp-specialized pipelines, whose compute
+    threads wait on every slot) every step is fetched and `use_lookahead` is refused, naming `api`.
 
     Raises:
       ValueError: non-positive static grid sizes, max_concurrent_steps < 1, delay_release < 0, or
@@ -644,7 +679,8 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
                                 no_pipelining)
             sizes, elements = block_dimensions(bs.block_shape, name)
             ops.append(OperandPlan(name, is_input, sizes, bs.index_map, inv, slots, opts.transforms,
-                                   element_dims=elements, whole_array=whole))
+                                   element_dims=elements, whole_array=whole,
+                                   fetch_rule=_fetch_rule(name, opts, reuse_unchanged_blocks, api)))
         return tuple(ops)
 
     return PipelinePlan(grid, build(in_specs, in_names, in_options, True),

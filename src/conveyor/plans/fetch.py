@@ -1,0 +1,181 @@
+"""When a pipeline input is fetched: its fetch rule, and the cursor every executor carries.
+
+An input's blocks go round its S slots, one *distinct block* per slot: the j-th fetch lands in
+slot j % S. The fetch rule decides which steps start a new block and when it is fetched:
+- `EVERY_STEP` (warp-specialized pipelines, as upstream's GPU ones): every step is a new block;
+  step t's block is fetched while step t - L runs (L = S - delay_release, the input's lookahead).
+- `ON_CHANGE` (plain pipelines, as upstream's TPU ones): a step whose block index equals the
+  previous step's reuses that block, already in its slot: no copy, no wait. A step that changes
+  the block is fetched while step t - L runs, as above.
+- `LOOKAHEAD` (`pl.Buffered(n, use_lookahead=True)`): as ON_CHANGE, but after every body the
+  input fetches the next changed blocks as far ahead as its free slots allow, however many steps
+  away they are (upstream's `use_lookahead`): a block that changes rarely is prefetched early.
+Why it is safe: block j's first step t_j is at least S - 1 steps after the first step of block
+j - S + 1, so block j - S (the previous occupant of slot j % S) was last read at step t_j - S or
+before; ON_CHANGE fetches block j after the body of step t_j - L = t_j - S + delay_release, which
+is when EVERY_STEP would release that step's slot. LOOKAHEAD fetches block j only once the block
+read delay_release steps before the next one is older than j - S (see `after_step`).
+
+`Cursor` is what an executor carries through its step loop for one input. The functions below
+work on Python ints (the plan's `events()`, the checker and the simulator) and on traced int32
+(inside kernels, where the lookahead scan is a `lax.while_loop`); all backends share them.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple, TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from conveyor.plans.grid import Int
+
+if TYPE_CHECKING:
+    from conveyor.plans.pipeline import OperandPlan, PipelinePlan
+
+EVERY_STEP, ON_CHANGE, LOOKAHEAD = "every step", "on change", "lookahead"
+FETCH_RULES = (EVERY_STEP, ON_CHANGE, LOOKAHEAD)
+
+# fetch(step, slot): issue the copy of the input's block of `step` into `slot`.
+Fetch = Callable[[Int, Int], None]
+
+
+class Cursor(NamedTuple):
+    """Where one input stands in its schedule (a pytree, so it can be a loop carry)."""
+    reads: Int      # distinct blocks the body has read so far, this step's included
+    fetches: Int    # distinct blocks fetched so far: the next one goes to slot fetches % S
+    scanned: Int    # LOOKAHEAD: every step before it has had its block fetched (or reuses one)
+
+
+def when(cond: Any, fn: Callable[[], None], otherwise: Callable[[], None] | None = None) -> None:
+    """Run `fn` under `cond` (else `otherwise`, if given): decided at trace time when `cond` is
+    concrete, else as a branch."""
+    cond = concrete(cond)
+    if isinstance(cond, bool):
+        if cond or otherwise is not None:
+            (fn if cond else otherwise)()
+    elif otherwise is None:
+        pl.when(cond)(fn)
+    else:
+        lax.cond(cond, fn, otherwise)
+
+
+def concrete(x: Any) -> Any:
+    """A Python bool/int for a value known at trace time (e.g. an index map's jnp result on Python
+    ints), the value itself when it is traced."""
+    if isinstance(x, (bool, int)):
+        return x
+    try:
+        return x.item() if hasattr(x, "item") else x
+    except jax.errors.ConcretizationTypeError:
+        return x
+
+
+def _count(flag: Any) -> Int:
+    flag = concrete(flag)
+    return int(flag) if isinstance(flag, bool) else jnp.asarray(flag, jnp.int32)
+
+
+def _and(a: Any, b: Any) -> Any:
+    a, b = concrete(a), concrete(b)
+    if isinstance(a, bool) and isinstance(b, bool):
+        return a and b
+    if a is False or b is False:
+        return False
+    return jnp.logical_and(a, b)
+
+
+def _or(a: Any, b: Any) -> Any:
+    a, b = concrete(a), concrete(b)
+    if isinstance(a, bool) and isinstance(b, bool):
+        return a or b
+    if a is True or b is True:
+        return True
+    return jnp.logical_or(a, b)
+
+
+def _min(a: Int, b: Int) -> Int:
+    return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
+
+
+def changes_at(p: PipelinePlan, op: OperandPlan, t: Int) -> Any:
+    """Whether step t starts a new block of input `op` (one that must be fetched and waited for)."""
+    if op.invariant:
+        return concrete(t == 0)
+    if op.fetch_rule == EVERY_STEP:
+        return True
+    if isinstance(t, int):
+        return t == 0 or concrete(p.block_changes(op, t - 1))
+    return jnp.logical_or(t == 0, p.block_changes(op, jnp.maximum(t - 1, 0)))
+
+
+def read_slot(op: OperandPlan, cursor: Cursor) -> Int:
+    """The slot the body reads at the step `begin_step` returned `cursor` for."""
+    return 0 if op.invariant else (cursor.reads - 1) % op.num_slots
+
+
+def prologue(p: PipelinePlan, op: OperandPlan, fetch: Fetch) -> Cursor:
+    """Issue the fetches before step 0; the cursor step 0 starts from. With a dynamic grid each
+    fetch is predicated on its step existing."""
+    if op.fetch_rule == LOOKAHEAD and not op.invariant:
+        return _scan(p, op, Cursor(0, 0, 0), p.input_lookahead(op), fetch)
+    fetches: Int = 0
+    for t in p.prologue_steps(op):
+        go = _and(p.before_end(t), changes_at(p, op, t))
+        when(go, lambda t=t, slot=fetches % op.num_slots: fetch(t, slot))
+        fetches = fetches + _count(go)
+    return Cursor(0, fetches, 0)
+
+
+def begin_step(p: PipelinePlan, op: OperandPlan, cursor: Cursor, s: Int) -> tuple[Cursor, Any, Int]:
+    """Step s is about to run: its cursor, whether it waits for a new block, and the slot it reads."""
+    changed = changes_at(p, op, s)
+    cursor = cursor._replace(reads=cursor.reads + _count(changed))
+    return cursor, changed, read_slot(op, cursor)
+
+
+def after_step(p: PipelinePlan, op: OperandPlan, cursor: Cursor, s: Int, fetch: Fetch) -> Cursor:
+    """The body of step s is done: issue this input's next fetches; the cursor for step s + 1."""
+    if op.invariant:
+        return cursor
+    n = p.num_steps
+    if op.fetch_rule == LOOKAHEAD:
+        # The block step s + 1 reads (index `held`; after the last step, none is held) and every
+        # later one are kept; with delay_release d the last d steps' blocks are kept too, and those
+        # are at most d blocks older. A fetch may reuse the slot of any block older than that.
+        nxt = s + 1
+        held = cursor.reads - 1 + _count(_or(nxt >= n, changes_at(p, op, _min(nxt, n - 1))))
+        return _scan(p, op, cursor, held - p.delay_release + op.num_slots, fetch)
+    t = p.fetch_step(op, s)
+    clamped = _min(t, n - 1)
+    go = _and(t < n, changes_at(p, op, clamped))
+    when(go, lambda: fetch(clamped, cursor.fetches % op.num_slots))
+    return cursor._replace(fetches=cursor.fetches + _count(go))
+
+
+def _scan(p: PipelinePlan, op: OperandPlan, cursor: Cursor, limit: Int, fetch: Fetch) -> Cursor:
+    """LOOKAHEAD: walk the steps not yet scanned, fetching each new block, while fewer than
+    `limit` blocks were fetched and steps remain (a Python loop when everything is concrete)."""
+    n = p.num_steps
+
+    def go_on(c: Cursor) -> Any:
+        return _and(c.scanned < n, c.fetches < limit)
+
+    def visit(c: Cursor) -> Cursor:
+        changed = changes_at(p, op, c.scanned)
+        when(changed, lambda: fetch(c.scanned, c.fetches % op.num_slots))
+        return Cursor(c.reads, c.fetches + _count(changed), c.scanned + 1)
+
+    if all(isinstance(concrete(x), int) for x in (*cursor, limit, n)):
+        while go_on(cursor):
+            cursor = visit(cursor)
+        return cursor
+    cursor = Cursor(*(jnp.asarray(x, jnp.int32) for x in cursor))
+    return lax.while_loop(lambda c: jnp.asarray(go_on(c)), visit, cursor)
+
+
+def as_carry(cursor: Cursor) -> Cursor:
+    """The cursor as int32 scalars, for a traced loop's carry."""
+    return Cursor(*(jnp.asarray(x, jnp.int32) for x in cursor))
