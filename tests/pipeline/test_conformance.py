@@ -30,6 +30,9 @@ W = cv.BlockSpec(B, lambda i, k: (k, 0))
 BIAS = cv.BlockSpec(B, lambda i, k: (0, 0))
 OUT = cv.BlockSpec(B, lambda i, k: (i, 0))          # revisited over k: written back when i changes
 OUT_EACH = cv.BlockSpec(B, lambda i, k: (i, k))     # a new block every step
+ROW = cv.BlockSpec(B, lambda i, k: (i, 0))          # an input reused across k: fetched when i changes
+REVISIT = cv.BlockSpec(B, lambda i, k: (k % 2, 0))  # blocks 0 1 0 | 0 1 0 ...: block 0 comes back
+AHEAD = pl.BlockSpec(B, lambda i, k: (i, 0), pipeline_mode=pl.Buffered(2, use_lookahead=True))
 
 # name -> (grid, in_specs, out_specs, max_concurrent_steps, delay_release)
 CONFIGS = {
@@ -39,6 +42,9 @@ CONFIGS = {
     "four slots, delay 2": ((2, 4), [X], [OUT_EACH], 4, 2),
     "own buffer counts": ((2, 3), [pl.BlockSpec(B, lambda i, k: (i, k), pipeline_mode=pl.Buffered(3)), W],
                           [pl.BlockSpec(B, lambda i, k: (i, 0), pipeline_mode=pl.Buffered(1))], 2, 0),
+    "unchanged blocks reused": ((3, 3), [ROW, REVISIT, X], [OUT_EACH], 2, 0),
+    "lookahead": ((4, 3), [AHEAD, pl.BlockSpec(B, lambda i, k: (k % 2, 0),
+                                                pipeline_mode=pl.Buffered(3, use_lookahead=True))], [OUT], 3, 1),
 }
 
 
@@ -54,6 +60,7 @@ def _run(backend, grid, in_specs, out_specs, mcs, delay):
                          delay_release=delay)(*refs)
     rng = np.random.default_rng(0)
     shapes = {id(X): (grid[0] * 8, grid[1] * 128), id(W): (grid[1] * 8, 128), id(BIAS): B,
+              id(ROW): (grid[0] * 8, 128), id(REVISIT): (16, 128), id(AHEAD): (grid[0] * 8, 128),
               id(OUT): (grid[0] * 8, 128), id(OUT_EACH): (grid[0] * 8, grid[1] * 128)}
     args = [jnp.asarray(rng.standard_normal(shapes.get(id(s), (grid[0] * 8, grid[1] * 128))), jnp.float32)
             for s in in_specs]

@@ -13,8 +13,8 @@ slot j % S. The fetch rule decides which steps start a new block and when it is 
 Why it is safe: block j's first step t_j is at least S - 1 steps after the first step of block
 j - S + 1, so block j - S (the previous occupant of slot j % S) was last read at step t_j - S or
 before; ON_CHANGE fetches block j after the body of step t_j - L = t_j - S + delay_release, which
-is when EVERY_STEP would release that step's slot. LOOKAHEAD fetches block j only once the block
-read delay_release steps before the next one is older than j - S (see `after_step`).
+is when EVERY_STEP would release that step's slot. LOOKAHEAD fetches block j once block j - S is
+done: its last step r ran, and so did step r + delay_release (the body's reads end by then).
 
 `Cursor` is what an executor carries through its step loop for one input. The functions below
 work on Python ints (the plan's `events()`, the checker and the simulator) and on traced int32
@@ -47,6 +47,7 @@ class Cursor(NamedTuple):
     reads: Int      # distinct blocks the body has read so far, this step's included
     fetches: Int    # distinct blocks fetched so far: the next one goes to slot fetches % S
     scanned: Int    # LOOKAHEAD: every step before it has had its block fetched (or reuses one)
+    done: Int       # LOOKAHEAD: distinct blocks no step will read again (their slots are free)
 
 
 def when(cond: Any, fn: Callable[[], None], otherwise: Callable[[], None] | None = None) -> None:
@@ -87,17 +88,12 @@ def _and(a: Any, b: Any) -> Any:
     return jnp.logical_and(a, b)
 
 
-def _or(a: Any, b: Any) -> Any:
-    a, b = concrete(a), concrete(b)
-    if isinstance(a, bool) and isinstance(b, bool):
-        return a or b
-    if a is True or b is True:
-        return True
-    return jnp.logical_or(a, b)
-
-
 def _min(a: Int, b: Int) -> Int:
     return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
+
+
+def _max(a: Int, b: Int) -> Int:
+    return max(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.maximum(a, b)
 
 
 def changes_at(p: PipelinePlan, op: OperandPlan, t: Int) -> Any:
@@ -120,13 +116,13 @@ def prologue(p: PipelinePlan, op: OperandPlan, fetch: Fetch) -> Cursor:
     """Issue the fetches before step 0; the cursor step 0 starts from. With a dynamic grid each
     fetch is predicated on its step existing."""
     if op.fetch_rule == LOOKAHEAD and not op.invariant:
-        return _scan(p, op, Cursor(0, 0, 0), p.input_lookahead(op), fetch)
+        return _scan(p, op, Cursor(0, 0, 0, 0), op.num_slots, fetch)  # every slot is free
     fetches: Int = 0
     for t in p.prologue_steps(op):
         go = _and(p.before_end(t), changes_at(p, op, t))
         when(go, lambda t=t, slot=fetches % op.num_slots: fetch(t, slot))
         fetches = fetches + _count(go)
-    return Cursor(0, fetches, 0)
+    return Cursor(0, fetches, 0, 0)
 
 
 def begin_step(p: PipelinePlan, op: OperandPlan, cursor: Cursor, s: Int) -> tuple[Cursor, Any, Int]:
@@ -142,12 +138,12 @@ def after_step(p: PipelinePlan, op: OperandPlan, cursor: Cursor, s: Int, fetch: 
         return cursor
     n = p.num_steps
     if op.fetch_rule == LOOKAHEAD:
-        # The block step s + 1 reads (index `held`; after the last step, none is held) and every
-        # later one are kept; with delay_release d the last d steps' blocks are kept too, and those
-        # are at most d blocks older. A fetch may reuse the slot of any block older than that.
-        nxt = s + 1
-        held = cursor.reads - 1 + _count(_or(nxt >= n, changes_at(p, op, _min(nxt, n - 1))))
-        return _scan(p, op, cursor, held - p.delay_release + op.num_slots, fetch)
+        # Step r = s - delay_release has finished reading; if its block changes after it, that
+        # block is done (blocks end in order, so a count suffices), and its slot may be refilled.
+        r = s - p.delay_release
+        ended = _and(r >= 0, p.block_changes(op, _max(r, 0)))
+        cursor = cursor._replace(done=cursor.done + _count(ended))
+        return _scan(p, op, cursor, cursor.done + op.num_slots, fetch)
     t = p.fetch_step(op, s)
     clamped = _min(t, n - 1)
     go = _and(t < n, changes_at(p, op, clamped))
@@ -166,7 +162,7 @@ def _scan(p: PipelinePlan, op: OperandPlan, cursor: Cursor, limit: Int, fetch: F
     def visit(c: Cursor) -> Cursor:
         changed = changes_at(p, op, c.scanned)
         when(changed, lambda: fetch(c.scanned, c.fetches % op.num_slots))
-        return Cursor(c.reads, c.fetches + _count(changed), c.scanned + 1)
+        return c._replace(fetches=c.fetches + _count(changed), scanned=c.scanned + 1)
 
     if all(isinstance(concrete(x), int) for x in (*cursor, limit, n)):
         while go_on(cursor):
