@@ -102,13 +102,15 @@ def test_use_lookahead_is_refused_where_it_cannot_be_honoured():
         cv.pipeline.plan(grid=(2,), out_specs=[pl.BlockSpec(B, lambda i: (i, 0),
                                                             pipeline_mode=pl.Buffered(2, use_lookahead=True))])
     with pytest.raises(NotImplementedError, match=r"in\[0\]: pl.Buffered\(use_lookahead=True\) is not supported "
-                                                  r"by emit_pipeline_warp_specialized"):
+                                                  r"by warp-specialized pipelines"):
         cv.emit_pipeline_warp_specialized(lambda *a: None, grid=GRID, memory_registers=40, wg_axis="wg",
                                           num_compute_wgs=1, in_specs=[_spec("per row", 2, True)],
                                           max_concurrent_steps=2)
     wp = cv.emit_pipeline_warp_specialized(lambda *a: None, grid=GRID, memory_registers=40, wg_axis="wg",
                                            num_compute_wgs=1, in_specs=[_spec("per row")], max_concurrent_steps=2)
     assert wp.plan.pipeline.inputs[0].fetch_rule == fetch.EVERY_STEP
+    with pytest.raises(ValueError, match=r"in\[0\]: .*use_lookahead=True.*reuse_unchanged_blocks=False"):
+        cv.pipeline.plan(grid=GRID, in_specs=[_spec("per row", 2, True)], reuse_unchanged_blocks=False)
 
 
 def _interpret(backend):

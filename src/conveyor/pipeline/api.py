@@ -246,8 +246,7 @@ def emit_pipeline_warp_specialized(
         raise ValueError("compute_context: expected a function of eval_pipeline, and not together with "
                          "carry_coroutine (both would own the compute threads' carry)")
     p = plan_lib.plan(grid=grid, in_specs=in_specs, out_specs=out_specs,
-                      max_concurrent_steps=max_concurrent_steps, delay_release=delay_release,
-                      reuse_unchanged_blocks=False, api="emit_pipeline_warp_specialized")
+                      max_concurrent_steps=max_concurrent_steps, delay_release=delay_release)
     uneven = [op.name for op in p.inputs if not op.invariant and op.num_slots != p.max_concurrent_steps]
     if uneven:
         raise NotImplementedError(f"emit_pipeline_warp_specialized: per-input buffering ({', '.join(uneven)}: a "

@@ -580,11 +580,12 @@ def _slot_count(name: str, is_input: bool, invariant: bool, count: int | None, m
     return slots
 
 
-def _fetch_rule(name: str, options: PallasOptions, reuse_unchanged_blocks: bool, api: str) -> str:
+def _fetch_rule(name: str, options: PallasOptions, reuse_unchanged_blocks: bool) -> str:
+    if not isinstance(reuse_unchanged_blocks, bool):
+        raise ValueError(f"reuse_unchanged_blocks: expected a bool, got {reuse_unchanged_blocks!r}")
     if options.use_lookahead and not reuse_unchanged_blocks:
-        raise NotImplementedError(f"{name}: pl.Buffered(use_lookahead=True) is not supported by {api}: its compute "
-                                  f"threads wait for a copy at every step, so every step is fetched; drop "
-                                  f"use_lookahead (cv.emit_pipeline supports it)")
+        raise ValueError(f"{name}: pl.Buffered(use_lookahead=True) fetches only the blocks that change, which "
+                         f"reuse_unchanged_blocks=False forbids; drop one of them")
     if options.use_lookahead:
         return fetch_lib.LOOKAHEAD
     return fetch_lib.ON_CHANGE if reuse_unchanged_blocks else fetch_lib.EVERY_STEP
@@ -607,8 +608,7 @@ def _grid_size(size: Any, grid: tuple) -> Int:
 
 def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequence[Any] = (),
          max_concurrent_steps: int = 1, delay_release: int = 0, no_pipelining: bool = False,
-         dimension_semantics: Sequence[Any] | None = None, reuse_unchanged_blocks: bool = True,
-         api: str = "emit_pipeline") -> PipelinePlan:
+         dimension_semantics: Sequence[Any] | None = None, reuse_unchanged_blocks: bool = True) -> PipelinePlan:
     """Build the pipeline plan (see the module docstring for the schedule it encodes).
 
     `grid` may mix static ints with dynamic sizes (integer scalars traced inside the kernel; see
@@ -624,10 +624,10 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
     in flight while a body runs.
     `dimension_semantics`: "parallel" / "arbitrary" per grid dimension (or Pallas TPU's
     `pltpu.PARALLEL` / `pltpu.ARBITRARY`); it decides which dimension `for_core` cuts.
-    Fetch rules (`conveyor.plans.fetch`): with `reuse_unchanged_blocks` (plain pipelines) an input
-    is fetched only at steps that change its block, and `pl.Buffered(n, use_lookahead=True)`
-    fetches it as far ahead as its slots allow; without (warp-specialized pipelines, whose compute
-    threads wait on every slot) every step is fetched and `use_lookahead` is refused, naming `api`.
+    Fetch rules (`conveyor.plans.fetch`): with `reuse_unchanged_blocks` (the default) an input is
+    fetched only at steps that change its block, and `pl.Buffered(n, use_lookahead=True)` fetches
+    it as far ahead as its slots allow; without, every step is fetched (as a warp-specialized
+    pipeline does: `WarpSpecializedPlan` sets that rule itself).
 
     Raises:
       ValueError: non-positive static grid sizes, max_concurrent_steps < 1, delay_release < 0, or
@@ -680,7 +680,7 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
             sizes, elements = block_dimensions(bs.block_shape, name)
             ops.append(OperandPlan(name, is_input, sizes, bs.index_map, inv, slots, opts.transforms,
                                    element_dims=elements, whole_array=whole,
-                                   fetch_rule=_fetch_rule(name, opts, reuse_unchanged_blocks, api)))
+                                   fetch_rule=_fetch_rule(name, opts, reuse_unchanged_blocks)))
         return tuple(ops)
 
     return PipelinePlan(grid, build(in_specs, in_names, in_options, True),

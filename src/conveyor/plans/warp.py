@@ -25,6 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from conveyor.plans.grid import Int
+from conveyor.plans import fetch
 from conveyor.plans.pipeline import PipelinePlan
 from conveyor.plans.program import Action, check_in_flight_steps, Copy, Counter, Program, Read, Signal, Wait, program
 
@@ -41,6 +42,19 @@ class PipelineState(enum.IntEnum):
     START = 0
     STEADY = 1
     STOP = 2
+
+
+def _every_step(p: PipelinePlan) -> PipelinePlan:
+    """The pipeline with every input fetched at every step: the compute threads wait on a slot's
+    barrier at every step, so no block is reused in place (`conveyor.plans.fetch`). Lookahead
+    inputs are refused by name."""
+    ahead = [op.name for op in p.inputs if op.fetch_rule == fetch.LOOKAHEAD]
+    if ahead:
+        raise NotImplementedError(f"{', '.join(ahead)}: pl.Buffered(use_lookahead=True) is not supported by "
+                                  f"warp-specialized pipelines: their compute threads wait for a copy at every step, "
+                                  f"so every step is fetched; drop use_lookahead (cv.emit_pipeline supports it)")
+    inputs = tuple(dataclasses.replace(op, fetch_rule=fetch.EVERY_STEP) for op in p.inputs)
+    return p if inputs == p.inputs else dataclasses.replace(p, inputs=inputs)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,6 +78,7 @@ class WarpSpecializedPlan:
         idx = check_options(memory_registers=self.memory_registers, num_compute_wgs=self.num_compute_wgs,
                             wg_axis=self.wg_axis, memory_thread_idx=self.memory_thread_idx)
         object.__setattr__(self, "memory_thread_idx", idx)
+        object.__setattr__(self, "pipeline", _every_step(self.pipeline))
         for option in ("manual_consumed_barriers", "manual_produced_barriers"):
             if not isinstance(getattr(self, option), bool):
                 raise ValueError(f"{option}: expected a bool, got {getattr(self, option)!r}")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pathlib
 import sys
 
+from jax.experimental import pallas as pl
+
 from conveyor.plans.pipeline import BlockSpec, plan
 from conveyor.plans.warp import WarpSpecializedPlan
 from conveyor.sim.simulate import simulate, simulate_collective_matmul
@@ -21,6 +23,20 @@ def _matmul_plan(stages: int, delay_release: int = 0, steps: int = 16):
 
 
 FLOPS = 2 * 128 * 128 * 64
+
+
+def _experts_plan(rule: str):
+    """A grouped matmul's inner loop: 4 experts x 4 row tiles of 32 rows; x changes every step, an
+    expert's (256, 128) bf16 weights every 4 steps. `rule`: "every step" (as warp-specialized
+    pipelines fetch), "on change" (plain pipelines) or "lookahead" (`pl.Buffered(2, use_lookahead=True)`)."""
+    mode = pl.Buffered(2, use_lookahead=rule == "lookahead")
+    return plan(grid=(4, 4), in_specs=[BlockSpec((32, 256), lambda e, i: (e * 4 + i, 0)),
+                                       pl.BlockSpec((256, 128), lambda e, i: (e, 0), pipeline_mode=mode)],
+                out_specs=[BlockSpec((32, 128), lambda e, i: (e * 4 + i, 0))], max_concurrent_steps=2,
+                reuse_unchanged_blocks=rule != "every step")
+
+
+EXPERT_FLOPS = 2 * 32 * 256 * 128
 
 
 def figures() -> dict[str, tuple]:
@@ -40,6 +56,19 @@ def figures() -> dict[str, tuple]:
     alone = sum(simulate(wp, "h100", flops_per_step=FLOPS).time_us for wp in chain)
     out["chained-pipelines"] = (r, f"3 warp-specialized pipelines chained (START, STEADY, STOP): {r.time_us:.1f} us; "
                                    f"one after another, each alone: {alone:.1f} us")
+    times = {rule: simulate(_experts_plan(rule), "h100", flops_per_step=EXPERT_FLOPS)
+             for rule in ("every step", "on change", "lookahead")}
+    out["lookahead"] = (times["lookahead"], "expert weights with use_lookahead: {:.1f} us; fetched on change: {:.1f} us; "
+                                            "every step: {:.1f} us".format(*(times[r].time_us for r in
+                                                                             ("lookahead", "on change", "every step"))))
+    whole = plan(grid=(4, 8), in_specs=[BlockSpec((128, 64), lambda i, k: (i, k)),
+                                        BlockSpec((64, 128), lambda i, k: (k, 0))],
+                 out_specs=[BlockSpec((128, 128), lambda i, k: (i, 0))], max_concurrent_steps=2,
+                 dimension_semantics=("parallel", "arbitrary"))
+    one = simulate(whole, "v5p", flops_per_step=FLOPS, active_cores=1)
+    half = simulate(whole.for_core(0, 2), "v5p", flops_per_step=FLOPS, active_cores=2)
+    out["megacore"] = (half, f"megacore on TPU v5p: TensorCore 0 of 2 runs rows 0-1 of 4: {half.time_us:.1f} us; "
+                             f"one core running all 4 rows: {one.time_us:.1f} us")
     for bidi in (False, True):
         r = simulate_collective_matmul("all_gather_matmul", 1024, 2048, 1024, 8, hardware="v5e", bidirectional=bidi)
         out["ring-" + ("bidirectional" if bidi else "unidirectional")] = (
