@@ -169,3 +169,19 @@ def test_lookahead_exports_for_hardware(backend, platform):
         f = jax.jit(cv.kernel(_kernel(_spec("every other row", 2, True), 2, 0, dynamic), x, backend=backend,
                               grid=(1,)))
         assert jax.export.export(f, platforms=[platform])(x, w).platforms == (platform,)
+
+
+def test_a_block_changing_at_every_step_needs_no_test_in_the_kernel():
+    """With a static grid and a map that changes the block at every step, no per-step branch is
+    traced (what keeps small-block pipelines as fast as before on XLA:CPU)."""
+    assert fetch.changes_every_step(_plan("every step"), _plan("every step").inputs[0])
+    for pattern in ("per row", "revisits"):
+        assert not fetch.changes_every_step(_plan(pattern), _plan(pattern).inputs[0])
+    dynamic = cv.pipeline.plan(grid=(jnp.int32(4), 3), in_specs=[_spec("every step")])
+    assert not fetch.changes_every_step(dynamic, dynamic.inputs[0])   # unknown: tested per step
+
+    def conds(pattern):
+        f = cv.kernel(_kernel(_spec(pattern), 2, 0, False), jax.ShapeDtypeStruct((32, 384), jnp.float32), grid=(1,))
+        with cv.pipeline.checked_schedule(False):  # the fast path (the checked one poisons slots in branches)
+            return str(jax.make_jaxpr(f)(jnp.zeros((32, 384)), jnp.zeros((96, 128)))).count("cond[")
+    assert conds("every step") == 0 < conds("per row")

@@ -22,6 +22,7 @@ work on Python ints (the plan's `events()`, the checker and the simulator) and o
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, TYPE_CHECKING
 
@@ -88,6 +89,34 @@ def _and(a: Any, b: Any) -> Any:
     return jnp.logical_and(a, b)
 
 
+# Above this many steps, `changes_every_step` does not enumerate the grid (it would slow tracing).
+ENUMERATED_STEPS = 4096
+
+
+def changes_every_step(p: PipelinePlan, op: OperandPlan) -> bool:
+    """True when the grid is static and the index map, evaluated at every step, gives each step a
+    block different from the previous step's: then no step can reuse a block, and the executors
+    need no per-step test (no branch in the kernel). False when unknown (a map reading kernel
+    values, a dynamic or very long grid)."""
+    if not p.is_static or p.num_steps > ENUMERATED_STEPS:
+        return False
+    return _changes_every_step(p, op.index_map)
+
+
+@functools.lru_cache(maxsize=256)
+def _changes_every_step(p: PipelinePlan, index_map: Callable) -> bool:
+    previous = None
+    for t in range(p.num_steps):
+        try:
+            block = tuple(concrete(x) for x in p.block_indices_of(index_map, t))
+        except Exception:  # noqa: BLE001  unknown here; the executors' own calls report a faulty map
+            return False
+        if not all(isinstance(x, int) for x in block) or block == previous:
+            return False
+        previous = block
+    return True
+
+
 def _min(a: Int, b: Int) -> Int:
     return min(a, b) if isinstance(a, int) and isinstance(b, int) else jnp.minimum(a, b)
 
@@ -100,7 +129,7 @@ def changes_at(p: PipelinePlan, op: OperandPlan, t: Int) -> Any:
     """Whether step t starts a new block of input `op` (one that must be fetched and waited for)."""
     if op.invariant:
         return concrete(t == 0)
-    if op.fetch_rule == EVERY_STEP:
+    if op.fetch_rule == EVERY_STEP or changes_every_step(p, op):
         return True
     if isinstance(t, int):
         return t == 0 or concrete(p.block_changes(op, t - 1))

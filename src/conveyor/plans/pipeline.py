@@ -385,12 +385,16 @@ class PipelinePlan:
         return tuple(i + o for i, o in zip(indices, self.grid_offsets))
 
     def block_indices(self, op: OperandPlan, step: Int) -> tuple[Int, ...]:
-        out = op.index_map(*self.grid_indices(step))
-        out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        out = self.block_indices_of(op.index_map, step)
         if len(out) != len(op.block_shape):
             raise ValueError(f"{op.name}: index_map returned {len(out)} indices for a "
                              f"{len(op.block_shape)}-d block_shape {op.block_shape}")
         return out
+
+    def block_indices_of(self, index_map: Callable, step: Int) -> tuple[Int, ...]:
+        """`index_map` at `step`'s grid indices, as a tuple."""
+        out = index_map(*self.grid_indices(step))
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
     def offsets(self, op: OperandPlan, step: Int) -> tuple[Int, ...]:
         """Element offsets of the operand's block at `step`."""
