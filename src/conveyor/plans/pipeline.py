@@ -133,7 +133,8 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
     refuse, by name, every other field that is set: none is silently ignored.
 
     Honoured: `delay_release` of an input (the pipeline's delay becomes the largest asked, which
-    is never less safe), `pipeline_mode=pl.Buffered(n)` (the operand's slot count, see `plan`),
+    is never less safe), `pipeline_mode=pl.Buffered(n, use_lookahead=...)` (the operand's slot count, see
+    `plan`, and an input's lookahead, see `conveyor.plans.fetch`),
     `oob_fill_mode` ZEROS (the out-of-bounds rule every backend follows), `transforms` (see
     `OperandPlan`). Refused: `memory_space` (blocks always go to the backend's on-chip memory),
     `collective_axes`, other Buffered options, and any field this version does not know."""
@@ -402,7 +403,9 @@ class PipelinePlan:
                      for d, (i, size) in enumerate(zip(self.block_indices(op, step), op.block_dims)))
 
     def slot(self, op: OperandPlan, step: Int) -> Int:
-        """The buffer slot the body uses for `op` at `step` (outputs: see `output_slot`)."""
+        """The buffer slot the body uses for input `op` at `step` under the every-step fetch rule
+        (warp-specialized pipelines); the other rules count blocks, not steps
+        (`conveyor.plans.fetch.read_slot`). Outputs: see `output_slot`."""
         return 0 if op.invariant else step % op.num_slots
 
     def input_lookahead(self, op: OperandPlan) -> int:
@@ -418,7 +421,8 @@ class PipelinePlan:
 
     def fetch_step(self, op: OperandPlan, step: Int) -> Int:
         """The step whose block of input `op` is fetched while `step` runs (may be >= num_steps:
-        none), into the slot step `step - delay_release` used."""
+        none); under the every-step rule into the slot step `step - delay_release` used, under the
+        on-change rule only if that step changes the block (`conveyor.plans.fetch`)."""
         return step + self.input_lookahead(op)
 
     def fetch_at(self, step: Int) -> Int:
