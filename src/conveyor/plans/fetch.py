@@ -22,7 +22,6 @@ work on Python ints (the plan's `events()`, the checker and the simulator) and o
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple, TYPE_CHECKING
 
@@ -37,7 +36,6 @@ if TYPE_CHECKING:
     from conveyor.plans.pipeline import OperandPlan, PipelinePlan
 
 EVERY_STEP, ON_CHANGE, LOOKAHEAD = "every step", "on change", "lookahead"
-FETCH_RULES = (EVERY_STEP, ON_CHANGE, LOOKAHEAD)
 
 # fetch(step, slot): issue the copy of the input's block of `step` into `slot`.
 Fetch = Callable[[Int, Int], None]
@@ -97,18 +95,18 @@ def changes_every_step(p: PipelinePlan, op: OperandPlan) -> bool:
     """True when the grid is static and the index map, evaluated at every step, gives each step a
     block different from the previous step's: then no step can reuse a block, and the executors
     need no per-step test (no branch in the kernel). False when unknown (a map reading kernel
-    values, a dynamic or very long grid)."""
+    values, a dynamic or very long grid). Found once per plan (`PipelinePlan.inputs_changing_every_step`)."""
+    return op.name in p.inputs_changing_every_step
+
+
+def enumerate_changes(p: PipelinePlan, op: OperandPlan) -> bool:
+    """`changes_every_step`, computed: the index map at every step of the grid."""
     if not p.is_static or p.num_steps > ENUMERATED_STEPS:
         return False
-    return _changes_every_step(p, op.index_map)
-
-
-@functools.lru_cache(maxsize=256)
-def _changes_every_step(p: PipelinePlan, index_map: Callable) -> bool:
     previous = None
     for t in range(p.num_steps):
         try:
-            block = tuple(concrete(x) for x in p.block_indices_of(index_map, t))
+            block = tuple(concrete(x) for x in p.block_indices_of(op.index_map, t))
         except Exception:  # noqa: BLE001  unknown here; the executors' own calls report a faulty map
             return False
         if not all(isinstance(x, int) for x in block) or block == previous:

@@ -21,6 +21,7 @@ Index-invariant outputs are written once, at the end.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -301,6 +302,12 @@ class PipelinePlan:
     @property
     def num_steps(self) -> Int:
         return math.prod(self.grid)
+
+    @functools.cached_property
+    def inputs_changing_every_step(self) -> frozenset[str]:
+        """The inputs whose block changes at every step of this (static) grid: they need no
+        per-step test (`conveyor.plans.fetch.changes_every_step`). Computed once per plan."""
+        return frozenset(op.name for op in self.inputs if not op.invariant and fetch_lib.enumerate_changes(self, op))
 
     @property
     def is_static(self) -> bool:
