@@ -36,6 +36,9 @@ class KernelContext:
     thread_index: int | None = None  # xla: the (static) thread being traced; None elsewhere
     grid: tuple[int, ...] = ()
     program_ids: tuple[Any, ...] = ()  # xla: the traced grid point being run
+    # Trace-time record of pipeline prefetches not yet consumed, by the id of each allocation ref
+    # they fill (`emit_pipeline(...).prefetch`); shared by every point and thread of one kernel.
+    pending_prefetches: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
 
 GRID_NAMES = ("_cv_grid0", "_cv_grid1", "_cv_grid2")  # Mosaic GPU names the CTA grid axes

@@ -177,11 +177,12 @@ def test_dimension_semantics_validated():
 
 
 def test_upstream_tpu_call_options_are_refused_by_name():
-    """Upstream TPU's pipeline takes allocations / first_cycle / prefetch... at the call: Conveyor's
-    plain pipeline refuses them by name instead of failing with a TypeError or ignoring them."""
+    """Older upstream TPU pipelines took first_cycle / init_accumulators / postyeet... at the call:
+    Conveyor's plain pipeline (which takes allocations=, scratches=, prefetched=) refuses them by
+    name instead of failing with a TypeError or ignoring them."""
     spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
     run = cv.emit_pipeline(lambda idx, x, o: o.__setitem__(..., x[...]), grid=(2,), in_specs=[spec], out_specs=[spec])
     x = jnp.ones((16, 128), jnp.float32)
-    with pytest.raises(NotImplementedError, match=r"allocations=, first_cycle=\): not supported"):
-        cv.kernel(lambda x_ref, o_ref: run(x_ref, o_ref, allocations=None, first_cycle=True),
+    with pytest.raises(NotImplementedError, match=r"first_cycle=, init_accumulators=\): not supported"):
+        cv.kernel(lambda x_ref, o_ref: run(x_ref, o_ref, allocations={}, first_cycle=True, init_accumulators=False),
                   jax.ShapeDtypeStruct(x.shape, x.dtype))(x)

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -20,10 +21,21 @@ def _check_shapes(p: plan_lib.PipelinePlan, refs):
             raise ValueError(f"{op.name}: block_shape {op.block_shape} has {len(op.block_shape)} dims, "
                              f"the ref has shape {tuple(ref.shape)}")
         for d, (b, s) in enumerate(zip(op.block_dims, ref.shape)):
-            if s % b and d not in op.element_dims:  # an Element window starts at any offset
+            if d in op.bounded_dims and b > s:
+                raise ValueError(f"{op.name}: pl.BoundedSlice({b}) in dimension {d} is larger than the array "
+                                 f"({tuple(ref.shape)}); its windows could never fill a slot")
+            if s % b and d not in op.element_dims + op.bounded_dims:  # those windows start at any offset
                 raise ValueError(f"{op.name}: block_shape {op.block_shape} does not divide the array shape "
                                  f"{tuple(ref.shape)} (dimension {d}: {s} % {b} != 0); pad the array or "
                                  f"choose a dividing block")
+
+
+def _refuse_bounded_windows_on_gpu(p: plan_lib.PipelinePlan) -> None:
+    bounded = [op.name for op in p.inputs + p.outputs if op.bounded_dims]
+    if bounded:
+        raise NotImplementedError(f"pl.BoundedSlice windows ({', '.join(bounded)}) on mosaic_gpu: a TMA copy's box "
+                                  f"has a static size, so a window whose size varies per step cannot be copied; "
+                                  f"use a fixed block (pl.Element offsets) and mask the rows in the body")
 
 
 def _check_tpu_tiling(p: plan_lib.PipelinePlan, refs):
@@ -111,6 +123,82 @@ def _core_info(core_axis: Any, core_axis_name: Any, ctx) -> tuple[int, Any] | No
     return None
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class PrefetchedBlocks:
+    """What `run.prefetch(*refs, allocations=a)` issued: the first blocks of `pipeline`'s inputs,
+    in flight into `a`. Hand it to that pipeline once, on the same allocations
+    (`run(*refs, allocations=a, prefetched=...)`): it then waits for these copies instead of
+    issuing its prologue. `claimed` records (at trace time) that it was handed over."""
+    pipeline: Callable[..., Any]
+    allocations: dict
+    claimed: list = dataclasses.field(default_factory=list)
+
+
+def _leaf_ids(allocations: Any) -> list[int]:
+    return [id(leaf) for leaf in jax.tree_util.tree_leaves(allocations)]
+
+
+def _pending(ctx, allocations: Any, run: Callable[..., Any], prefetched: Any) -> None:
+    """Refuse a pipeline on allocations that a prefetch is filling for a later call: its copies
+    would land in slots this pipeline uses (a race). Record a new prefetch (`run` is None) or
+    retire the one this call consumes."""
+    stray = [ctx.pending_prefetches[k] for k in _leaf_ids(allocations)
+             if k in ctx.pending_prefetches and ctx.pending_prefetches[k] is not prefetched]
+    if stray:
+        raise ValueError("allocations: a prefetch is filling these allocations for a later call of its pipeline; "
+                         "a pipeline (or another prefetch) on them now would race with its copies. Give the "
+                         "prefetched pipeline its own allocations, or consume the prefetch first")
+    for k in _leaf_ids(allocations):
+        if run is None:
+            ctx.pending_prefetches[k] = prefetched
+        else:
+            ctx.pending_prefetches.pop(k, None)
+
+
+def _claim(prefetched: Any, run: Callable[..., Any], allocations: dict | None) -> None:
+    """A prefetch is consumed by the pipeline it was issued for, on its allocations, once: any
+    other use would wait for copies nobody started (a hang on TPU)."""
+    if not isinstance(prefetched, PrefetchedBlocks):
+        raise TypeError(f"prefetched: expected what run.prefetch(...) returned, got {prefetched!r}")
+    if prefetched.pipeline is not run:
+        raise ValueError("prefetched: these blocks were prefetched for another pipeline (run.prefetch of a "
+                         "different emit_pipeline); each pipeline waits only for its own prologue")
+    given = jax.tree_util.tree_leaves(allocations)
+    issued = jax.tree_util.tree_leaves(prefetched.allocations)
+    if allocations is None or len(given) != len(issued) or any(a is not b for a, b in zip(given, issued)):
+        raise ValueError("prefetched: the pipeline must run on the allocations its prefetch filled "
+                         "(run(*refs, allocations=a, prefetched=run.prefetch(*refs, allocations=a)))")
+    if prefetched.claimed:
+        raise ValueError("prefetched: this prefetch was already consumed by an earlier call of the pipeline; "
+                         "prefetch again before each call")
+    prefetched.claimed.append(True)
+
+
+def _refuse_gpu_allocations(what: str) -> NoReturn:
+    raise NotImplementedError(
+        f"emit_pipeline(...) {what} on mosaic_gpu: caller-owned allocations and prefetch of a plain pipeline are "
+        f"implemented on xla and mosaic_tpu; on GPU, chain cv.emit_pipeline_warp_specialized pipelines "
+        f"(pipeline_state=, allocations=)")
+
+
+def _check_caller_allocations(ctx, allocations: Any) -> None:
+    if ctx.backend == "xla" and allocations != {}:
+        raise ValueError(f"allocations: on xla a pipeline has no on-chip memory; pass what get_allocations gives "
+                         f"there ({{}}), got {allocations!r}")
+
+
+def _with_scratches(body: Callable[..., Any], scratches: Sequence[Any], n_operands: int) -> Callable[..., Any]:
+    """Upstream's `scratches=`: refs handed to every step after the operands' blocks (before a carry)."""
+    if not isinstance(scratches, (tuple, list)):
+        raise ValueError(f"scratches: expected a tuple or list of refs for the body, got {scratches!r}")
+    if not scratches:
+        return body
+
+    def with_scratches(indices, *args):
+        return body(indices, *args[:n_operands], *scratches, *args[n_operands:])
+    return with_scratches
+
+
 def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Sequence[Any] = (),
                   out_specs: Sequence[Any] = (), max_concurrent_steps: int = 1, delay_release: int = 0,
                   init_carry: Any = None, no_pipelining: bool = False,
@@ -140,40 +228,110 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
     `dimension_semantics=("parallel", ...)` for its grid axis so that Mosaic TPU places the
     programs on a chip's TensorCores; xla runs them one after the other, with the same results.
     Without a core axis `dimension_semantics` is validated and changes nothing, as upstream.
+
+    The returned `run(*refs, allocations=None, scratches=(), prefetched=None)`:
+    - `scratches`: refs handed to every step after the blocks (upstream TPU's);
+    - `allocations`: the on-chip memory to run on, from `run.get_allocations(*refs)` (a dict for
+      `pl.run_scoped`, so one allocation serves several calls; `{}` on xla) or inside
+      `run.with_allocations(fn, *refs)`. `emit_pipeline_with_allocations` is upstream's spelling;
+    - `prefetched`: what `run.prefetch(*refs, allocations=a)` returned. That call issues the
+      prologue's fetches into `a` and returns at once, so they overlap whatever the kernel does
+      before the pipeline runs on `a` (e.g. the previous pipeline): the bubble before this
+      pipeline's first step goes. Until the pipeline runs, the prefetched blocks must not be
+      written (xla reads them when the pipeline runs, TPU when the prefetch is issued). One
+      prefetch per call, at the same loop level as its pipeline.
+    Both are implemented on xla and mosaic_tpu (NotImplementedError on mosaic_gpu: chain
+    warp-specialized pipelines there). Cross-kernel prefetch (upstream's
+    `pl.Buffered(prefetched_count=...)`) is refused by name.
     """
     whole = plan_lib.plan(grid=grid, in_specs=in_specs, out_specs=out_specs,
                           max_concurrent_steps=max_concurrent_steps, delay_release=delay_release,
                           no_pipelining=no_pipelining, dimension_semantics=dimension_semantics)
 
-    def run(*refs, **call_options):
-        if call_options:  # upstream TPU's call options (allocations, first_cycle, prefetch, ...)
-            raise NotImplementedError(
-                f"emit_pipeline(...)(refs, {', '.join(f'{k}=' for k in sorted(call_options))}): not supported by "
-                f"Conveyor's plain pipeline (caller-owned allocations and cross-pipeline state are implemented "
-                f"for emit_pipeline_warp_specialized: pipeline_state, allocations=); call it with the refs only")
-        ctx = current_context("emit_pipeline(...)(refs)")
+    def prepare(refs, api: str):
+        ctx = current_context(api)
         cores = _core_info(core_axis, core_axis_name, ctx)
         p = whole if cores is None else whole.for_core(cores[1], cores[0])
         p, ins, outs, passthrough = _split_refs(p, refs, "pipeline")
-        body_on_blocks = _structured_body(p, body, passthrough)
-        if ctx.backend == "xla":
-            return xla_exec.run_pipeline(p, body_on_blocks, ins, outs, init_carry, init_carry is not None)
         if ctx.backend == "mosaic_tpu":
-            from conveyor.pipeline import mosaic_tpu
             _check_tpu_tiling(p, ins + outs)
-            return mosaic_tpu.run_pipeline(p, body_on_blocks, ins, outs, init_carry, init_carry is not None)
-        if ctx.backend == "mosaic_gpu":
+        elif ctx.backend == "mosaic_gpu":
+            _refuse_bounded_windows_on_gpu(p)
             if ctx.num_threads > 1:
                 raise NotImplementedError(
                     f"emit_pipeline: a plain pipeline inside a mosaic_gpu kernel with num_threads={ctx.num_threads} "
                     f"is not supported (its shared-memory slots would have to be allocated per warpgroup): use "
                     f"cv.emit_pipeline_warp_specialized, or launch the kernel with one thread")
-            from conveyor.pipeline import mosaic_gpu
-            return mosaic_gpu.run_pipeline(p, body_on_blocks, ins, outs, init_carry, init_carry is not None)
-        raise NotImplementedError(f"emit_pipeline: backend {ctx.backend!r} is not implemented yet")
+        elif ctx.backend != "xla":
+            raise NotImplementedError(f"emit_pipeline: backend {ctx.backend!r} is not implemented yet")
+        return ctx, p, ins, outs, passthrough
+
+    def get_allocations(*refs) -> dict:
+        ctx, p, ins, outs, _ = prepare(refs, "emit_pipeline(...).get_allocations(refs)")
+        if ctx.backend == "xla":
+            return {}   # no on-chip memory: the pipeline's blocks are fresh refs
+        if ctx.backend == "mosaic_tpu":
+            from conveyor.pipeline import mosaic_tpu
+            return mosaic_tpu.allocations(p, ins, outs)
+        _refuse_gpu_allocations("get_allocations")
+
+    def with_allocations(fn: Callable[[dict], Any], *refs) -> Any:
+        allocations = get_allocations(*refs)
+        return fn(allocations) if not allocations else pl.run_scoped(fn, allocations)
+
+    def prefetch(*refs, allocations: dict) -> PrefetchedBlocks:
+        ctx, p, ins, outs, _ = prepare(refs, "emit_pipeline(...).prefetch(refs)")
+        if ctx.backend == "mosaic_gpu":
+            _refuse_gpu_allocations("prefetch")
+        _check_caller_allocations(ctx, allocations)
+        token = PrefetchedBlocks(pipeline=run, allocations=allocations)
+        _pending(ctx, allocations, None, token)
+        if ctx.backend == "mosaic_tpu":
+            from conveyor.pipeline import mosaic_tpu
+            mosaic_tpu.prefetch(p, ins, outs, allocations)
+        return token
+
+    def run(*refs, allocations: dict | None = None, scratches: Sequence[Any] = (),
+            prefetched: PrefetchedBlocks | None = None, **call_options):
+        if call_options:  # older upstream TPU call options (first_cycle, last_cycle, init_accumulators, ...)
+            raise NotImplementedError(
+                f"emit_pipeline(...)(refs, {', '.join(f'{k}=' for k in sorted(call_options))}): not supported by "
+                f"Conveyor's plain pipeline, which takes allocations=, scratches= and prefetched= (see "
+                f"run.get_allocations and run.prefetch)")
+        ctx, p, ins, outs, passthrough = prepare(refs, "emit_pipeline(...)(refs)")
+        if prefetched is not None:
+            _claim(prefetched, run, allocations)
+        if allocations is not None:
+            _check_caller_allocations(ctx, allocations)
+            _pending(ctx, allocations, run, prefetched)
+        user_body = _with_scratches(body, scratches, len(p.in_trees) + len(p.out_trees))
+        body_on_blocks = _structured_body(p, user_body, passthrough)
+        has_carry = init_carry is not None
+        if ctx.backend == "xla":
+            return xla_exec.run_pipeline(p, body_on_blocks, ins, outs, init_carry, has_carry)
+        if ctx.backend == "mosaic_tpu":
+            from conveyor.pipeline import mosaic_tpu
+            return mosaic_tpu.run_pipeline(p, body_on_blocks, ins, outs, init_carry, has_carry, allocations,
+                                           prefetched is not None)
+        if allocations is not None or prefetched is not None:
+            _refuse_gpu_allocations("allocations=" if prefetched is None else "prefetched=")
+        from conveyor.pipeline import mosaic_gpu
+        return mosaic_gpu.run_pipeline(p, body_on_blocks, ins, outs, init_carry, has_carry)
 
     run.plan = whole
+    run.get_allocations = get_allocations
+    run.with_allocations = with_allocations
+    run.prefetch = prefetch
     return run
+
+
+def emit_pipeline_with_allocations(body: Callable[..., Any], **options: Any) -> tuple[Callable[..., Any],
+                                                                                     Callable[..., dict]]:
+    """Upstream TPU's spelling: `(pipeline, make_allocations)`, i.e. `emit_pipeline(body, **options)`
+    and its `get_allocations`, whose dict `pl.run_scoped` allocates once for several calls of the
+    pipeline (`pipeline(*refs, allocations=...)`)."""
+    run = emit_pipeline(body, **options)
+    return run, run.get_allocations
 
 
 def emit_pipeline_warp_specialized(
@@ -268,6 +426,8 @@ def emit_pipeline_warp_specialized(
                              f"needs a kernel launched with num_threads={wp.num_threads}, thread_name={wg_axis!r}; "
                              f"this kernel has num_threads={ctx.num_threads}, thread_name={ctx.thread_name!r}")
         sized, ins, outs, passthrough = _split_refs(p, refs, "warp-specialized pipeline")
+        if ctx.backend == "mosaic_gpu":
+            _refuse_bounded_windows_on_gpu(sized)
         plan = wp if sized is p else dataclasses.replace(wp, pipeline=sized)
         return ctx, plan, ins, outs, passthrough
 

@@ -58,30 +58,46 @@ def issued(at: Int, kind: str, op: OperandPlan | str, slot: Int, step: Int = -1)
 
 
 def block_view(p: PipelinePlan, op: OperandPlan, ref, step):
-    """The global-memory view of `op`'s block at `step`; squeezed dims are indexed by an integer."""
-    return _view(op, ref, p.offsets(op, step))
+    """The global-memory view of `op`'s block at `step`; squeezed dims are indexed by an integer.
+    A `pl.BoundedSlice` dimension is the window the index map gives (a size possibly traced)."""
+    return _view(op, ref, p.window(op, step))
 
 
 def first_block_view(op: OperandPlan, ref):
     """The view of block (0, ..., 0): same shape as any block, always in bounds (for DMA waits,
-    which only need the size of the copy they wait for)."""
-    return _view(op, ref, (0,) * len(op.block_shape))
+    which only need the size of the copy they wait for; not for bounded windows, whose size
+    varies: wait with `block_view` of the step instead)."""
+    return _view(op, ref, tuple((0, size) for size in op.block_dims))
 
 
-def _view(op: OperandPlan, ref, offsets):
+def slot_view(p: PipelinePlan, op: OperandPlan, slot_ref, step):
+    """The part of a slot (one block) that `op`'s window at `step` fills: the whole slot, except
+    in `pl.BoundedSlice` dimensions, where it is the window's first `size` elements."""
+    if not op.bounded_dims:
+        return slot_ref
+    window = p.window(op, step)
+    idx = tuple(pl.ds(0, window[d][1]) if d in op.bounded_dims else slice(None)
+                for d, spec in enumerate(op.block_shape) if spec is not None)
+    return slot_ref.at[idx]
+
+
+def _view(op: OperandPlan, ref, window):
     idx = tuple(off if spec is None else pl.ds(off, size)
-                for off, size, spec in zip(offsets, op.block_dims, op.block_shape))
+                for (off, size), spec in zip(window, op.block_shape))
     return ref.at[idx]
 
 
 def block_in_bounds(p: PipelinePlan, op: OperandPlan, step: Int, array_shape) -> Any:
     """Whether `op`'s block at `step` lies inside an array of `array_shape` (Python bool when
-    everything is static, else a traced bool)."""
+    everything is static, else a traced bool). A bounded window must also fit its slot: a traced
+    size outside [0, block size] makes the block out of bounds."""
     ok: Any = True
-    for start, size, extent in zip(p.offsets(op, step), op.block_dims, array_shape):
-        inside = (0 <= start <= extent - size if isinstance(start, int)
-                  else jnp.logical_and(start >= 0, start <= extent - size))
-        ok = ok and inside if isinstance(ok, bool) and isinstance(inside, bool) else jnp.logical_and(ok, inside)
+    for d, ((start, size), extent) in enumerate(zip(p.window(op, step), array_shape)):
+        conditions = [start >= 0, start + size <= extent]
+        if d in op.bounded_dims:
+            conditions += [size >= 0, size <= op.block_dims[d]]
+        for inside in conditions:
+            ok = ok and inside if isinstance(ok, bool) and isinstance(inside, bool) else jnp.logical_and(ok, inside)
     return ok
 
 
@@ -92,3 +108,29 @@ def call_body(body, indices, blocks, carry, has_carry: bool):
     if body(indices, *blocks) is not None:
         raise TypeError("pipeline body returned a value but no init_carry was given")
     return carry
+
+
+def check_allocations(p: PipelinePlan, needed: dict[str, list], given: Any, sharing: str) -> None:
+    """Caller-owned allocations must be the ones this pipeline would allocate: same parts, as many
+    of each, slots of the same shape and dtype, other parts (semaphores) of the same shape; e.g.
+    another pipeline's with other block shapes or slot counts is refused, naming the first
+    difference. `sharing` names who shares them, for the message."""
+    if not isinstance(given, dict) or set(given) != set(needed):
+        raise ValueError(f"allocations: expected the dict of get_allocations(*refs) with keys {sorted(needed)}, got "
+                         f"{type(given).__name__}{' with keys ' + str(sorted(given)) if isinstance(given, dict) else ''}")
+    for key, parts in needed.items():
+        if len(given[key]) != len(parts):
+            raise ValueError(f"allocations[{key!r}]: this pipeline needs {len(parts)}, got {len(given[key])} "
+                             f"(allocated for a pipeline with other operands or barriers?)")
+    names = [op.name for op in p.inputs + p.outputs]
+    for name, need, ref in zip(names, needed["slots"], given["slots"]):
+        if tuple(ref.shape) != tuple(need.shape) or jnp.dtype(ref.dtype) != jnp.dtype(need.dtype):
+            raise ValueError(f"allocations: the slots of {name} are {jnp.dtype(ref.dtype).name}{tuple(ref.shape)}, this "
+                             f"pipeline needs {jnp.dtype(need.dtype).name}{tuple(need.shape)} (slots x block); "
+                             f"{sharing} must share block shapes, dtypes and slot counts")
+    for key, parts in needed.items():
+        for k, (need, ref) in enumerate(zip(parts, given[key])):
+            shape = getattr(need, "shape", None)
+            if key != "slots" and shape is not None and tuple(getattr(ref, "shape", ())) != tuple(shape):
+                raise ValueError(f"allocations[{key!r}][{k}] has shape {tuple(ref.shape)}, this pipeline needs "
+                                 f"{tuple(shape)}; {sharing} must share operands and slot counts")

@@ -23,7 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conveyor._compat import is_jax_ref
 from conveyor.pipeline import carry as carry_lib
-from conveyor.pipeline.lowering import block_view, call_body, issued, when
+from conveyor.pipeline.lowering import block_view, call_body, check_allocations, issued, when
 from conveyor.plans import fetch
 from conveyor.plans.pipeline import PipelinePlan
 from conveyor.plans.warp import WarpSpecializedPlan
@@ -201,25 +201,6 @@ def warp_allocations(wp: WarpSpecializedPlan, in_refs, out_refs) -> dict[str, li
     return allocations
 
 
-def check_allocations(wp: WarpSpecializedPlan, needed: dict[str, list], given: Any) -> None:
-    """Caller-owned allocations must be the ones this pipeline would allocate: same parts, same
-    number of barriers, slots of the same shape and dtype (e.g. another pipeline's with other
-    block shapes or slot counts is refused, naming the first difference)."""
-    if not isinstance(given, dict) or set(given) != set(needed):
-        raise ValueError(f"allocations: expected the dict of get_allocations(*refs) with keys {sorted(needed)}, got "
-                         f"{type(given).__name__}{' with keys ' + str(sorted(given)) if isinstance(given, dict) else ''}")
-    for key, parts in needed.items():
-        if len(given[key]) != len(parts):
-            raise ValueError(f"allocations[{key!r}]: this pipeline needs {len(parts)}, got {len(given[key])} "
-                             f"(allocated for a pipeline with other operands or barriers?)")
-    names = [op.name for op in wp.pipeline.inputs + wp.pipeline.outputs]
-    for name, need, ref in zip(names, needed["slots"], given["slots"]):
-        if tuple(ref.shape) != tuple(need.shape) or jnp.dtype(ref.dtype) != jnp.dtype(need.dtype):
-            raise ValueError(f"allocations: the slots of {name} are {jnp.dtype(ref.dtype).name}{tuple(ref.shape)}, this "
-                             f"pipeline needs {jnp.dtype(need.dtype).name}{tuple(need.shape)} (slots x block); chained "
-                             f"pipelines must share block shapes, dtypes and max_concurrent_steps")
-
-
 def _fetch_round(r: _WarpRefs, t, at) -> None:
     """The memory thread's fetches of step t's blocks, each cycling one after waiting, when the plan
     says so, for the release of the slot it refills (`WarpSpecializedPlan.refill_waits`)."""
@@ -371,7 +352,7 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
             carry_lib.finish(gen, _compute_steps(r, body, init, gen is not None))
 
     if allocations is not None:
-        check_allocations(wp, needed, allocations)
+        check_allocations(wp.pipeline, needed, allocations, "chained pipelines")
         scoped(allocations)
         return
     pl.run_scoped(scoped, needed, collective_axes=wp.wg_axis)

@@ -38,9 +38,24 @@ from conveyor.sync import TraceTimeBarrier
 
 
 def _clamped_index(p: PipelinePlan, op: OperandPlan, step, shape):
-    """Slices of `op`'s block at `step`, clamped into the array (the caller masks out-of-bounds)."""
+    """Slices of `op`'s block at `step`, clamped into the array (the caller masks out-of-bounds).
+    A `pl.BoundedSlice` dimension reads a whole block's worth too (`_bounded_shifts` aligns it)."""
     return tuple(pl.ds(jnp.clip(off, 0, extent - size), size)
                  for off, size, extent in zip(p.offsets(op, step), op.block_dims, shape))
+
+
+def _bounded_shifts(p: PipelinePlan, op: OperandPlan, step, shape):
+    """Per `pl.BoundedSlice` dimension: (dimension, how far the window starts past the clamped
+    block `_clamped_index` reads, the window's size)."""
+    window = p.window(op, step)
+    return [(d, window[d][0] - jnp.clip(window[d][0], 0, shape[d] - op.block_dims[d]), window[d][1])
+            for d in op.bounded_dims]
+
+
+def _in_window(dims: tuple[int, ...], d: int, start, size):
+    """A mask over a block of `dims`: True where dimension d's index is in [start, start + size)."""
+    i = lax.broadcasted_iota(jnp.int32, dims, d)
+    return jnp.logical_and(i >= start, i < start + size)
 
 
 _CHECKED = contextvars.ContextVar("conveyor_checked_schedule", default=False)
@@ -61,8 +76,13 @@ def checked_schedule(enabled: bool = True) -> Iterator[None]:
 
 
 def _block(p: PipelinePlan, op: OperandPlan, gref, step):
-    """`op`'s block at `step` as a value of the body's block shape (zeros when out of bounds)."""
-    block = gref[_clamped_index(p, op, step, gref.shape)].reshape(op.ref_shape)
+    """`op`'s block at `step` as a value of the body's block shape (zeros when out of bounds). A
+    bounded window fills the start of its dimension; the rest of the slot is poison."""
+    block = gref[_clamped_index(p, op, step, gref.shape)]
+    for d, shift, size in _bounded_shifts(p, op, step, gref.shape):
+        block = jnp.roll(block, -shift, axis=d)
+        block = jnp.where(_in_window(block.shape, d, 0, size), block, poison(block.shape, block.dtype))
+    block = block.reshape(op.ref_shape)
     return jnp.where(block_in_bounds(p, op, step, gref.shape), block, jnp.zeros_like(block))
 
 
@@ -71,9 +91,15 @@ def _load(p: PipelinePlan, op: OperandPlan, gref, buf, step):
 
 
 def _store(p: PipelinePlan, op: OperandPlan, gref, buf, step, when):
+    """Write `buf` to `op`'s block at `step` where `when` holds and the block is in bounds; of a
+    bounded window, only its first `size` elements."""
     idx = _clamped_index(p, op, step, gref.shape)
     write = jnp.logical_and(when, block_in_bounds(p, op, step, gref.shape))
-    gref[idx] = jnp.where(write, buf[...].reshape(op.block_dims), gref[idx])
+    block = buf[...].reshape(op.block_dims)
+    for d, shift, size in _bounded_shifts(p, op, step, gref.shape):
+        block = jnp.roll(block, shift, axis=d)
+        write = jnp.logical_and(write, _in_window(block.shape, d, shift, size))
+    gref[idx] = jnp.where(write, block, gref[idx])
 
 
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):

@@ -106,7 +106,7 @@ def enumerate_changes(p: PipelinePlan, op: OperandPlan) -> bool:
     previous = None
     for t in range(p.num_steps):
         try:
-            block = tuple(concrete(x) for x in p.block_indices_of(op.index_map, t))
+            block = tuple(concrete(x) for x in p.block_key(op, t))
         except Exception:  # noqa: BLE001  unknown here; the executors' own calls report a faulty map
             return False
         if not all(isinstance(x, int) for x in block) or block == previous:
@@ -191,10 +191,12 @@ def _scan(p: PipelinePlan, op: OperandPlan, cursor: Cursor, limit: Int, fetch: F
         when(changed, lambda: fetch(c.scanned, c.fetches % op.num_slots))
         return c._replace(fetches=c.fetches + _count(changed), scanned=c.scanned + 1)
 
-    if all(isinstance(concrete(x), int) for x in (*cursor, limit, n)):
-        while go_on(cursor):
-            cursor = visit(cursor)
-        return cursor
+    # A Python loop while everything is concrete (an index map computing with jnp inside a kernel
+    # may make the cursor traced mid-way: the rest of the scan is then a traced loop).
+    while all(isinstance(concrete(x), int) for x in (*cursor, limit, n)):
+        if not go_on(cursor):
+            return cursor
+        cursor = visit(cursor)
     cursor = Cursor(*(jnp.asarray(x, jnp.int32) for x in cursor))
     return lax.while_loop(lambda c: jnp.asarray(go_on(c)), visit, cursor)
 

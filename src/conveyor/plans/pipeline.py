@@ -43,8 +43,9 @@ class BlockSpec:
     None means block 0 in every dimension, as upstream. A `None` in `block_shape` squeezes that
     dimension (block size 1, dropped from the block ref); a `pl.Element(n)` entry is a window of n
     whose index-map entry is an element offset, not a block index (ragged windows; see
-    `conveyor.pipeline.lowering` for its bounds); `block_shape=None` is the whole array as one
-    block (fetched or written once).
+    `conveyor.pipeline.lowering` for its bounds); a `pl.BoundedSlice(n)` entry is a window whose
+    index-map entry is `pl.ds(start, size)`, size <= n (`PipelinePlan.window`);
+    `block_shape=None` is the whole array as one block (fetched or written once).
     `transforms`: the block's shared-memory layout on mosaic_gpu (`plgpu.TilingTransform`,
     `plgpu.SwizzleTransform`, ...), as `plgpu.BlockSpec(transforms=...)`; see `OperandPlan`.
     """
@@ -74,11 +75,13 @@ def _positive_int(dim: Any) -> bool:
         return False
 
 
-def block_dimensions(shape: Sequence[Any], name: str) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
-    """A block shape's sizes (None: squeezed) and the dimensions whose index-map entry is an element
-    offset (`pl.Element(n)`) rather than a block index. Upstream's other dimension kinds are
-    refused by name: `pl.Element` with padding and `pl.BoundedSlice` (a window whose size varies)."""
-    sizes, elements = [], []
+def block_dimensions(shape: Sequence[Any], name: str) -> tuple[tuple[int | None, ...], tuple[int, ...],
+                                                                 tuple[int, ...]]:
+    """A block shape's sizes (None: squeezed), the dimensions whose index-map entry is an element
+    offset (`pl.Element(n)`) rather than a block index, and those whose entry is a `pl.ds(start,
+    size)` window of at most n elements (`pl.BoundedSlice(n)`). Refused by name: `pl.Element` with
+    padding (upstream's TPU pipeline refuses it too) and upstream's other kinds (`pl.Indirect`)."""
+    sizes, elements, bounded = [], [], []
     for d, dim in enumerate(shape):
         kind = type(dim).__name__
         if dim is None or kind == "Squeezed":
@@ -92,15 +95,17 @@ def block_dimensions(shape: Sequence[Any], name: str) -> tuple[tuple[int | None,
         elif kind == "Blocked":
             sizes.append(int(dim.block_size))
         elif kind == "BoundedSlice":
-            raise NotImplementedError(f"{name}: block dimension {d} is {dim}: pl.BoundedSlice (a window whose "
-                                      f"size is chosen per step) is not supported; use a fixed block size "
-                                      f"with pl.Element offsets")
+            sizes.append(int(dim.block_size))
+            bounded.append(d)
         elif _positive_int(dim):
             sizes.append(int(dim))
+        elif kind == "Indirect":
+            raise NotImplementedError(f"{name}: block dimension {d} is {dim}: pl.Indirect (a gather / scatter "
+                                      f"window) is not supported; gather the rows into a contiguous array first")
         else:
             raise ValueError(f"{name}: block dimension {d} is {dim!r}: expected a positive int, None / pl.squeezed, "
-                             f"or pl.Element(n)")
-    return tuple(sizes), tuple(elements)
+                             f"pl.Element(n) or pl.BoundedSlice(n)")
+    return tuple(sizes), tuple(elements), tuple(bounded)
 
 
 WHOLE_ARRAY = ()  # `BlockSpec.block_shape` of a whole-array spec before its array's shape is known
@@ -181,6 +186,10 @@ def _buffering(mode: Any, where: str, is_input: bool) -> tuple[int, bool]:
     if lookahead and not is_input:
         raise ValueError(f"{where}: use_lookahead applies to inputs (it fetches future blocks early); an output "
                          f"has nothing to fetch")
+    if getattr(mode, "prefetched_count", 0):
+        raise NotImplementedError(f"{where}: cross-kernel prefetch (Buffered.prefetched_count, slots filled by an "
+                                  f"earlier kernel) is not supported; within one kernel, issue a pipeline's first "
+                                  f"fetches early with run.prefetch(*refs, allocations=...)")
     extra = [f.name for f in dataclasses.fields(mode) if f.name not in ("buffer_count", "use_lookahead")
              and not _is_default(getattr(mode, f.name), f)] if dataclasses.is_dataclass(mode) else []
     if extra:
@@ -207,6 +216,8 @@ class OperandPlan:
     transforms: tuple[Any, ...] = ()
     # Dimensions whose index-map entry is an element offset (`pl.Element(n)`), not a block index.
     element_dims: tuple[int, ...] = ()
+    # Dimensions whose index-map entry is `pl.ds(start, size)`, size <= the block's (`pl.BoundedSlice`).
+    bounded_dims: tuple[int, ...] = ()
     # A whole-array spec (no block_shape): its block is the whole array, block_shape is () until
     # `PipelinePlan.with_array_shapes` gives it the array's shape.
     whole_array: bool = False
@@ -392,11 +403,17 @@ class PipelinePlan:
             return indices
         return tuple(i + o for i, o in zip(indices, self.grid_offsets))
 
-    def block_indices(self, op: OperandPlan, step: Int) -> tuple[Int, ...]:
+    def block_indices(self, op: OperandPlan, step: Int) -> tuple[Any, ...]:
+        """What `op`'s index map returns at `step`: a block index per dimension, an element offset
+        for `pl.Element` dimensions, a `pl.ds(start, size)` for `pl.BoundedSlice` ones."""
         out = self.block_indices_of(op.index_map, step)
         if len(out) != len(op.block_shape):
             raise ValueError(f"{op.name}: index_map returned {len(out)} indices for a "
                              f"{len(op.block_shape)}-d block_shape {op.block_shape}")
+        for d, entry in enumerate(out):
+            _check_entry(op.name, d, entry, op.bounded_dims, op.block_dims[d])
+            if d in op.bounded_dims:
+                _check_bounded(op, d, entry)
         return out
 
     def block_indices_of(self, index_map: Callable, step: Int) -> tuple[Int, ...]:
@@ -404,10 +421,27 @@ class PipelinePlan:
         out = index_map(*self.grid_indices(step))
         return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
+    def window(self, op: OperandPlan, step: Int) -> tuple[tuple[Int, Int], ...]:
+        """(element offset, size) per array dimension of the operand's block at `step`: the size
+        is the block's, except in a `pl.BoundedSlice` dimension, where the index map gives it
+        (possibly traced); the slot always holds a whole block."""
+        out = []
+        for d, (i, size) in enumerate(zip(self.block_indices(op, step), op.block_dims)):
+            if d in op.bounded_dims:
+                out.append((i.start, i.size))
+            else:
+                out.append((i if d in op.element_dims else i * size, size))
+        return tuple(out)
+
     def offsets(self, op: OperandPlan, step: Int) -> tuple[Int, ...]:
         """Element offsets of the operand's block at `step`."""
-        return tuple(i if d in op.element_dims else i * size
-                     for d, (i, size) in enumerate(zip(self.block_indices(op, step), op.block_dims)))
+        return tuple(off for off, _ in self.window(op, step))
+
+    def block_key(self, op: OperandPlan, step: Int) -> tuple[Int, ...]:
+        """What identifies `op`'s block at `step`: its index-map entries, a bounded window's as
+        (start, size). Equal keys at two steps: the same block (no new fetch, no write-back)."""
+        return tuple(x for entry in self.block_indices(op, step)
+                     for x in ((entry.start, entry.size) if _is_slice(entry) else (entry,)))
 
     def slot(self, op: OperandPlan, step: Int) -> Int:
         """The buffer slot the body uses for input `op` at `step` under the every-step fetch rule
@@ -443,7 +477,7 @@ class PipelinePlan:
             return False
         n = self.num_steps
         nxt = min(step + 1, n - 1) if isinstance(step, int) and isinstance(n, int) else jnp.minimum(step + 1, n - 1)
-        a, b = self.block_indices(op, step), self.block_indices(op, nxt)
+        a, b = self.block_key(op, step), self.block_key(op, nxt)
         if all(isinstance(x, int) for x in a + b):
             return a != b
         diff = False
@@ -557,18 +591,52 @@ class PipelinePlan:
         return program(subject, {"thread": acts})
 
 
-def _is_invariant(index_map: Callable, grid: tuple[int, ...], name: str, rank: int) -> bool:
+def _is_slice(entry: Any) -> bool:
+    """An index-map entry that is a `pl.ds(start, size)` (Pallas's Slice)."""
+    return type(entry).__name__ == "Slice" and hasattr(entry, "start") and hasattr(entry, "size")
+
+
+def _check_entry(name: str, d: int, entry: Any, bounded_dims: tuple[int, ...], block: int | None) -> None:
+    """Index-map entry d is a pl.ds exactly when dimension d is a pl.BoundedSlice."""
+    if (d in bounded_dims) != _is_slice(entry):
+        raise ValueError(f"{name}: index_map entry {d} is {entry!r}: "
+                         + (f"a pl.BoundedSlice({block}) dimension takes pl.ds(start, size)"
+                            if d in bounded_dims else "pl.ds is only for pl.BoundedSlice dimensions"))
+
+
+def _check_bounded(op: OperandPlan, d: int, entry: Any) -> None:
+    """A BoundedSlice window: stride 1, and a static size in [0, block size] (a traced size out of
+    that range makes the block out of bounds: `conveyor.pipeline.lowering`)."""
+    limit = op.block_dims[d]
+    if getattr(entry, "stride", 1) != 1:
+        raise ValueError(f"{op.name}: index_map entry {d} is {entry!r}: a pl.BoundedSlice window takes stride 1")
+    if isinstance(entry.size, int) and not 0 <= entry.size <= limit:
+        raise ValueError(f"{op.name}: index_map entry {d} is {entry!r}: its size must be in [0, {limit}] "
+                         f"(pl.BoundedSlice({limit}))")
+
+
+def _is_invariant(index_map: Callable, grid: tuple[int, ...], name: str, rank: int,
+                  bounded_dims: tuple[int, ...] = (), block_dims: tuple[Any, ...] = ()) -> bool:
     """Does the index map ignore the grid? Decided exactly: the map is traced on symbolic grid
     indices and invariant iff none of its results depends on any of them (a map that uses a grid
     index only in some steps, e.g. through `jnp.where`, is grid-dependent). The same answer inside
     and outside jit; errors of the map itself propagate, named."""
+    def flat_map(*indices):  # a pl.ds entry (BoundedSlice) counts as its start and size
+        out = index_map(*indices)
+        out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        if len(out) == rank:
+            for d, entry in enumerate(out):
+                _check_entry(name, d, entry, bounded_dims, block_dims[d] if block_dims else None)
+        return tuple(jnp.asarray(x) for e in out for x in ((e.start, e.size) if _is_slice(e) else (e,)))
+    slices = len(bounded_dims)
     try:
-        num_outputs, used = args_reaching_outputs(index_map, len(grid))
+        num_outputs, used = args_reaching_outputs(flat_map, len(grid))
     except Exception as e:
         e.add_note(f"(raised by the index_map of {name}, traced on {len(grid)} int32 grid indices)")
         raise
-    if num_outputs != rank:
-        raise ValueError(f"{name}: index_map returned {num_outputs} indices for a {rank}-d block_shape")
+    if num_outputs != rank + slices:
+        raise ValueError(f"{name}: index_map returned {num_outputs - slices} indices for a {rank}-d block_shape"
+                         + (f" ({slices} pl.BoundedSlice dimension(s), each a pl.ds(start, size))" if slices else ""))
     return not used
 
 
@@ -689,12 +757,12 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
             whole = bs.block_shape == WHOLE_ARRAY
             # A whole-array block is the only block: fetched or written once (its map is checked
             # once its rank is known, in with_array_shapes).
-            inv = whole or _is_invariant(bs.index_map, grid, name, len(bs.block_shape))
+            sizes, elements, bounded = block_dimensions(bs.block_shape, name)
+            inv = whole or _is_invariant(bs.index_map, grid, name, len(bs.block_shape), bounded, sizes)
             slots = _slot_count(name, is_input, inv, opts.buffer_count, max_concurrent_steps, delay_release,
                                 no_pipelining)
-            sizes, elements = block_dimensions(bs.block_shape, name)
             ops.append(OperandPlan(name, is_input, sizes, bs.index_map, inv, slots, opts.transforms,
-                                   element_dims=elements, whole_array=whole,
+                                   element_dims=elements, bounded_dims=bounded, whole_array=whole,
                                    fetch_rule=_fetch_rule(name, opts, reuse_unchanged_blocks)))
         return tuple(ops)
 

@@ -4,6 +4,7 @@
     report.time_us, report.utilization, report.bottleneck; report.save_png("t.png")
     cv.sim.check(cv.pipeline.plan(...), in_flight_steps=1)   # races and deadlocks
 """
+from conveyor.plans.sequence import Prefetched
 from conveyor.sim.check import CheckReport, Finding, check
 from conveyor.sim.hardware import HARDWARE, Hardware, Value
 from conveyor.sim.report import Box, Report
@@ -11,4 +12,4 @@ from conveyor.sim.simulate import (DoesNotFit, simulate, simulate_collective_mat
                                    simulate_matmul)
 
 __all__ = ["check", "CheckReport", "Finding", "HARDWARE", "Hardware", "Value", "Report", "Box", "simulate",
-           "simulate_matmul", "simulate_gmm", "simulate_copy", "simulate_collective_matmul", "DoesNotFit"]
+           "simulate_matmul", "simulate_gmm", "simulate_copy", "simulate_collective_matmul", "DoesNotFit", "Prefetched"]

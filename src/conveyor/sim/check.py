@@ -30,6 +30,7 @@ from typing import Any
 from conveyor.plans.pipeline import PipelinePlan
 from conveyor.plans.program import Action, Compute, Copy, Program, Read, Signal, Wait, Write
 from conveyor.plans.ring import RingPlan
+from conveyor.plans.sequence import as_sequence, sequence_program
 from conveyor.plans.warp import as_chain, chain_program, WarpSpecializedPlan
 from conveyor.progress import bar as progress_bar
 
@@ -257,9 +258,10 @@ def explore(prog: Program, *, max_states: int = 200_000, samples: int = 2_000, s
 
 def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_states: int = 200_000,
           seed: int = 0, max_seconds: float | None = None, progress: bool = False) -> CheckReport:
-    """Check a `PipelinePlan`, a `WarpSpecializedPlan`, a list of them chained on one set of
-    allocations (`pipeline_state`: the first is the START, the last the STOP) or a `RingPlan`
-    (every stream at once) for races and deadlocks.
+    """Check a `PipelinePlan`, a `WarpSpecializedPlan`, a list of warp-specialized plans chained on
+    one set of allocations (`pipeline_state`: the first is the START, the last the STOP), a list
+    of plain plans run one after another (some `cv.sim.Prefetched`: `conveyor.plans.sequence`) or
+    a `RingPlan` (every stream at once) for races and deadlocks.
 
     Args:
       in_flight_steps: pipelines: the body leaves asynchronous work reading its input slots that
@@ -272,6 +274,9 @@ def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_stat
       progress: draw a progress bar on stderr.
     """
     budget = dict(max_states=max_states, seed=seed, max_seconds=max_seconds, progress=progress)
+    pipelines = as_sequence(plan)
+    if pipelines is not None:
+        return explore(sequence_program(pipelines, in_flight_steps), **budget)
     chain = as_chain(plan)
     if chain is not None:
         return explore(chain_program(chain, in_flight_steps), **budget)

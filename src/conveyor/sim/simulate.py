@@ -21,6 +21,7 @@ from conveyor import dtypes
 from conveyor.plans.ring import RingPlan, ring_plan
 from conveyor.ops.gmm.metadata import count_visits
 from conveyor.plans.pipeline import BlockSpec, PipelinePlan, plan as make_plan
+from conveyor.plans.sequence import as_sequence, operand_sizes, Prefetched, sequence_program
 from conveyor.plans.warp import as_chain, chain_program, WarpSpecializedPlan
 from conveyor.sim.hardware import Hardware, get as get_hardware
 from conveyor.sim import timed
@@ -63,12 +64,15 @@ class StepCosts:
     store_bandwidth: float   # B/s of one core's stores
 
 
-def _timing(p: PipelinePlan, costs: StepCosts, hw: Hardware, warp_specialized: bool) -> Timing:
+def _timing(p: PipelinePlan, costs: StepCosts, hw: Hardware, warp_specialized: bool,
+            sizes: dict[str, float] | None = None) -> Timing:
     """The cost of each action of a pipeline's program on one core. A step's body costs its flops
     at the core's rate plus one synchronization; a warp-specialized step's work is split over the
     compute threads, which run at once (each at its share of the rate), so each takes as long. A
-    warp-specialized memory thread spends a quarter synchronization issuing each copy."""
-    sizes = dict(zip([op.name for op in p.inputs + p.outputs], costs.in_bytes + costs.out_bytes))
+    warp-specialized memory thread spends a quarter synchronization issuing each copy. `sizes`:
+    bytes per copied operand (default: `p`'s blocks, from `costs`)."""
+    if sizes is None:
+        sizes = dict(zip([op.name for op in p.inputs + p.outputs], costs.in_bytes + costs.out_bytes))
     step_s = costs.flops / costs.compute_rate + hw.sync_latency.value
     return Timing(copy_s=lambda c: sizes[c.operand] / (costs.store_bandwidth if c.queue == "stores"
                                                        else costs.load_bandwidth),
@@ -314,6 +318,34 @@ def _run_ring(plan: RingPlan, chunk_s: float, hop_s: float, slowdown: float = 0.
     return time, [dataclasses.replace(b, actor=rows[b.actor]) for b in boxes if b.actor in rows]
 
 
+def _simulate_sequence(pipelines: list, hw: Hardware, dtype: str, flops_per_step: float,
+                       active_cores: int | None) -> Report:
+    """Plain pipelines one after another on one core, each on its own slots (all allocated at once,
+    as nested `with_allocations` scopes hold them), some prefetched (`conveyor.plans.sequence`)."""
+    plans = [getattr(x, "plan", x) for x in pipelines]
+    for p in plans:
+        p.require_static("cv.sim.simulate")
+    b = dtypes.itemsize(dtype)
+    cores = active_cores or int(hw.cores.value)
+    sizes = operand_sizes(pipelines, b)
+    used = sum(sizes[f"p{k}.{op.name}"] * op.num_slots for k, p in enumerate(plans) for op in p.inputs + p.outputs)
+    if used > hw.onchip_bytes.value:
+        raise DoesNotFit(f"the pipelines' slots need {used / 1024:.0f} KiB of on-chip memory; {hw.name} has "
+                         f"{hw.onchip_bytes.value / 1024:.0f} KiB per core")
+    costs = StepCosts((), (), float(flops_per_step), hw.matrix_rate(dtype) / int(hw.cores.value),
+                      hw.reuse_bandwidth.value / cores, hw.hbm_bandwidth.value * hw.hbm_efficiency.value / cores)
+    prog = sequence_program(pipelines)
+    time, boxes = timed.run(prog, _timing(plans[0], costs, hw, False, sizes))
+    steps = sum(p.num_steps for p in plans)
+    moved = sum(sizes[c.operand] for c in prog.copies())
+    config = {"grid": [list(p.grid) for p in plans], "prefetched": [isinstance(x, Prefetched) for x in pipelines],
+              "dtype": dtype, "flops_per_step": flops_per_step, "active_cores": cores, "warp_specialized": False}
+    floor = max(float(flops_per_step) * steps / (hw.matrix_peak_rate(dtype) / int(hw.cores.value)),
+                moved / (hw.reuse_bandwidth.value / cores))
+    return Report("pipeline", hw, time, float(flops_per_step) * steps, moved, 0.0, int(used), config, tuple(boxes),
+                  floor_s=floor)
+
+
 def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16", flops_per_step: float = 0.0,
              active_cores: int | None = None, **collective: Any) -> Report:
     """Replay a plan on a hardware model.
@@ -322,9 +354,15 @@ def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16
       of warp-specialized plans chained on one set of allocations (`pipeline_state`; they share
       block shapes): one core runs the plan; block bytes come from the block shapes and `dtype`, each step computes
       `flops_per_step`; `active_cores` cores share the load bandwidth (default: all of them).
+    - a list of plain plans run one after another, each on its own slots, some wrapped in
+      `cv.sim.Prefetched` (their first copies issued during an earlier pipeline, as
+      `emit_pipeline(...).prefetch` does; see `conveyor.plans.sequence`).
     - `RingPlan`: pass `kind`, `m`, `k`, `n` (see `simulate_collective_matmul`).
     """
     hw = get_hardware(hardware)
+    pipelines = as_sequence(plan)
+    if pipelines is not None:
+        return _simulate_sequence(pipelines, hw, dtype, flops_per_step, active_cores)
     chain = as_chain(plan)
     if chain is not None:
         plan = chain[0]
