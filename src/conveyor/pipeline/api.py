@@ -3,15 +3,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from conveyor.kernel import current_context, program_id
 from conveyor.pipeline import xla as xla_exec
+from conveyor.pipeline.caller_allocations import (PrefetchedBlocks, check_caller_allocations, claim, note_pending,
+                                                 refuse_gpu_allocations)
 from conveyor.plans import pipeline as plan_lib, warp
 
 
@@ -123,70 +124,6 @@ def _core_info(core_axis: Any, core_axis_name: Any, ctx) -> tuple[int, Any] | No
     return None
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
-class PrefetchedBlocks:
-    """What `run.prefetch(*refs, allocations=a)` issued: the first blocks of `pipeline`'s inputs,
-    in flight into `a`. Hand it to that pipeline once, on the same allocations
-    (`run(*refs, allocations=a, prefetched=...)`): it then waits for these copies instead of
-    issuing its prologue. `claimed` records (at trace time) that it was handed over."""
-    pipeline: Callable[..., Any]
-    allocations: dict
-    claimed: list = dataclasses.field(default_factory=list)
-
-
-def _leaf_ids(allocations: Any) -> list[int]:
-    return [id(leaf) for leaf in jax.tree_util.tree_leaves(allocations)]
-
-
-def _pending(ctx, allocations: Any, run: Callable[..., Any], prefetched: Any) -> None:
-    """Refuse a pipeline on allocations that a prefetch is filling for a later call: its copies
-    would land in slots this pipeline uses (a race). Record a new prefetch (`run` is None) or
-    retire the one this call consumes."""
-    stray = [ctx.pending_prefetches[k] for k in _leaf_ids(allocations)
-             if k in ctx.pending_prefetches and ctx.pending_prefetches[k] is not prefetched]
-    if stray:
-        raise ValueError("allocations: a prefetch is filling these allocations for a later call of its pipeline; "
-                         "a pipeline (or another prefetch) on them now would race with its copies. Give the "
-                         "prefetched pipeline its own allocations, or consume the prefetch first")
-    for k in _leaf_ids(allocations):
-        if run is None:
-            ctx.pending_prefetches[k] = prefetched
-        else:
-            ctx.pending_prefetches.pop(k, None)
-
-
-def _claim(prefetched: Any, run: Callable[..., Any], allocations: dict | None) -> None:
-    """A prefetch is consumed by the pipeline it was issued for, on its allocations, once: any
-    other use would wait for copies nobody started (a hang on TPU)."""
-    if not isinstance(prefetched, PrefetchedBlocks):
-        raise TypeError(f"prefetched: expected what run.prefetch(...) returned, got {prefetched!r}")
-    if prefetched.pipeline is not run:
-        raise ValueError("prefetched: these blocks were prefetched for another pipeline (run.prefetch of a "
-                         "different emit_pipeline); each pipeline waits only for its own prologue")
-    given = jax.tree_util.tree_leaves(allocations)
-    issued = jax.tree_util.tree_leaves(prefetched.allocations)
-    if allocations is None or len(given) != len(issued) or any(a is not b for a, b in zip(given, issued)):
-        raise ValueError("prefetched: the pipeline must run on the allocations its prefetch filled "
-                         "(run(*refs, allocations=a, prefetched=run.prefetch(*refs, allocations=a)))")
-    if prefetched.claimed:
-        raise ValueError("prefetched: this prefetch was already consumed by an earlier call of the pipeline; "
-                         "prefetch again before each call")
-    prefetched.claimed.append(True)
-
-
-def _refuse_gpu_allocations(what: str) -> NoReturn:
-    raise NotImplementedError(
-        f"emit_pipeline(...) {what} on mosaic_gpu: caller-owned allocations and prefetch of a plain pipeline are "
-        f"implemented on xla and mosaic_tpu; on GPU, chain cv.emit_pipeline_warp_specialized pipelines "
-        f"(pipeline_state=, allocations=)")
-
-
-def _check_caller_allocations(ctx, allocations: Any) -> None:
-    if ctx.backend == "xla" and allocations != {}:
-        raise ValueError(f"allocations: on xla a pipeline has no on-chip memory; pass what get_allocations gives "
-                         f"there ({{}}), got {allocations!r}")
-
-
 def _with_scratches(body: Callable[..., Any], scratches: Sequence[Any], n_operands: int) -> Callable[..., Any]:
     """Upstream's `scratches=`: refs handed to every step after the operands' blocks (before a carry)."""
     if not isinstance(scratches, (tuple, list)):
@@ -273,7 +210,7 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
         if ctx.backend == "mosaic_tpu":
             from conveyor.pipeline import mosaic_tpu
             return mosaic_tpu.allocations(p, ins, outs)
-        _refuse_gpu_allocations("get_allocations")
+        refuse_gpu_allocations("get_allocations")
 
     def with_allocations(fn: Callable[[dict], Any], *refs) -> Any:
         allocations = get_allocations(*refs)
@@ -282,10 +219,10 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
     def prefetch(*refs, allocations: dict) -> PrefetchedBlocks:
         ctx, p, ins, outs, _ = prepare(refs, "emit_pipeline(...).prefetch(refs)")
         if ctx.backend == "mosaic_gpu":
-            _refuse_gpu_allocations("prefetch")
-        _check_caller_allocations(ctx, allocations)
+            refuse_gpu_allocations("prefetch")
+        check_caller_allocations(ctx, allocations)
         token = PrefetchedBlocks(pipeline=run, allocations=allocations)
-        _pending(ctx, allocations, None, token)
+        note_pending(ctx, allocations, None, token)
         if ctx.backend == "mosaic_tpu":
             from conveyor.pipeline import mosaic_tpu
             mosaic_tpu.prefetch(p, ins, outs, allocations)
@@ -300,10 +237,10 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
                 f"run.get_allocations and run.prefetch)")
         ctx, p, ins, outs, passthrough = prepare(refs, "emit_pipeline(...)(refs)")
         if prefetched is not None:
-            _claim(prefetched, run, allocations)
+            claim(prefetched, run, allocations)
         if allocations is not None:
-            _check_caller_allocations(ctx, allocations)
-            _pending(ctx, allocations, run, prefetched)
+            check_caller_allocations(ctx, allocations)
+            note_pending(ctx, allocations, run, prefetched)
         user_body = _with_scratches(body, scratches, len(p.in_trees) + len(p.out_trees))
         body_on_blocks = _structured_body(p, user_body, passthrough)
         has_carry = init_carry is not None
@@ -314,7 +251,7 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
             return mosaic_tpu.run_pipeline(p, body_on_blocks, ins, outs, init_carry, has_carry, allocations,
                                            prefetched is not None)
         if allocations is not None or prefetched is not None:
-            _refuse_gpu_allocations("allocations=" if prefetched is None else "prefetched=")
+            refuse_gpu_allocations("allocations=" if prefetched is None else "prefetched=")
         from conveyor.pipeline import mosaic_gpu
         return mosaic_gpu.run_pipeline(p, body_on_blocks, ins, outs, init_carry, has_carry)
 
