@@ -379,6 +379,55 @@ def requires_devices_during_lowering(prim: Primitive) -> None:
     dispatch.prim_requires_devices_during_lowering.add(prim)
 
 
+# ---- a ref function as a pure one (the xla pipeline's batched steps) ---------------------------
+def discharge_ref_function(fn, value_avals, ref_avals):
+    """Trace `fn(*values, *refs)` on fresh refs of `ref_avals` and return it as a pure function,
+    or None when it touches anything but those refs (a ref it closes over, a callback, any other
+    effect). Returns (pure, written, out_tree): `pure(*values, *ref_values)` evaluates the traced
+    ops one by one in the caller's trace (so `jax.vmap` batches each op on its own: a value that
+    does not depend on a batched axis stays unbatched) and returns (fn's output leaves, the refs'
+    final values); `written[i]`: whether ref i may be written (used by anything but a plain read,
+    e.g. a write or a loop that takes it: a conservative answer)."""
+    import jax
+    from jax._src import core
+    from jax._src.state import primitives as sp
+    from jax._src.state.discharge import discharge_state
+
+    n_values = len(value_avals)
+
+    def on_fresh_refs(*args):
+        refs = [jax.new_ref(v) for v in args[n_values:]]
+        out = fn(*args[:n_values], *refs)
+        return out, [r[...] for r in refs]
+
+    closed, (out_shape, _) = jax.make_jaxpr(on_fresh_refs, return_shape=True)(*value_avals, *ref_avals)
+    if any(e is not core.internal_mutable_array_effect for e in closed.effects):
+        return None
+    jaxpr = getattr(closed, "jaxpr", closed)
+    ref_vars = {}  # the var of each fresh ref -> its position
+    for eqn in jaxpr.eqns:
+        if "ref" in eqn.primitive.name and len(eqn.invars) == 1 and eqn.invars[0] in jaxpr.invars[n_values:]:
+            ref_vars[eqn.outvars[0]] = jaxpr.invars.index(eqn.invars[0]) - n_values
+    if len(ref_vars) != len(ref_avals):
+        return None  # not the trace this function expects: let the caller take its general path
+    written = [False] * len(ref_avals)
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if isinstance(v, core.Var) and v in ref_vars and eqn.primitive is not sp.get_p:
+                written[ref_vars[v]] = True
+    pure = discharge_state(closed)
+    pure_jaxpr = getattr(pure, "jaxpr", pure)
+    n_out = len(jax.tree_util.tree_leaves(out_shape))
+
+    def run(*args):
+        flat = core.eval_jaxpr(pure_jaxpr, pure.consts, *args)
+        return flat[:n_out], flat[n_out:n_out + len(ref_avals)]
+    return run, tuple(written), jax.tree_util.tree_structure(out_shape)
+
+
+__all__ += ["discharge_ref_function"]
+
+
 # ---- differences between the supported jax versions (0.11.2 .. 0.12.0.1) -----------------------
 
 def _accepts(fn, name: str) -> bool:

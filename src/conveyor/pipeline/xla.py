@@ -30,7 +30,7 @@ from jax.experimental import pallas as pl
 
 from conveyor._compat import call_as_thread, is_jax_ref
 from conveyor.kernel import poison
-from conveyor.pipeline import carry as carry_lib
+from conveyor.pipeline import batched_steps, carry as carry_lib
 from conveyor.pipeline.lowering import block_in_bounds, call_body, when
 from conveyor.plans import fetch
 from conveyor.plans.pipeline import OperandPlan, PipelinePlan
@@ -75,10 +75,12 @@ def checked_schedule(enabled: bool = True) -> Iterator[None]:
         _CHECKED.reset(token)
 
 
-def _block(p: PipelinePlan, op: OperandPlan, gref, step):
+def read_block(p: PipelinePlan, op: OperandPlan, gref, step):
     """`op`'s block at `step` as a value of the body's block shape (zeros when out of bounds). A
-    bounded window fills the start of its dimension; the rest of the slot is poison."""
-    block = gref[_clamped_index(p, op, step, gref.shape)]
+    bounded window fills the start of its dimension; the rest of the slot is poison. `gref` is
+    the operand's ref or its value (the batched steps read values: `batched_steps`)."""
+    idx = _clamped_index(p, op, step, gref.shape)
+    block = gref[idx] if is_jax_ref(gref) else lax.dynamic_slice(gref, [i.start for i in idx], [i.size for i in idx])
     for d, shift, size in _bounded_shifts(p, op, step, gref.shape):
         block = jnp.roll(block, -shift, axis=d)
         block = jnp.where(_in_window(block.shape, d, 0, size), block, poison(block.shape, block.dtype))
@@ -87,15 +89,15 @@ def _block(p: PipelinePlan, op: OperandPlan, gref, step):
 
 
 def _load(p: PipelinePlan, op: OperandPlan, gref, buf, step):
-    buf[...] = _block(p, op, gref, step)
+    buf[...] = read_block(p, op, gref, step)
 
 
-def _store(p: PipelinePlan, op: OperandPlan, gref, buf, step, when):
-    """Write `buf` to `op`'s block at `step` where `when` holds and the block is in bounds; of a
-    bounded window, only its first `size` elements."""
+def store_block(p: PipelinePlan, op: OperandPlan, gref, value, step, when):
+    """Write `value` (a block) to `op`'s block at `step` where `when` holds and the block is in
+    bounds; of a bounded window, only its first `size` elements."""
     idx = _clamped_index(p, op, step, gref.shape)
     write = jnp.logical_and(when, block_in_bounds(p, op, step, gref.shape))
-    block = buf[...].reshape(op.block_dims)
+    block = value.reshape(op.block_dims)
     for d, shift, size in _bounded_shifts(p, op, step, gref.shape):
         block = jnp.roll(block, shift, axis=d)
         write = jnp.logical_and(write, _in_window(block.shape, d, shift, size))
@@ -106,6 +108,10 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     """Run `body(indices, *in_block_refs, *out_block_refs[, carry])` over the plan's steps."""
     if _CHECKED.get():
         return _run_checked(p, body, in_refs, out_refs, init_carry, has_carry)
+    batching = batched_steps.plan_batching(p, body, in_refs, out_refs, init_carry, has_carry)
+    if batching is not None:
+        batched_steps.run_batched(p, batching, in_refs, out_refs, read_block, store_block)
+        return init_carry if has_carry else None
     n_in = len(p.inputs)
     # Fresh refs (not pl.run_scoped, whose XLA lowering fails when the body is itself inside a
     # user's run_scoped and touches that buffer).
@@ -118,7 +124,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         carry = call_body(body, p.grid_indices(s), (*in_bufs, *out_bufs), carry, has_carry)
         for op, gref, buf in zip(p.outputs, out_refs, out_bufs):
             written = p.writes_back(op, s)
-            _store(p, op, gref, buf, s, written)
+            store_block(p, op, gref, buf[...], s, written)
             # After a write-back the block moves to a fresh (uninitialized) slot.
             buf[...] = jnp.where(written, poison(buf.shape, buf.dtype), buf[...])
         return carry
@@ -135,7 +141,7 @@ def _run_checked(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 
     def fetcher(op, gref, slots):
         def fill(t, slot):
-            slots[slot] = _block(p, op, gref, t)
+            slots[slot] = read_block(p, op, gref, t)
         return fill
 
     cursors0 = tuple(fetch.as_carry(fetch.prologue(p, op, fetcher(op, gref, slots)))
@@ -156,7 +162,7 @@ def _run_checked(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         new_counts = []
         for op, gref, slots, at, view, c in zip(p.outputs, out_refs, out_slots, out_at, views[len(p.inputs):], counts):
             written = p.writes_back(op, s)
-            _store(p, op, gref, view, s, written)
+            store_block(p, op, gref, view[...], s, written)
             # A written-back slot is free: poisoned, it holds nothing a later step may rely on.
             slots[at] = jnp.where(written, poison(view.shape, view.dtype), view[...])
             new_counts.append(c + jnp.where(written, 1, 0).astype(jnp.int32))

@@ -236,6 +236,15 @@ class OperandPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class GridPoint:
+    """A step given by its grid indices rather than its linear number, for the rules that only
+    need the indices (`block_indices`, `window`, `offsets`, `block_key`; not `block_changes` or
+    `writes_back`, which look at the next step). The xla executor's batched steps use it: there
+    each index is batched along its own axis, which a linear step would mix."""
+    indices: tuple[Int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class Event:
     """One step of the schedule, for the checker and the simulator (pure data)."""
     step: int            # grid step at which it happens (-1: prologue, num_steps: epilogue)
@@ -396,9 +405,10 @@ class PipelinePlan:
         return self.max_concurrent_steps - self.delay_release
 
     # ---- rules: valid on Python ints and on traced int32 scalars ----
-    def grid_indices(self, step: Int) -> tuple[Int, ...]:
-        """Row-major grid indices of a linear step (in the whole grid: offset for one core's part)."""
-        indices = unravel(step, self.grid)
+    def grid_indices(self, step: Int | GridPoint) -> tuple[Int, ...]:
+        """Row-major grid indices of a linear step (in the whole grid: offset for one core's part).
+        A `GridPoint` gives its indices as they are (then offset the same way)."""
+        indices = step.indices if isinstance(step, GridPoint) else unravel(step, self.grid)
         if not self.grid_offsets:
             return indices
         return tuple(i + o for i, o in zip(indices, self.grid_offsets))

@@ -1,0 +1,280 @@
+"""Independent grid steps of a plain pipeline, run together by the xla executor.
+
+Step by step, a pipeline over a (2048 / 256)^3 matmul grid is 512 small dots in a loop: XLA:CPU
+pays a loop iteration and a small-matrix dot per step (1.5x one `jnp.dot` in
+`conveyor bench pipeline`). When the plan and the body show that the steps along the grid's
+leading axes B are independent, the executor runs, for each step of the remaining axes R (in
+order), the body of every B index at once: `jax.vmap` of the body, one level per B axis, so a
+block that does not depend on an axis is not copied along it and XLA sees a few large dots.
+
+Independent, decided at trace time (otherwise `xla.run_pipeline` runs step by step):
+- the grid is static, the pipeline carries nothing, and no operand has a `pl.BoundedSlice`
+  window;
+- the body touches no ref but its blocks (no scratch, no unwindowed operand, no ref it closes
+  over) and has no other effect (no callback), and it never writes an input block;
+- no input is (a view of) the same ref as an output: the body could see its own write-backs;
+- per output, the blocks at steps with different B indices are different blocks, found from the
+  index maps over the whole grid (maps that depend on traced values are not evaluated: no
+  batching). So every output block is visited under one B index, in the same consecutive steps
+  as in the grid's order: it starts as a fresh (poisoned) slot and is written back after the
+  same steps, and the body sees the same block values in each step;
+- the batched output blocks (one per B index) take at most twice the outputs' bytes.
+B is the longest run of leading axes for which this holds (of more than one step).
+The body's ops are batched one by one, so a dot may be done as a larger XLA dot whose own
+summation order differs: results agree to float rounding (exactly on integer-valued data).
+`checked_schedule()` and `batch_independent_steps(False)` turn batching off.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from conveyor._compat import discharge_ref_function, underlying_ref
+from conveyor.kernel import poison
+from conveyor.plans.grid import unravel
+from conveyor.plans.pipeline import GridPoint, OperandPlan, PipelinePlan
+
+_ENABLED = contextvars.ContextVar("conveyor_batch_independent_steps", default=True)
+_RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("conveyor_batching_record", default=None)
+# Output block keys are computed for every step of the grid: above this many, no batching.
+MAX_ENUMERATED_STEPS = 1 << 16
+
+
+@contextlib.contextmanager
+def batch_independent_steps(enabled: bool = True) -> Iterator[None]:
+    """Pipelines traced inside this block run independent grid steps together on xla (the
+    default) or not (step by step, e.g. to compare the two). It acts when a pipeline is traced."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"batch_independent_steps: enabled must be a bool, got {enabled!r}")
+    token = _ENABLED.set(enabled)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+@contextlib.contextmanager
+def record_batching() -> Iterator[list[tuple[tuple[int, ...], int]]]:
+    """Record, for each plain pipeline the xla executor traces in this block, (grid, number of
+    leading grid axes run together); 0 means step by step."""
+    log: list[tuple[tuple[int, ...], int]] = []
+    token = _RECORD.set(log)
+    try:
+        yield log
+    finally:
+        _RECORD.reset(token)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Batching:
+    """How a pipeline's steps are batched: the leading `axes` run together; `body` is the pure
+    body (`discharge_ref_function`); `written[o]` is output o's write-back flag per step, shaped
+    (B indices flattened, steps of the remaining axes)."""
+    axes: int
+    body: Callable
+    body_tree: Any
+    written: tuple[np.ndarray, ...]
+    # Per output: its buffer interleaves grid axis l before block dimension l (`_follows_grid`),
+    # and, further, its blocks tile its whole array in the grid's order (stored in one write).
+    interleaved: tuple[bool, ...]
+    whole_array: tuple[bool, ...]
+
+
+def plan_batching(p: PipelinePlan, body: Callable, in_refs, out_refs, init_carry, has_carry: bool,
+                  enabled: bool = True) -> Batching | None:
+    """The batching of the module docstring, or None (run step by step); recorded (`record_batching`).
+    A carry without leaves (e.g. a warp-specialized pipeline's per-thread Nones) counts as none."""
+    found = _find(p, body, in_refs, out_refs, init_carry, has_carry) if enabled and _ENABLED.get() else None
+    log = _RECORD.get()
+    if log is not None and p.is_static:
+        log.append((tuple(p.grid), 0 if found is None else found.axes))
+    return found
+
+
+def _find(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool) -> Batching | None:
+    if (not p.is_static or not p.outputs or jax.tree_util.tree_leaves(init_carry)
+            or p.num_steps > MAX_ENUMERATED_STEPS
+            or any(op.bounded_dims or op.invariant for op in p.outputs)
+            or any(op.bounded_dims for op in p.inputs)):
+        return None
+    outputs = {id(underlying_ref(r)) for r in out_refs}
+    if any(id(underlying_ref(r)) in outputs for r in in_refs):
+        return None
+    keys = [_block_keys(p, op) for op in p.outputs]
+    if any(k is None for k in keys):
+        return None
+    axes = _independent_axes(p, keys)
+    if axes == 0 or not _fits(p, axes, out_refs):
+        return None
+    index_avals = [jax.ShapeDtypeStruct((), jnp.int32)] * len(p.grid)
+    block_avals = [jax.ShapeDtypeStruct(op.ref_shape, r.dtype)
+                   for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))]
+    carry = (init_carry,) if has_carry else ()
+    pure = discharge_ref_function(lambda *a: body(tuple(a[:len(p.grid)]), *a[len(p.grid):], *carry),
+                                  index_avals, block_avals)
+    if pure is None:
+        return None
+    run, written, tree = pure
+    if any(written[:len(p.inputs)]) or tree.num_leaves:
+        return None
+    lead = math.prod(p.grid[:axes])
+    flags = tuple(_writes_back(k).reshape(lead, -1) for k in keys)
+    interleaved = tuple(_follows_grid(p, op, k, axes) for op, k in zip(p.outputs, keys))
+    whole = tuple(inter and _tiles(p, op, k, axes, r.shape)
+                  for op, k, r, inter in zip(p.outputs, keys, out_refs, interleaved))
+    return Batching(axes=axes, body=run, body_tree=tree, written=flags, interleaved=interleaved, whole_array=whole)
+
+
+def _block_keys(p: PipelinePlan, op: OperandPlan) -> np.ndarray | None:
+    """`op`'s block key (`PipelinePlan.block_key`) at every step, as an int array [steps, key], or
+    None when the index map cannot be evaluated here (it depends on traced values, or branches in
+    Python on its indices): such a pipeline runs step by step, where a faulty map is reported."""
+    try:
+        with jax.ensure_compile_time_eval():
+            steps = jnp.arange(p.num_steps, dtype=jnp.int32)
+            keys = jax.vmap(lambda s: jnp.stack([jnp.asarray(k, jnp.int32) for k in p.block_key(op, s)]))(steps)
+            return np.asarray(keys)
+    except Exception:  # noqa: BLE001  (not decidable here: the step-by-step path handles the map)
+        return None
+
+
+def _independent_axes(p: PipelinePlan, keys: list[np.ndarray]) -> int:
+    """The most leading grid axes (spanning more than one step) such that no output block is
+    visited under two different indices along them."""
+    for axes in range(len(p.grid), 0, -1):
+        lead = math.prod(p.grid[:axes])
+        if lead < 2:
+            break
+        prefix = np.arange(p.num_steps) // (p.num_steps // lead)
+        if all(_one_prefix_per_block(k, prefix) for k in keys):
+            return axes
+    return 0
+
+
+def _one_prefix_per_block(keys: np.ndarray, prefix: np.ndarray) -> bool:
+    _, block = np.unique(keys, axis=0, return_inverse=True)
+    block = block.reshape(-1)
+    lo = np.full(block.max() + 1, np.iinfo(np.int64).max)
+    hi = np.full(block.max() + 1, -1)
+    np.minimum.at(lo, block, prefix)
+    np.maximum.at(hi, block, prefix)
+    return bool((lo == hi).all())
+
+
+def _follows_grid(p: PipelinePlan, op: OperandPlan, keys: np.ndarray, axes: int) -> bool:
+    """Output `op`'s block index in dimension l is grid index l plus a constant, for every batched
+    axis l, in plain (not squeezed, not element-offset) dimensions."""
+    if op.element_dims or len(op.ref_shape) != len(op.block_shape) or len(op.block_shape) < axes:
+        return False
+    indices = np.stack(np.unravel_index(np.arange(p.num_steps), p.grid), axis=1)
+    return all(len(np.unique(keys[:, l] - indices[:, l])) == 1 for l in range(axes))
+
+
+def _tiles(p: PipelinePlan, op: OperandPlan, keys: np.ndarray, axes: int, shape: tuple[int, ...]) -> bool:
+    """The batched blocks are the whole array: block index l is grid index l (l < axes), the other
+    block dimensions are whole, and the grid's blocks cover each batched dimension exactly."""
+    indices = np.stack(np.unravel_index(np.arange(p.num_steps), p.grid), axis=1)
+    return (all((keys[:, l] == indices[:, l]).all() and p.grid[l] * op.block_dims[l] == shape[l] for l in range(axes))
+            and all((keys[:, d] == 0).all() and op.block_dims[d] == shape[d] for d in range(axes, len(shape))))
+
+
+def _writes_back(keys: np.ndarray) -> np.ndarray:
+    """Per step: the block changes at the next step, or it is the last step (`writes_back`)."""
+    changes = np.ones(len(keys), bool)
+    changes[:-1] = (keys[1:] != keys[:-1]).any(axis=1)
+    return changes
+
+
+def _fits(p: PipelinePlan, axes: int, out_refs) -> bool:
+    lead = math.prod(p.grid[:axes])
+    batched = sum(lead * math.prod(op.ref_shape) * jnp.dtype(r.dtype).itemsize for op, r in zip(p.outputs, out_refs))
+    whole = sum(math.prod(r.shape) * jnp.dtype(r.dtype).itemsize for r in out_refs)
+    return batched <= 2 * whole
+
+
+def run_batched(p: PipelinePlan, b: Batching, in_refs, out_refs, read_block, store_block) -> None:
+    """Run the pipeline as `b` says: for each step r of the remaining axes, the body at every
+    B index (vmapped), then, where the plan writes back after (B, r), the block is stored and its
+    buffer poisoned (a fresh slot). `read_block` / `store_block` are the xla executor's."""
+    lead_grid, rest_grid = p.grid[:b.axes], p.grid[b.axes:]
+    lead, rest = math.prod(lead_grid), math.prod(rest_grid)
+    n_in = len(p.inputs)
+    in_values = [ref[...] for ref in in_refs]  # no step writes them (`_find`)
+    # Where each output's buffer holds grid axis l: right before block dimension l when the
+    # block index there follows axis l (the array's own order: a batched dot writes it in place),
+    # else in front.
+    axis_at = [(lambda l: l) if inter else (lambda l: 0) for inter in b.interleaved]
+
+    def one(indices, bufs):
+        point = GridPoint(indices)
+        blocks = [read_block(p, op, value, point) for op, value in zip(p.inputs, in_values)]
+        _, finals = b.body(*(jnp.asarray(i, jnp.int32) for i in p.grid_indices(point)), *blocks, *bufs)
+        return tuple(finals[n_in:])
+
+    def nest(level, r):
+        if level == b.axes:
+            return lambda indices, bufs: one(indices + unravel(r, rest_grid), bufs)
+        inner = nest(level + 1, r)
+        axes = tuple(at(level) for at in axis_at)
+        return lambda indices, bufs: jax.vmap(lambda i, bb: inner(indices + (i,), bb), in_axes=(0, axes),
+                                              out_axes=axes)(jnp.arange(lead_grid[level], dtype=jnp.int32), bufs)
+
+    def blocks_first(buf, op, inter):
+        """A buffer as [B indices flattened, *block]."""
+        if inter:
+            rank = len(lead_grid)
+            buf = jnp.transpose(buf, [2 * l for l in range(rank)] + [2 * l + 1 for l in range(rank)]
+                                + list(range(2 * rank, buf.ndim)))
+        return buf.reshape(lead, *op.ref_shape)
+
+    def store(r, bufs):
+        new = []
+        for op, ref, buf, written, inter, whole in zip(p.outputs, out_refs, bufs, b.written, b.interleaved,
+                                                      b.whole_array):
+            if whole and isinstance(r, int) and written[:, r].all():
+                ref[...] = buf.reshape(ref.shape)  # the blocks tile the array in its order
+                new.append(poison(buf.shape, buf.dtype))
+                continue
+            flat, flags = blocks_first(buf, op, inter), jnp.asarray(written)[:, r]
+
+            def put(i, _, op=op, ref=ref, flat=flat, flags=flags):
+                point = GridPoint(unravel(i, lead_grid) + unravel(r, rest_grid))
+                store_block(p, op, ref, flat[i], point, flags[i])
+            lax.fori_loop(0, lead, put, None)
+            fresh = flags.reshape(lead_grid)
+            for l in range(len(lead_grid)) if inter else ():
+                fresh = jnp.expand_dims(fresh, 2 * l + 1)
+            fresh = fresh.reshape(fresh.shape + (1,) * (buf.ndim - fresh.ndim))
+            new.append(jnp.where(fresh, poison(buf.shape, buf.dtype), buf))
+        return tuple(new)
+
+    any_written = np.stack([w.any(axis=0) for w in b.written]).any(axis=0)
+
+    def step(r, bufs):
+        bufs = nest(0, r)((), bufs)
+        return lax.cond(jnp.asarray(any_written)[r], lambda bb: store(r, bb), lambda bb: bb, bufs)
+
+    bufs = tuple(poison(_buffer_shape(lead_grid, op.ref_shape, inter), ref.dtype)
+                 for op, ref, inter in zip(p.outputs, out_refs, b.interleaved))
+    if not any_written[:-1].any():
+        # Every block is written back after the last step of R (e.g. a reduction axis): no
+        # branch in the loop, which would make XLA copy the carried blocks at every step.
+        bufs = lax.fori_loop(0, rest - 1, lambda r, bb: nest(0, r)((), bb), bufs)
+        store(rest - 1, nest(0, rest - 1)((), bufs))
+    else:
+        lax.fori_loop(0, rest, step, bufs)
+
+
+def _buffer_shape(lead_grid: tuple[int, ...], block: tuple[int, ...], interleaved: bool) -> tuple[int, ...]:
+    if not interleaved:
+        return (*lead_grid, *block)
+    return tuple(d for pair in zip(lead_grid, block) for d in pair) + block[len(lead_grid):]
