@@ -31,8 +31,6 @@ import contextvars
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,7 +79,6 @@ class Batching:
     (B indices flattened, steps of the remaining axes)."""
     axes: int
     body: Callable
-    body_tree: Any
     written: tuple[np.ndarray, ...]
     # Per output: its buffer interleaves grid axis l before block dimension l (`_follows_grid`),
     # and, further, its blocks tile its whole array in the grid's order (stored in one write).
@@ -89,11 +86,10 @@ class Batching:
     whole_array: tuple[bool, ...]
 
 
-def plan_batching(p: PipelinePlan, body: Callable, in_refs, out_refs, init_carry, has_carry: bool,
-                  enabled: bool = True) -> Batching | None:
+def plan_batching(p: PipelinePlan, body: Callable, in_refs, out_refs, init_carry, has_carry: bool) -> Batching | None:
     """The batching of the module docstring, or None (run step by step); recorded (`record_batching`).
     A carry without leaves (e.g. a warp-specialized pipeline's per-thread Nones) counts as none."""
-    found = _find(p, body, in_refs, out_refs, init_carry, has_carry) if enabled and _ENABLED.get() else None
+    found = _find(p, body, in_refs, out_refs, init_carry, has_carry) if _ENABLED.get() else None
     log = _RECORD.get()
     if log is not None and p.is_static:
         log.append((tuple(p.grid), 0 if found is None else found.axes))
@@ -131,7 +127,7 @@ def _find(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool)
     interleaved = tuple(_follows_grid(p, op, k, axes) for op, k in zip(p.outputs, keys))
     whole = tuple(inter and _tiles(p, op, k, axes, r.shape)
                   for op, k, r, inter in zip(p.outputs, keys, out_refs, interleaved))
-    return Batching(axes=axes, body=run, body_tree=tree, written=flags, interleaved=interleaved, whole_array=whole)
+    return Batching(axes=axes, body=run, written=flags, interleaved=interleaved, whole_array=whole)
 
 
 def _block_keys(p: PipelinePlan, op: OperandPlan) -> np.ndarray | None:
