@@ -7,13 +7,15 @@ import pytest
 
 from conveyor.bench import pipeline as bench_pipeline
 from conveyor.bench.gmm import equal_split_gmm, equal_split_tgmm
-from conveyor.bench.pipeline import step_loop_matmul
+from conveyor.bench.pipeline import slab_loop_matmul, step_loop_matmul
 
 
-def test_step_loop_matmul_is_a_matmul():
+@pytest.mark.parametrize("floor", [lambda: step_loop_matmul(64, 32, 48, 16, 8, 16), lambda: slab_loop_matmul(64, 32, 48, 8)],
+                         ids=["step loop", "k slabs"])
+def test_matmul_floors_are_matmuls(floor):
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((64, 32)), rng.standard_normal((32, 48))
-    got = step_loop_matmul(64, 32, 48, 16, 8, 16)(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
+    got = floor()(jnp.asarray(x, jnp.float32), jnp.asarray(y, jnp.float32))
     # f32 accumulation over k=32 of unit normals: a few ulps of values of size ~sqrt(32).
     np.testing.assert_allclose(got, x @ y, rtol=0, atol=1e-4)
 

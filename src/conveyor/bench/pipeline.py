@@ -85,6 +85,19 @@ def step_loop_matmul(m, k, n, bm, bk, bn):
     return jax.jit(run)
 
 
+def slab_loop_matmul(m, k, n, bk):
+    """The floor of the batched steps for this body: the (i, j) steps of one k index, run
+    together, are one (m, bk) x (bk, n) dot added into the resident (m, n) output; a fori_loop
+    over the k // bk slabs, with the body's `where(k == 0, 0, o) + dot` (no blocks, masks or poison)."""
+    def run(x, y):
+        def step(kk, o):
+            part = jnp.dot(lax.dynamic_slice(x, (0, kk * bk), (m, bk)), lax.dynamic_slice(y, (kk * bk, 0), (bk, n)),
+                           preferred_element_type=jnp.float32)
+            return jnp.where(kk == 0, 0.0, o) + part
+        return lax.fori_loop(0, k // bk, step, jnp.zeros((m, n), jnp.float32))
+    return jax.jit(run)
+
+
 def elementwise_add(m, n, bm, backend, interpret=False):
     def kernel(x_ref, y_ref, o_ref):
         def body(idx, xb, yb, ob):
@@ -105,6 +118,7 @@ class Case:
     steps_fn: Callable   # `ours` built again, to be traced step by step
     ref: Callable
     floor: Callable | None
+    slab_floor: Callable | None
     interp: Callable | None
 
 
@@ -121,14 +135,15 @@ def build_case(name: str, size: tuple[int, ...], blocks: tuple[int, ...], with_i
         return Case(x_shape=(m, k), y_shape=(k, n), steps=steps, ours=build(m, k, n, *blocks, backend="xla"),
                     steps_fn=build(m, k, n, *blocks, backend="xla"),
                     ref=jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)),
-                    floor=step_loop_matmul(m, k, n, *blocks), interp=interp)
+                    floor=step_loop_matmul(m, k, n, *blocks), slab_floor=slab_loop_matmul(m, k, n, blocks[1]),
+                    interp=interp)
     m, n = size
     steps = m // blocks[0]
     interp = elementwise_add(m, n, blocks[0], backend="mosaic_gpu", interpret=gpu) \
         if with_interp and steps <= INTERPRETER_MAX_STEPS else None
     return Case(x_shape=(m, n), y_shape=(m, n), steps=steps, ours=elementwise_add(m, n, blocks[0], backend="xla"),
                 steps_fn=elementwise_add(m, n, blocks[0], backend="xla"),
-                ref=jax.jit(jnp.add), floor=None, interp=interp)
+                ref=jax.jit(jnp.add), floor=None, slab_floor=None, interp=interp)
 
 
 def run(reps: int = 5) -> str:
@@ -136,9 +151,9 @@ def run(reps: int = 5) -> str:
     rows = [f"# pipeline benchmark, {datetime.date.today().isoformat()}", "",
             f"jax {jax.__version__}, {jax.device_count()} CPU device(s). Command: `conveyor bench pipeline`. "
             f"Medians of {reps} interleaved runs, ms.", "",
-            "| kernel | size | blocks | steps | batched axes | jnp | step-loop floor | cv xla step by step | cv xla | "
-            "xla/jnp | steps/jnp | floor/jnp | GPU interpreter | interp/xla |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| kernel | size | blocks | steps | batched axes | jnp | k-slab floor | step-loop floor | "
+            "cv xla step by step | cv xla | xla/jnp | slab/jnp | steps/jnp | floor/jnp | GPU interpreter | interp/xla |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     bar = progress_bar(len(CASES), "bench pipeline", "row")
     for name, size, blocks, with_interp in CASES:
         case = build_case(name, size, blocks, with_interp)
@@ -154,15 +169,19 @@ def run(reps: int = 5) -> str:
         fns = {"jnp": lambda: ref(x, y), "xla": lambda: ours(x, y), "steps": lambda: by_steps(x, y)}
         if floor is not None:
             assert float(jnp.abs(floor(x, y) - ref(x, y)).max()) < 1e-2, (name, "step-loop floor")
+            assert float(jnp.abs(case.slab_floor(x, y) - ref(x, y)).max()) < 1e-2, (name, "k-slab floor")
             fns["floor"] = lambda: floor(x, y)
+            fns["slab"] = lambda: case.slab_floor(x, y)
         if interp is not None:
             fns["interp"] = lambda: interp(x, y)
         t = interleaved_medians(fns, reps, {"interp": 2})
-        it, fl = t.get("interp"), t.get("floor")
+        it, fl, sl = t.get("interp"), t.get("floor"), t.get("slab")
         axes = ", ".join(str(a) for _, a in decided) or "-"
         rows.append(f"| {name} | {size} | {blocks} | {steps} | {axes} | {t['jnp'] * 1e3:.1f} | "
+                    f"{'-' if sl is None else f'{sl * 1e3:.1f}'} | "
                     f"{'-' if fl is None else f'{fl * 1e3:.1f}'} | {t['steps'] * 1e3:.1f} | {t['xla'] * 1e3:.1f} | "
-                    f"{t['xla'] / t['jnp']:.2f}x | {t['steps'] / t['jnp']:.2f}x | "
+                    f"{t['xla'] / t['jnp']:.2f}x | {'-' if sl is None else f'{sl / t['jnp']:.2f}x'} | "
+                    f"{t['steps'] / t['jnp']:.2f}x | "
                     f"{'-' if fl is None else f'{fl / t['jnp']:.2f}x'} | "
                     f"{'-' if it is None else f'{it * 1e3:.0f}'} | "
                     f"{'-' if it is None else f'{it / t['xla']:.0f}x'} |")
@@ -171,5 +190,7 @@ def run(reps: int = 5) -> str:
     bar.close()
     rows += ["", f"The GPU interpreter runs only where the grid has at most {INTERPRETER_MAX_STEPS} steps (a few ms per step).",
              "batched axes: the leading grid axes the xla executor ran together (0: step by step); the "
-             "step-by-step column is the same kernel traced under `cv.pipeline.batch_independent_steps(False)`."]
+             "step-by-step column is the same kernel traced under `cv.pipeline.batch_independent_steps(False)`. "
+             "k-slab floor: the batched steps' floor for this body, one (m, bk) x (bk, n) dot and add per k "
+             "(`slab_loop_matmul`); step-loop floor: a per-step executor's (`step_loop_matmul`)."]
     return "\n".join(rows) + "\n"
