@@ -38,6 +38,7 @@ from jax import lax
 
 from conveyor._compat import discharge_ref_function, underlying_ref
 from conveyor.kernel import poison
+from conveyor.pipeline.lowering import bool_setting
 from conveyor.plans.grid import unravel
 from conveyor.plans.pipeline import GridPoint, OperandPlan, PipelinePlan
 
@@ -47,17 +48,10 @@ _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("conveyor_
 MAX_ENUMERATED_STEPS = 1 << 16
 
 
-@contextlib.contextmanager
-def batch_independent_steps(enabled: bool = True) -> Iterator[None]:
+def batch_independent_steps(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Pipelines traced inside this block run independent grid steps together on xla (the
     default) or not (step by step, e.g. to compare the two). It acts when a pipeline is traced."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"batch_independent_steps: enabled must be a bool, got {enabled!r}")
-    token = _ENABLED.set(enabled)
-    try:
-        yield
-    finally:
-        _ENABLED.reset(token)
+    return bool_setting(_ENABLED, "batch_independent_steps", enabled)
 
 
 @contextlib.contextmanager

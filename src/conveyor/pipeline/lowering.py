@@ -25,6 +25,22 @@ from conveyor.plans.pipeline import Int, OperandPlan, PipelinePlan
 _RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("conveyor_lowering_record", default=None)
 
 
+def bool_setting(var: contextvars.ContextVar, api: str, enabled: bool) -> contextlib.AbstractContextManager[None]:
+    """A trace-time switch of the executors (`checked_schedule`, `batch_independent_steps`): `var`
+    holds `enabled` inside the block; a non-bool is a TypeError naming `api`."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"{api}: enabled must be a bool, got {enabled!r}")
+
+    @contextlib.contextmanager
+    def block() -> Iterator[None]:
+        token = var.set(enabled)
+        try:
+            yield
+        finally:
+            var.reset(token)
+    return block()
+
+
 @contextlib.contextmanager
 def record_issued() -> Iterator[list[tuple[int, str, str, int, int]]]:
     """Record, while the kernel runs, the copies and waits that a Mosaic lowering traced in this

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +30,7 @@ from jax.experimental import pallas as pl
 from conveyor._compat import call_as_thread, is_jax_ref
 from conveyor.kernel import poison
 from conveyor.pipeline import batched_steps, carry as carry_lib
-from conveyor.pipeline.lowering import block_in_bounds, call_body, when
+from conveyor.pipeline.lowering import block_in_bounds, bool_setting, call_body, when
 from conveyor.plans import fetch
 from conveyor.plans.pipeline import OperandPlan, PipelinePlan
 from conveyor.sync import TraceTimeBarrier
@@ -61,18 +60,11 @@ def _in_window(dims: tuple[int, ...], d: int, start, size):
 _CHECKED = contextvars.ContextVar("conveyor_checked_schedule", default=False)
 
 
-@contextlib.contextmanager
-def checked_schedule(enabled: bool = True) -> Iterator[None]:
+def checked_schedule(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Pipelines traced inside this block run the xla backend's checked mode (see the module
     docstring): slower, and a schedule bug shows up as wrong values. It acts when a pipeline is
     traced, so a function jitted earlier keeps the mode it was traced with."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"checked_schedule: enabled must be a bool, got {enabled!r}")
-    token = _CHECKED.set(enabled)
-    try:
-        yield
-    finally:
-        _CHECKED.reset(token)
+    return bool_setting(_CHECKED, "checked_schedule", enabled)
 
 
 def read_block(p: PipelinePlan, op: OperandPlan, gref, step):
