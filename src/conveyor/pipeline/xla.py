@@ -8,6 +8,8 @@ There is no real asynchrony on this backend (XLA:CPU runs ops in order), so this
 the plan's slots and fetch-ahead; the values a body sees are exactly those of the schedule: an
 input block is read only at the steps its fetch rule fetches (`conveyor.plans.fetch`), so a body
 that writes into an input block sees its writes until the block changes, as on the other backends.
+When the plan and the body show that the steps along leading grid axes are independent, the fast
+path runs those steps together, with the same values (`conveyor.pipeline.batched_steps`).
 
 The checked mode (`checked_schedule()`, used by the tests) runs the plan's schedule instead:
 - every slot is a real buffer;
