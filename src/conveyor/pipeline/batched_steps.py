@@ -31,6 +31,7 @@ import contextvars
 import dataclasses
 import math
 from collections.abc import Callable, Iterator
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,13 +40,12 @@ from jax import lax
 from conveyor._compat import discharge_ref_function, underlying_ref
 from conveyor.kernel import poison
 from conveyor.pipeline.lowering import bool_setting
+from conveyor.plans.fetch import block_keys
 from conveyor.plans.grid import unravel
 from conveyor.plans.pipeline import GridPoint, OperandPlan, PipelinePlan
 
 _ENABLED = contextvars.ContextVar("conveyor_batch_independent_steps", default=True)
 _RECORD: contextvars.ContextVar[list | None] = contextvars.ContextVar("conveyor_batching_record", default=None)
-# Output block keys are computed for every step of the grid: above this many, no batching.
-MAX_ENUMERATED_STEPS = 1 << 16
 
 
 def batch_independent_steps(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
@@ -92,14 +92,13 @@ def plan_batching(p: PipelinePlan, body: Callable, in_refs, out_refs, init_carry
 
 def _find(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool) -> Batching | None:
     if (not p.is_static or not p.outputs or jax.tree_util.tree_leaves(init_carry)
-            or p.num_steps > MAX_ENUMERATED_STEPS
             or any(op.bounded_dims or op.invariant for op in p.outputs)
             or any(op.bounded_dims for op in p.inputs)):
         return None
     outputs = {id(underlying_ref(r)) for r in out_refs}
     if any(id(underlying_ref(r)) in outputs for r in in_refs):
         return None
-    keys = [_block_keys(p, op) for op in p.outputs]
+    keys = [block_keys(p, op) for op in p.outputs]  # None: not evaluable here (traced maps, long grids)
     if any(k is None for k in keys):
         return None
     axes = _independent_axes(p, keys)
@@ -118,23 +117,11 @@ def _find(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool)
         return None
     lead = math.prod(p.grid[:axes])
     flags = tuple(_writes_back(k).reshape(lead, -1) for k in keys)
-    interleaved = tuple(_follows_grid(p, op, k, axes) for op, k in zip(p.outputs, keys))
-    whole = tuple(inter and _tiles(p, op, k, axes, r.shape)
+    indices = np.stack(np.unravel_index(np.arange(p.num_steps), p.grid), axis=1)  # [steps, grid axes]
+    interleaved = tuple(_follows_grid(op, k, indices, axes) for op, k in zip(p.outputs, keys))
+    whole = tuple(inter and _tiles(p, op, k, indices, axes, r.shape)
                   for op, k, r, inter in zip(p.outputs, keys, out_refs, interleaved))
     return Batching(axes=axes, body=run, written=flags, interleaved=interleaved, whole_array=whole)
-
-
-def _block_keys(p: PipelinePlan, op: OperandPlan) -> np.ndarray | None:
-    """`op`'s block key (`PipelinePlan.block_key`) at every step, as an int array [steps, key], or
-    None when the index map cannot be evaluated here (it depends on traced values, or branches in
-    Python on its indices): such a pipeline runs step by step, where a faulty map is reported."""
-    try:
-        with jax.ensure_compile_time_eval():
-            steps = jnp.arange(p.num_steps, dtype=jnp.int32)
-            keys = jax.vmap(lambda s: jnp.stack([jnp.asarray(k, jnp.int32) for k in p.block_key(op, s)]))(steps)
-            return np.asarray(keys)
-    except Exception:  # noqa: BLE001  (not decidable here: the step-by-step path handles the map)
-        return None
 
 
 def _independent_axes(p: PipelinePlan, keys: list[np.ndarray]) -> int:
@@ -160,19 +147,18 @@ def _one_prefix_per_block(keys: np.ndarray, prefix: np.ndarray) -> bool:
     return bool((lo == hi).all())
 
 
-def _follows_grid(p: PipelinePlan, op: OperandPlan, keys: np.ndarray, axes: int) -> bool:
+def _follows_grid(op: OperandPlan, keys: np.ndarray, indices: np.ndarray, axes: int) -> bool:
     """Output `op`'s block index in dimension l is grid index l plus a constant, for every batched
     axis l, in plain (not squeezed, not element-offset) dimensions."""
     if op.element_dims or len(op.ref_shape) != len(op.block_shape) or len(op.block_shape) < axes:
         return False
-    indices = np.stack(np.unravel_index(np.arange(p.num_steps), p.grid), axis=1)
     return all(len(np.unique(keys[:, l] - indices[:, l])) == 1 for l in range(axes))
 
 
-def _tiles(p: PipelinePlan, op: OperandPlan, keys: np.ndarray, axes: int, shape: tuple[int, ...]) -> bool:
+def _tiles(p: PipelinePlan, op: OperandPlan, keys: np.ndarray, indices: np.ndarray, axes: int,
+           shape: tuple[int, ...]) -> bool:
     """The batched blocks are the whole array: block index l is grid index l (l < axes), the other
     block dimensions are whole, and the grid's blocks cover each batched dimension exactly."""
-    indices = np.stack(np.unravel_index(np.arange(p.num_steps), p.grid), axis=1)
     return (all((keys[:, l] == indices[:, l]).all() and p.grid[l] * op.block_dims[l] == shape[l] for l in range(axes))
             and all((keys[:, d] == 0).all() and op.block_dims[d] == shape[d] for d in range(axes, len(shape))))
 
@@ -199,10 +185,6 @@ def run_batched(p: PipelinePlan, b: Batching, in_refs, out_refs, read_block, sto
     lead, rest = math.prod(lead_grid), math.prod(rest_grid)
     n_in = len(p.inputs)
     in_values = [ref[...] for ref in in_refs]  # no step writes them (`_find`)
-    # Where each output's buffer holds grid axis l: right before block dimension l when the
-    # block index there follows axis l (the array's own order: a batched dot writes it in place),
-    # else in front.
-    axis_at = [(lambda l: l) if inter else (lambda l: 0) for inter in b.interleaved]
 
     def one(indices, bufs):
         point = GridPoint(indices)
@@ -214,7 +196,10 @@ def run_batched(p: PipelinePlan, b: Batching, in_refs, out_refs, read_block, sto
         if level == b.axes:
             return lambda indices, bufs: one(indices + unravel(r, rest_grid), bufs)
         inner = nest(level + 1, r)
-        axes = tuple(at(level) for at in axis_at)
+        # Where each output's buffer holds grid axis `level`: right before block dimension `level`
+        # when the block index there follows that axis (the array's own order, which a batched
+        # dot writes in place), else in front.
+        axes = tuple(level if inter else 0 for inter in b.interleaved)
         return lambda indices, bufs: jax.vmap(lambda i, bb: inner(indices + (i,), bb), in_axes=(0, axes),
                                               out_axes=axes)(jnp.arange(lead_grid[level], dtype=jnp.int32), bufs)
 

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -87,8 +88,9 @@ def _and(a: Any, b: Any) -> Any:
     return jnp.logical_and(a, b)
 
 
-# Above this many steps, `changes_every_step` does not enumerate the grid (it would slow tracing).
-ENUMERATED_STEPS = 4096
+# Above this many steps, a grid's block keys are not enumerated (`block_keys`): the pipeline is
+# treated as one whose blocks are known only per step.
+ENUMERATED_STEPS = 1 << 16
 
 
 def changes_every_step(p: PipelinePlan, op: OperandPlan) -> bool:
@@ -100,19 +102,30 @@ def changes_every_step(p: PipelinePlan, op: OperandPlan) -> bool:
 
 
 def enumerate_changes(p: PipelinePlan, op: OperandPlan) -> bool:
-    """`changes_every_step`, computed: the index map at every step of the grid."""
+    """`changes_every_step`, computed: the block keys at every step of the grid (`block_keys`)."""
+    keys = block_keys(p, op)
+    return keys is not None and bool((keys[1:] != keys[:-1]).any(axis=1).all())
+
+
+def block_keys(p: PipelinePlan, op: OperandPlan) -> np.ndarray | None:
+    """`op`'s block key (`PipelinePlan.block_key`) at every step of a static grid, as an int array
+    [steps, key entries]; None when unknown here: a dynamic grid or one of more than
+    ENUMERATED_STEPS steps, or an index map that depends on traced values (kernel data) or
+    branches in Python on its indices. The executors' own per-step calls report a faulty map."""
     if not p.is_static or p.num_steps > ENUMERATED_STEPS:
-        return False
-    previous = None
-    for t in range(p.num_steps):
-        try:
-            block = tuple(concrete(x) for x in p.block_key(op, t))
-        except Exception:  # noqa: BLE001  unknown here; the executors' own calls report a faulty map
-            return False
-        if not all(isinstance(x, int) for x in block) or block == previous:
-            return False
-        previous = block
-    return True
+        return None
+
+    def key_at(s):
+        return jnp.stack([jnp.asarray(k, jnp.int32) for k in p.block_key(op, s)])
+    try:
+        # Traced on its own first: a map reading kernel values closes over the kernel's tracers,
+        # and evaluating it here would put this function's constants into the kernel's trace.
+        if any(isinstance(c, jax.core.Tracer) for c in jax.make_jaxpr(key_at)(jnp.int32(0)).consts):
+            return None
+        with jax.ensure_compile_time_eval():
+            return np.asarray(jax.vmap(key_at)(jnp.arange(p.num_steps, dtype=jnp.int32)))
+    except Exception:  # noqa: BLE001  (unknown here, see above)
+        return None
 
 
 def _min(a: Int, b: Int) -> Int:
