@@ -4,6 +4,8 @@ Everything else in Conveyor imports these names from here, so a JAX upgrade is m
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 import time
 
@@ -426,6 +428,76 @@ def discharge_ref_function(fn, value_avals, ref_avals):
 
 
 __all__ += ["discharge_ref_function"]
+
+
+def _layout_keeping_slice_rule(jax_rule, axis_data, vals, dims, **params):
+    """dynamic_slice / dynamic_update_slice of a batched operand at unbatched start indices, as
+    the same op with the batch dimension left in place and taken whole; else JAX's rule."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax._src.lax import slicing
+
+    operand, *rest = vals
+    operand_dim, *rest_dims = dims
+    is_update = "slice_sizes" not in params
+    update, update_dim = (rest[0], rest_dims[0]) if is_update else (None, None)
+    starts, start_dims = (rest[1:], rest_dims[1:]) if is_update else (rest, rest_dims)
+    rank = operand.ndim - (operand_dim is not None)
+    if operand_dim is None or rank == 0 or len(starts) != rank or any(d is not None for d in start_dims):
+        return jax_rule(axis_data, vals, dims, **params)
+    zero = lax.full((), 0, lax.dtype(starts[0]))
+    starts = [*starts[:operand_dim], zero, *starts[operand_dim:]]
+    if not is_update:
+        sizes = list(params["slice_sizes"])
+        sizes.insert(operand_dim, operand.shape[operand_dim])
+        return slicing.dynamic_slice(operand, starts, sizes), operand_dim
+    if update_dim is None:
+        update = lax.broadcast_in_dim(update, update.shape[:operand_dim] + (operand.shape[operand_dim],)
+                                      + update.shape[operand_dim:],
+                                      [d for d in range(update.ndim + 1) if d != operand_dim])
+    elif update_dim != operand_dim:
+        update = jnp.moveaxis(update, update_dim, operand_dim)
+    return slicing.dynamic_update_slice(operand, update, starts), operand_dim
+
+
+_SLICE_RULES_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def layout_keeping_slice_batching():
+    """While active, `jax.vmap` batches a dynamic_slice / dynamic_update_slice whose start indices
+    are not batched as the same op over the batched operand, the batch dimension left where it is.
+
+    JAX's rules make them a gather / scatter with the batch dimension moved to the front: XLA:CPU
+    then transposes the whole operand in and out (in the xla executor's batched steps, the output
+    blocks at every step). The values are the same either way, only the layout differs, so a
+    thread that traces a vmap meanwhile gets correct results too. Every other case goes to JAX's
+    rule. Does nothing where this JAX keeps its batching rules elsewhere."""
+    from jax._src.interpreters import batching as internal
+    from jax._src.lax import slicing
+
+    table = getattr(internal, "fancy_primitive_batchers", None)
+    prims = (slicing.dynamic_slice_p, slicing.dynamic_update_slice_p)
+    if not isinstance(table, dict) or any(p not in table for p in prims):
+        yield
+        return
+    with _SLICE_RULES_LOCK:
+        saved = {p: table[p] for p in prims}
+        active = any(getattr(rule, "func", None) is _layout_keeping_slice_rule for rule in saved.values())
+        if not active:
+            for p in prims:
+                table[p] = functools.partial(_layout_keeping_slice_rule, saved[p])
+    if active:  # a nested use, or another thread's: the rules are in place
+        yield
+        return
+    try:
+        yield
+    finally:
+        with _SLICE_RULES_LOCK:
+            table.update(saved)
+
+
+__all__ += ["layout_keeping_slice_batching"]
 
 
 # ---- differences between the supported jax versions (0.11.2 .. 0.12.0.1) -----------------------

@@ -157,8 +157,12 @@ def test_the_warp_specialized_matmul_is_batched():
                   thread_name="wg")
     with cv.pipeline.checked_schedule(False), cv.pipeline.record_batching() as log:
         out = np.asarray(jax.jit(f)(x, y))
+        program = str(jax.make_jaxpr(f)(x, y))
     assert log == [((gi, gj, gk), 2)]
     np.testing.assert_array_equal(out, x @ y)
+    # Each thread's half-block write stays a dynamic_update_slice of the batched blocks, in their
+    # layout (`_compat.layout_keeping_slice_batching`), not a scatter with the blocks transposed.
+    assert "scatter" not in program and "dynamic_update_slice" in program
 
 
 def _simple(body, carry=None):

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from conveyor._compat import discharge_ref_function, underlying_ref
+from conveyor._compat import discharge_ref_function, layout_keeping_slice_batching, underlying_ref
 from conveyor.kernel import poison
 from conveyor.pipeline.lowering import bool_setting
 from conveyor.plans.fetch import block_keys
@@ -240,13 +240,16 @@ def run_batched(p: PipelinePlan, b: Batching, in_refs, out_refs, read_block, sto
 
     bufs = tuple(poison(_buffer_shape(lead_grid, op.ref_shape, inter), ref.dtype)
                  for op, ref, inter in zip(p.outputs, out_refs, b.interleaved))
-    if not any_written[:-1].any():
-        # Every block is written back after the last step of R (e.g. a reduction axis): no
-        # branch in the loop, which would make XLA copy the carried blocks at every step.
-        bufs = lax.fori_loop(0, rest - 1, lambda r, bb: nest(0, r)((), bb), bufs)
-        store(rest - 1, nest(0, rest - 1)((), bufs))
-    else:
-        lax.fori_loop(0, rest, step, bufs)
+    # A body that reads or writes part of a block (`ob[rows, :]`) keeps the buffers' layout:
+    # no transposes of the batched blocks around each partial access.
+    with layout_keeping_slice_batching():
+        if not any_written[:-1].any():
+            # Every block is written back after the last step of R (e.g. a reduction axis): no
+            # branch in the loop, which would make XLA copy the carried blocks at every step.
+            bufs = lax.fori_loop(0, rest - 1, lambda r, bb: nest(0, r)((), bb), bufs)
+            store(rest - 1, nest(0, rest - 1)((), bufs))
+        else:
+            lax.fori_loop(0, rest, step, bufs)
 
 
 def _buffer_shape(lead_grid: tuple[int, ...], block: tuple[int, ...], interleaved: bool) -> tuple[int, ...]:
