@@ -257,3 +257,49 @@ def test_batch_independent_steps_takes_a_bool():
     with pytest.raises(TypeError, match="enabled must be a bool"):
         with cv.pipeline.batch_independent_steps("yes"):
             pass
+
+
+def _input_read(in_map, x_blocks, want_of_x):
+    """A (2, 3) grid copying input blocks (16, 128) chosen by `in_map` into the output's (i, j)
+    blocks; x has `x_blocks` blocks per dimension."""
+    bs = (16, 128)
+
+    def kernel(x, o):
+        cv.emit_pipeline(lambda idx, xb, ob: ob.__setitem__(..., xb[...] + 1.0), grid=(2, 3),
+                         in_specs=[cv.BlockSpec(bs, in_map)],
+                         out_specs=[cv.BlockSpec(bs, lambda i, j: (i, j))])(x, o)
+    x = _ints(np.random.default_rng(), (x_blocks[0] * bs[0], x_blocks[1] * bs[1]))
+    return kernel, jax.ShapeDtypeStruct((2 * bs[0], 3 * bs[1]), jnp.float32), x, want_of_x(x, bs) + 1.0
+
+
+def _blocks(x, bs, rows, cols):
+    """The (2, 3) blocks x[rows(i, j), cols(i, j)] as one (2 * 16, 3 * 128) array."""
+    return np.block([[x[rows(i, j) * bs[0]:(rows(i, j) + 1) * bs[0], cols(i, j) * bs[1]:(cols(i, j) + 1) * bs[1]]
+                      for j in range(3)] for i in range(2)])
+
+
+INPUT_READS = {
+    # map, x's blocks, the expected output, whether the blocks are one slab per step (no gather)
+    "the grid's order": (lambda i, j: (i, j), (2, 3), lambda x, bs: x, True),
+    "axes swapped": (lambda i, j: (j, i), (3, 2), lambda x, bs: _blocks(x, bs, lambda i, j: j, lambda i, j: i), True),
+    "offset": (lambda i, j: (i + 1, j), (3, 3), lambda x, bs: x[bs[0]:], True),
+    "one axis": (lambda i, j: (0, j), (1, 3), lambda x, bs: np.tile(x, (2, 1)), True),
+    "axes mixed": (lambda i, j: (0, i + j), (1, 4), lambda x, bs: _blocks(x, bs, lambda i, j: 0, lambda i, j: i + j),
+                   False),
+    "partly out of bounds": (lambda i, j: (i, j + 1), (2, 3),
+                             lambda x, bs: np.concatenate([x[:, bs[1]:], np.zeros((2 * bs[0], bs[1]), np.float32)],
+                                                          axis=1), False),
+}
+
+
+@pytest.mark.parametrize("case", INPUT_READS)
+def test_input_blocks_are_read_as_one_slab_per_step_where_they_tile_one(case):
+    in_map, x_blocks, want_of_x, slab = INPUT_READS[case]
+    kernel, out_shape, x, want = _input_read(in_map, x_blocks, want_of_x)
+    for mode in ("batched", "steps"):
+        out, log = _run(kernel, out_shape, (x,), mode)
+        assert log == [((2, 3), 2 if mode == "batched" else 0)]
+        np.testing.assert_array_equal(out, want, err_msg=mode)
+    with cv.pipeline.checked_schedule(False):
+        program = str(jax.make_jaxpr(cv.kernel(kernel, out_shape, backend="xla"))(x))
+    assert ("gather" not in program) == slab, program

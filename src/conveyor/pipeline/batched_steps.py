@@ -78,6 +78,19 @@ class Batching:
     # and, further, its blocks tile its whole array in the grid's order (stored in one write).
     interleaved: tuple[bool, ...]
     whole_array: tuple[bool, ...]
+    # Per input: read as one slab per step of the remaining axes (`SlabRead`), or None (each
+    # B index's block read under vmap, a gather).
+    slabs: tuple[SlabRead | None, ...]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlabRead:
+    """An input whose blocks at the B indices of one step r, together, are one in-bounds slab of
+    its array: each block dimension's index is either the same for every B index or one batched
+    grid axis's index plus an offset. Read with one dynamic_slice per r, no gather."""
+    level_dims: tuple[int | None, ...]  # per batched axis: the block dimension it walks, or None
+    starts: np.ndarray                  # [steps of the remaining axes, rank]: the slab's offset
+    sizes: tuple[int, ...]
 
 
 def plan_batching(p: PipelinePlan, body: Callable, in_refs, out_refs, init_carry, has_carry: bool) -> Batching | None:
@@ -121,7 +134,39 @@ def _find(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool)
     interleaved = tuple(_follows_grid(op, k, indices, axes) for op, k in zip(p.outputs, keys))
     whole = tuple(inter and _tiles(p, op, k, indices, axes, r.shape)
                   for op, k, r, inter in zip(p.outputs, keys, out_refs, interleaved))
-    return Batching(axes=axes, body=run, written=flags, interleaved=interleaved, whole_array=whole)
+    slabs = tuple(_slab_read(p, op, indices, axes, r.shape) for op, r in zip(p.inputs, in_refs))
+    return Batching(axes=axes, body=run, written=flags, interleaved=interleaved, whole_array=whole, slabs=slabs)
+
+
+def _slab_read(p: PipelinePlan, op: OperandPlan, indices: np.ndarray, axes: int,
+               shape: tuple[int, ...]) -> SlabRead | None:
+    """Input `op`'s `SlabRead`, or None: not plain blocks (squeezed, element or bounded
+    dimensions), a map not evaluable here, an index that mixes batched axes, or out of bounds."""
+    if op.element_dims or op.bounded_dims or len(op.ref_shape) != len(op.block_shape) or not op.block_shape:
+        return None
+    keys = block_keys(p, op)
+    if keys is None:
+        return None
+    lead = math.prod(p.grid[:axes])
+    keys = keys.reshape(lead, -1, keys.shape[-1])          # [B index, step r, dim]
+    grid_idx = indices[:, :axes].reshape(lead, -1, axes)    # [B index, step r, batched axis]
+    level_dims: list[int | None] = [None] * axes
+    for d in range(keys.shape[-1]):
+        if (keys[:, :, d] == keys[:1, :, d]).all():
+            continue  # the same for every B index
+        walks = [l for l in range(axes) if level_dims[l] is None
+                 and ((keys[:, :, d] - grid_idx[:, :, l]) == keys[:1, :, d]).all()]
+        if not walks:
+            return None
+        level_dims[walks[0]] = d
+    sizes = list(op.block_dims)
+    for l, d in enumerate(level_dims):
+        if d is not None:
+            sizes[d] *= p.grid[l]
+    starts = keys[0] * np.asarray(op.block_dims)
+    if (starts < 0).any() or (starts + np.asarray(sizes) > np.asarray(shape)).any():
+        return None
+    return SlabRead(level_dims=tuple(level_dims), starts=starts.astype(np.int32), sizes=tuple(sizes))
 
 
 def _independent_axes(p: PipelinePlan, keys: list[np.ndarray]) -> int:
@@ -186,22 +231,39 @@ def run_batched(p: PipelinePlan, b: Batching, in_refs, out_refs, read_block, sto
     n_in = len(p.inputs)
     in_values = [ref[...] for ref in in_refs]  # no step writes them (`_find`)
 
-    def one(indices, bufs):
+    def one(indices, slabs, bufs):
         point = GridPoint(indices)
-        blocks = [read_block(p, op, value, point) for op, value in zip(p.inputs, in_values)]
+        blocks = [read_block(p, op, value, point) if slab is None else slab
+                  for op, value, slab in zip(p.inputs, in_values, slabs)]
         _, finals = b.body(*(jnp.asarray(i, jnp.int32) for i in p.grid_indices(point)), *blocks, *bufs)
         return tuple(finals[n_in:])
 
     def nest(level, r):
         if level == b.axes:
-            return lambda indices, bufs: one(indices + unravel(r, rest_grid), bufs)
+            return lambda indices, slabs, bufs: one(indices + unravel(r, rest_grid), slabs, bufs)
         inner = nest(level + 1, r)
         # Where each output's buffer holds grid axis `level`: right before block dimension `level`
         # when the block index there follows that axis (the array's own order, which a batched
-        # dot writes in place), else in front.
+        # dot writes in place), else in front. A slab holds it before the block dimension it walks.
         axes = tuple(level if inter else 0 for inter in b.interleaved)
-        return lambda indices, bufs: jax.vmap(lambda i, bb: inner(indices + (i,), bb), in_axes=(0, axes),
-                                              out_axes=axes)(jnp.arange(lead_grid[level], dtype=jnp.int32), bufs)
+        slab_axes = tuple(None if s is None else _slab_axis(s.level_dims, level) for s in b.slabs)
+        return lambda indices, slabs, bufs: jax.vmap(
+            lambda i, ss, bb: inner(indices + (i,), ss, bb), in_axes=(0, slab_axes, axes), out_axes=axes)(
+                jnp.arange(lead_grid[level], dtype=jnp.int32), slabs, bufs)
+
+    def read_slabs(r):
+        """Each slab input's blocks at step r of the remaining axes, as [..., G_l, block_d, ...]."""
+        out = []
+        for value, s in zip(in_values, b.slabs):
+            if s is None:
+                out.append(None)
+                continue
+            slab = lax.dynamic_slice(value, tuple(jnp.asarray(s.starts)[r]), s.sizes)
+            out.append(slab.reshape(_slab_shape(s, lead_grid)))
+        return tuple(out)
+
+    def batched_body(r, bufs):
+        return nest(0, r)((), read_slabs(r), bufs)
 
     def blocks_first(buf, op, inter):
         """A buffer as [B indices flattened, *block]."""
@@ -235,7 +297,7 @@ def run_batched(p: PipelinePlan, b: Batching, in_refs, out_refs, read_block, sto
     any_written = np.stack([w.any(axis=0) for w in b.written]).any(axis=0)
 
     def step(r, bufs):
-        bufs = nest(0, r)((), bufs)
+        bufs = batched_body(r, bufs)
         return lax.cond(jnp.asarray(any_written)[r], lambda bb: store(r, bb), lambda bb: bb, bufs)
 
     bufs = tuple(poison(_buffer_shape(lead_grid, op.ref_shape, inter), ref.dtype)
@@ -246,10 +308,24 @@ def run_batched(p: PipelinePlan, b: Batching, in_refs, out_refs, read_block, sto
         if not any_written[:-1].any():
             # Every block is written back after the last step of R (e.g. a reduction axis): no
             # branch in the loop, which would make XLA copy the carried blocks at every step.
-            bufs = lax.fori_loop(0, rest - 1, lambda r, bb: nest(0, r)((), bb), bufs)
-            store(rest - 1, nest(0, rest - 1)((), bufs))
+            store(rest - 1, lax.fori_loop(0, rest, batched_body, bufs))
         else:
             lax.fori_loop(0, rest, step, bufs)
+
+
+def _slab_axis(level_dims: tuple[int | None, ...], level: int) -> int | None:
+    """Where grid axis `level` sits in a slab once the outer axes are vmapped away: before its
+    block dimension, after the grid axes of the inner levels that walk earlier dimensions."""
+    d = level_dims[level]
+    if d is None:
+        return None
+    return d + sum(1 for inner in level_dims[level + 1:] if inner is not None and inner < d)
+
+
+def _slab_shape(s: SlabRead, lead_grid: tuple[int, ...]) -> tuple[int, ...]:
+    walked = {d: g for d, g in zip(s.level_dims, lead_grid) if d is not None}
+    return tuple(x for d, size in enumerate(s.sizes)
+                 for x in ((walked[d], size // walked[d]) if d in walked else (size,)))
 
 
 def _buffer_shape(lead_grid: tuple[int, ...], block: tuple[int, ...], interleaved: bool) -> tuple[int, ...]:
