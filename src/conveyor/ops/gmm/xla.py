@@ -33,6 +33,12 @@ from conveyor.ops.gmm.metadata import local_group_boundaries
 # (at least MIN_WINDOW, a sublane tile), the last one masked.
 MIN_WINDOW = 8
 CHUNKS_PER_TILE = 8
+# tgmm's tiles (`cover_rows_in_windows`): tm rows and tm / 8, all masked. Measured 2026-11-24 on
+# the 2-core CPU (m=4096, k=n=1024, f32, Dirichlet(1) sizes, one interleaved run; the
+# equal-split batched floor 55 / 148 / 436 ms at G=8 / 64 / 256): full tiles then tm / 8-row
+# chunks (the gmm covering) took 113 / 216 / 546 ms, these windows 63 / 191 / 544; windows of
+# (tm, tm / 2, tm / 8) 67 / 184 / 550, at 2.9k more characters of program per extra size.
+TGMM_WINDOW_DIVISORS = (8,)
 # tgmm gathers each group's first rows into one batched dot when groups average at most this.
 CAPACITY_MAX_AVG = 128
 
@@ -118,6 +124,35 @@ def cover_rows(start, end, m: int, tm: int, carry, tile):
     return lax.while_loop(lambda state: state[0] < end, step, (start, carry))[1]
 
 
+def cover_rows_in_windows(start, end, m: int, windows: tuple[int, ...], carry, tile):
+    """Apply `tile(window_start, size, mask, carry)` over rows [start, end) of an m-row array,
+    in windows of the sizes `windows` (ascending): the largest while more rows are left than it
+    holds, then the smallest that holds the rest, masked to the rows that are ours (every window
+    is masked; a window that would pass row m is shifted back inside).
+
+    For tgmm, where every tile adds a whole [k, n] product into the group's block, the number of
+    tiles is what costs (one pass over the block each), not a few masked rows: see `tgmm_windows`.
+    """
+    offsets = {w: jnp.arange(w, dtype=jnp.int32) for w in windows}
+
+    def window(w):
+        def run(pos, c):
+            at = jnp.minimum(pos, m - w)
+            rows = at + offsets[w]
+            return pos + w, tile(at, w, (rows >= pos) & (rows < end), c)
+        return run
+
+    branches = [window(w) for w in windows]
+
+    def step(state):
+        pos, c = state
+        left = end - pos
+        which = sum((left > w).astype(jnp.int32) for w in windows[:-1])  # the first window >= left
+        return lax.switch(which, branches, pos, c)
+
+    return lax.while_loop(lambda state: state[0] < end, step, (start, carry))[1]
+
+
 def gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, tiling,
             **_):
     m, _k = lhs.shape
@@ -163,14 +198,21 @@ def tgmm_capacity(m: int, num_groups: int) -> int:
     return min(m, max(MIN_WINDOW, -(-int(avg) // MIN_WINDOW) * MIN_WINDOW))
 
 
+def tgmm_windows(tm: int, m: int) -> tuple[int, ...]:
+    """tgmm's tile sizes (`cover_rows_in_windows`): tm, and tm / d for d in TGMM_WINDOW_DIVISORS
+    (at least MIN_WINDOW, at most m)."""
+    return tuple(sorted({min(max(MIN_WINDOW, tm // d), m) for d in (1, *TGMM_WINDOW_DIVISORS)}))
+
+
 def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling,
              **_):
     """out[g] = existing_out[g] + lhs[:, rows of g] @ rhs[rows of g] for the local groups.
 
     A batched pass over the first `tgmm_capacity` rows of every group (when groups are small),
-    then one loop over groups covering their remaining rows with tiles of lhs columns: each tile
-    is a plain [k, rows] @ [rows, n] dot added into the group's block of an f32 (accumulation
-    dtype) carry, cast to `out_dtype` once at the end.
+    then one loop over groups covering their remaining rows with windows of lhs columns
+    (`tgmm_windows`): each window is a [k, rows] @ [rows, n] dot added into the group's block of
+    an f32 (accumulation dtype) carry, cast to `out_dtype` once at the end. Every window costs a
+    pass over the [k, n] block, so a group's rows are covered by few, large windows.
     """
     k, m = lhs.shape
     tm = min(tiling.tm, m)
@@ -192,6 +234,8 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
             y = _where_rows(mask, y, 0, (0,))
         return a + _dot(x, y, ((1,), (0,)), acc_t)
 
+    windows = tgmm_windows(tm, m)
+
     def group(g, out):
         start, end = _index(bounds, g), _index(bounds, g + 1)
         if capacity:
@@ -199,7 +243,7 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
 
         def add_rows(out):
             acc = _index(out, g)
-            return _update(out, cover_rows(start, end, m, tm, acc, tile)[None], g, 0)
+            return _update(out, cover_rows_in_windows(start, end, m, windows, acc, tile)[None], g, 0)
 
         # Groups without rows left skip the [k, n] read and write.
         return lax.cond(start < end, add_rows, lambda o: o, out)
