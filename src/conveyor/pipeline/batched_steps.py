@@ -22,6 +22,11 @@ Independent, decided at trace time (otherwise `xla.run_pipeline` runs step by st
 B is the longest run of leading axes for which this holds (of more than one step).
 The body's ops are batched one by one, so a dot may be done as a larger XLA dot whose own
 summation order differs: results agree to float rounding (exactly on integer-valued data).
+The batched blocks keep the array's layout where they can, so XLA copies little around the body:
+output buffers interleave each batched grid axis with the block dimension it walks, an input
+whose blocks at one step form an in-bounds slab is read as one slice (`SlabRead`), and a partial
+read or write of a block stays a slice of the batched buffer
+(`_compat.layout_keeping_slice_batching`).
 `checked_schedule()` and `batch_independent_steps(False)` turn batching off.
 """
 from __future__ import annotations
