@@ -136,7 +136,7 @@ def _find(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool)
     lead = math.prod(p.grid[:axes])
     flags = tuple(_writes_back(k).reshape(lead, -1) for k in keys)
     indices = np.stack(np.unravel_index(np.arange(p.num_steps), p.grid), axis=1)  # [steps, grid axes]
-    interleaved = tuple(_follows_grid(op, k, indices, axes) for op, k in zip(p.outputs, keys))
+    interleaved = tuple(_follows_grid(op, k, indices, axes, lead) for op, k in zip(p.outputs, keys))
     whole = tuple(inter and _tiles(p, op, k, indices, axes, r.shape)
                   for op, k, r, inter in zip(p.outputs, keys, out_refs, interleaved))
     slabs = tuple(_slab_read(p, op, indices, axes, r.shape) for op, r in zip(p.inputs, in_refs))
@@ -150,28 +150,18 @@ def _slab_read(p: PipelinePlan, op: OperandPlan, indices: np.ndarray, axes: int,
     if op.element_dims or op.bounded_dims or len(op.ref_shape) != len(op.block_shape) or not op.block_shape:
         return None
     keys = block_keys(p, op)
-    if keys is None:
-        return None
     lead = math.prod(p.grid[:axes])
-    keys = keys.reshape(lead, -1, keys.shape[-1])          # [B index, step r, dim]
-    grid_idx = indices[:, :axes].reshape(lead, -1, axes)    # [B index, step r, batched axis]
-    level_dims: list[int | None] = [None] * axes
-    for d in range(keys.shape[-1]):
-        if (keys[:, :, d] == keys[:1, :, d]).all():
-            continue  # the same for every B index
-        walks = [l for l in range(axes) if level_dims[l] is None
-                 and ((keys[:, :, d] - grid_idx[:, :, l]) == keys[:1, :, d]).all()]
-        if not walks:
-            return None
-        level_dims[walks[0]] = d
+    level_dims = None if keys is None else _walked_dims(keys, indices, axes, lead)
+    if level_dims is None:
+        return None
     sizes = list(op.block_dims)
     for l, d in enumerate(level_dims):
         if d is not None:
             sizes[d] *= p.grid[l]
-    starts = keys[0] * np.asarray(op.block_dims)
+    starts = keys[:len(keys) // lead] * np.asarray(op.block_dims)  # at B index 0, per step r
     if (starts < 0).any() or (starts + np.asarray(sizes) > np.asarray(shape)).any():
         return None
-    return SlabRead(level_dims=tuple(level_dims), starts=starts.astype(np.int32), sizes=tuple(sizes))
+    return SlabRead(level_dims=level_dims, starts=starts.astype(np.int32), sizes=tuple(sizes))
 
 
 def _independent_axes(p: PipelinePlan, keys: list[np.ndarray]) -> int:
@@ -197,12 +187,31 @@ def _one_prefix_per_block(keys: np.ndarray, prefix: np.ndarray) -> bool:
     return bool((lo == hi).all())
 
 
-def _follows_grid(op: OperandPlan, keys: np.ndarray, indices: np.ndarray, axes: int) -> bool:
-    """Output `op`'s block index in dimension l is grid index l plus a constant, for every batched
-    axis l, in plain (not squeezed, not element-offset) dimensions."""
+def _walked_dims(keys: np.ndarray, indices: np.ndarray, axes: int, lead: int) -> tuple[int | None, ...] | None:
+    """Per batched grid axis, the block dimension whose index is that axis's index plus an offset
+    fixed at each step of the remaining axes (None: no dimension depends on the axis); None when
+    some dimension's index depends on the batched axes in any other way. `keys` [steps, dims];
+    `lead`: the number of B indices."""
+    by_b = keys.reshape(lead, -1, keys.shape[-1])            # [B index, step r, dim]
+    grid_idx = indices[:, :axes].reshape(lead, -1, axes)     # [B index, step r, batched axis]
+    level_dims: list[int | None] = [None] * axes
+    for d in range(by_b.shape[-1]):
+        if (by_b[:, :, d] == by_b[:1, :, d]).all():
+            continue  # the same for every B index
+        walks = [l for l in range(axes) if level_dims[l] is None
+                 and ((by_b[:, :, d] - grid_idx[:, :, l]) == by_b[:1, :, d]).all()]
+        if not walks:
+            return None
+        level_dims[walks[0]] = d
+    return tuple(level_dims)
+
+
+def _follows_grid(op: OperandPlan, keys: np.ndarray, indices: np.ndarray, axes: int, lead: int) -> bool:
+    """Output `op`'s buffer can interleave grid axis l before block dimension l: in plain (not
+    squeezed, not element-offset) dimensions, batched axis l walks block dimension l."""
     if op.element_dims or len(op.ref_shape) != len(op.block_shape) or len(op.block_shape) < axes:
         return False
-    return all(len(np.unique(keys[:, l] - indices[:, l])) == 1 for l in range(axes))
+    return _walked_dims(keys, indices, axes, lead) == tuple(range(axes))
 
 
 def _tiles(p: PipelinePlan, op: OperandPlan, keys: np.ndarray, indices: np.ndarray, axes: int,
