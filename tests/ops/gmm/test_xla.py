@@ -90,8 +90,8 @@ def test_forward_and_backward_program_stays_small():
     """Issue 10's compile-time budget: a gmm forward+backward at G=8 (m=4096, k=n=1024) lowers to
     at most 30k characters of StableHLO (26.4k on 2026-11-24; lax.ragged_dot: 6.6k). The text is
     deterministic, so this guards compile time without timing anything; the capacity pass of tgmm
-    (G >= 32 here) adds about 3-5k, which the second budget allows. tgmm's windows
-    (`xla.TGMM_WINDOW_DIVISORS`) cost about 2.9k each: 28.3k and 33.5k with two sizes."""
+    (G >= 32 here) adds about 3-5k, which the second budget allows. Each size of tgmm's windows
+    (`xla.cover_rows_in_windows`) costs about 2.9k: 28.3k and 33.5k with its two sizes."""
     from conveyor.bench.gmm import compile_cost
     gmm = lambda a, b, s: cv.gmm(a, b, s)  # noqa: E731
     assert compile_cost(gmm, 1, groups=8)["chars"] <= 30_000

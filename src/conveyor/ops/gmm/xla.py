@@ -33,12 +33,6 @@ from conveyor.ops.gmm.metadata import local_group_boundaries
 # (at least MIN_WINDOW, a sublane tile), the last one masked.
 MIN_WINDOW = 8
 CHUNKS_PER_TILE = 8
-# tgmm's tiles (`cover_rows_in_windows`): tm rows and tm / 8, all masked. Measured 2026-11-24 on
-# the 2-core CPU (m=4096, k=n=1024, f32, Dirichlet(1) sizes, one interleaved run; the
-# equal-split batched floor 55 / 148 / 436 ms at G=8 / 64 / 256): full tiles then tm / 8-row
-# chunks (the gmm covering) took 113 / 216 / 546 ms, these windows 63 / 191 / 544; windows of
-# (tm, tm / 2, tm / 8) 67 / 184 / 550, at 2.9k more characters of program per extra size.
-TGMM_WINDOW_DIVISORS = (8,)
 # tgmm gathers each group's first rows into one batched dot when groups average at most this.
 CAPACITY_MAX_AVG = 128
 
@@ -131,7 +125,7 @@ def cover_rows_in_windows(start, end, m: int, windows: tuple[int, ...], carry, t
     is masked; a window that would pass row m is shifted back inside).
 
     For tgmm, where every tile adds a whole [k, n] product into the group's block, the number of
-    tiles is what costs (one pass over the block each), not a few masked rows: see `tgmm_windows`.
+    tiles is what costs (one pass over the block each), not a few masked rows (see `tgmm_xla`).
     """
     offsets = {w: jnp.arange(w, dtype=jnp.int32) for w in windows}
 
@@ -198,19 +192,13 @@ def tgmm_capacity(m: int, num_groups: int) -> int:
     return min(m, max(MIN_WINDOW, -(-int(avg) // MIN_WINDOW) * MIN_WINDOW))
 
 
-def tgmm_windows(tm: int, m: int) -> tuple[int, ...]:
-    """tgmm's tile sizes (`cover_rows_in_windows`): tm, and tm / d for d in TGMM_WINDOW_DIVISORS
-    (at least MIN_WINDOW, at most m)."""
-    return tuple(sorted({min(max(MIN_WINDOW, tm // d), m) for d in (1, *TGMM_WINDOW_DIVISORS)}))
-
-
 def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling,
              **_):
     """out[g] = existing_out[g] + lhs[:, rows of g] @ rhs[rows of g] for the local groups.
 
     A batched pass over the first `tgmm_capacity` rows of every group (when groups are small),
-    then one loop over groups covering their remaining rows with windows of lhs columns
-    (`tgmm_windows`): each window is a [k, rows] @ [rows, n] dot added into the group's block of
+    then one loop over groups covering their remaining rows with windows of lhs columns (tm
+    and `chunk_rows` rows, `cover_rows_in_windows`): each window is a [k, rows] @ [rows, n] dot added into the group's block of
     an f32 (accumulation dtype) carry, cast to `out_dtype` once at the end. Every window costs a
     pass over the [k, n] block, so a group's rows are covered by few, large windows.
     """
@@ -227,14 +215,17 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
         out = out + _tgmm_first_rows(lhs, rhs, bounds[:-1], bounds[1:], capacity, acc_t)
 
     def tile(s, size, mask, a):
-        x = _slice(lhs, s, size, 1)
-        y = _slice(rhs, s, size, 0)
-        if mask is not None:  # zero both sides: non-finite rows of other groups must not leak
-            x = _where_rows(mask, x, 0, (1,))
-            y = _where_rows(mask, y, 0, (0,))
+        # Zero both sides: non-finite rows of other groups must not leak.
+        x = _where_rows(mask, _slice(lhs, s, size, 1), 0, (1,))
+        y = _where_rows(mask, _slice(rhs, s, size, 0), 0, (0,))
         return a + _dot(x, y, ((1,), (0,)), acc_t)
 
-    windows = tgmm_windows(tm, m)
+    # Two window sizes, tm and tm / 8, all masked. Measured 2026-11-24 on the 2-core CPU (m=4096,
+    # k=n=1024, f32, Dirichlet(1) sizes, one interleaved run; the equal-split batched floor
+    # 55 / 148 / 436 ms at G=8 / 64 / 256): full tiles then tm / 8-row chunks (`cover_rows`, the
+    # gmm covering) took 113 / 216 / 546 ms, these windows 63 / 191 / 544; windows of
+    # (tm, tm / 2, tm / 8) 67 / 184 / 550, at 2.9k more characters of program per extra size.
+    windows = tuple(sorted({chunk_rows(tm, m), tm}))
 
     def group(g, out):
         start, end = _index(bounds, g), _index(bounds, g + 1)
