@@ -163,9 +163,6 @@ def test_misuses_are_refused_by_name():
     with pytest.raises(NotImplementedError, match=r"prefetch on mosaic_gpu: caller-owned allocations"):
         _run_kernel(lambda x, o: plain.prefetch(x, o, allocations={}), backend="mosaic_gpu",
                     interpret=gpu_interpret())
-    with pytest.raises(NotImplementedError, match=r"cross-kernel prefetch \(Buffered.prefetched_count"):
-        cv.pipeline.plan(grid=(2,), in_specs=[pl.BlockSpec(B, lambda i: (i, 0),
-                                                           pipeline_mode=pl.Buffered(2, prefetched_count=1))])
 
 
 def test_prefetch_exports_for_tpu():

@@ -178,8 +178,13 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
       written (xla reads them when the pipeline runs, TPU when the prefetch is issued). One
       prefetch per call, at the same loop level as its pipeline.
     Both are implemented on xla and mosaic_tpu (NotImplementedError on mosaic_gpu: chain
-    warp-specialized pipelines there). Cross-kernel prefetch (upstream's
-    `pl.Buffered(prefetched_count=...)`) is refused by name.
+    warp-specialized pipelines there).
+    An input spec's `pipeline_mode=pl.Buffered(n, prefetched_count=p)` (upstream's, p <= n) says
+    its first p blocks are already in its first p slots when the pipeline starts, put there by the
+    caller (copies issued and awaited earlier, e.g. while a previous pipeline or kernel ran): the
+    pipeline neither fetches nor waits for them. On mosaic_tpu it then runs on `allocations=`
+    (whose `["slots"][i][j]` is input i's slot j); xla, having no slots, reads those blocks from the
+    input, which must hold the same values. Refused on mosaic_gpu.
     """
     whole = plan_lib.plan(grid=grid, in_specs=in_specs, out_specs=out_specs,
                           max_concurrent_steps=max_concurrent_steps, delay_release=delay_release,
@@ -194,6 +199,7 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
             _check_tpu_tiling(p, ins + outs)
         elif ctx.backend == "mosaic_gpu":
             _refuse_bounded_windows_on_gpu(p)
+            _refuse_prefetched_count(p, "a plain pipeline on mosaic_gpu")
             if ctx.num_threads > 1:
                 raise NotImplementedError(
                     f"emit_pipeline: a plain pipeline inside a mosaic_gpu kernel with num_threads={ctx.num_threads} "
@@ -260,6 +266,14 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
     run.with_allocations = with_allocations
     run.prefetch = prefetch
     return run
+
+
+def _refuse_prefetched_count(p: plan_lib.PipelinePlan, where: str) -> None:
+    if p.prefetched_inputs:
+        raise NotImplementedError(
+            f"{where}: {', '.join(p.prefetched_inputs)} use pl.Buffered(prefetched_count=...), slots filled by the "
+            f"caller before the pipeline, which only plain pipelines on mosaic_tpu and xla take (a GPU pipeline's "
+            f"slots are its own shared memory; chain warp-specialized pipelines with pipeline_state= instead)")
 
 
 def emit_pipeline_with_allocations(body: Callable[..., Any], **options: Any) -> tuple[Callable[..., Any],
@@ -342,6 +356,7 @@ def emit_pipeline_warp_specialized(
                          "carry_coroutine (both would own the compute threads' carry)")
     p = plan_lib.plan(grid=grid, in_specs=in_specs, out_specs=out_specs,
                       max_concurrent_steps=max_concurrent_steps, delay_release=delay_release)
+    _refuse_prefetched_count(p, "emit_pipeline_warp_specialized")
     uneven = [op.name for op in p.inputs if not op.invariant and op.num_slots != p.max_concurrent_steps]
     if uneven:
         raise NotImplementedError(f"emit_pipeline_warp_specialized: per-input buffering ({', '.join(uneven)}: a "

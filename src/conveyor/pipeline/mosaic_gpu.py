@@ -106,11 +106,11 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         def step(s, state):
             wb_counts, cursors, carry = state
             stepped = [fetch.begin_step(p, op, cur, s) for op, cur in zip(p.inputs, cursors)]
-            for i, (op, (_, changed, slot)) in enumerate(zip(p.inputs, stepped)):
+            for i, (op, (_, waits, slot)) in enumerate(zip(p.inputs, stepped)):
                 def wait(i=i, op=op, slot=slot):
                     issued(s, "wait_fetch", op, slot, s)
                     plgpu.barrier_wait(barriers[i].at[slot])
-                when(changed, wait)
+                when(waits, wait)
             in_blocks = [in_bufs[i].at[slot] for i, (_, _, slot) in enumerate(stepped)]
             out_blocks = [out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
             indices = p.grid_indices(s)

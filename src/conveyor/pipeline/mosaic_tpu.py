@@ -150,6 +150,11 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     last write-backs. On its own scoped VMEM, or on the caller's `given` allocations."""
     n = p.num_steps
     needed = allocations(p, in_refs, out_refs)
+    if p.prefetched_inputs and given is None:
+        raise ValueError(f"{', '.join(p.prefetched_inputs)}: pl.Buffered(prefetched_count=...) says the caller has "
+                         f"put the first blocks in the input's slots, so the pipeline must run on the caller's "
+                         f"allocations: run(*refs, allocations=a), with a from run.get_allocations(*refs) (or "
+                         f"run.with_allocations) and a['slots'][i][j] holding the input's j-th block")
 
     def scoped(a):
         c = _copies(p, in_refs, out_refs, a)
@@ -162,8 +167,8 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         def step(s, state):
             wb_counts, started, last_steps, cursors, carry = state
             stepped = [fetch.begin_step(p, op, cur, s) for op, cur in zip(p.inputs, cursors)]
-            for i, (_, changed, slot) in enumerate(stepped):
-                when(changed, lambda i=i, slot=slot: c.wait_fetch(i, s, slot))
+            for i, (_, waits, slot) in enumerate(stepped):
+                when(waits, lambda i=i, slot=slot: c.wait_fetch(i, s, slot))
             in_blocks = [c.in_bufs[i].at[slot] for i, (_, _, slot) in enumerate(stepped)]
             out_blocks = [c.out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
             carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks), carry, has_carry)

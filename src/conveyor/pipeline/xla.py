@@ -100,6 +100,7 @@ def store_block(p: PipelinePlan, op: OperandPlan, gref, value, step, when):
 
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
     """Run `body(indices, *in_block_refs, *out_block_refs[, carry])` over the plan's steps."""
+    p = p.fetching_every_block()
     if _CHECKED.get():
         return _run_checked(p, body, in_refs, out_refs, init_carry, has_carry)
     batching = batched_steps.plan_batching(p, body, in_refs, out_refs, init_carry, has_carry)

@@ -10,6 +10,10 @@ slot j % S. The fetch rule decides which steps start a new block and when it is 
 - `LOOKAHEAD` (`pl.Buffered(n, use_lookahead=True)`): as ON_CHANGE, but after every body the
   input fetches the next changed blocks as far ahead as its free slots allow, however many steps
   away they are (upstream's `use_lookahead`): a block that changes rarely is prefetched early.
+An input may start with its first blocks already in place (`OperandPlan.prefetched`, upstream's
+`pl.Buffered(prefetched_count=p)`): fetches 0 .. p - 1 are in slots 0 .. p - 1 before step 0, put
+there by the caller, so they are neither issued (`_issue`) nor awaited (`begin_step`); the counting
+is unchanged, so fetch p goes to slot p % S as before.
 Why it is safe: block j's first step t_j is at least S - 1 steps after the first step of block
 j - S + 1, so block j - S (the previous occupant of slot j % S) was last read at step t_j - S or
 before; ON_CHANGE fetches block j after the body of step t_j - L = t_j - S + delay_release, which
@@ -152,6 +156,13 @@ def read_slot(op: OperandPlan, cursor: Cursor) -> Int:
     return 0 if op.invariant else (cursor.reads - 1) % op.num_slots
 
 
+def _issue(op: OperandPlan, number: Int, go: Any, fetch: Callable[[], None]) -> None:
+    """Issue fetch number `number` of `op` under `go`, unless the caller prefetched it."""
+    if op.prefetched:
+        go = _and(go, number >= op.prefetched)
+    when(go, fetch)
+
+
 def prologue(p: PipelinePlan, op: OperandPlan, fetch: Fetch) -> Cursor:
     """Issue the fetches before step 0; the cursor step 0 starts from. With a dynamic grid each
     fetch is predicated on its step existing."""
@@ -160,16 +171,20 @@ def prologue(p: PipelinePlan, op: OperandPlan, fetch: Fetch) -> Cursor:
     fetches: Int = 0
     for t in p.prologue_steps(op):
         go = _and(p.before_end(t), changes_at(p, op, t))
-        when(go, lambda t=t, slot=fetches % op.num_slots: fetch(t, slot))
+        _issue(op, fetches, go, lambda t=t, slot=fetches % op.num_slots: fetch(t, slot))
         fetches = fetches + _count(go)
     return Cursor(0, fetches, 0, 0)
 
 
 def begin_step(p: PipelinePlan, op: OperandPlan, cursor: Cursor, s: Int) -> tuple[Cursor, Any, Int]:
-    """Step s is about to run: its cursor, whether it waits for a new block, and the slot it reads."""
+    """Step s is about to run: its cursor, whether it waits for a new block (one that changed and
+    was not prefetched by the caller), and the slot it reads."""
     changed = changes_at(p, op, s)
     cursor = cursor._replace(reads=cursor.reads + _count(changed))
-    return cursor, changed, read_slot(op, cursor)
+    waits = changed
+    if op.prefetched:  # the block is read number `reads` (from 1): the first `prefetched` are in place
+        waits = _and(changed, cursor.reads > op.prefetched)
+    return cursor, waits, read_slot(op, cursor)
 
 
 def after_step(p: PipelinePlan, op: OperandPlan, cursor: Cursor, s: Int, fetch: Fetch) -> Cursor:
@@ -187,7 +202,7 @@ def after_step(p: PipelinePlan, op: OperandPlan, cursor: Cursor, s: Int, fetch: 
     t = p.fetch_step(op, s)
     clamped = _min(t, n - 1)
     go = _and(t < n, changes_at(p, op, clamped))
-    when(go, lambda: fetch(clamped, cursor.fetches % op.num_slots))
+    _issue(op, cursor.fetches, go, lambda: fetch(clamped, cursor.fetches % op.num_slots))
     return cursor._replace(fetches=cursor.fetches + _count(go))
 
 
@@ -201,7 +216,7 @@ def _scan(p: PipelinePlan, op: OperandPlan, cursor: Cursor, limit: Int, fetch: F
 
     def visit(c: Cursor) -> Cursor:
         changed = changes_at(p, op, c.scanned)
-        when(changed, lambda: fetch(c.scanned, c.fetches % op.num_slots))
+        _issue(op, c.fetches, changed, lambda: fetch(c.scanned, c.fetches % op.num_slots))
         return c._replace(fetches=c.fetches + _count(changed), scanned=c.scanned + 1)
 
     # A Python loop while everything is concrete (an index map computing with jnp inside a kernel

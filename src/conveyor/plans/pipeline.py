@@ -123,6 +123,7 @@ class PallasOptions:
     delay_release: int = 0
     buffer_count: int | None = None
     use_lookahead: bool = False
+    prefetched_count: int = 0
     transforms: tuple[Any, ...] = ()
 
 
@@ -139,8 +140,9 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
     refuse, by name, every other field that is set: none is silently ignored.
 
     Honoured: `delay_release` of an input (the pipeline's delay becomes the largest asked, which
-    is never less safe), `pipeline_mode=pl.Buffered(n, use_lookahead=...)` (the operand's slot count, see
-    `plan`, and an input's lookahead, see `conveyor.plans.fetch`),
+    is never less safe), `pipeline_mode=pl.Buffered(n, use_lookahead=..., prefetched_count=...)`
+    (the operand's slot count, see `plan`; an input's lookahead and the blocks its caller already
+    put in its slots, see `conveyor.plans.fetch`),
     `oob_fill_mode` ZEROS (the out-of-bounds rule every backend follows), `transforms` (see
     `OperandPlan`). Refused: `memory_space` (blocks always go to the backend's on-chip memory),
     `collective_axes`, other Buffered options, and any field this version does not know."""
@@ -148,7 +150,7 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
         return PallasOptions(transforms=tuple(spec.transforms))
     if not dataclasses.is_dataclass(spec):
         return PallasOptions()
-    delay, count, lookahead, transforms = 0, None, False, ()
+    delay, count, lookahead, prefetched, transforms = 0, None, False, 0, ()
     for field in dataclasses.fields(spec):
         value = getattr(spec, field.name)
         if field.name in ("block_shape", "index_map") or value is None or _is_default(value, field):
@@ -162,7 +164,7 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
                 raise ValueError(f"{where}: expected an int >= 0")
             delay = value
         elif field.name == "pipeline_mode":
-            count, lookahead = _buffering(value, where, is_input)
+            count, lookahead, prefetched = _buffering(value, where, is_input)
         elif field.name == "oob_fill_mode" and getattr(value, "name", None) == "ZEROS":
             continue
         elif field.name == "transforms":
@@ -173,12 +175,15 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
         else:
             raise ValueError(f"{where} is not supported by Conveyor pipelines (it would be ignored); "
                              f"leave it unset")
-    return PallasOptions(delay_release=delay, buffer_count=count, use_lookahead=lookahead, transforms=transforms)
+    return PallasOptions(delay_release=delay, buffer_count=count, use_lookahead=lookahead,
+                         prefetched_count=prefetched, transforms=transforms)
 
 
-def _buffering(mode: Any, where: str, is_input: bool) -> tuple[int, bool]:
-    """`pl.Buffered(buffer_count, use_lookahead=...)`: the slot count and whether the input fetches
-    with lookahead (`conveyor.plans.fetch`); any other Buffered option is refused by name."""
+def _buffering(mode: Any, where: str, is_input: bool) -> tuple[int, bool, int]:
+    """`pl.Buffered(buffer_count, use_lookahead=..., prefetched_count=...)`: the slot count, whether
+    the input fetches with lookahead (`conveyor.plans.fetch`) and how many of its first blocks the
+    caller has already put in its slots (`OperandPlan.prefetched`); any other Buffered option is
+    refused by name."""
     count = getattr(mode, "buffer_count", None)
     if not isinstance(count, int) or isinstance(count, bool):
         raise ValueError(f"{where} is not supported: only pl.Buffered(buffer_count) pipeline modes are")
@@ -186,16 +191,22 @@ def _buffering(mode: Any, where: str, is_input: bool) -> tuple[int, bool]:
     if lookahead and not is_input:
         raise ValueError(f"{where}: use_lookahead applies to inputs (it fetches future blocks early); an output "
                          f"has nothing to fetch")
-    if getattr(mode, "prefetched_count", 0):
-        raise NotImplementedError(f"{where}: cross-kernel prefetch (Buffered.prefetched_count, slots filled by an "
-                                  f"earlier kernel) is not supported; within one kernel, issue a pipeline's first "
-                                  f"fetches early with run.prefetch(*refs, allocations=...)")
-    extra = [f.name for f in dataclasses.fields(mode) if f.name not in ("buffer_count", "use_lookahead")
+    prefetched = getattr(mode, "prefetched_count", 0)
+    if isinstance(prefetched, bool) or not isinstance(prefetched, int) or prefetched < 0:
+        raise ValueError(f"{where}: prefetched_count must be an int >= 0, got {prefetched!r}")
+    if prefetched and not is_input:
+        raise ValueError(f"{where}: prefetched_count applies to inputs (slots the caller filled before the "
+                         f"pipeline); an output has nothing to fetch")
+    if prefetched > count:
+        raise ValueError(f"{where}: prefetched_count={prefetched} must be at most buffer_count={count} (the "
+                         f"prefetched blocks sit in the input's first slots)")
+    known = ("buffer_count", "use_lookahead", "prefetched_count")
+    extra = [f.name for f in dataclasses.fields(mode) if f.name not in known
              and not _is_default(getattr(mode, f.name), f)] if dataclasses.is_dataclass(mode) else []
     if extra:
-        raise ValueError(f"{where}: Buffered options {extra} are not supported; only buffer_count and "
-                         f"use_lookahead are")
-    return count, lookahead
+        raise ValueError(f"{where}: Buffered options {extra} are not supported; only buffer_count, use_lookahead "
+                         f"and prefetched_count are")
+    return count, lookahead, prefetched
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,6 +234,11 @@ class OperandPlan:
     whole_array: bool = False
     # Inputs: which steps are fetched, and when (`conveyor.plans.fetch`).
     fetch_rule: str = fetch_lib.ON_CHANGE
+    # Inputs: the first `prefetched` fetches (distinct blocks) are in slots 0.. prefetched - 1 when
+    # the pipeline starts, put there by the caller (upstream's `pl.Buffered(prefetched_count=...)`,
+    # e.g. copied by an earlier kernel or pipeline and awaited): the pipeline neither issues nor
+    # awaits them. At most num_slots.
+    prefetched: int = 0
 
     @property
     def block_dims(self) -> tuple[int, ...]:
@@ -248,7 +264,9 @@ class GridPoint:
 class Event:
     """One step of the schedule, for the checker and the simulator (pure data)."""
     step: int            # grid step at which it happens (-1: prologue, num_steps: epilogue)
-    kind: str            # "fetch" | "wait_fetch" | "compute" | "writeback" | "wait_writeback"
+    # "fetch" | "wait_fetch" | "compute" | "writeback" | "wait_writeback", or "read_prefetched": the
+    # step starts a block the caller put in `slot` (`OperandPlan.prefetched`), with no copy to wait for
+    kind: str
     operand: str | None
     slot: int | None
     target_step: int     # the grid step whose block it moves / computes
@@ -375,6 +393,19 @@ class PipelinePlan:
             resolved.append(op)
         n_in = len(self.inputs)
         return dataclasses.replace(self, inputs=tuple(resolved[:n_in]), outputs=tuple(resolved[n_in:]))
+
+    @property
+    def prefetched_inputs(self) -> tuple[str, ...]:
+        """The inputs whose first blocks the caller puts in their slots (`OperandPlan.prefetched`)."""
+        return tuple(op.name for op in self.inputs if op.prefetched)
+
+    def fetching_every_block(self) -> PipelinePlan:
+        """This plan with no input prefetched by the caller. The xla executor runs it: there the
+        caller has no slots to fill (its allocations are `{}`), so the blocks a TPU caller
+        prefetches are read from the input, which must hold the same values (the contract)."""
+        if not self.prefetched_inputs:
+            return self
+        return dataclasses.replace(self, inputs=tuple(dataclasses.replace(op, prefetched=0) for op in self.inputs))
 
     def require_static(self, api: str) -> None:
         """Refuse a dynamic grid where a concrete schedule is needed (checker, simulator, events),
@@ -527,9 +558,11 @@ class PipelinePlan:
         in_flight: dict[tuple[str, int], int] = {}   # (output, slot) -> step of its pending write-back
         for s in range(n):
             for op in self.inputs:
-                cursors[op.name], changed, slot = fetch_lib.begin_step(self, op, cursors[op.name], s)
-                if changed:
+                cursors[op.name], waits, slot = fetch_lib.begin_step(self, op, cursors[op.name], s)
+                if waits:
                     ev.append(Event(s, "wait_fetch", op.name, slot, s))
+                elif op.prefetched and fetch_lib.changes_at(self, op, s):
+                    ev.append(Event(s, "read_prefetched", op.name, slot, s))
             ev.append(Event(s, "compute", None, None, s))
             for op in self.outputs:
                 if self.writes_back(op, s):
@@ -580,6 +613,8 @@ class PipelinePlan:
             if e.kind == "fetch":
                 acts.append(Copy(f"{e.operand}@step{e.target_step}", writes=((e.operand, e.slot),),
                                  signals=(("landed", e.operand, e.target_step),), operand=e.operand))
+            elif e.kind == "read_prefetched":   # the caller's block, in place: nothing to wait for
+                reading[e.operand] = e.slot
             elif e.kind == "wait_fetch":
                 reading[e.operand] = e.slot
                 acts.append(Wait(("landed", e.operand, e.target_step), what=f"copy {e.operand}@step{e.target_step}"))
@@ -773,7 +808,8 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
                                 no_pipelining)
             ops.append(OperandPlan(name, is_input, sizes, bs.index_map, inv, slots, opts.transforms,
                                    element_dims=elements, bounded_dims=bounded, whole_array=whole,
-                                   fetch_rule=_fetch_rule(name, opts, reuse_unchanged_blocks)))
+                                   fetch_rule=_fetch_rule(name, opts, reuse_unchanged_blocks),
+                                   prefetched=opts.prefetched_count))
         return tuple(ops)
 
     return PipelinePlan(grid, build(in_specs, in_names, in_options, True),
