@@ -1,6 +1,7 @@
 """gmm/tgmm XLA backend (the CPU default) against the reference."""
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tests.ops.gmm.base import GmmBackendTests, assert_close
 from tests.ops.gmm.problems import numpy_gmm, numpy_tgmm, operands, skewed_sizes
@@ -57,20 +58,30 @@ class TestXla(GmmBackendTests):
             assert_close(out, want, m, jnp.float32)
 
 
-def test_windows_cover_each_row_once_with_few_tiles():
-    """tgmm's covering: every row of [start, end) in exactly one window's mask, no other row,
-    windows inside [0, m), and as few windows as the sizes allow (the cost of a tgmm tile is a
-    pass over the group's [k, n] block)."""
+@pytest.mark.parametrize("windows", [(8, 64), (8, 16, 64)])
+def test_windows_cover_each_row_once_with_few_tiles(windows):
+    """tgmm's covering: every row of [start, end) in exactly one window (a full one, or the
+    masked last one), no other row, windows inside [0, m), and the windows the rule gives (the largest one the rows left fill,
+    else the smallest): each tgmm tile is a pass over the group's [k, n] block, each masked row a
+    wasted row of its dot."""
     import jax
     from conveyor.ops.gmm import xla
-    m, windows = 200, (8, 64)
+    m = 200
 
     def cover(start, end):
         def tile(at, size, mask, c):
             hits, count = c
             window = jax.lax.dynamic_slice_in_dim(hits, at, size)
-            return jax.lax.dynamic_update_slice_in_dim(hits, window + mask.astype(jnp.int32), at, 0), count + 1
+            ours = jnp.ones(size, jnp.int32) if mask is None else mask.astype(jnp.int32)   # None: a full window
+            return jax.lax.dynamic_update_slice_in_dim(hits, window + ours, at, 0), count + 1
         return xla.cover_rows_in_windows(start, end, m, windows, (jnp.zeros(m, jnp.int32), 0), tile)
+
+    def windows_needed(rows):  # the rule, written out
+        count = 0
+        while rows > 0:
+            rows -= max([w for w in windows if w <= rows], default=windows[0])
+            count += 1
+        return count
 
     run = jax.jit(cover)
     rng = np.random.default_rng()
@@ -81,9 +92,16 @@ def test_windows_cover_each_row_once_with_few_tiles():
         want = np.zeros(m, np.int32)
         want[start:end] = 1
         np.testing.assert_array_equal(hits, want, err_msg=f"rows [{start}, {end})")
-        rows = end - start
-        full, rest = divmod(rows, windows[-1])
-        assert int(count) == full + (rest > 0), (start, end, int(count))
+        assert int(count) == windows_needed(end - start), (start, end, int(count))
+    assert windows_needed(40) == (5 if windows == (8, 64) else 3)   # 8 * 5; 16 + 16 + 8
+
+
+def test_tgmm_window_sizes():
+    from conveyor.ops.gmm import xla
+    assert xla.tgmm_windows(512, 4096) == (64, 128, 512)
+    assert xla.tgmm_windows(128, 4096) == (16, 32, 128)
+    assert xla.tgmm_windows(16, 4096) == (8, 16)      # at least a sublane tile, no duplicates
+    assert xla.tgmm_windows(512, 100) == (64, 100)    # at most m
 
 
 def test_forward_and_backward_program_stays_small():

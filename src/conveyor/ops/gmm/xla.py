@@ -118,31 +118,41 @@ def cover_rows(start, end, m: int, tm: int, carry, tile):
     return lax.while_loop(lambda state: state[0] < end, step, (start, carry))[1]
 
 
+def tgmm_windows(tm: int, m: int) -> tuple[int, ...]:
+    """tgmm's window sizes, ascending: tm, tm / 4 and `chunk_rows` (tm / 8), each at least
+    MIN_WINDOW and at most m. Measured in `tgmm_xla`."""
+    return tuple(sorted({chunk_rows(tm, m), min(max(MIN_WINDOW, tm // 4), m), min(tm, m)}))
+
+
 def cover_rows_in_windows(start, end, m: int, windows: tuple[int, ...], carry, tile):
     """Apply `tile(window_start, size, mask, carry)` over rows [start, end) of an m-row array,
-    in windows of the sizes `windows` (ascending): the largest while more rows are left than it
-    holds, then the smallest that holds the rest, masked to the rows that are ours (every window
-    is masked; a window that would pass row m is shifted back inside).
+    in windows of the sizes `windows` (ascending): the largest window the rows left fill
+    (`mask=None`: every row is ours), or the smallest when fewer rows are left than it holds,
+    with `mask[size]` marking the rows that are ours (shifted back inside if it would pass row m).
 
-    For tgmm, where every tile adds a whole [k, n] product into the group's block, the number of
-    tiles is what costs (one pass over the block each), not a few masked rows (see `tgmm_xla`).
+    For tgmm, where every tile adds a whole [k, n] product into the group's block, each window
+    costs a pass over the block, and the rows a window computes beyond the group cost their
+    dot: filling windows exactly and masking only the last small one balances the two
+    (see `tgmm_xla`).
     """
-    offsets = {w: jnp.arange(w, dtype=jnp.int32) for w in windows}
+    offsets = jnp.arange(windows[0], dtype=jnp.int32)
 
-    def window(w):
-        def run(pos, c):
-            at = jnp.minimum(pos, m - w)
-            rows = at + offsets[w]
-            return pos + w, tile(at, w, (rows >= pos) & (rows < end), c)
-        return run
+    def last_window(pos, c):
+        w = windows[0]
+        at = jnp.minimum(pos, m - w)
+        rows = at + offsets
+        return pos + w, tile(at, w, (rows >= pos) & (rows < end), c)
 
-    branches = [window(w) for w in windows]
+    def full_window(w):
+        return lambda pos, c: (pos + w, tile(pos, w, None, c))
+
+    branches = [last_window] + [full_window(w) for w in windows[1:]]
 
     def step(state):
         pos, c = state
         left = end - pos
-        which = sum((left > w).astype(jnp.int32) for w in windows[:-1])  # the first window >= left
-        return lax.switch(which, branches, pos, c)
+        filled = sum((left >= w).astype(jnp.int32) for w in windows[1:])  # the largest window left fills
+        return lax.switch(filled, branches, pos, c)
 
     return lax.while_loop(lambda state: state[0] < end, step, (start, carry))[1]
 
@@ -197,8 +207,8 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
     """out[g] = existing_out[g] + lhs[:, rows of g] @ rhs[rows of g] for the local groups.
 
     A batched pass over the first `tgmm_capacity` rows of every group (when groups are small),
-    then one loop over groups covering their remaining rows with windows of lhs columns (tm
-    and `chunk_rows` rows, `cover_rows_in_windows`): each window is a [k, rows] @ [rows, n] dot added into the group's block of
+    then one loop over groups covering their remaining rows with windows of lhs columns
+    (`tgmm_windows` sizes, `cover_rows_in_windows`): each window is a [k, rows] @ [rows, n] dot added into the group's block of
     an f32 (accumulation dtype) carry, cast to `out_dtype` once at the end. Every window costs a
     pass over the [k, n] block, so a group's rows are covered by few, large windows.
     """
@@ -215,17 +225,21 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
         out = out + _tgmm_first_rows(lhs, rhs, bounds[:-1], bounds[1:], capacity, acc_t)
 
     def tile(s, size, mask, a):
-        # Zero both sides: non-finite rows of other groups must not leak.
-        x = _where_rows(mask, _slice(lhs, s, size, 1), 0, (1,))
-        y = _where_rows(mask, _slice(rhs, s, size, 0), 0, (0,))
+        x, y = _slice(lhs, s, size, 1), _slice(rhs, s, size, 0)
+        if mask is not None:  # zero both sides: non-finite rows of other groups must not leak
+            x, y = _where_rows(mask, x, 0, (1,)), _where_rows(mask, y, 0, (0,))
         return a + _dot(x, y, ((1,), (0,)), acc_t)
 
-    # Two window sizes, tm and tm / 8, all masked. Measured 2026-11-24 on the 2-core CPU (m=4096,
-    # k=n=1024, f32, Dirichlet(1) sizes, one interleaved run; the equal-split batched floor
-    # 55 / 148 / 436 ms at G=8 / 64 / 256): full tiles then tm / 8-row chunks (`cover_rows`, the
-    # gmm covering) took 113 / 216 / 546 ms, these windows 63 / 191 / 544; windows of
-    # (tm, tm / 2, tm / 8) 67 / 184 / 550, at 2.9k more characters of program per extra size.
-    windows = tuple(sorted({chunk_rows(tm, m), tm}))
+    # Windows of tm, tm / 4 and tm / 8 rows, filled exactly but for the last (masked). Measured
+    # 2026-11-25 on the 2-core CPU (f32, Dirichlet(1) sizes, interleaved medians of 7, one run
+    # each; lhs given transposed, as the gmm backward passes it): at the MoE FFN's shapes (m=2048,
+    # (k, n) = (512, 1024) / (1024, 512), G=8) 49.3 / 49.6 ms with the previous covering (sizes
+    # tm and tm / 8, the smallest window holding what is left: a 139-row group got one 512-row
+    # window), 31.0 / 38.1 with this one (batched floor 19.5 / 21.8); at m=4096, k=n=1024:
+    # G=8 104.2 -> 85.8, G=64 173.7 -> 178.7 (floor 129.0), G=256 577.4 -> 444.3 (floor 381.5).
+    # The four sizes tm / 8 .. tm (powers of two) were faster at G=8 / 256 (79.7 / 373.5 ms) but
+    # each size costs about 2.9k characters of program (compile time, issue 10's budget).
+    windows = tgmm_windows(tm, m)
 
     def group(g, out):
         start, end = _index(bounds, g), _index(bounds, g + 1)
