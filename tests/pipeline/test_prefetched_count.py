@@ -35,26 +35,26 @@ def _x_block(i, case):
     return CASES[case][0](i)[0]
 
 
-def _pipeline(case: str, prefetched: int, slots: int = 2):
+def _pipeline(case: str, prefetched: int, slots: int = 2, steps=STEPS):
     """out block i = x's block at step i + y block i; x has `slots` slots, the first `prefetched`
-    of its blocks already in place."""
+    of its blocks already in place. `steps` may be traced (a dynamic grid)."""
     imap, lookahead = CASES[case]
     mode = pl.Buffered(slots, use_lookahead=lookahead, prefetched_count=prefetched)
 
     def body(idx, xb, yb, ob):
         ob[...] = xb[...] + yb[...]
 
-    return cv.emit_pipeline(body, grid=(STEPS,), in_specs=[pl.BlockSpec(B, imap, pipeline_mode=mode),
+    return cv.emit_pipeline(body, grid=(steps,), in_specs=[pl.BlockSpec(B, imap, pipeline_mode=mode),
                                                            pl.BlockSpec(B, lambda i: (i, 0))],
                             out_specs=[pl.BlockSpec(B, lambda i: (i, 0))], max_concurrent_steps=2)
 
 
-def _kernel(case: str, prefetched: int, offset: float = 0.0):
+def _kernel(case: str, prefetched: int, offset: float = 0.0, dynamic: bool = False):
     """Fills x's first `prefetched` slots itself (plus `offset`) where there are slots (mosaic_tpu),
-    then runs the pipeline on those allocations."""
-    pipe = _pipeline(case, prefetched)
-
+    then runs the pipeline on those allocations; with `dynamic`, its grid size is traced."""
     def kernel(x_ref, y_ref, o_ref):
+        pipe = _pipeline(case, prefetched, steps=cv.program_id(0) + STEPS if dynamic else STEPS)
+
         def on(allocations):
             if allocations:  # mosaic_tpu; xla has no slots (allocations == {})
                 slots = allocations["slots"][0]
@@ -82,7 +82,7 @@ def _inputs():
 
 def _call(kernel, backend, x, y):
     out = jax.ShapeDtypeStruct(y.shape, jnp.float32)
-    f = cv.kernel(kernel, out, backend=backend, interpret=TPU if backend == "mosaic_tpu" else False)
+    f = cv.kernel(kernel, out, backend=backend, interpret=TPU if backend == "mosaic_tpu" else False, grid=(1,))
     return jax.jit(f)(x, y)
 
 
@@ -94,6 +94,17 @@ def test_values(backend, case, prefetched):
     name = backend.split()[0]
     with cv.pipeline.checked_schedule(backend == "xla checked"):
         result = _call(_kernel(case, prefetched), name, x, y)
+    np.testing.assert_array_equal(result, _reference(x, y, case))
+
+
+@pytest.mark.parametrize("backend", ["xla checked", "mosaic_tpu"])
+@pytest.mark.parametrize("case", ["every second step", "lookahead"])
+def test_values_with_a_dynamic_grid(backend, case):
+    """The grid size is traced: the skipped fetches and waits are decided inside the kernel."""
+    x, y = _inputs()
+    name = backend.split()[0]
+    with cv.pipeline.checked_schedule(backend == "xla checked"):
+        result = _call(_kernel(case, 2, dynamic=True), name, x, y)
     np.testing.assert_array_equal(result, _reference(x, y, case))
 
 
@@ -169,5 +180,6 @@ def test_refusals():
 
 def test_exports_for_tpu():
     x = jax.ShapeDtypeStruct((STEPS * 8, 128), jnp.float32)
-    f = jax.jit(cv.kernel(_kernel("lookahead", 2), x, backend="mosaic_tpu"))
-    assert jax.export.export(f, platforms=["tpu"])(x, x).platforms == ("tpu",)
+    for dynamic in (False, True):
+        f = jax.jit(cv.kernel(_kernel("lookahead", 2, dynamic=dynamic), x, backend="mosaic_tpu", grid=(1,)))
+        assert jax.export.export(f, platforms=["tpu"])(x, x).platforms == ("tpu",)
