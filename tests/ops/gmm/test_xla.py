@@ -109,8 +109,8 @@ def test_forward_and_backward_program_stays_small():
     at most 30k characters of StableHLO (26.4k on 2026-11-24; lax.ragged_dot: 6.6k). The text is
     deterministic, so this guards compile time without timing anything; the capacity pass of tgmm
     (G >= 32 here) adds about 3-5k, which the second budget allows. Each size of tgmm's windows
-    (`xla.cover_rows_in_windows`) costs about 1.1k (2.9k for the masked one): 27.9k and 33.1k with
-    its three sizes (2026-11-25)."""
+    (`xla.cover_rows_in_windows`, which gmm's `cover_rows` also runs on) costs about 1.1k (2.9k for
+    the masked one): 28.5k and 33.7k with tgmm's three sizes (2026-11-25)."""
     from conveyor.bench.gmm import compile_cost
     gmm = lambda a, b, s: cv.gmm(a, b, s)  # noqa: E731
     assert compile_cost(gmm, 1, groups=8)["chars"] <= 30_000

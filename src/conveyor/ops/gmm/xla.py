@@ -92,30 +92,13 @@ def chunk_rows(tm: int, m: int) -> int:
 
 
 def cover_rows(start, end, m: int, tm: int, carry, tile):
-    """Apply `tile(window_start, size, mask, carry)` over rows [start, end) of an m-row array.
-
-    One loop walks a row position: a full tile of `tm` rows (`mask=None`) while one fits, then
-    chunks of `chunk_rows(tm, m)` rows, the last one shifted to stay inside [0, m), each with
-    `mask[size]` marking the rows that are really ours. Only two tile shapes are traced and the
-    loop carries just the position and `carry`, so the op's program stays small (compile time);
-    fewer than a chunk of rows is wasted per group.
+    """Apply `tile(window_start, size, mask, carry)` over rows [start, end) of an m-row array:
+    full tiles of `tm` rows (`mask=None`) while one fits, then chunks of `chunk_rows(tm, m)` rows,
+    masked (`cover_rows_in_windows` with those two sizes). Only two tile shapes are traced and
+    the loop carries just the position and `carry`, so the op's program stays small (compile
+    time); fewer than a chunk of rows is wasted per group.
     """
-    chunk = chunk_rows(tm, m)
-    offsets = jnp.arange(chunk, dtype=jnp.int32)
-
-    def full_tile(pos, c):
-        return pos + tm, tile(pos, tm, None, c)
-
-    def chunk_tile(pos, c):
-        window = jnp.minimum(pos, m - chunk)
-        rows = window + offsets
-        return pos + chunk, tile(window, chunk, (rows >= pos) & (rows < end), c)
-
-    def step(state):
-        pos, c = state
-        return lax.cond(pos + tm <= end, full_tile, chunk_tile, pos, c)
-
-    return lax.while_loop(lambda state: state[0] < end, step, (start, carry))[1]
+    return cover_rows_in_windows(start, end, m, tuple(sorted({chunk_rows(tm, m), tm})), carry, tile)
 
 
 def tgmm_windows(tm: int, m: int) -> tuple[int, ...]:
