@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 
 from conveyor.bench import pipeline as bench_pipeline
-from conveyor.bench.gmm import equal_split_gmm, equal_split_tgmm
+from conveyor.bench.gmm import equal_split_gmm, equal_split_loop_gmm, equal_split_loop_tgmm, equal_split_tgmm
 from conveyor.bench.pipeline import slab_loop_matmul, step_loop_matmul
 
 
@@ -20,15 +20,19 @@ def test_matmul_floors_are_matmuls(floor):
     np.testing.assert_allclose(got, x @ y, rtol=0, atol=1e-4)
 
 
-def test_equal_split_floors_are_grouped_matmuls():
+@pytest.mark.parametrize("gmm_floor, tgmm_floor", [(equal_split_gmm, equal_split_tgmm),
+                                                   (equal_split_loop_gmm, equal_split_loop_tgmm)],
+                         ids=["batched", "loop"])
+def test_equal_split_floors_are_grouped_matmuls(gmm_floor, tgmm_floor):
     rng = np.random.default_rng(1)
     g, rows, k, n = 4, 6, 5, 7
     x, w = rng.standard_normal((g * rows, k)), rng.standard_normal((g, k, n))
-    out = equal_split_gmm(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+    out = gmm_floor(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
     want = np.concatenate([x[i * rows:(i + 1) * rows] @ w[i] for i in range(g)])
+    # f32 sums of 5 (or 6) products of unit normals: well inside 1e-5.
     np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)
     y = rng.standard_normal((g * rows, n))
-    t = equal_split_tgmm(jnp.asarray(x.T, jnp.float32), jnp.asarray(y, jnp.float32), g)
+    t = tgmm_floor(jnp.asarray(x.T, jnp.float32), jnp.asarray(y, jnp.float32), g)
     want_t = np.stack([x[i * rows:(i + 1) * rows].T @ y[i * rows:(i + 1) * rows] for i in range(g)])
     np.testing.assert_allclose(t, want_t, rtol=0, atol=1e-5)
 
