@@ -6,6 +6,10 @@ Before every timed call we also `settle()`: evict the 32 MiB L3 (so weights come
 real layer, and no candidate inherits another's warm cache) and pause briefly so the spinning
 worker threads of the previous candidate (OpenBLAS, XLA's Eigen pool) go idle instead of stealing
 one of the two cores. Without this, a NumPy call right before an XLA call slowed it by up to 1.5x.
+
+Even so, single calls on the 2-core VM are bimodal: the same jitted f32 dot on the same buffers ran
+11.1-11.8 ms or 14.6-21.0 ms after `settle()` (2026-11-25, `gmm-2026-11-25-2.md`), so a median of
+a few runs can land in either mode and a ratio of two medians can move by up to 1.5x between runs.
 """
 from __future__ import annotations
 

@@ -18,6 +18,11 @@ The program text was then cut from 48k to 26.4k characters (fwd+bwd, G=8, m=4096
 noise): slices without lax's negative-index handling (`_slice`), selects without jnp.where's
 wrapper, group bounds from one clamped slice, and a row loop that carries only its position.
 
+Where the rest of the gap to one dense dot goes (2026-11-25, `benchmarks/results/gmm-2026-11-25-2.md`):
+on one core this backend's gmm at G=8 is 1.08x (f32) / 1.25x (bf16) one dense dot, on two cores
+1.45x / 1.75x: XLA:CPU gives the dots inside a while loop little of the second core. The bench's
+"loop floor" (one dot per group in a fori loop, equal split) measures that cost without this code.
+
 Measured pitfall: a sequence of small while loops per group (one per power-of-two remainder) made
 G=256 up to 25x slower than dense, because XLA copies the [m, n] carry into each loop; one loop
 per group (with a cond choosing the tile shape) keeps the carry in place.
