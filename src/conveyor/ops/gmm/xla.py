@@ -196,9 +196,10 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
 
     A batched pass over the first `tgmm_capacity` rows of every group (when groups are small),
     then one loop over groups covering their remaining rows with windows of lhs columns
-    (`tgmm_windows` sizes, `cover_rows_in_windows`): each window is a [k, rows] @ [rows, n] dot added into the group's block of
-    an f32 (accumulation dtype) carry, cast to `out_dtype` once at the end. Every window costs a
-    pass over the [k, n] block, so a group's rows are covered by few, large windows.
+    (`tgmm_windows` sizes, `cover_rows_in_windows`): each window is a [k, rows] @ [rows, n] dot
+    added into the group's block of an f32 (accumulation dtype) carry, cast to `out_dtype` once at
+    the end. Every window costs a pass over the [k, n] block, so a group's rows are covered by few,
+    large windows.
     """
     k, m = lhs.shape
     tm = min(tiling.tm, m)
