@@ -5,7 +5,12 @@ On CPU it runs through the Mosaic GPU interpreter (`interpret=True` or `plgpu.In
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
+
 import jax
+import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conveyor._compat import gpu_interpreter_multi_device_fix
@@ -18,10 +23,43 @@ def _interpret(interpret):
     return plgpu.InterpretGPUParams() if interpret is True else interpret
 
 
+BARRIER_BYTES = 8
+# Shared memory the enclosing cv.kernel's scratch_shapes take, while its body is traced: a pipeline
+# inside counts it against the thread block's budget (see pipeline/mosaic_gpu.check_smem_budget).
+_KERNEL_SCRATCH_BYTES = contextvars.ContextVar("conveyor_kernel_scratch_bytes", default=0)
+
+
+def smem_bytes(buffers) -> int:
+    """Bytes of shared memory the buffers take (SMEM arrays, ShapeDtypeStructs and barriers)."""
+    total = 0
+    for b in buffers:
+        if isinstance(b, plgpu.Barrier):
+            total += (b.num_barriers if isinstance(b.num_barriers, int) else math.prod(b.num_barriers)) * BARRIER_BYTES
+        elif hasattr(b, "shape") and hasattr(b, "dtype"):
+            total += math.prod(b.shape) * jnp.dtype(b.dtype).itemsize
+    return total
+
+
+def kernel_scratch_bytes() -> int:
+    """The enclosing cv.kernel's scratch_shapes bytes (0 outside a mosaic_gpu kernel body)."""
+    return _KERNEL_SCRATCH_BYTES.get()
+
+
+@contextlib.contextmanager
+def _reserving(nbytes: int):
+    token = _KERNEL_SCRATCH_BYTES.set(nbytes)
+    try:
+        yield
+    finally:
+        _KERNEL_SCRATCH_BYTES.reset(token)
+
+
 def launch(body, outs, scratch, single, interpret, enter_context, num_threads=1, thread_name=None, grid=(),
            grid_names=()):
+    reserved = smem_bytes(scratch)
+
     def wrapped(*refs):
-        with enter_context():
+        with enter_context(), _reserving(reserved):
             if body(*refs) is not None:
                 raise TypeError("kernel body must return None (it writes outputs through refs)")
 

@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conveyor._compat import is_jax_ref
+from conveyor.kernel_gpu import BARRIER_BYTES, kernel_scratch_bytes, smem_bytes
 from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.lowering import block_view, call_body, check_allocations, issued, when
 from conveyor.plans import fetch
@@ -32,24 +33,25 @@ from conveyor.plans.warp import WarpSpecializedPlan
 # What Mosaic GPU lets one thread block allocate on sm_90 (H100/H200): 227 KiB of the SM's 228 KB
 # (its export error reads "exceeds available shared memory: smem_bytes=... > max_smem_bytes=232448").
 SMEM_BUDGET_BYTES = 232448
-BARRIER_BYTES = 8
 
 
 def check_smem_budget(p: PipelinePlan, scratch, api: str) -> int:
-    """The shared memory of a pipeline's scratch (its slots, inputs then outputs, and barriers); a
-    ValueError naming every operand when it exceeds the budget (the GPU interpreter would run it;
-    the real compile refuses it)."""
+    """The shared memory of a pipeline's scratch (its slots, inputs then outputs, and barriers) plus
+    the enclosing cv.kernel's scratch_shapes; a ValueError naming every operand when the sum exceeds
+    the budget (the GPU interpreter would run it; the real compile refuses it)."""
     slots = [s for s in scratch if not isinstance(s, plgpu.Barrier)]
-    barriers = sum(b.num_barriers if isinstance(b.num_barriers, int) else math.prod(b.num_barriers)
-                   for b in scratch if isinstance(b, plgpu.Barrier))
+    barrier_list = [b for b in scratch if isinstance(b, plgpu.Barrier)]
+    barriers = smem_bytes(barrier_list) // BARRIER_BYTES
     parts = [(op, buf.shape[0], math.prod(buf.shape[1:]) * jnp.dtype(buf.dtype).itemsize, jnp.dtype(buf.dtype).name)
              for op, buf in zip(p.inputs + p.outputs, slots)]
-    total = sum(n * block for _, n, block, _ in parts) + barriers * BARRIER_BYTES
+    kernel_scratch = kernel_scratch_bytes()
+    total = sum(n * block for _, n, block, _ in parts) + barriers * BARRIER_BYTES + kernel_scratch
     if total > SMEM_BUDGET_BYTES:
         detail = "; ".join(f"{op.name}: {n} slot(s) x {block} B ({dtype} {op.ref_shape}) = {n * block} B"
                            for op, n, block, dtype in parts)
         raise ValueError(f"{api} on mosaic_gpu needs {total} B of shared memory, more than the {SMEM_BUDGET_BYTES} B "
-                         f"a thread block may use on sm_90: {detail}; {barriers} barrier(s) x {BARRIER_BYTES} B. "
+                         f"a thread block may use on sm_90: {detail}; {barriers} barrier(s) x {BARRIER_BYTES} B; "
+                         f"the kernel's scratch_shapes {kernel_scratch} B. "
                          f"Use smaller blocks or fewer slots (max_concurrent_steps)")
     return total
 

@@ -31,7 +31,7 @@ GS = jnp.asarray([4, 6], jnp.int32)
     (lambda: cv.gmm(L, R, GS, tiling=lambda m, k, n: (8, -1, 1)), ValueError, r"tiling\(10, 4, 3\) returned"),
     (lambda: cv.gmm(L, R, GS, existing_out=jnp.ones((10, 4))), ValueError, r"existing_out: expected shape \(10, 3\)"),
     (lambda: cv.gmm(L, R, GS, backend="triton"), ValueError, r"backend: expected one of"),
-    (lambda: cv.tgmm(L.T, L, GS, backend="mosaic_gpu"), NotImplementedError, r"backend='mosaic_gpu'"),
+    (lambda: cv.tgmm(L.T, L, GS, backend="mosaic_gpu"), NotImplementedError, r"mosaic_gpu tgmm: wgmma takes bfloat16"),
     (lambda: cv.gmm(L, R, GS, backend="mosaic_gpu"), NotImplementedError, r"wgmma takes bfloat16 or float16"),
     (lambda: cv.gmm(L, R, GS, backend="xla", interpret=True), ValueError, r"interpret: only the mosaic_tpu"),
     (lambda: cv.tgmm(L.T, jnp.ones((9, 3)), GS), ValueError, r"rhs: expected 10 rows"),

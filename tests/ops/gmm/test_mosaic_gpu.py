@@ -89,5 +89,15 @@ def test_what_the_gpu_kernel_cannot_do_is_refused_by_name():
     with pytest.raises(ValueError, match="tn to divide n=128"):
         cv.gmm(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True,
                tiling=(128, 64, 96))
-    with pytest.raises(NotImplementedError, match="tgmm has no mosaic_gpu implementation"):
-        cv.tgmm(lhs.T, jnp.zeros((128, 128)), gs, backend="mosaic_gpu")
+    with pytest.raises(NotImplementedError, match="wgmma takes bfloat16 or float16 operands"):
+        cv.gmm(lhs.astype(jnp.float16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True)
+
+
+def test_a_tiling_over_the_shared_memory_budget_counts_the_kernel_scratch():
+    """The pipeline's slots (393 KiB) plus the output staging buffer the kernel allocates: refused
+    before Mosaic's compile would, naming both."""
+    f = jax.jit(lambda a, b, s: cv.gmm(a, b, s, backend="mosaic_gpu", tiling=(128, 128, 256)))
+    with pytest.raises(ValueError, match=r"needs 524384 B of shared memory.*the kernel's scratch_shapes 131072 B"):
+        jax.export.export(f, platforms=["cuda"])(
+            jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16),
+            jax.ShapeDtypeStruct((8,), jnp.int32))

@@ -6,7 +6,7 @@ from conveyor.ops.gmm import reference, tiling as tiling_lib, xla
 
 AVAILABLE = ("xla", "mosaic_tpu", "reference")             # what backend=None chooses from
 GMM_BACKENDS = AVAILABLE + ("mosaic_gpu",)                 # named explicitly (not yet run on a GPU)
-TGMM_BACKENDS = AVAILABLE
+TGMM_BACKENDS = GMM_BACKENDS
 
 
 def _mosaic_tpu():
@@ -56,4 +56,9 @@ def run_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tili
         t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
         return mod.tgmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t,
                                    interpret=interpret, **kw)
+    if backend == "mosaic_gpu":
+        from conveyor.ops.gmm import mosaic_gpu_tgmm
+        t = tiling_lib.resolve(tiling, m, k, n, mosaic_gpu_tgmm.DEFAULT_TILING)
+        return mosaic_gpu_tgmm.tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t,
+                                               interpret=interpret, **kw)
     raise AssertionError(f"unknown backend {backend!r}")

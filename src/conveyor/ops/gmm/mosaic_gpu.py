@@ -13,7 +13,7 @@ Rows no local group owns are never written by the kernel; they are taken from `e
 zero) by one select after it (an extra elementwise pass over the output, which plgpu.kernel's
 lack of input/output aliasing makes necessary).
 
-Limits: bfloat16/float16 operands (float32 accumulation); k a multiple of tk; n a multiple of
+Limits: bfloat16/float16 operands (float32 accumulation; see `wgmma_operands`); k a multiple of tk; n a multiple of
 tn; tm = 128. Verified on CPU by the Mosaic GPU interpreter and by `jax.export` for cuda; not yet
 run on a GPU (see the benchmark notes).
 """
@@ -37,13 +37,27 @@ DEFAULT_TILING = (TM, 64, 128)
 STAGES = 4
 
 
+def wgmma_operands(op: str, lhs, rhs):
+    """lhs and rhs in the one 16-bit dtype wgmma multiplies (float32 accumulation).
+
+    Documented rule: a float32 operand beside a bfloat16/float16 one is rounded to that dtype (a
+    backward pass meets 16-bit weights with a float32 cotangent this way). Anything else (both
+    float32, float64, bfloat16 with float16) is refused by name.
+    """
+    dl, dr = jnp.dtype(lhs.dtype), jnp.dtype(rhs.dtype)
+    if dl == dr and dl in GPU_DTYPES:
+        return lhs, rhs
+    narrow = [d for d in (dl, dr) if d in GPU_DTYPES]
+    if len(narrow) == 1 and jnp.dtype(jnp.float32) in (dl, dr):
+        return lhs.astype(narrow[0]), rhs.astype(narrow[0])
+    raise NotImplementedError(
+        f"mosaic_gpu {op}: wgmma takes bfloat16 or float16 operands (a float32 one beside them is rounded to "
+        f"their dtype), got lhs {dl} and rhs {dr}; cast them (accumulation stays float32) or use backend='xla'")
+
+
 def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs) -> tuple[int, int, int]:
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    if jnp.dtype(lhs.dtype) != jnp.dtype(rhs.dtype) or jnp.dtype(lhs.dtype) not in GPU_DTYPES:
-        raise NotImplementedError(
-            f"mosaic_gpu gmm: wgmma takes bfloat16 or float16 operands of one dtype, got lhs {jnp.dtype(lhs.dtype)} "
-            f"and rhs {jnp.dtype(rhs.dtype)}; cast them (accumulation stays float32) or use backend='xla'")
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
     if tm != TM:
         raise ValueError(f"tiling: mosaic_gpu gmm uses tm={TM} (two compute warpgroups of {ROWS_PER_THREAD} rows), "
@@ -81,6 +95,7 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    lhs, rhs = wgmma_operands("gmm", lhs, rhs)
     tm, tk, tn = check_gmm_args(lhs, rhs, tiling, transpose_rhs)
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     visits = meta.group_ids.shape[0]
@@ -134,4 +149,4 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     return jnp.where(rows[:, None], computed, existing_out.astype(out_dtype))
 
 
-__all__ = ["gmm_mosaic_gpu", "DEFAULT_TILING", "check_gmm_args"]
+__all__ = ["gmm_mosaic_gpu", "DEFAULT_TILING", "check_gmm_args", "wgmma_operands"]

@@ -1,0 +1,147 @@
+"""Mosaic GPU backend for tgmm (the weight gradient of gmm): one [tk, tn] output tile per thread
+block, whose reduction runs over its group's own rows only.
+
+`out[i] = lhs[:, rows_i] @ rhs[rows_i, :]` with lhs [k, m] and rhs [m, n]. Thread block (i, kb, nb)
+computes local group i's output tile (kb, nb). Its reduction loop is a
+`cv.emit_pipeline_warp_specialized` over the row blocks of tm rows that intersect group i: a
+*dynamic* grid (the block count is read from the group bounds inside the kernel, so an empty group
+runs no step and stores exact zeros). Three warpgroups: one memory thread issues the TMA copies of
+the lhs block [tk, tm] and the rhs block [tm, tn] (tiled, 128-byte swizzled shared memory); two
+compute threads each own 64 of the tk=128 output rows and accumulate `wgmma`s in registers. The
+pipeline has 4 slots, fewer when the output staging buffer leaves no room for them (tn=256).
+
+The first and last blocks of a group hold rows of the neighbouring groups. There both operands are
+zeroed outside the group with `jnp.where` (never by multiplying with a mask: `inf * 0` is NaN, and
+other groups' rows may hold anything): each compute thread masks its own 64 rows of the lhs block
+and its half of the rhs block's columns, then the two meet at a barrier so that each one's wgmma
+reads the other's masked half. Interior blocks are used as they land.
+
+`existing_out` is added after the kernel (`existing_out + kernel_out` in the output dtype), which
+XLA folds away when it is the zeros a gradient passes; with a nonzero `existing_out` and a 16-bit
+output the sum is rounded twice (the product, then the sum), one ulp of the output dtype at most.
+
+Limits: bfloat16/float16 operands (float32 accumulation; see `mosaic_gpu.wgmma_operands`); tm=64 rows per step (128-byte operand
+rows, the widest swizzle); tk=128 dividing k; tn a multiple of 128 dividing n, at most 256. m is
+padded to whole row blocks (zero rows, outside every group). Verified on CPU by the Mosaic GPU
+interpreter and by `jax.export` for cuda; not yet run on a GPU.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+import conveyor as cv
+from conveyor.ops.gmm.metadata import local_group_bounds
+from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, ROWS_PER_THREAD, STAGES, wgmma_operands
+from conveyor.ops.gmm.tiling import Tile
+from conveyor.pipeline.mosaic_gpu import SMEM_BUDGET_BYTES
+
+SWIZZLE = 128                                   # bytes: one operand row of a block
+TK = COMPUTE_THREADS * ROWS_PER_THREAD          # output rows (of k) per thread block
+DEFAULT_TILING = (64, TK, 128)                  # (tm rows reduced per step, tk, tn) for 16-bit operands
+
+
+def check_tgmm_args(lhs, rhs, tiling: Tile) -> tuple[int, int, int]:
+    k, m = lhs.shape
+    n = rhs.shape[1]
+    itemsize = jnp.dtype(lhs.dtype).itemsize
+    tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
+    if tm * itemsize != SWIZZLE:
+        raise ValueError(f"tiling: mosaic_gpu tgmm reduces tm={SWIZZLE // itemsize} rows per step ({SWIZZLE}-byte "
+                         f"swizzled operand rows), got tm={tm}")
+    if tk != TK or k % tk:
+        raise ValueError(f"tiling: mosaic_gpu tgmm uses tk={TK} (two compute warpgroups of {ROWS_PER_THREAD} output "
+                         f"rows), which must divide k={k}; got tk={tk}")
+    if n % tn or tn % 128 or tn > 256:
+        raise ValueError(f"tiling: mosaic_gpu tgmm needs tn to divide n={n}, be a multiple of 128 and at most 256, "
+                         f"got tn={tn}")
+    return tm, tk, tn
+
+
+def _stages(tm: int, tk: int, tn: int, itemsize: int, staging_bytes: int) -> int:
+    """Up to STAGES pipeline slots, as many as fit beside the output staging buffer (at least 2:
+    a tile that fits no double buffer is refused by the pipeline's shared-memory check)."""
+    per_stage = (tk * tm + tm * tn) * itemsize + 64     # the blocks, and room for their barriers
+    return max(2, min(STAGES, (SMEM_BUDGET_BYTES - staging_bytes) // per_stage))
+
+
+def _layout(itemsize: int):
+    return (plgpu.TilingTransform((8, SWIZZLE // itemsize)), plgpu.SwizzleTransform(SWIZZLE))
+
+
+def _zero_outside(block, axis: int, first_row, lo, hi):
+    """block[...] = where(lo <= first_row + position along `axis` < hi, block, 0), in registers."""
+    vals = block[...]
+    pos = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, block.shape, axis), plgpu.Layout.WGMMA) + first_row
+    block[...] = jnp.where((pos >= lo) & (pos < hi), vals, jnp.zeros_like(vals))
+
+
+def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling, interpret):
+    k, m = lhs.shape
+    n = rhs.shape[1]
+    lhs, rhs = wgmma_operands("tgmm", lhs, rhs)
+    tm, tk, tn = check_tgmm_args(lhs, rhs, tiling)
+    layout = _layout(jnp.dtype(lhs.dtype).itemsize)
+    starts, ends = local_group_bounds(group_sizes, jnp.asarray(group_offset, jnp.int32), num_groups, m)
+    half_n = tn // COMPUTE_THREADS
+    staging = plgpu.SMEM((COMPUTE_THREADS, ROWS_PER_THREAD, tn), out_dtype)
+    stages = _stages(tm, tk, tn, jnp.dtype(lhs.dtype).itemsize,
+                     COMPUTE_THREADS * ROWS_PER_THREAD * tn * jnp.dtype(out_dtype).itemsize)
+
+    def kernel(starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, out_smem, masked):
+        i, kb, nb = cv.program_id(0), cv.program_id(1), cv.program_id(2)
+        wg = lax.axis_index("wg")
+        lo, hi = starts_ref[i], ends_ref[i]
+        first_block = lo // tm
+        blocks = jnp.where(hi > lo, pl.cdiv(hi, tm) - first_block, 0)
+
+        def mma(indices, a_blk, b_blk, acc):
+            r = first_block + indices[0]
+            row0 = r * tm
+
+            @pl.when((row0 < lo) | (row0 + tm > hi))   # a block shared with a neighbouring group
+            def _():
+                _zero_outside(a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], 1, row0, lo, hi)
+                _zero_outside(b_blk.at[:, pl.ds(wg * half_n, half_n)], 0, row0, lo, hi)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive_and_wait(masked)   # both halves of the rhs block are masked
+
+            plgpu.wgmma(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b_blk)
+            plgpu.wgmma_wait(0)
+            return acc
+
+        def compute_context(eval_pipeline):
+            def with_acc(acc):
+                eval_pipeline(acc)
+                mine = out_smem.at[wg]
+                mine[...] = acc[...].astype(mine.dtype)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(
+                    mine, out_ref.at[i, pl.ds(kb * tk + wg * ROWS_PER_THREAD, ROWS_PER_THREAD), pl.ds(nb * tn, tn)])
+                plgpu.wait_smem_to_gmem(0)
+
+            pl.run_scoped(with_acc, plgpu.ACC((ROWS_PER_THREAD, tn), jnp.float32))
+
+        cv.emit_pipeline_warp_specialized(
+            mma, grid=(blocks,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_THREADS,
+            max_concurrent_steps=stages, compute_context=compute_context,
+            in_specs=[cv.BlockSpec((tk, tm), lambda r: (kb, first_block + r), transforms=layout),
+                      cv.BlockSpec((tm, tn), lambda r: (first_block + r, nb), transforms=layout)],
+        )(lhs_ref, rhs_ref)
+
+    m_pad = -(-m // tm) * tm      # whole row blocks: the padding rows belong to no group
+    if m_pad != m:
+        lhs = jnp.pad(lhs, ((0, 0), (0, m_pad - m)))
+        rhs = jnp.pad(rhs, ((0, m_pad - m), (0, 0)))
+    scratch = [staging, plgpu.Barrier(num_arrivals=COMPUTE_THREADS)]
+    call = cv.kernel(kernel, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), backend="mosaic_gpu",
+                     interpret=interpret, num_threads=COMPUTE_THREADS + 1, thread_name="wg",
+                     grid=(num_groups, k // tk, n // tn), scratch_shapes=scratch)
+    computed = call(starts, ends, lhs, rhs)
+    return existing_out.astype(out_dtype) + computed
+
+
+__all__ = ["tgmm_mosaic_gpu", "DEFAULT_TILING", "check_tgmm_args"]

@@ -1,0 +1,157 @@
+"""tgmm on mosaic_gpu, and gradients through both mosaic_gpu kernels: run by the Mosaic GPU
+interpreter (race detection on) against float64 numpy oracles on bfloat16 inputs, and exported for
+cuda at MoE sizes (the compile checks shared memory and wgmma shapes; the interpreter does not).
+
+About 1 s per kernel call under the interpreter, so the shapes are small: m=200 is not a multiple
+of the 64-row reduction block, k=128 is one output row tile, n=128 one column tile."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import conveyor as cv
+from tests.ops.gmm.base import assert_close, tolerance
+from tests.ops.gmm.problems import numpy_gmm, numpy_tgmm, operands, skewed_sizes
+from tests.platform import gpu_interpret
+
+M, K, N = 200, 128, 128
+
+
+def _tgmm(*args, **kw):
+    return cv.tgmm(*args, backend="mosaic_gpu", interpret=gpu_interpret(detect_races=True), **kw)
+
+
+def _gmm(*args, **kw):
+    return cv.gmm(*args, backend="mosaic_gpu", interpret=gpu_interpret(detect_races=True), **kw)
+
+
+def _bf16(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+
+def _f64(x):
+    return np.asarray(x, np.float64)
+
+
+@pytest.mark.parametrize("sizes", [[0, 70, 0, 100], [60, 90, 0], [10, 20, 150, 20]],
+                         ids=["empty-first-and-middle", "empty-last", "two-groups-inside-one-block"])
+def test_tgmm_matches_the_reference_and_empty_groups_are_exact_zeros(sizes):
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    used = sum(sizes)
+    # Rows no group owns hold NaN and inf: masking by multiplication would turn them into NaN.
+    x = _bf16(rng, (K, M)).at[:, used:].set(jnp.nan)
+    y = _bf16(rng, (M, N)).at[used:].set(jnp.inf)
+    out = jax.jit(lambda a, b, s: _tgmm(a, b, s))(x, y, jnp.asarray(sizes, jnp.int32))
+    for i in np.flatnonzero(np.asarray(sizes) == 0):
+        np.testing.assert_array_equal(out[i], 0.0)
+    assert_close(out, numpy_tgmm(x[:, :used], y[:used], np.asarray(sizes)), M, jnp.float32)
+
+
+def test_tgmm_group_offset_num_actual_groups_existing_out_and_16bit_output():
+    rng = np.random.default_rng(21)
+    sizes = skewed_sizes(rng, M, 4, total=M - 9)
+    x, y = _bf16(rng, (K, M)), _bf16(rng, (M, N))
+    ex = _bf16(rng, (2, K, N))
+    out = _tgmm(x, y, jnp.asarray(sizes), group_offset=1, num_actual_groups=2, existing_out=ex,
+                preferred_element_type=jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16 and out.shape == (2, K, N)
+    prod = numpy_tgmm(x, y, sizes, num_groups=2, offset=1)
+    want = prod + _f64(ex)
+    # existing_out is added after the kernel: the product is rounded to bfloat16 once more before
+    # the sum (the documented rule), up to half an ulp of the product beyond one rounding of the sum.
+    bound = tolerance(want, M, jnp.bfloat16) + 0.5 * float(jnp.finfo(jnp.bfloat16).eps) * np.abs(prod)
+    assert (np.abs(_f64(out) - want) <= bound).all()
+
+
+def test_tgmm_traced_sizes_reuse_one_compilation():
+    rng = np.random.default_rng(22)
+    x, y = _bf16(rng, (K, M)), _bf16(rng, (M, N))
+    f = jax.jit(lambda a, b, s: _tgmm(a, b, s))
+    for sizes in ([64, 64, 72], [0, 199, 1], [0, 0, 0]):
+        out = f(x, y, jnp.asarray(sizes, jnp.int32))
+        assert_close(out, numpy_tgmm(x, y, np.asarray(sizes)), M, jnp.float32)
+    assert f._cache_size() == 1
+
+
+def test_gmm_gradients_run_both_gpu_kernels():
+    """Reverse mode of gmm: d lhs is gmm(ct, rhs^T), d rhs is tgmm(lhs^T, ct), both on mosaic_gpu."""
+    rng = np.random.default_rng(23)
+    sizes = skewed_sizes(rng, M, 3, total=M - 7)
+    lhs, rhs = operands(rng, M, K, N, 3, jnp.bfloat16)
+    ct = _bf16(rng, (M, N))
+    gs = jnp.asarray(sizes)
+
+    def loss(l, r):
+        return jnp.vdot(_gmm(l, r, gs, preferred_element_type=jnp.bfloat16).astype(jnp.float32),
+                        ct.astype(jnp.float32))
+
+    d_lhs, d_rhs = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
+    assert d_lhs.dtype == d_rhs.dtype == jnp.bfloat16
+    assert_close(d_lhs, numpy_gmm(ct, rhs, sizes, transpose_rhs=True), N, jnp.bfloat16)
+    np.testing.assert_array_equal(d_lhs[M - 7:], 0.0)      # rows of no group: exactly 0
+    assert_close(d_rhs, numpy_tgmm(lhs.T, ct, sizes), M, jnp.bfloat16)
+
+
+def test_a_float32_cotangent_is_rounded_to_the_operand_dtype():
+    """The documented rule (mosaic_gpu.wgmma_operands): gmm's default float32 output sends a float32
+    cotangent back; the kernels multiply it rounded to the 16-bit operands' dtype."""
+    rng = np.random.default_rng(24)
+    sizes = skewed_sizes(rng, M, 2)
+    lhs, rhs = operands(rng, M, K, N, 2, jnp.bfloat16)
+    ct = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+    gs = jnp.asarray(sizes)
+    d_lhs, d_rhs = jax.grad(lambda l, r: jnp.vdot(_gmm(l, r, gs), ct), argnums=(0, 1))(lhs, rhs)
+    ct16 = ct.astype(jnp.bfloat16)
+    assert_close(d_lhs, numpy_gmm(ct16, rhs, sizes, transpose_rhs=True), N, jnp.bfloat16)
+    assert_close(d_rhs, numpy_tgmm(lhs.T, ct16, sizes), M, jnp.bfloat16)
+
+
+def test_tgmm_gradients_run_gmm_with_transposed_weights():
+    rng = np.random.default_rng(25)
+    sizes = skewed_sizes(rng, M, 2)
+    x, y = _bf16(rng, (K, M)), _bf16(rng, (M, N))
+    ct = _bf16(rng, (2, K, N))
+    gs = jnp.asarray(sizes)
+
+    def loss(a, b):
+        return jnp.vdot(_tgmm(a, b, gs, preferred_element_type=jnp.bfloat16).astype(jnp.float32),
+                        ct.astype(jnp.float32))
+
+    d_x, d_y = jax.grad(loss, argnums=(0, 1))(x, y)
+    # d x[:, rows_i] = ct[i] @ y[rows_i]^T and d y[rows_i] = x[:, rows_i]^T @ ct[i]
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    want_x, want_y = np.zeros((K, M)), np.zeros((M, N))
+    for i in range(2):
+        s, e = bounds[i], bounds[i + 1]
+        want_x[:, s:e] = _f64(ct[i]) @ _f64(y[s:e]).T
+        want_y[s:e] = _f64(x[:, s:e]).T @ _f64(ct[i])
+    assert_close(d_x, want_x, N, jnp.bfloat16)
+    assert_close(d_y, want_y, K, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("groups", [8, 64, 256])
+def test_tgmm_exports_for_cuda_at_moe_sizes(groups):
+    """Mixtral-like m=8192 tokens, k=4096, n=14336 in bf16, with the widest tiles too (tn=256 and a
+    float32 output: the pipeline drops to the slots that fit beside the staging buffer)."""
+    m, k, n = 8192, 4096, 14336
+    args = (jax.ShapeDtypeStruct((k, m), jnp.bfloat16), jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((groups,), jnp.int32))
+    for tiling, out_dtype in ((None, jnp.bfloat16), ((64, 128, 256), jnp.float32)):
+        f = jax.jit(lambda a, b, s: cv.tgmm(a, b, s, backend="mosaic_gpu", tiling=tiling,
+                                            preferred_element_type=out_dtype))
+        assert jax.export.export(f, platforms=["cuda"])(*args).platforms == ("cuda",)
+
+
+def test_what_the_gpu_tgmm_cannot_do_is_refused_by_name():
+    x, y = jnp.zeros((128, 128), jnp.bfloat16), jnp.zeros((128, 256), jnp.bfloat16)
+    gs = jnp.asarray([64, 64], jnp.int32)
+    with pytest.raises(NotImplementedError, match="mosaic_gpu tgmm: wgmma takes bfloat16 or float16"):
+        cv.tgmm(x.astype(jnp.float32), y.astype(jnp.float32), gs, backend="mosaic_gpu", interpret=True)
+    with pytest.raises(ValueError, match="tiling: mosaic_gpu tgmm reduces tm=64 rows per step"):
+        cv.tgmm(x, y, gs, backend="mosaic_gpu", interpret=True, tiling=(128, 128, 128))
+    with pytest.raises(ValueError, match="tiling: mosaic_gpu tgmm uses tk=128"):
+        cv.tgmm(x, y, gs, backend="mosaic_gpu", interpret=True, tiling=(64, 64, 128))
+    with pytest.raises(ValueError, match="which must divide k=96"):
+        cv.tgmm(x[:96], y, gs, backend="mosaic_gpu", interpret=True)
+    with pytest.raises(ValueError, match="tn to divide n=256, be a multiple of 128"):
+        cv.tgmm(x, y, gs, backend="mosaic_gpu", interpret=True, tiling=(64, 128, 64))
