@@ -155,3 +155,18 @@ def test_what_the_gpu_tgmm_cannot_do_is_refused_by_name():
         cv.tgmm(x[:96], y, gs, backend="mosaic_gpu", interpret=True)
     with pytest.raises(ValueError, match="tn to divide n=256, be a multiple of 128"):
         cv.tgmm(x, y, gs, backend="mosaic_gpu", interpret=True, tiling=(64, 128, 64))
+
+
+def test_the_backward_pass_exports_for_cuda_at_moe_sizes():
+    """jax.grad of a bf16 gmm at m=8192, k=4096, n=14336, G=8: the transposed-weight gmm (d lhs) and
+    the tgmm (d rhs) compile as two Mosaic GPU kernels."""
+    m, k, n, groups = 8192, 4096, 14336, 8
+
+    def loss(x, w, s, ct):
+        out = cv.gmm(x, w, s, backend="mosaic_gpu", preferred_element_type=jnp.bfloat16)
+        return jnp.vdot(out.astype(jnp.float32), ct)
+
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"])(
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((m, n), jnp.float32))
+    assert exported.mlir_module().count("custom_call @mosaic_gpu") == 2, "d lhs and d rhs: one Mosaic GPU kernel each"

@@ -118,8 +118,9 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       backend: "xla", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the op is lowered,
         the default of the platform it is lowered for (mosaic_tpu for TPU, xla otherwise: the
         mosaic_gpu kernel is chosen by name until it has passed on a real GPU). mosaic_gpu takes
-        bfloat16/float16 operands, tiling (128, tk, tn); its tgmm and hence its gradient are not
-        built yet (NotImplementedError).
+        bfloat16/float16 operands (a float32 operand beside a 16-bit one, such as a backward
+        pass's cotangent, is rounded to the 16-bit dtype) and tiling (128, tk, tn) for gmm,
+        (64, 128, tn) for tgmm.
       interpret: run a Mosaic backend through its Pallas interpreter: True, or a
         `pltpu.InterpretParams` / `plgpu.InterpretGPUParams` (e.g. with detect_races=True).
 

@@ -3,8 +3,10 @@ tile per thread block, over the tile schedule of `make_group_metadata`.
 
 Thread block (j, v) computes visit v (a row tile and one local group; a tile shared by two groups
 is visited once per group) for column tile j. Three warpgroups: one memory thread runs
-`cv.emit_pipeline_warp_specialized`'s TMA copies of the K blocks; two compute threads each own
-64 rows of the tm=128-row tile and accumulate `wgmma`s in registers. The epilogue stores exactly
+`cv.emit_pipeline_warp_specialized`'s TMA copies of the K blocks (4 slots, in the widest swizzled
+layout the block widths allow); two compute threads each own 64 rows of the tm=128-row tile and
+accumulate `wgmma`s in registers, each step's wgmma left in flight while the next is issued
+(`delay_release=1`). The epilogue stores exactly
 the visit's valid rows (its group's rows inside the tile): rows are stored by TMA in power-of-two
 chunks from shared memory, since a full-tile store would race with the neighbouring group's
 visit of the same tile. Visits past `num_visits` (the static schedule's padding) do nothing.
@@ -35,6 +37,16 @@ ROWS_PER_THREAD = 64         # one wgmma M per compute warpgroup
 TM = COMPUTE_THREADS * ROWS_PER_THREAD
 DEFAULT_TILING = (TM, 64, 128)
 STAGES = 4
+DELAY_RELEASE = 1            # a step's wgmma stays in flight while the next is issued (its slot released a step later)
+
+
+def smem_layout(*minor_elems: int, itemsize: int) -> tuple:
+    """The widest swizzle (128, 64 or 32 bytes) whose span divides every operand's minor dimension,
+    as (tiling, swizzle) transforms for pipeline blocks; () when none does (plain layout)."""
+    for swizzle in (128, 64, 32):
+        if all((e * itemsize) % swizzle == 0 for e in minor_elems):
+            return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    return ()
 
 
 def wgmma_operands(op: str, lhs, rhs):
@@ -101,6 +113,7 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     visits = meta.group_ids.shape[0]
     num_visits = meta.num_visits[None]
     rhs_block = (tn, tk) if transpose_rhs else (tk, tn)
+    layout = smem_layout(tk, *(() if transpose_rhs else (tn,)), itemsize=jnp.dtype(lhs.dtype).itemsize)
 
     def kernel(gids_ref, tids_ref, starts_ref, ends_ref, nvis_ref, lhs_ref, rhs_ref, out_ref, acc_smem):
         j, v = cv.program_id(0), cv.program_id(1)
@@ -114,12 +127,13 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
             def mma(indices, a_blk, b_blk, acc):
                 b = b_blk.T if transpose_rhs else b_blk
                 plgpu.wgmma(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b)
-                plgpu.wgmma_wait(0)
+                plgpu.wgmma_wait(DELAY_RELEASE)    # the previous step's wgmma is done: its slot may be refilled
                 return acc
 
             def compute_context(eval_pipeline):
                 def with_acc(acc):
                     eval_pipeline(acc)
+                    plgpu.wgmma_wait(0)
                     mine = acc_smem.at[wg]
                     mine[...] = acc[...].astype(mine.dtype)
                     plgpu.commit_smem()
@@ -132,9 +146,10 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
 
             cv.emit_pipeline_warp_specialized(
                 mma, grid=(k // tk,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_THREADS,
-                max_concurrent_steps=STAGES, compute_context=compute_context,
-                in_specs=[cv.BlockSpec((tm, tk), lambda kk: (tile, kk)),
-                          cv.BlockSpec(rhs_block, (lambda kk: (j, kk)) if transpose_rhs else (lambda kk: (kk, j)))],
+                max_concurrent_steps=STAGES, delay_release=DELAY_RELEASE, compute_context=compute_context,
+                in_specs=[cv.BlockSpec((tm, tk), lambda kk: (tile, kk), transforms=layout),
+                          cv.BlockSpec(rhs_block, (lambda kk: (j, kk)) if transpose_rhs else (lambda kk: (kk, j)),
+                                       transforms=layout)],
             )(lhs_ref, rhs_ref.at[g])
 
     m_pad = -(-m // tm) * tm      # pipeline blocks divide their arrays: whole row tiles (zero rows, never stored)
@@ -149,4 +164,4 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     return jnp.where(rows[:, None], computed, existing_out.astype(out_dtype))
 
 
-__all__ = ["gmm_mosaic_gpu", "DEFAULT_TILING", "check_gmm_args", "wgmma_operands"]
+__all__ = ["gmm_mosaic_gpu", "DEFAULT_TILING", "check_gmm_args", "smem_layout", "wgmma_operands"]

@@ -7,8 +7,9 @@ computes local group i's output tile (kb, nb). Its reduction loop is a
 *dynamic* grid (the block count is read from the group bounds inside the kernel, so an empty group
 runs no step and stores exact zeros). Three warpgroups: one memory thread issues the TMA copies of
 the lhs block [tk, tm] and the rhs block [tm, tn] (tiled, 128-byte swizzled shared memory); two
-compute threads each own 64 of the tk=128 output rows and accumulate `wgmma`s in registers. The
-pipeline has 4 slots, fewer when the output staging buffer leaves no room for them (tn=256).
+compute threads each own 64 of the tk=128 output rows and accumulate `wgmma`s in registers, each
+step's wgmma left in flight while the next is issued (`delay_release=1`). The pipeline has 4
+slots, fewer when the output staging buffer leaves no room for them (tn=256).
 
 The first and last blocks of a group hold rows of the neighbouring groups. There both operands are
 zeroed outside the group with `jnp.where` (never by multiplying with a mask: `inf * 0` is NaN, and
@@ -35,7 +36,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
 from conveyor.ops.gmm.metadata import local_group_bounds
-from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, ROWS_PER_THREAD, STAGES, wgmma_operands
+from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, DELAY_RELEASE, ROWS_PER_THREAD, STAGES, smem_layout, \
+    wgmma_operands
 from conveyor.ops.gmm.tiling import Tile
 from conveyor.pipeline.mosaic_gpu import SMEM_BUDGET_BYTES
 
@@ -68,10 +70,6 @@ def _stages(tm: int, tk: int, tn: int, itemsize: int, staging_bytes: int) -> int
     return max(2, min(STAGES, (SMEM_BUDGET_BYTES - staging_bytes) // per_stage))
 
 
-def _layout(itemsize: int):
-    return (plgpu.TilingTransform((8, SWIZZLE // itemsize)), plgpu.SwizzleTransform(SWIZZLE))
-
-
 def _zero_outside(block, axis: int, first_row, lo, hi):
     """block[...] = where(lo <= first_row + position along `axis` < hi, block, 0), in registers."""
     vals = block[...]
@@ -84,7 +82,7 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
     n = rhs.shape[1]
     lhs, rhs = wgmma_operands("tgmm", lhs, rhs)
     tm, tk, tn = check_tgmm_args(lhs, rhs, tiling)
-    layout = _layout(jnp.dtype(lhs.dtype).itemsize)
+    layout = smem_layout(tm, tn, itemsize=jnp.dtype(lhs.dtype).itemsize)   # 128-byte swizzle (tm*itemsize)
     starts, ends = local_group_bounds(group_sizes, jnp.asarray(group_offset, jnp.int32), num_groups, m)
     half_n = tn // COMPUTE_THREADS
     staging = plgpu.SMEM((COMPUTE_THREADS, ROWS_PER_THREAD, tn), out_dtype)
@@ -110,12 +108,13 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
                 plgpu.barrier_arrive_and_wait(masked)   # both halves of the rhs block are masked
 
             plgpu.wgmma(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b_blk)
-            plgpu.wgmma_wait(0)
+            plgpu.wgmma_wait(DELAY_RELEASE)    # the previous step's wgmma is done: its slot may be refilled
             return acc
 
         def compute_context(eval_pipeline):
             def with_acc(acc):
                 eval_pipeline(acc)
+                plgpu.wgmma_wait(0)
                 mine = out_smem.at[wg]
                 mine[...] = acc[...].astype(mine.dtype)
                 plgpu.commit_smem()
@@ -127,7 +126,7 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
 
         cv.emit_pipeline_warp_specialized(
             mma, grid=(blocks,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_THREADS,
-            max_concurrent_steps=stages, compute_context=compute_context,
+            max_concurrent_steps=stages, delay_release=DELAY_RELEASE, compute_context=compute_context,
             in_specs=[cv.BlockSpec((tk, tm), lambda r: (kb, first_block + r), transforms=layout),
                       cv.BlockSpec((tm, tn), lambda r: (first_block + r, nb), transforms=layout)],
         )(lhs_ref, rhs_ref)
