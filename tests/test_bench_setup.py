@@ -48,3 +48,17 @@ def test_pipeline_bench_kernels_trace_on_every_backend_they_time(case):
     for f in (c.ours, c.ref, c.floor, c.interp):
         if f is not None:
             assert jax.eval_shape(f, x, y).shape == (x.shape[0], y.shape[1])
+
+
+def test_gpu_table_puts_the_simulator_next_to_the_measured_kernel():
+    from conveyor.bench import gmm_gpu
+    from conveyor.problems import GmmProblem
+    assert gmm_gpu.hardware_model("NVIDIA H100 80GB HBM3") == "h100"
+    assert gmm_gpu.hardware_model("NVIDIA H200") == "h200"
+    assert gmm_gpu.hardware_model("cpu") is None
+    p = GmmProblem(name="t", m=8192, k=4096, n=14336, groups=8)
+    rows = [dict(name="dense jnp.dot", t=1.0e-3, err=None, config=""),
+            dict(name="cv.gmm mosaic_gpu", t=2.0e-3, err=1e-3, config="", sim=1.6e-3)]
+    lines = gmm_gpu._table("gmm", p, rows, 1.0e-3, "floor")
+    assert lines[-3].startswith("| dense jnp.dot | 1.000 |") and "| - | - |" in lines[-3]
+    assert "| 2.000 | 481 | 2.00x | 1.600 | 1.25 | 1.0e-03 |" in lines[-2]

@@ -49,9 +49,9 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
 
     s = subs["simulate"] = sub.add_parser("simulate", help="predict a kernel's time on a hardware model "
                                                            "(see docs/simulator.md)")
-    s.add_argument("which", choices=["matmul", "gmm", "all-gather-matmul", "matmul-reduce-scatter", "copy"])
+    s.add_argument("which", choices=["matmul", "gmm", "tgmm", "all-gather-matmul", "matmul-reduce-scatter", "copy"])
     s.add_argument("--m", type=t.positive_int, help="rows (default 4096; collectives: rows per device; "
-                                                    "gmm: the sum of --sizes)")
+                                                    "gmm, tgmm: the sum of --sizes)")
     s.add_argument("--k", type=t.positive_int, default=4096)
     s.add_argument("--n", type=t.positive_int, default=4096, help="columns (all-gather-matmul: local columns)")
     s.add_argument("--dtype", type=t.dtype, default="bfloat16", help="bf16/bfloat16, f16/float16, f32/float32, "
@@ -63,8 +63,8 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
     s.add_argument("--delay-release", type=t.non_negative_int, default=0)
     s.add_argument("--warp-specialized", action="store_true")
     s.add_argument("--compute-threads", type=t.positive_int, default=2)
-    s.add_argument("--groups", type=t.positive_int, help="gmm: number of groups (default 8, or len(--sizes))")
-    s.add_argument("--sizes", type=t.int_list(minimum=0), help="gmm: comma-separated group sizes "
+    s.add_argument("--groups", type=t.positive_int, help="gmm, tgmm: number of groups (default 8, or len(--sizes))")
+    s.add_argument("--sizes", type=t.int_list(minimum=0), help="gmm, tgmm: comma-separated group sizes "
                                                                "(default: --m split evenly)")
     s.add_argument("--devices", type=t.positive_int, default=8)
     s.add_argument("--unidirectional", action="store_true")
@@ -106,6 +106,7 @@ _SIMULATE_USES = {
     "matmul": {"m", "k", "n", "dtype", "hardware", "tiling", "stages", "delay_release", "warp_specialized",
                "compute_threads"},
     "gmm": {"m", "k", "n", "dtype", "hardware", "tiling", "stages", "groups", "sizes"},
+    "tgmm": {"m", "k", "n", "dtype", "hardware", "tiling", "stages", "groups", "sizes"},
     "copy": {"bytes", "hardware"},
     "all-gather-matmul": {"m", "k", "n", "devices", "dtype", "hardware", "unidirectional", "unfused", "buffering"},
 }
@@ -137,9 +138,10 @@ def _simulate(args, fail) -> int:
         report = sim.simulate_matmul(m, args.k, args.n, dtype=args.dtype, hardware=args.hardware,
                                      tiling=args.tiling, stages=args.stages, warp_specialized=args.warp_specialized,
                                      compute_threads=args.compute_threads, delay_release=args.delay_release)
-    elif args.which == "gmm":
-        report = sim.simulate_gmm(_group_sizes(args, fail), args.k, args.n, dtype=args.dtype,
-                                  hardware=args.hardware, tiling=args.tiling, stages=args.stages)
+    elif args.which in ("gmm", "tgmm"):
+        simulate = sim.simulate_gmm if args.which == "gmm" else sim.simulate_tgmm
+        report = simulate(_group_sizes(args, fail), args.k, args.n, dtype=args.dtype,
+                          hardware=args.hardware, tiling=args.tiling, stages=args.stages)
     elif args.which == "copy":
         report = sim.simulate_copy(args.bytes, hardware=args.hardware)
     else:

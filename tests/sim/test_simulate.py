@@ -107,7 +107,8 @@ def test_cli_json_png_trace(tmp_path, capsys):
     assert png.stat().st_size > 10_000
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("cat") == "compute" for e in events) and any(e.get("cat") == "copy" for e in events)
-    for args in (["gmm", "--groups", "4", "--sizes", "100,0,900,24"], ["all-gather-matmul", "--devices", "4"],
+    for args in (["gmm", "--groups", "4", "--sizes", "100,0,900,24"], ["tgmm", "--sizes", "100,0,900,24"],
+                 ["all-gather-matmul", "--devices", "4"],
                  ["matmul-reduce-scatter", "--unfused", "--hardware", "v5p"]):
         assert main(["simulate", *args, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["time_us"] > 0
@@ -143,3 +144,43 @@ def test_chained_pipelines_simulate_shorter_than_one_after_another():
     alone = [cv.sim.simulate(wp, "h100", flops_per_step=flops) for wp in chain]
     assert chained.time_s < sum(r.time_s for r in alone)
     assert chained.flops == sum(r.flops for r in alone) and chained.hbm_bytes == sum(r.hbm_bytes for r in alone)
+
+
+def _brute_force_row_blocks(sizes, tm):
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    return [len({r // tm for r in range(bounds[i], bounds[i + 1])}) for i in range(len(sizes))]
+
+
+def test_tgmm_row_blocks_are_the_kernel_schedule():
+    """The simulator's per-group block counts (count_row_blocks) are the blocks the mosaic_gpu tgmm
+    kernel loops over (row_block_span, also on traced scalars): every block a group's rows touch."""
+    import jax.numpy as jnp
+    from conveyor.ops.gmm.metadata import count_row_blocks, row_block_span
+    rng = np.random.default_rng()
+    for sizes in ([10, 10, 12], [0, 64, 0, 1, 63], list(rng.integers(0, 100, size=11))):
+        for tm in (8, 64):
+            want = _brute_force_row_blocks(sizes, tm)
+            assert count_row_blocks(sizes, tm) == want, (sizes, tm)
+            bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
+            traced = [int(row_block_span(jnp.int32(bounds[i]), jnp.int32(bounds[i + 1]), tm)[1])
+                      for i in range(len(sizes))]
+            assert traced == want
+    report = cv.sim.simulate_tgmm([10, 10, 12], 256, 256, tiling=(8, 128, 128), stages=2)
+    assert report.config["row_blocks"] == 2 + 2 + 2 and report.config["tiling"] == [8, 128, 128]
+    assert report.config["tiles"] == 3 * 2 * 2        # non-empty groups x k tiles x n tiles
+
+
+def test_grouped_simulations_on_a_gpu_model_the_mosaic_gpu_kernels():
+    """Without tiling/stages, H100 runs the configuration the kernels run (ops/gmm/tiling.MOSAIC_GPU);
+    TPU hardware and given tilings keep their own."""
+    from conveyor.ops.gmm.tiling import MOSAIC_GPU
+    sizes = [1000, 24, 0, 1024]
+    for fn, tiling in ((cv.sim.simulate_gmm, MOSAIC_GPU.gmm_tiling), (cv.sim.simulate_tgmm, MOSAIC_GPU.tgmm_tiling)):
+        r = fn(sizes, 1024, 1024, hardware="h100")
+        assert r.config["kernel"] == "cv mosaic_gpu" and tuple(r.config["tiling"]) == tiling
+        assert r.config["stages"] == MOSAIC_GPU.stages and r.config["delay_release"] == MOSAIC_GPU.delay_release
+        assert r.config["warp_specialized"] and r.config["compute_threads"] == MOSAIC_GPU.compute_threads
+        assert fn(sizes, 1024, 1024, hardware="v5e").config["kernel"] == "searched"
+        assert fn(sizes, 1024, 1024, hardware="h100", tiling=(64, 128, 128), stages=3).config["kernel"] == "given"
+    # tgmm's flops are the grouped product's, not the padded blocks'
+    assert cv.sim.simulate_tgmm(sizes, 512, 256).flops == 2.0 * sum(sizes) * 512 * 256

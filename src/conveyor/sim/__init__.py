@@ -8,8 +8,8 @@ from conveyor.plans.sequence import Prefetched
 from conveyor.sim.check import CheckReport, Finding, check
 from conveyor.sim.hardware import HARDWARE, Hardware, Value
 from conveyor.sim.report import Box, Report
-from conveyor.sim.simulate import (DoesNotFit, simulate, simulate_collective_matmul, simulate_copy, simulate_gmm,
+from conveyor.sim.simulate import (DoesNotFit, simulate, simulate_collective_matmul, simulate_copy, simulate_gmm, simulate_tgmm,
                                    simulate_matmul)
 
 __all__ = ["check", "CheckReport", "Finding", "HARDWARE", "Hardware", "Value", "Report", "Box", "simulate",
-           "simulate_matmul", "simulate_gmm", "simulate_copy", "simulate_collective_matmul", "DoesNotFit", "Prefetched"]
+           "simulate_matmul", "simulate_gmm", "simulate_tgmm", "simulate_copy", "simulate_collective_matmul", "DoesNotFit", "Prefetched"]

@@ -19,7 +19,8 @@ from typing import Any
 
 from conveyor import dtypes
 from conveyor.plans.ring import RingPlan, ring_plan
-from conveyor.ops.gmm.metadata import count_visits
+from conveyor.ops.gmm.metadata import count_row_blocks, count_visits
+from conveyor.ops.gmm.tiling import MOSAIC_GPU
 from conveyor.plans.pipeline import BlockSpec, PipelinePlan, plan as make_plan
 from conveyor.plans.sequence import as_sequence, operand_sizes, Prefetched, sequence_program
 from conveyor.plans.warp import as_chain, chain_program, WarpSpecializedPlan
@@ -211,39 +212,97 @@ def simulate_copy(nbytes: float, *, hardware: str | Hardware = "h100", block_byt
     return Report("copy", hw, time, 0.0, 2 * nbytes, 0.0, int(2 * stages * block_bytes), config, tuple(boxes))
 
 
-def simulate_gmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf16",
-                 hardware: str | Hardware = "h100", tiling: Sequence[int] | None = None,
-                 stages: int | None = None) -> Report:
-    """Grouped matmul over the tile schedule every Conveyor backend runs (`make_group_metadata`):
-    one visit per (row tile, group) pair that intersect, so a tile shared by two groups is computed
-    twice and a partial tile costs a whole one; visits times column tiles spread over the cores;
-    each group's [k, n] weights cross HBM once. `tiling` is cv.gmm's (tm, tk, tn)."""
-    hw = get_hardware(hardware)
+def _grouped_kernel(hw: Hardware, tiling, stages, kernel_tiling) -> dict[str, Any]:
+    """The kernel configuration a grouped-matmul simulation replays: on GPU hardware without
+    `tiling`/`stages`, the cv.gmm/tgmm mosaic_gpu kernel's (its tiles, slots, warpgroups and
+    delay_release); otherwise the given or searched tiles and slots of a plain pipeline."""
+    if hw.kind == "gpu" and tiling is None and stages is None:
+        return dict(tiling=kernel_tiling, stages=MOSAIC_GPU.stages, warp_specialized=True,
+                    compute_threads=MOSAIC_GPU.compute_threads, delay_release=MOSAIC_GPU.delay_release,
+                    kernel="cv mosaic_gpu")
+    return dict(tiling=tiling, stages=stages, warp_specialized=False, compute_threads=2, delay_release=0,
+                kernel="searched" if tiling is None or stages is None else "given")
+
+
+def _check_sizes(where: str, group_sizes: Sequence[int]) -> int:
     if any(int(g) < 0 for g in group_sizes) or not sum(int(g) for g in group_sizes) > 0:
-        raise ValueError(f"simulate_gmm: group_sizes must be non-negative with a positive sum, got {list(group_sizes)}")
-    _check_positive("simulate_gmm", k=k, n=n, stages=stages)
-    tile = _tiling_to_tile(tiling, "simulate_gmm")
-    m = int(sum(group_sizes))
+        raise ValueError(f"{where}: group_sizes must be non-negative with a positive sum, got {list(group_sizes)}")
+    return int(sum(int(g) for g in group_sizes))
 
-    def tiles_for(bm, bn):
-        return count_visits(group_sizes, bm) * math.ceil(n / bn)
 
+def _grouped(where: str, m: int, k: int, n: int, *, dtype: str, hw: Hardware, cfg: dict[str, Any],
+             tiles_for, hbm_bytes: float, workload: str, extra: dict[str, Any]) -> Report:
+    """The best (or the given) configuration's replay with `tiles_for(bm, bn)` output tiles, held
+    under the floor of moving `hbm_bytes` once."""
+    tile = _tiling_to_tile(cfg["tiling"], where)
     best = None
     for t in ([tuple(tile)] if tile else TILES):
         try:
-            r = _matmul(m, k, n, dtype=dtype, hardware=hw, tile=t, stages=stages, tiles=tiles_for(t[0], t[1]))
+            r = _matmul(m, k, n, dtype=dtype, hardware=hw, tile=t, stages=cfg["stages"], tiles=tiles_for(t[0], t[1]),
+                        warp_specialized=cfg["warp_specialized"], compute_threads=cfg["compute_threads"],
+                        delay_release=cfg["delay_release"])
         except DoesNotFit:
             continue
         if best is None or r.time_s < best.time_s:
             best = r
     if best is None:
         raise DoesNotFit(f"no configuration fits {hw.name}")
+    time = max(best.time_s, hbm_bytes / (hw.hbm_bandwidth.value * hw.hbm_efficiency.value))
+    config = dict(best.config, kernel=cfg["kernel"], **extra)
+    return dataclasses.replace(best, workload=workload, time_s=time, hbm_bytes=hbm_bytes, config=config)
+
+
+def simulate_gmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf16",
+                 hardware: str | Hardware = "h100", tiling: Sequence[int] | None = None,
+                 stages: int | None = None) -> Report:
+    """Grouped matmul over the tile schedule every Conveyor backend runs (`make_group_metadata`):
+    one visit per (row tile, group) pair that intersect, so a tile shared by two groups is computed
+    twice and a partial tile costs a whole one; visits times column tiles spread over the cores;
+    each group's [k, n] weights cross HBM once. `tiling` is cv.gmm's (tm, tk, tn). On GPU
+    hardware without `tiling`/`stages` it is the mosaic_gpu kernel (`config["kernel"]`): its
+    tiles, 4 slots, two compute warpgroups and delay_release=1; otherwise tiles are searched."""
+    hw = get_hardware(hardware)
+    m = _check_sizes("simulate_gmm", group_sizes)
+    _check_positive("simulate_gmm", k=k, n=n, stages=stages)
+    cfg = _grouped_kernel(hw, tiling, stages, MOSAIC_GPU.gmm_tiling)
     b = dtypes.itemsize(dtype)
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b
-    time = max(best.time_s, hbm / (hw.hbm_bandwidth.value * hw.hbm_efficiency.value))
-    config = dict(best.config, groups=len(group_sizes), m=m)
-    return dataclasses.replace(best, workload="gmm", time_s=time, hbm_bytes=hbm, config=config)
+    return _grouped("simulate_gmm", m, k, n, dtype=dtype, hw=hw, cfg=cfg, hbm_bytes=hbm, workload="gmm",
+                    tiles_for=lambda bm, bn: count_visits(group_sizes, bm) * math.ceil(n / bn),
+                    extra=dict(groups=len(group_sizes), m=m))
+
+
+def simulate_tgmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf16",
+                  hardware: str | Hardware = "h100", tiling: Sequence[int] | None = None,
+                  stages: int | None = None) -> Report:
+    """Transposed grouped matmul ([k, m] x [m, n] -> [G, k, n], the weight gradient): one output
+    tile per (group, k-tile, n-tile), whose pipeline reduces over the tm-row blocks its group's
+    rows touch (`metadata.count_row_blocks`: a block shared by two groups is read by both). The
+    groups' block counts are averaged over the non-empty groups' tiles (the cores share them out);
+    every group's [k, n] output crosses HBM once. `tiling` is cv.tgmm's (tm, tk, tn); on GPU
+    hardware without `tiling`/`stages`, the mosaic_gpu kernel's configuration (as in
+    `simulate_gmm`)."""
+    hw = get_hardware(hardware)
+    m = _check_sizes("simulate_tgmm", group_sizes)
+    _check_positive("simulate_tgmm", k=k, n=n, stages=stages)
+    cfg = _grouped_kernel(hw, tiling, stages, MOSAIC_GPU.tgmm_tiling)
+    if cfg["tiling"] is None:
+        cfg["tiling"] = (128, 128, 128)   # the tgmm reduction block is tm: no search over it
+    tm = int(cfg["tiling"][0])
+    blocks = count_row_blocks(group_sizes, tm)
+    busy = sum(1 for c in blocks if c)
+    steps = math.ceil(sum(blocks) / busy)
+    b = dtypes.itemsize(dtype)
+    hbm = (sum(blocks) * tm * (k + n) + len(group_sizes) * k * n) * b   # blocks read, outputs written
+    # The model's matmul is [k, steps * tm] @ [steps * tm, n] per group: rows are tgmm's k, the
+    # reduction its row blocks.
+    report = _grouped("simulate_tgmm", k, steps * tm, n, dtype=dtype, hw=hw,
+                      cfg=dict(cfg, tiling=(cfg["tiling"][1], tm, cfg["tiling"][2])), hbm_bytes=hbm,
+                      workload="tgmm", tiles_for=lambda bm, bn: busy * math.ceil(k / bm) * math.ceil(n / bn),
+                      extra=dict(groups=len(group_sizes), m=m, row_blocks=sum(blocks), steps_per_tile=steps))
+    flops = 2.0 * m * k * n
+    return dataclasses.replace(report, flops=flops, config=dict(report.config, k=k, tiling=list(cfg["tiling"])))
 
 
 def simulate_collective_matmul(kind: str, m: int, k: int, n: int, devices: int, *, dtype: str = "bf16",

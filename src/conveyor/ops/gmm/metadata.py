@@ -95,19 +95,36 @@ def max_visits(m: int, tm: int, num_groups: int) -> int:
 
 def count_visits(group_sizes, tm: int, m: int | None = None) -> int:
     """How many (row tile, group) visits `make_group_metadata` schedules, from concrete sizes in
-    plain Python (for the simulator and cost models): a group that starts mid-tile shares that
-    tile with its predecessor, so it can cost one visit more than ceil(size / tm)."""
+    plain Python (for the simulator and cost models): one per tile a group's rows touch, so a group
+    that starts mid-tile shares that tile with its predecessor (see `count_row_blocks`)."""
+    return sum(count_row_blocks(group_sizes, tm, m))
+
+
+def row_block_span(lo, hi, tm: int):
+    """(first, count): the blocks of `tm` rows that intersect rows [lo, hi), count 0 when the range
+    is empty. Python ints or traced scalars: the tgmm kernels loop over these blocks of each group,
+    and the simulator counts them the same way (`count_row_blocks`)."""
+    first = lo // tm
+    count = (hi + tm - 1) // tm - first
+    if isinstance(lo, int) and isinstance(hi, int):
+        return first, count if hi > lo else 0
+    return first, jnp.where(hi > lo, count, 0)
+
+
+def count_row_blocks(group_sizes, tm: int, m: int | None = None) -> list[int]:
+    """Per group, how many `tm`-row blocks its rows touch (`row_block_span`), from concrete sizes
+    after the documented normalisation: a group that starts mid-block shares that block with its
+    predecessor, so it can cost one block more than ceil(size / tm)."""
     if tm <= 0:
         raise ValueError(f"tm: expected a positive tile size, got {tm!r}")
     sizes = [max(int(g), 0) for g in group_sizes]
     m = sum(sizes) if m is None else m
-    visits, start = 0, 0
+    counts, start = [], 0
     for size in sizes:
         end = min(start + size, m)
-        if end > start:
-            visits += (end - 1) // tm - start // tm + 1
+        counts.append(row_block_span(start, end, tm)[1])
         start = end
-    return visits
+    return counts
 
 
 def make_group_metadata(group_sizes: jax.Array, m: int, tm: int, *, group_offset: jax.Array | int = 0,

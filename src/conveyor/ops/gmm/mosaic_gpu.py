@@ -29,15 +29,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
 from conveyor.ops.gmm.metadata import local_row_mask, make_group_metadata
-from conveyor.ops.gmm.tiling import Tile
+from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
 
 GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-COMPUTE_THREADS = 2
+COMPUTE_THREADS = MOSAIC_GPU.compute_threads
 ROWS_PER_THREAD = 64         # one wgmma M per compute warpgroup
 TM = COMPUTE_THREADS * ROWS_PER_THREAD
-DEFAULT_TILING = (TM, 64, 128)
-STAGES = 4
-DELAY_RELEASE = 1            # a step's wgmma stays in flight while the next is issued (its slot released a step later)
+DEFAULT_TILING = MOSAIC_GPU.gmm_tiling
+STAGES = MOSAIC_GPU.stages
+DELAY_RELEASE = MOSAIC_GPU.delay_release   # a step's wgmma stays in flight while the next is issued
 
 
 def smem_layout(*minor_elems: int, itemsize: int) -> tuple:

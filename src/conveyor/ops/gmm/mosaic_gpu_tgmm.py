@@ -35,15 +35,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
-from conveyor.ops.gmm.metadata import local_group_bounds
+from conveyor.ops.gmm.metadata import local_group_bounds, row_block_span
 from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, DELAY_RELEASE, ROWS_PER_THREAD, STAGES, smem_layout, \
     wgmma_operands
-from conveyor.ops.gmm.tiling import Tile
+from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
 from conveyor.pipeline.mosaic_gpu import SMEM_BUDGET_BYTES
 
 SWIZZLE = 128                                   # bytes: one operand row of a block
 TK = COMPUTE_THREADS * ROWS_PER_THREAD          # output rows (of k) per thread block
-DEFAULT_TILING = (64, TK, 128)                  # (tm rows reduced per step, tk, tn) for 16-bit operands
+DEFAULT_TILING = MOSAIC_GPU.tgmm_tiling          # (tm rows reduced per step, tk, tn) for 16-bit operands
 
 
 def check_tgmm_args(lhs, rhs, tiling: Tile) -> tuple[int, int, int]:
@@ -93,8 +93,7 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
         i, kb, nb = cv.program_id(0), cv.program_id(1), cv.program_id(2)
         wg = lax.axis_index("wg")
         lo, hi = starts_ref[i], ends_ref[i]
-        first_block = lo // tm
-        blocks = jnp.where(hi > lo, pl.cdiv(hi, tm) - first_block, 0)
+        first_block, blocks = row_block_span(lo, hi, tm)
 
         def mma(indices, a_blk, b_blk, acc):
             r = first_block + indices[0]

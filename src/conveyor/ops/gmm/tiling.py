@@ -13,6 +13,20 @@ Tiling = Union[None, tuple[int, int, int], Callable[[int, int, int], "tuple[int,
 TPU_DEFAULT = (128, 512, 512)
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GpuKernelConfig:
+    """The mosaic_gpu gmm/tgmm kernels' configuration: what the kernels run, the simulator models
+    (`cv.sim.simulate_gmm` / `simulate_tgmm` on GPU hardware) and the GPU benchmark reports."""
+    compute_threads: int = 2          # compute warpgroups, 64 rows of wgmma each
+    stages: int = 4                   # pipeline slots (tgmm: fewer when its staging buffer leaves no room)
+    delay_release: int = 1            # each step's wgmma stays in flight while the next is issued
+    gmm_tiling: tuple[int, int, int] = (128, 64, 128)    # (tm, tk, tn): tm = compute_threads * 64
+    tgmm_tiling: tuple[int, int, int] = (64, 128, 128)   # (tm rows reduced per step, tk = 2 * 64, tn)
+
+
+MOSAIC_GPU = GpuKernelConfig()
+
+
 def check_tiling(tiling: Tiling, arg: str = "tiling") -> None:
     """Raise if `tiling` is neither None, a tuple of three positive ints, nor a callable."""
     if tiling is None or callable(tiling):
