@@ -141,15 +141,22 @@ def test_what_the_gpu_kernel_cannot_do_is_refused_by_name():
     with pytest.raises(ValueError, match="tn to divide n=128"):
         cv.gmm(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True,
                tiling=(128, 64, 96))
+    with pytest.raises(ValueError, match="at most 128, got tn=256"):
+        cv.gmm(lhs.astype(jnp.bfloat16), jnp.zeros((2, 64, 256), jnp.bfloat16), gs, backend="mosaic_gpu",
+               interpret=True, tiling=(128, 64, 256))
     with pytest.raises(NotImplementedError, match="wgmma takes bfloat16 or float16 operands"):
         cv.gmm(lhs.astype(jnp.float16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True)
 
 
-def test_a_tiling_over_the_shared_memory_budget_counts_the_kernel_scratch():
-    """The pipeline's slots (393 KiB) plus the output staging buffer the kernel allocates: refused
-    before Mosaic's compile would, naming both."""
-    f = jax.jit(lambda a, b, s: cv.gmm(a, b, s, backend="mosaic_gpu", tiling=(128, 128, 256)))
-    with pytest.raises(ValueError, match=r"needs 524384 B of shared memory.*the kernel's scratch_shapes 131072 B"):
-        jax.export.export(f, platforms=["cuda"])(
-            jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16),
+def test_wide_tiles_take_the_slots_that_fit_and_a_tile_over_the_budget_is_refused():
+    """tk=128 with a float32 output: 4 slots of 64 KiB do not fit beside the 64 KiB staging buffer,
+    2 do, and the kernel compiles with them. With tk=256 not even 2 slots fit: refused before
+    Mosaic's compile would be, naming the slots and the kernel's scratch."""
+    args = (jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16),
             jax.ShapeDtypeStruct((8,), jnp.int32))
+    fits = jax.jit(lambda a, b, s: cv.gmm(a, b, s, backend="mosaic_gpu", tiling=(128, 128, 128)))
+    assert jax.export.export(fits, platforms=["cuda"])(*args).platforms == ("cuda",)
+    over = jax.jit(lambda a, b, s: cv.gmm(a, b, s, backend="mosaic_gpu", tiling=(128, 256, 128)))
+    with pytest.raises(ValueError, match=r"needs 327728 B of shared memory.*2 slot\(s\).*the kernel's scratch_shapes "
+                                         r"65536 B"):
+        jax.export.export(over, platforms=["cuda"])(*args)

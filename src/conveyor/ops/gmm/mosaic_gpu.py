@@ -3,8 +3,9 @@ tile per thread block, over the tile schedule of `make_group_metadata`.
 
 Thread block (j, v) computes visit v (a row tile and one local group; a tile shared by two groups
 is visited once per group) for column tile j. Three warpgroups: one memory thread runs
-`cv.emit_pipeline_warp_specialized`'s TMA copies of the K blocks (4 slots, in the widest swizzled
-layout the block widths allow); two compute threads each own 64 rows of the tm=128-row tile and
+`cv.emit_pipeline_warp_specialized`'s TMA copies of the K blocks (4 slots, fewer when wide tiles
+leave no room beside the output staging buffer; in the widest swizzled layout the block widths
+allow); two compute threads each own 64 rows of the tm=128-row tile and
 accumulate `wgmma`s in registers, each step's wgmma left in flight while the next is issued
 (`delay_release=1`). The epilogue stores exactly
 the visit's valid rows (its group's rows inside the tile): rows are stored by TMA in power-of-two
@@ -21,6 +22,8 @@ run on a GPU (see the benchmark notes).
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -30,6 +33,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import conveyor as cv
 from conveyor.ops.gmm.metadata import local_row_mask, make_group_metadata
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
+from conveyor.pipeline.mosaic_gpu import SMEM_BUDGET_BYTES
 
 GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 COMPUTE_THREADS = MOSAIC_GPU.compute_threads
@@ -38,6 +42,14 @@ TM = COMPUTE_THREADS * ROWS_PER_THREAD
 DEFAULT_TILING = MOSAIC_GPU.gmm_tiling
 STAGES = MOSAIC_GPU.stages
 DELAY_RELEASE = MOSAIC_GPU.delay_release   # a step's wgmma stays in flight while the next is issued
+
+
+def stages_that_fit(*, block_bytes: int, staging) -> int:
+    """Up to STAGES pipeline slots of `block_bytes` (one step's operand blocks), as many as fit
+    beside the kernel's output staging buffer; at least 2 (a tile that fits no double buffer is
+    refused, naming its bytes, by the pipeline's shared-memory check)."""
+    room = SMEM_BUDGET_BYTES - math.prod(staging.shape) * jnp.dtype(staging.dtype).itemsize
+    return max(2, min(STAGES, room // (block_bytes + 64)))     # + 64: the slot's barriers, generously
 
 
 def smem_layout(*minor_elems: int, itemsize: int) -> tuple:
@@ -77,8 +89,9 @@ def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs) -> tuple[int, int, int
     if k % tk or (tk * jnp.dtype(lhs.dtype).itemsize) % 32:
         raise ValueError(f"tiling: mosaic_gpu gmm needs tk to divide k={k} and span a multiple of 32 bytes, "
                          f"got tk={tk}")
-    if n % tn or tn % 8 or tn > 256:
-        raise ValueError(f"tiling: mosaic_gpu gmm needs tn to divide n={n}, be a multiple of 8 and at most 256, "
+    if n % tn or tn % 8 or tn > 128:
+        # tn=256 passes the interpreter but Mosaic GPU's layout inference rejects the kernel (jax 0.12.0.1).
+        raise ValueError(f"tiling: mosaic_gpu gmm needs tn to divide n={n}, be a multiple of 8 and at most 128, "
                          f"got tn={tn}")
     return tm, tk, tn
 
@@ -114,6 +127,8 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     num_visits = meta.num_visits[None]
     rhs_block = (tn, tk) if transpose_rhs else (tk, tn)
     layout = smem_layout(tk, *(() if transpose_rhs else (tn,)), itemsize=jnp.dtype(lhs.dtype).itemsize)
+    staging = plgpu.SMEM((COMPUTE_THREADS, ROWS_PER_THREAD, tn), out_dtype)
+    stages = stages_that_fit(block_bytes=(tm * tk + tk * tn) * jnp.dtype(lhs.dtype).itemsize, staging=staging)
 
     def kernel(gids_ref, tids_ref, starts_ref, ends_ref, nvis_ref, lhs_ref, rhs_ref, out_ref, acc_smem):
         j, v = cv.program_id(0), cv.program_id(1)
@@ -146,7 +161,7 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
 
             cv.emit_pipeline_warp_specialized(
                 mma, grid=(k // tk,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_THREADS,
-                max_concurrent_steps=STAGES, delay_release=DELAY_RELEASE, compute_context=compute_context,
+                max_concurrent_steps=stages, delay_release=DELAY_RELEASE, compute_context=compute_context,
                 in_specs=[cv.BlockSpec((tm, tk), lambda kk: (tile, kk), transforms=layout),
                           cv.BlockSpec(rhs_block, (lambda kk: (j, kk)) if transpose_rhs else (lambda kk: (kk, j)),
                                        transforms=layout)],
@@ -156,7 +171,7 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     if m_pad != m:
         lhs = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))
     out_struct = jax.ShapeDtypeStruct((m_pad, n), out_dtype)
-    scratch = [plgpu.SMEM((COMPUTE_THREADS, ROWS_PER_THREAD, tn), out_dtype)]
+    scratch = [staging]
     call = cv.kernel(kernel, out_struct, backend="mosaic_gpu", interpret=interpret, num_threads=COMPUTE_THREADS + 1,
                      thread_name="wg", grid=(n // tn, visits), scratch_shapes=scratch)
     computed = call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, num_visits, lhs, rhs)[:m]
@@ -164,4 +179,4 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     return jnp.where(rows[:, None], computed, existing_out.astype(out_dtype))
 
 
-__all__ = ["gmm_mosaic_gpu", "DEFAULT_TILING", "check_gmm_args", "smem_layout", "wgmma_operands"]
+__all__ = ["gmm_mosaic_gpu", "DEFAULT_TILING", "check_gmm_args", "smem_layout", "stages_that_fit", "wgmma_operands"]

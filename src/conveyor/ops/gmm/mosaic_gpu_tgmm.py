@@ -38,10 +38,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
 from conveyor.ops.gmm.metadata import local_group_bounds, row_block_span
-from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, DELAY_RELEASE, ROWS_PER_THREAD, STAGES, smem_layout, \
-    wgmma_operands
+from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, DELAY_RELEASE, ROWS_PER_THREAD, smem_layout, \
+    stages_that_fit, wgmma_operands
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
-from conveyor.pipeline.mosaic_gpu import SMEM_BUDGET_BYTES
 
 SWIZZLE = 128                                   # bytes: one operand row of a block
 TK = COMPUTE_THREADS * ROWS_PER_THREAD          # output rows (of k) per thread block
@@ -65,13 +64,6 @@ def check_tgmm_args(lhs, rhs, tiling: Tile) -> tuple[int, int, int]:
     return tm, tk, tn
 
 
-def _stages(tm: int, tk: int, tn: int, itemsize: int, staging_bytes: int) -> int:
-    """Up to STAGES pipeline slots, as many as fit beside the output staging buffer (at least 2:
-    a tile that fits no double buffer is refused by the pipeline's shared-memory check)."""
-    per_stage = (tk * tm + tm * tn) * itemsize + 64     # the blocks, and room for their barriers
-    return max(2, min(STAGES, (SMEM_BUDGET_BYTES - staging_bytes) // per_stage))
-
-
 def _zero_outside(block, axis: int, first_row, lo, hi):
     """block[...] = where(lo <= first_row + position along `axis` < hi, block, 0), in registers."""
     vals = block[...]
@@ -88,8 +80,7 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
     starts, ends = local_group_bounds(group_sizes, jnp.asarray(group_offset, jnp.int32), num_groups, m)
     half_n = tn // COMPUTE_THREADS
     staging = plgpu.SMEM((COMPUTE_THREADS, ROWS_PER_THREAD, tn), out_dtype)
-    stages = _stages(tm, tk, tn, jnp.dtype(lhs.dtype).itemsize,
-                     COMPUTE_THREADS * ROWS_PER_THREAD * tn * jnp.dtype(out_dtype).itemsize)
+    stages = stages_that_fit(block_bytes=(tk * tm + tm * tn) * jnp.dtype(lhs.dtype).itemsize, staging=staging)
 
     def kernel(starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, out_smem, masked):
         i, kb, nb = cv.program_id(0), cv.program_id(1), cv.program_id(2)
