@@ -96,6 +96,21 @@ def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs) -> tuple[int, int, int
     return tm, tk, tn
 
 
+def wgmma_step(acc, a, b):
+    """One reduction step: issue `acc += a @ b` and leave it in flight; wait for the previous
+    step's wgmma, whose slot the pipeline then refills (`delay_release=1`)."""
+    plgpu.wgmma(acc, a, b)
+    plgpu.wgmma_wait(DELAY_RELEASE)
+    return acc
+
+
+def stage_accumulator(acc, staging) -> None:
+    """The finished register accumulator, in `staging`'s dtype, in shared memory a TMA store may read."""
+    plgpu.wgmma_wait(0)
+    staging[...] = acc[...].astype(staging.dtype)
+    plgpu.commit_smem()
+
+
 def _store_rows(acc_smem, out_gmem, lo, hi, row0, col0, tn):
     """TMA-store rows [lo, hi) of a 64-row shared-memory block to `out_gmem` rows row0 + [lo, hi),
     in power-of-two chunks (a TMA copy has a static shape; the row count is known at run time)."""
@@ -141,17 +156,13 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
 
             def mma(indices, a_blk, b_blk, acc):
                 b = b_blk.T if transpose_rhs else b_blk
-                plgpu.wgmma(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b)
-                plgpu.wgmma_wait(DELAY_RELEASE)    # the previous step's wgmma is done: its slot may be refilled
-                return acc
+                return wgmma_step(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b)
 
             def compute_context(eval_pipeline):
                 def with_acc(acc):
                     eval_pipeline(acc)
-                    plgpu.wgmma_wait(0)
                     mine = acc_smem.at[wg]
-                    mine[...] = acc[...].astype(mine.dtype)
-                    plgpu.commit_smem()
+                    stage_accumulator(acc, mine)
                     row0 = tile * tm + wg * ROWS_PER_THREAD
                     lo = jnp.clip(lo_g - row0, 0, ROWS_PER_THREAD)
                     hi = jnp.clip(jnp.minimum(hi_g, m) - row0, 0, ROWS_PER_THREAD)
@@ -179,4 +190,5 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     return jnp.where(rows[:, None], computed, existing_out.astype(out_dtype))
 
 
-__all__ = ["gmm_mosaic_gpu", "DEFAULT_TILING", "check_gmm_args", "smem_layout", "stages_that_fit", "wgmma_operands"]
+__all__ = ["gmm_mosaic_gpu", "DEFAULT_TILING", "check_gmm_args", "smem_layout", "stage_accumulator", "stages_that_fit",
+           "wgmma_operands", "wgmma_step"]

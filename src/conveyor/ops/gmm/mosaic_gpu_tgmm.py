@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import conveyor as cv
 from conveyor.ops.gmm.metadata import local_group_bounds, row_block_span
 from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, DELAY_RELEASE, ROWS_PER_THREAD, smem_layout, \
-    stages_that_fit, wgmma_operands
+    stage_accumulator, stages_that_fit, wgmma_operands, wgmma_step
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
 
 SWIZZLE = 128                                   # bytes: one operand row of a block
@@ -99,17 +99,13 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
                 plgpu.commit_smem()
                 plgpu.barrier_arrive_and_wait(masked)   # both halves of the rhs block are masked
 
-            plgpu.wgmma(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b_blk)
-            plgpu.wgmma_wait(DELAY_RELEASE)    # the previous step's wgmma is done: its slot may be refilled
-            return acc
+            return wgmma_step(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b_blk)
 
         def compute_context(eval_pipeline):
             def with_acc(acc):
                 eval_pipeline(acc)
-                plgpu.wgmma_wait(0)
                 mine = out_smem.at[wg]
-                mine[...] = acc[...].astype(mine.dtype)
-                plgpu.commit_smem()
+                stage_accumulator(acc, mine)
                 plgpu.copy_smem_to_gmem(
                     mine, out_ref.at[i, pl.ds(kb * tk + wg * ROWS_PER_THREAD, ROWS_PER_THREAD), pl.ds(nb * tn, tn)])
                 plgpu.wait_smem_to_gmem(0)
