@@ -97,7 +97,8 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
                 _zero_outside(a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], 1, row0, lo, hi)
                 _zero_outside(b_blk.at[:, pl.ds(wg * half_n, half_n)], 0, row0, lo, hi)
                 plgpu.commit_smem()
-                plgpu.barrier_arrive_and_wait(masked)   # both halves of the rhs block are masked
+                plgpu.barrier_arrive(masked)     # (jax 0.11 has no barrier_arrive_and_wait)
+                plgpu.barrier_wait(masked)       # both halves of the rhs block are masked now
 
             return wgmma_step(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b_blk)
 
