@@ -23,9 +23,9 @@ reports nothing, so the barrier is kept by review, not by a test.)
 XLA folds away when it is the zeros a gradient passes; with a nonzero `existing_out` and a 16-bit
 output the sum is rounded twice (the product, then the sum), one ulp of the output dtype at most.
 
-Limits: bfloat16/float16 operands (float32 accumulation; see `mosaic_gpu.wgmma_operands`); tm=64 rows per step (128-byte operand
-rows, the widest swizzle); tk=128 dividing k; tn a multiple of 128 dividing n, at most 256. m is
-padded to whole row blocks (zero rows, outside every group). Verified on CPU by the Mosaic GPU
+Limits: bfloat16/float16 operands (float32 accumulation; see `mosaic_gpu.wgmma_operands`); tm=64
+rows per step (128-byte operand rows, the widest swizzle); tk=128 dividing k; tn a multiple of 128
+dividing n, at most 256. m is padded to whole row blocks (zero rows, outside every group). Verified on CPU by the Mosaic GPU
 interpreter and by `jax.export` for cuda; not yet run on a GPU.
 """
 from __future__ import annotations
