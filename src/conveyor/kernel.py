@@ -36,6 +36,7 @@ class KernelContext:
     thread_index: int | None = None  # xla: the (static) thread being traced; None elsewhere
     grid: tuple[int, ...] = ()
     program_ids: tuple[Any, ...] = ()  # xla: the traced grid point being run
+    scratch_bytes: int = 0  # mosaic_gpu: shared memory of scratch_shapes, which pipelines count against the budget
     # Trace-time record of pipeline prefetches not yet consumed, by the id of each allocation ref
     # they fill (`emit_pipeline(...).prefetch`); shared by every point and thread of one kernel.
     pending_prefetches: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
@@ -174,6 +175,7 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
     ctx = KernelContext(backend, interpret, threads, thread_name, grid=grid)
     if backend == "mosaic_gpu":
         from conveyor import kernel_gpu
+        ctx = dataclasses.replace(ctx, scratch_bytes=kernel_gpu.smem_bytes(scratch))
         return kernel_gpu.launch(body, outs, scratch, single, interpret, lambda: _entered(ctx), threads, thread_name,
                                  grid, GRID_NAMES[:len(grid)])
 

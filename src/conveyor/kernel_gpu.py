@@ -5,8 +5,6 @@ On CPU it runs through the Mosaic GPU interpreter (`interpret=True` or `plgpu.In
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 
 import jax
@@ -24,9 +22,6 @@ def _interpret(interpret):
 
 
 BARRIER_BYTES = 8
-# Shared memory the enclosing cv.kernel's scratch_shapes take, while its body is traced: a pipeline
-# inside counts it against the thread block's budget (see pipeline/mosaic_gpu.check_smem_budget).
-_KERNEL_SCRATCH_BYTES = contextvars.ContextVar("conveyor_kernel_scratch_bytes", default=0)
 
 
 def smem_bytes(buffers) -> int:
@@ -40,26 +35,10 @@ def smem_bytes(buffers) -> int:
     return total
 
 
-def kernel_scratch_bytes() -> int:
-    """The enclosing cv.kernel's scratch_shapes bytes (0 outside a mosaic_gpu kernel body)."""
-    return _KERNEL_SCRATCH_BYTES.get()
-
-
-@contextlib.contextmanager
-def _reserving(nbytes: int):
-    token = _KERNEL_SCRATCH_BYTES.set(nbytes)
-    try:
-        yield
-    finally:
-        _KERNEL_SCRATCH_BYTES.reset(token)
-
-
 def launch(body, outs, scratch, single, interpret, enter_context, num_threads=1, thread_name=None, grid=(),
            grid_names=()):
-    reserved = smem_bytes(scratch)
-
     def wrapped(*refs):
-        with enter_context(), _reserving(reserved):
+        with enter_context():
             if body(*refs) is not None:
                 raise TypeError("kernel body must return None (it writes outputs through refs)")
 

@@ -22,7 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conveyor._compat import is_jax_ref
-from conveyor.kernel_gpu import BARRIER_BYTES, kernel_scratch_bytes, smem_bytes
+from conveyor.kernel import current_context
+from conveyor.kernel_gpu import BARRIER_BYTES, smem_bytes
 from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.lowering import block_view, call_body, check_allocations, issued, when
 from conveyor.plans import fetch
@@ -44,7 +45,7 @@ def check_smem_budget(p: PipelinePlan, scratch, api: str) -> int:
     barriers = smem_bytes(barrier_list) // BARRIER_BYTES
     parts = [(op, buf.shape[0], math.prod(buf.shape[1:]) * jnp.dtype(buf.dtype).itemsize, jnp.dtype(buf.dtype).name)
              for op, buf in zip(p.inputs + p.outputs, slots)]
-    kernel_scratch = kernel_scratch_bytes()
+    kernel_scratch = current_context(api).scratch_bytes
     total = sum(n * block for _, n, block, _ in parts) + barriers * BARRIER_BYTES + kernel_scratch
     if total > SMEM_BUDGET_BYTES:
         detail = "; ".join(f"{op.name}: {n} slot(s) x {block} B ({dtype} {op.ref_shape}) = {n * block} B"
