@@ -5,24 +5,22 @@ Thread block (j, v) computes visit v (a row tile and one local group; a tile sha
 is visited once per group) for column tile j. Three warpgroups: one memory thread runs
 `cv.emit_pipeline_warp_specialized`'s TMA copies of the K blocks (4 slots, fewer when wide tiles
 leave no room beside the output staging buffer; in the widest swizzled layout the block widths
-allow); two compute threads each own 64 rows of the tm=128-row tile and
-accumulate `wgmma`s in registers, each step's wgmma left in flight while the next is issued
-(`delay_release=1`). The epilogue stores exactly
-the visit's valid rows (its group's rows inside the tile): rows are stored by TMA in power-of-two
-chunks from shared memory, since a full-tile store would race with the neighbouring group's
-visit of the same tile. Visits past `num_visits` (the static schedule's padding) do nothing.
+allow); two compute threads each own 64 rows of the tm=128-row tile and accumulate `wgmma`s in
+registers, each step's wgmma left in flight while the next is issued (`delay_release=1`). The
+epilogue stores exactly the visit's valid rows (its group's rows inside the tile): rows are stored
+by TMA in power-of-two chunks from shared memory, since a full-tile store would race with the
+neighbouring group's visit of the same tile. Visits past `num_visits` (the static schedule's
+padding) do nothing.
 
 Rows no local group owns are never written by the kernel; they are taken from `existing_out` (or
 zero) by one select after it (an extra elementwise pass over the output, which plgpu.kernel's
 lack of input/output aliasing makes necessary).
 
-Limits: bfloat16/float16 operands (float32 accumulation; see `wgmma_operands`); k a multiple of tk; n a multiple of
-tn; tm = 128. Verified on CPU by the Mosaic GPU interpreter and by `jax.export` for cuda; not yet
-run on a GPU (see the benchmark notes).
+Limits: bfloat16/float16 operands (float32 accumulation; see `wgmma_operands`); k a multiple of
+tk; n a multiple of tn, at most 128; tm = 128. Verified on CPU by the Mosaic GPU interpreter and
+by `jax.export` for cuda; not yet run on a GPU (see the benchmark notes).
 """
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +30,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
 from conveyor.ops.gmm.metadata import local_row_mask, make_group_metadata
+from conveyor.kernel_gpu import smem_bytes
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
 from conveyor.pipeline.mosaic_gpu import SMEM_BUDGET_BYTES
 
@@ -48,7 +47,7 @@ def stages_that_fit(*, block_bytes: int, staging) -> int:
     """Up to STAGES pipeline slots of `block_bytes` (one step's operand blocks), as many as fit
     beside the kernel's output staging buffer; at least 2 (a tile that fits no double buffer is
     refused, naming its bytes, by the pipeline's shared-memory check)."""
-    room = SMEM_BUDGET_BYTES - math.prod(staging.shape) * jnp.dtype(staging.dtype).itemsize
+    room = SMEM_BUDGET_BYTES - smem_bytes([staging])
     return max(2, min(STAGES, room // (block_bytes + 64)))     # + 64: the slot's barriers, generously
 
 
