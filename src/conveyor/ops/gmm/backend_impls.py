@@ -24,7 +24,7 @@ def run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tilin
     if backend == "reference":
         return reference.gmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, **kw)
     if backend == "xla":
-        t = tiling_lib.resolve(tiling, m, k, n, (xla.default_tm(m, rhs.shape[0]), k, n))
+        t = tiling_lib.resolve(tiling, m, k, n, (xla.GMM_TM, k, n))
         return xla.gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t, **kw)
     if backend == "mosaic_tpu":
         mod = _mosaic_tpu()
@@ -49,7 +49,7 @@ def run_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tili
     if backend == "reference":
         return reference.tgmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, **kw)
     if backend == "xla":
-        t = tiling_lib.resolve(tiling, m, k, n, (xla.default_tm(m, num_groups), k, n))
+        t = tiling_lib.resolve(tiling, m, k, n, (xla.default_tgmm_tm(m, num_groups), k, n))
         return xla.tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t, **kw)
     if backend == "mosaic_tpu":
         mod = _mosaic_tpu()

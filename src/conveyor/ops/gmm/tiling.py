@@ -7,8 +7,8 @@ from typing import Union
 
 Tiling = Union[None, tuple[int, int, int], Callable[[int, int, int], "tuple[int, int, int] | None"]]
 
-# The XLA backend's default row tile comes from xla.default_tm (k and n are left whole: XLA's
-# dot emitter tiles them itself).
+# The XLA backend's default row tile is xla.GMM_TM for gmm and xla.default_tgmm_tm for tgmm (k and
+# n are left whole: XLA's dot emitter tiles them itself).
 # Mosaic TPU: megablox-like defaults that fit VMEM comfortably (f32: 2x(128x512 + 512x512) inputs).
 TPU_DEFAULT = (128, 512, 512)
 

@@ -1,22 +1,22 @@
-"""XLA backend for gmm/tgmm: group-major loops of exact row tiles, so work tracks the real rows.
+"""XLA backend for gmm/tgmm: group-major loops of exact row windows, so work tracks the real rows.
 
-For each local group, one loop covers its rows with full tiles of `tm` rows, then with chunks of
-tm / 8 rows (at least 8), the last chunk masked: fewer than a chunk of rows is wasted per group.
-tgmm adds each tile's product into the group's [k, n] block; when groups are small it first
-computes every group's first rows in one batched dot (`tgmm_capacity`), so most blocks are written
-once. Unlike `lax.ragged_dot` on CPU, there is no G-times dense expansion.
+For each local group, one loop covers its rows with windows of a few static sizes, the largest the
+rows left fill. gmm's last window may run past the group's end into rows the next groups rewrite
+(no mask); only a window past the last local row is masked. tgmm adds each window's product into
+the group's [k, n] block, so its last window is masked (zeros on both sides); when groups are small
+it first computes every group's first rows in one batched dot (`tgmm_capacity`), so most blocks are
+written once. Unlike `lax.ragged_dot` on CPU, there is no G-times dense expansion.
 
 Compile time against speed (2-core CPU, 2026-11-24, same machine and hour; fwd+bwd compile at
 m=512, k=256, n=512, G=8; runtime `conveyor bench gmm --groups 8,64,256 --dtypes float32`, m=4096,
 k=n=1024, gmm / dense): one masked window per group picked from 32 static sizes by `lax.switch`
 compiled in 3.5 s (367k chars of StableHLO) and ran 1.02x / 1.49x / 2.57x at G=8/64/256; from 8
-sizes, 1.3 s (121k) and 1.05x / 1.78x / 2.58x; two tile shapes (this), 0.5 s (47k) and
+sizes, 1.3 s (121k) and 1.05x / 1.78x / 2.58x; two tile shapes, 0.5 s (47k) and
 1.21x / 1.99x / 2.83x. Models with many unscanned MoE layers pay the compile per layer, so the
-small program wins; the runtime cost is at G >= 64, where chunks re-read a group's weights.
-The program text was then cut from 48k to 26.4k characters (fwd+bwd, G=8, m=4096, k=n=1024; about
-0.35 s to lower and compile) at the same speed (interleaved medians, old vs new, within the run's
-noise): slices without lax's negative-index handling (`_slice`), selects without jnp.where's
-wrapper, group bounds from one clamped slice, and a row loop that carries only its position.
+program stays small: a few window sizes, slices without lax's negative-index handling (`_slice`),
+selects without jnp.where's wrapper, group bounds from one clamped slice, and a row loop that
+carries only its position. gmm's four window sizes (2026-11-25, see `gmm_xla`) cost about 8k
+characters and 0.02-0.035 s of lower+compile for a forward+backward over the two sizes before.
 
 Where the rest of the gap to one dense dot goes (2026-11-25, `benchmarks/results/gmm-2026-11-25-2.md`):
 on one core this backend's gmm at G=8 is 1.08x (f32) / 1.25x (bf16) one dense dot, on two cores
@@ -34,20 +34,23 @@ from jax import lax
 
 from conveyor.ops.gmm.metadata import local_group_boundaries
 
-# The rows a group leaves after its full tiles are covered by chunks of tm / CHUNKS_PER_TILE rows
-# (at least MIN_WINDOW, a sublane tile), the last one masked.
+# The smallest row window (a sublane tile); tgmm covers what its full windows leave of a group with
+# windows of tm / CHUNKS_PER_TILE rows, the last one masked.
 MIN_WINDOW = 8
 CHUNKS_PER_TILE = 8
+# gmm's largest row window, whatever the number of groups (see `gmm_xla`).
+GMM_TM = 512
 # tgmm gathers each group's first rows into one batched dot when groups average at most this.
 CAPACITY_MAX_AVG = 128
 
 
-def default_tm(m: int, num_groups: int) -> int:
-    """Row tile for the XLA backend, from the average group size m / G.
+def default_tgmm_tm(m: int, num_groups: int) -> int:
+    """tgmm's largest row window for the XLA backend, from the average group size m / G.
 
-    Measured on the 2-core CPU with cold caches (m=4096, k=n=1024, f32; ratios to one dense dot):
-    G=1: tm=256 1.10x, tm=512 0.91x, tm=2048 1.16x; G=8: 1.18x / 1.10x / 1.35x. At G=256
-    (16 rows per group) tm=128 was 1.73x against 2.03x for tm=256.
+    Measured for the gmm forward on the 2-core CPU with cold caches (m=4096, k=n=1024, f32;
+    ratios to one dense dot), when gmm used it too: G=1: tm=256 1.10x, tm=512 0.91x, tm=2048
+    1.16x; G=8: 1.18x / 1.10x / 1.35x. At G=256 (16 rows per group) tm=128 was 1.73x against
+    2.03x for tm=256.
     """
     avg = m // max(num_groups, 1)
     if avg >= 256:
@@ -91,19 +94,15 @@ def _where_rows(mask, x, other, axes: tuple[int, ...]):
 
 
 def chunk_rows(tm: int, m: int) -> int:
-    """Rows of the small tiles that cover what full tiles leave of a group: tm / CHUNKS_PER_TILE,
-    at least MIN_WINDOW (and at most m)."""
+    """tgmm's smallest window, which covers what its larger windows leave of a group:
+    tm / CHUNKS_PER_TILE rows, at least MIN_WINDOW (and at most m)."""
     return min(max(MIN_WINDOW, tm // CHUNKS_PER_TILE), m)
 
 
-def cover_rows(start, end, m: int, tm: int, carry, tile):
-    """Apply `tile(window_start, size, mask, carry)` over rows [start, end) of an m-row array:
-    full tiles of `tm` rows (`mask=None`) while one fits, then chunks of `chunk_rows(tm, m)` rows,
-    masked (`cover_rows_in_windows` with those two sizes). Only two tile shapes are traced and
-    the loop carries just the position and `carry`, so the op's program stays small (compile
-    time); fewer than a chunk of rows is wasted per group.
-    """
-    return cover_rows_in_windows(start, end, m, tuple(sorted({chunk_rows(tm, m), tm})), carry, tile)
+def gmm_windows(tm: int, m: int) -> tuple[int, ...]:
+    """gmm's window sizes, ascending: tm, tm / 4, tm / 16 and tm / 64 (8, 32, 128 and 512 rows by
+    default), each at least MIN_WINDOW and at most m. Measured in `gmm_xla`."""
+    return tuple(sorted({min(max(MIN_WINDOW, tm // 4 ** i), m) for i in range(4)}))
 
 
 def tgmm_windows(tm: int, m: int) -> tuple[int, ...]:
@@ -112,11 +111,14 @@ def tgmm_windows(tm: int, m: int) -> tuple[int, ...]:
     return tuple(sorted({chunk_rows(tm, m), min(max(MIN_WINDOW, tm // 4), m), min(tm, m)}))
 
 
-def cover_rows_in_windows(start, end, m: int, windows: tuple[int, ...], carry, tile):
+def cover_rows_in_windows(start, end, m: int, windows: tuple[int, ...], carry, tile,
+                          writable_end=None):
     """Apply `tile(window_start, size, mask, carry)` over rows [start, end) of an m-row array,
     in windows of the sizes `windows` (ascending): the largest window the rows left fill
-    (`mask=None`: every row is ours), or the smallest when fewer rows are left than it holds,
-    with `mask[size]` marking the rows that are ours (shifted back inside if it would pass row m).
+    (`mask=None`: every row is ours), else the smallest. That last window is unmasked too when it
+    ends at or before `writable_end` (rows past `end` that the caller rewrites later: gmm's next
+    groups), and otherwise gets `mask[size]` marking the rows that are ours (shifted back inside
+    if it would pass row m).
 
     For tgmm, where every tile adds a whole [k, n] product into the group's block, each window
     costs a pass over the block, and the rows a window computes beyond the group cost their
@@ -134,12 +136,16 @@ def cover_rows_in_windows(start, end, m: int, windows: tuple[int, ...], carry, t
     def full_window(w):
         return lambda pos, c: (pos + w, tile(pos, w, None, c))
 
-    branches = [last_window] + [full_window(w) for w in windows[1:]]
+    # Without `writable_end` a smallest window is always the masked one: no unmasked branch for it.
+    unmasked = windows if writable_end is not None else windows[1:]
+    branches = [last_window] + [full_window(w) for w in unmasked]
 
     def step(state):
         pos, c = state
         left = end - pos
-        filled = sum((left >= w).astype(jnp.int32) for w in windows[1:])  # the largest window left fills
+        filled = sum((left >= w).astype(jnp.int32) for w in unmasked)  # the largest window left fills
+        if writable_end is not None:  # else the smallest, into rows rewritten later if it ends there
+            filled = jnp.maximum(filled, (pos + windows[0] <= writable_end).astype(jnp.int32))
         return lax.switch(filled, branches, pos, c)
 
     return lax.while_loop(lambda state: state[0] < end, step, (start, carry))[1]
@@ -147,6 +153,28 @@ def cover_rows_in_windows(start, end, m: int, windows: tuple[int, ...], carry, t
 
 def gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, tiling,
             **_):
+    """out[rows of g] = lhs[rows of g] @ rhs[g] for the local groups; other rows keep existing_out.
+
+    One loop over groups; each covers its rows with windows of `gmm_windows` sizes (8, 32, 128
+    and 512 rows by default), the largest the rows left fill, and a last smallest window that may
+    run into the next groups' rows (they are rewritten when those groups run; only a window past
+    the last local row is masked). Measured 2026-11-25 on the 2-core CPU (m=4096, k=n=1024,
+    Dirichlet(1) sizes; this function against its previous version in one process, interleaved,
+    p25 of 15; one-off script, not committed), ms; "before" is windows of tm / 8 and tm rows, the
+    last one masked, with tm = 512 / 256 / 128 at G = 8 / 64 / 256:
+
+    | G | dtype | dense | batched floor | before | these windows |
+    |---|---|---|---|---|---|
+    | 8 | f32 | 43.7 | 41.7 | 48.8 | 48.8 |
+    | 8 | bf16 | 21.5 | 21.7 | 27.4 | 24.6 |
+    | 64 | f32 | 43.6 | 51.6 | 75.0 | 60.6 |
+    | 64 | bf16 | 21.7 | 29.9 | 41.6 | 37.2 |
+    | 256 | f32 | 41.4 | 81.0 | 105.7 | 96.1 |
+    | 256 | bf16 | 21.5 | 52.8 | 64.8 | 63.1 |
+
+    The small windows pay at G >= 64, where a group averages 64 rows or fewer and its last window
+    computes rows the next group computes again; the 512-row one at G = 8.
+    """
     m, _k = lhs.shape
     num_groups = rhs.shape[0]
     tm = min(tiling.tm, m)
@@ -156,6 +184,7 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs,
     rhs = rhs.astype(cdt)
     bounds = local_group_boundaries(group_sizes, group_offset, num_groups, m)
     contract = ((1,), (1 if transpose_rhs else 0,))
+    windows = gmm_windows(tm, m)
 
     def group(g, out):
         w = _index(rhs, g)
@@ -166,7 +195,8 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs,
                 y = _where_rows(mask, y, _slice(o, s, size, 0), (0,))
             return _update(o, y, s, 0)
 
-        return cover_rows(_index(bounds, g), _index(bounds, g + 1), m, tm, out, tile)
+        return cover_rows_in_windows(_index(bounds, g), _index(bounds, g + 1), m, windows, out, tile,
+                                     writable_end=bounds[-1])
 
     return lax.fori_loop(0, num_groups, group, existing_out.astype(out_dtype))
 
