@@ -22,6 +22,9 @@ Where the rest of the gap to one dense dot goes (2026-11-25, `benchmarks/results
 on one core this backend's gmm at G=8 is 1.08x (f32) / 1.25x (bf16) one dense dot, on two cores
 1.45x / 1.75x: XLA:CPU gives the dots inside a while loop little of the second core. The bench's
 "loop floor" (one dot per group in a fori loop, equal split) measures that cost without this code.
+After the window changes of 2026-11-25 (`gmm-2026-11-25-3.md`), in one process with the bench's
+cold caches, cv.gmm at G=8 ran 49.1 ms (f32) / 42.4 (bf16) against the loop floor's 46.4 / 38.8
+and one dense dot's 44.0 / 21.3: the rest of the gap is the loop floor's.
 
 Measured pitfall: a sequence of small while loops per group (one per power-of-two remainder) made
 G=256 up to 25x slower than dense, because XLA copies the [m, n] carry into each loop; one loop
