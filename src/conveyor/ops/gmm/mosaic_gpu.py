@@ -103,11 +103,18 @@ def wgmma_step(acc, a, b):
     return acc
 
 
-def stage_accumulator(acc, staging) -> None:
-    """The finished register accumulator, in `staging`'s dtype, in shared memory a TMA store may read."""
-    plgpu.wgmma_wait(0)
-    staging[...] = acc[...].astype(staging.dtype)
-    plgpu.commit_smem()
+def accumulate_then_store(eval_pipeline, staging, store) -> None:
+    """Run a compute warpgroup's pipeline into a fresh f32 register accumulator shaped like
+    `staging`, copy the finished accumulator into `staging` (shared memory, its dtype) once every
+    wgmma is done, and hand it to `store` (the kernel's TMA epilogue)."""
+    def with_acc(acc):
+        eval_pipeline(acc)
+        plgpu.wgmma_wait(0)
+        staging[...] = acc[...].astype(staging.dtype)
+        plgpu.commit_smem()
+        store(staging)
+
+    pl.run_scoped(with_acc, plgpu.ACC(staging.shape, jnp.float32))
 
 
 def _store_rows(acc_smem, out_gmem, lo, hi, row0, col0, tn):
@@ -158,16 +165,13 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
                 return wgmma_step(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b)
 
             def compute_context(eval_pipeline):
-                def with_acc(acc):
-                    eval_pipeline(acc)
-                    mine = acc_smem.at[wg]
-                    stage_accumulator(acc, mine)
+                def store(mine):
                     row0 = tile * tm + wg * ROWS_PER_THREAD
                     lo = jnp.clip(lo_g - row0, 0, ROWS_PER_THREAD)
                     hi = jnp.clip(jnp.minimum(hi_g, m) - row0, 0, ROWS_PER_THREAD)
                     _store_rows(mine, out_ref, lo, jnp.maximum(hi, lo), row0, j * tn, tn)
 
-                pl.run_scoped(with_acc, plgpu.ACC((ROWS_PER_THREAD, tn), jnp.float32))
+                accumulate_then_store(eval_pipeline, acc_smem.at[wg], store)
 
             cv.emit_pipeline_warp_specialized(
                 mma, grid=(k // tk,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_THREADS,
@@ -189,5 +193,5 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     return jnp.where(rows[:, None], computed, existing_out.astype(out_dtype))
 
 
-__all__ = ["gmm_mosaic_gpu", "DEFAULT_TILING", "check_gmm_args", "smem_layout", "stage_accumulator", "stages_that_fit",
+__all__ = ["gmm_mosaic_gpu", "DEFAULT_TILING", "check_gmm_args", "smem_layout", "accumulate_then_store", "stages_that_fit",
            "wgmma_operands", "wgmma_step"]

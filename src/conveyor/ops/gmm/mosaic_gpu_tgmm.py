@@ -38,8 +38,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
 from conveyor.ops.gmm.metadata import local_group_bounds, row_block_span
-from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, DELAY_RELEASE, ROWS_PER_THREAD, smem_layout, \
-    stage_accumulator, stages_that_fit, wgmma_operands, wgmma_step
+from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, DELAY_RELEASE, ROWS_PER_THREAD, accumulate_then_store, \
+    smem_layout, stages_that_fit, wgmma_operands, wgmma_step
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
 
 SWIZZLE = 128                                   # bytes: one operand row of a block
@@ -103,15 +103,12 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
             return wgmma_step(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b_blk)
 
         def compute_context(eval_pipeline):
-            def with_acc(acc):
-                eval_pipeline(acc)
-                mine = out_smem.at[wg]
-                stage_accumulator(acc, mine)
+            def store(mine):
                 plgpu.copy_smem_to_gmem(
                     mine, out_ref.at[i, pl.ds(kb * tk + wg * ROWS_PER_THREAD, ROWS_PER_THREAD), pl.ds(nb * tn, tn)])
                 plgpu.wait_smem_to_gmem(0)
 
-            pl.run_scoped(with_acc, plgpu.ACC((ROWS_PER_THREAD, tn), jnp.float32))
+            accumulate_then_store(eval_pipeline, out_smem.at[wg], store)
 
         cv.emit_pipeline_warp_specialized(
             mma, grid=(blocks,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_THREADS,
