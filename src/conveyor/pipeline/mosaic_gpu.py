@@ -41,17 +41,16 @@ def check_smem_budget(p: PipelinePlan, scratch, api: str) -> int:
     the enclosing cv.kernel's scratch_shapes; a ValueError naming every operand when the sum exceeds
     the budget (the GPU interpreter would run it; the real compile refuses it)."""
     slots = [s for s in scratch if not isinstance(s, plgpu.Barrier)]
-    barrier_list = [b for b in scratch if isinstance(b, plgpu.Barrier)]
-    barriers = smem_bytes(barrier_list) // BARRIER_BYTES
+    barrier_bytes = smem_bytes([b for b in scratch if isinstance(b, plgpu.Barrier)])
     parts = [(op, buf.shape[0], math.prod(buf.shape[1:]) * jnp.dtype(buf.dtype).itemsize, jnp.dtype(buf.dtype).name)
              for op, buf in zip(p.inputs + p.outputs, slots)]
     kernel_scratch = current_context(api).scratch_bytes
-    total = sum(n * block for _, n, block, _ in parts) + barriers * BARRIER_BYTES + kernel_scratch
+    total = sum(n * block for _, n, block, _ in parts) + barrier_bytes + kernel_scratch
     if total > SMEM_BUDGET_BYTES:
         detail = "; ".join(f"{op.name}: {n} slot(s) x {block} B ({dtype} {op.ref_shape}) = {n * block} B"
                            for op, n, block, dtype in parts)
         raise ValueError(f"{api} on mosaic_gpu needs {total} B of shared memory, more than the {SMEM_BUDGET_BYTES} B "
-                         f"a thread block may use on sm_90: {detail}; {barriers} barrier(s) x {BARRIER_BYTES} B; "
+                         f"a thread block may use on sm_90: {detail}; {barrier_bytes // BARRIER_BYTES} barrier(s) x {BARRIER_BYTES} B; "
                          f"the kernel's scratch_shapes {kernel_scratch} B. "
                          f"Use smaller blocks or fewer slots (max_concurrent_steps)")
     return total
