@@ -264,7 +264,7 @@ def simulate_gmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf
     hw = get_hardware(hardware)
     m = _check_sizes("simulate_gmm", group_sizes)
     _check_positive("simulate_gmm", k=k, n=n, stages=stages)
-    cfg = _grouped_kernel(hw, tiling, stages, MOSAIC_GPU.gmm_tiling)
+    cfg = _grouped_kernel(hw, tiling, stages, MOSAIC_GPU.gmm_tiles_for(k, n))
     b = dtypes.itemsize(dtype)
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b

@@ -129,6 +129,45 @@ def test_exports_for_cuda_at_moe_sizes(groups):
     assert exported.platforms == ("cuda",)
 
 
+@pytest.mark.parametrize("k, n, transpose_rhs, tiles", [
+    (4096, 14336, False, (128, 64, 128)),       # Mixtral: the configured tiles
+    (2880, 2880, False, (128, 64, 64)),         # gpt-oss: 2880 = 45 * 64
+    (48, 96, False, (128, 16, 32)),
+    (64, 200, True, (128, 64, 8)),              # transposed rhs: tn's blocks are rows, any multiple of 8
+    (64, 200, False, (128, 64, 128)),           # no tile divides: kept, and refused by the kernel
+])
+def test_default_tiles_halve_until_they_divide_the_weight(k, n, transpose_rhs, tiles):
+    from conveyor.ops.gmm.tiling import MOSAIC_GPU
+    assert MOSAIC_GPU.gmm_tiles_for(k, n, transpose_rhs=transpose_rhs) == tiles
+
+
+@pytest.mark.parametrize("k, n, transpose_rhs", [(48, 96, False), (64, 40, True)], ids=["k48-n96", "transposed-n40"])
+def test_default_tiles_that_halve_match_the_reference(k, n, transpose_rhs):
+    """k=48 and n=96 run with tk=16 and tn=32 (32- and 64-byte swizzled rows); a transposed
+    n=40 with tn=8. Poisoned existing_out rows outside the groups are kept."""
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    sizes = skewed_sizes(rng, M, 3, total=M - 5)
+    lhs, rhs = operands(rng, M, k, n, 3, jnp.bfloat16, transpose_rhs=transpose_rhs)
+    out = _gmm(lhs, rhs, jnp.asarray(sizes), transpose_rhs=transpose_rhs,
+               existing_out=jnp.full((M, n), 7.25, jnp.float32))
+    assert_close(out[:M - 5], numpy_gmm(lhs, rhs, sizes, transpose_rhs=transpose_rhs)[:M - 5], k, jnp.float32)
+    np.testing.assert_array_equal(out[M - 5:], 7.25)
+
+
+@pytest.mark.parametrize("n", [2880, 5760])
+def test_exports_for_cuda_at_gpt_oss_sizes(n):
+    """gpt-oss-like hidden size 2880 (not a multiple of the 128-column tile), 128 experts, in bf16,
+    forward (tn=64 / 128) and the input gradient's transposed-rhs gmm."""
+    m, k, groups = 8192, 2880, 128
+    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16),
+            jax.ShapeDtypeStruct((groups,), jnp.int32))
+    fwd = jax.jit(lambda a, b, s: cv.gmm(a, b, s, backend="mosaic_gpu", preferred_element_type=jnp.bfloat16))
+    assert jax.export.export(fwd, platforms=["cuda"])(*args).platforms == ("cuda",)
+    dlhs = jax.jit(lambda c, b, s: cv.gmm(c, b, s, backend="mosaic_gpu", transpose_rhs=True))
+    dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    assert jax.export.export(dlhs, platforms=["cuda"])(dy, args[1], args[2]).platforms == ("cuda",)
+
+
 def test_what_the_gpu_kernel_cannot_do_is_refused_by_name():
     lhs = jnp.zeros((128, 64), jnp.float32)
     rhs = jnp.zeros((2, 64, 128), jnp.float32)
@@ -146,6 +185,15 @@ def test_what_the_gpu_kernel_cannot_do_is_refused_by_name():
                interpret=True, tiling=(128, 64, 256))
     with pytest.raises(NotImplementedError, match="wgmma takes bfloat16 or float16 operands"):
         cv.gmm(lhs.astype(jnp.float16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True)
+    with pytest.raises(ValueError, match="k: mosaic_gpu gmm needs k to be a multiple of 16 .*got k=1000"):
+        cv.gmm(jnp.zeros((128, 1000), jnp.bfloat16), jnp.zeros((2, 1000, 128), jnp.bfloat16), gs, backend="mosaic_gpu",
+               interpret=True)
+    with pytest.raises(ValueError, match="n: mosaic_gpu gmm needs n to be a multiple of 16 .*got n=200"):
+        cv.gmm(lhs.astype(jnp.bfloat16), jnp.zeros((2, 64, 200), jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True)
+    # A [tk, 8] block is a 16-byte row: the interpreter ran it, Mosaic's compile refused it.
+    with pytest.raises(ValueError, match="be a multiple of 16 and at most 128, got tn=8"):
+        cv.gmm(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True,
+               tiling=(128, 64, 8))
 
 
 def test_wide_tiles_take_the_slots_that_fit_and_a_tile_over_the_budget_is_refused():

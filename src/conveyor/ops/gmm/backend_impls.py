@@ -33,7 +33,7 @@ def run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tilin
                                   interpret=interpret, **kw)
     if backend == "mosaic_gpu":
         from conveyor.ops.gmm import mosaic_gpu
-        t = tiling_lib.resolve(tiling, m, k, n, mosaic_gpu.DEFAULT_TILING)
+        t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.MOSAIC_GPU.gmm_tiles_for(k, n, transpose_rhs=transpose_rhs))
         return mosaic_gpu.gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t,
                                          interpret=interpret, **kw)
     raise AssertionError(f"unknown backend {backend!r}")  # validated at the API

@@ -17,7 +17,9 @@ zero) by one select after it (an extra elementwise pass over the output, which p
 lack of input/output aliasing makes necessary).
 
 Limits: bfloat16/float16 operands (float32 accumulation; see `wgmma_operands`); k a multiple of
-tk; n a multiple of tn, at most 128; tm = 128. Verified on CPU by the Mosaic GPU interpreter and
+tk; n a multiple of tn, at most 128; tm = 128. The default tk and tn halve until they divide k and
+n (`GpuKernelConfig.gmm_tiles_for`), so k and n need only be multiples of 16 (n of 8 with
+transpose_rhs). Verified on CPU by the Mosaic GPU interpreter and
 by `jax.export` for cuda; not yet run on a GPU (see the benchmark notes).
 """
 from __future__ import annotations
@@ -82,16 +84,24 @@ def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs) -> tuple[int, int, int
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
+    # A block's minor dimension spans a 32-byte swizzled row at least: tk always, tn unless rhs is
+    # transposed (then its rows are tn, any multiple of 8). tn=8 with a [tk, tn] block passed the
+    # interpreter and failed Mosaic's compile ("No valid tiling found for SMEM reference", jax 0.12.0.1).
+    narrowest = {"k": MOSAIC_GPU.min_tile, "n": 8 if transpose_rhs else MOSAIC_GPU.min_tile}
+    for name, dim in (("k", k), ("n", n)):
+        if dim % narrowest[name]:
+            raise ValueError(f"{name}: mosaic_gpu gmm needs {name} to be a multiple of {narrowest[name]} (its "
+                             f"narrowest tile), got {name}={dim}; pad the operands with zeros or use backend='xla'")
     if tm != TM:
         raise ValueError(f"tiling: mosaic_gpu gmm uses tm={TM} (two compute warpgroups of {ROWS_PER_THREAD} rows), "
                          f"got tm={tm}")
     if k % tk or (tk * jnp.dtype(lhs.dtype).itemsize) % 32:
         raise ValueError(f"tiling: mosaic_gpu gmm needs tk to divide k={k} and span a multiple of 32 bytes, "
                          f"got tk={tk}")
-    if n % tn or tn % 8 or tn > 128:
+    if n % tn or tn % narrowest["n"] or tn > 128:
         # tn=256 passes the interpreter but Mosaic GPU's layout inference rejects the kernel (jax 0.12.0.1).
-        raise ValueError(f"tiling: mosaic_gpu gmm needs tn to divide n={n}, be a multiple of 8 and at most 128, "
-                         f"got tn={tn}")
+        raise ValueError(f"tiling: mosaic_gpu gmm needs tn to divide n={n}, be a multiple of {narrowest['n']} and at "
+                         f"most 128, got tn={tn}")
     return tm, tk, tn
 
 

@@ -22,6 +22,26 @@ class GpuKernelConfig:
     delay_release: int = 1            # each step's wgmma stays in flight while the next is issued
     gmm_tiling: tuple[int, int, int] = (128, 64, 128)    # (tm, tk, tn): tm = compute_threads * 64
     tgmm_tiling: tuple[int, int, int] = (64, 128, 128)   # (tm rows reduced per step, tk = 2 * 64, tn)
+    min_tile: int = 16                # elements: 32 bytes of bf16/f16, the narrowest swizzled shared-memory row
+
+    def gmm_tiles_for(self, k: int, n: int, *, transpose_rhs: bool = False) -> tuple[int, int, int]:
+        """gmm's default (tm, tk, tn) for a k x n weight: `gmm_tiling`'s tk and tn where they
+        divide k and n, else the widest power-of-two halving of them that does, down to `min_tile`
+        (gpt-oss's n=2880 runs with tn=64), or 8 for tn when rhs is transposed (its blocks' rows
+        are tn). A dimension no candidate divides keeps the configured tile, which the kernel then
+        refuses by name."""
+        tm, tk, tn = self.gmm_tiling
+        return tm, _widest_dividing(tk, k, self.min_tile), _widest_dividing(tn, n, 8 if transpose_rhs else self.min_tile)
+
+
+def _widest_dividing(tile: int, dim: int, smallest: int) -> int:
+    """The largest of tile, tile / 2, ..., smallest that divides dim; else tile."""
+    t = tile
+    while t >= smallest:
+        if dim % t == 0:
+            return t
+        t //= 2
+    return tile
 
 
 MOSAIC_GPU = GpuKernelConfig()
