@@ -184,5 +184,6 @@ def test_grouped_simulations_on_a_gpu_model_the_mosaic_gpu_kernels():
         assert fn(sizes, 1024, 1024, hardware="h100", tiling=(64, 128, 128), stages=3).config["kernel"] == "given"
     # gmm's default tiles follow the weight's shape as the kernel's do: gpt-oss's n=2880 takes tn=64
     assert tuple(cv.sim.simulate_gmm(sizes, 2880, 2880, hardware="h100").config["tiling"]) == (128, 64, 64)
+    assert tuple(cv.sim.simulate_tgmm(sizes, 2880, 2880, hardware="h100").config["tiling"]) == (64, 128, 64)
     # tgmm's flops are the grouped product's, not the padded blocks'
     assert cv.sim.simulate_tgmm(sizes, 512, 256).flops == 2.0 * sum(sizes) * 512 * 256

@@ -286,7 +286,7 @@ def simulate_tgmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "b
     hw = get_hardware(hardware)
     m = _check_sizes("simulate_tgmm", group_sizes)
     _check_positive("simulate_tgmm", k=k, n=n, stages=stages)
-    cfg = _grouped_kernel(hw, tiling, stages, MOSAIC_GPU.tgmm_tiling)
+    cfg = _grouped_kernel(hw, tiling, stages, MOSAIC_GPU.tgmm_tiles_for(n))
     if cfg["tiling"] is None:
         cfg["tiling"] = (128, 128, 128)   # the tgmm reduction block is tm: no search over it
     tm = int(cfg["tiling"][0])

@@ -142,6 +142,45 @@ def test_tgmm_exports_for_cuda_at_moe_sizes(groups):
         assert jax.export.export(f, platforms=["cuda"])(*args).platforms == ("cuda",)
 
 
+@pytest.mark.parametrize("k, n, sizes", [(96, 64, [0, 70, 0, 100]), (200, 192, [10, 20, 150, 20])],
+                         ids=["k96-n64", "k200-n192"])
+def test_tgmm_with_k_past_the_row_tile_and_64_column_tiles_matches_the_reference(k, n, sizes):
+    """k=96 and k=200 end inside a 128-row output tile (lhs gets zero rows; only rows below k are
+    stored, in power-of-two chunks); n=64 and n=192 run with tn=64, whose boundary rhs blocks
+    compute thread 0 masks whole. Rows no group owns hold NaN and inf."""
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    used = sum(sizes)
+    x = _bf16(rng, (k, M)).at[:, used:].set(jnp.nan)
+    y = _bf16(rng, (M, n)).at[used:].set(jnp.inf)
+    out = _tgmm(x, y, jnp.asarray(sizes, jnp.int32))
+    assert out.shape == (len(sizes), k, n)
+    for i in np.flatnonzero(np.asarray(sizes) == 0):
+        np.testing.assert_array_equal(out[i], 0.0)
+    assert_close(out, numpy_tgmm(x[:, :used], y[:used], np.asarray(sizes)), M, jnp.float32)
+
+
+def test_default_tgmm_tiles_narrow_to_64_columns_where_128_do_not_divide():
+    from conveyor.ops.gmm.tiling import MOSAIC_GPU
+    assert MOSAIC_GPU.tgmm_tiles_for(14336) == (64, 128, 128)
+    assert MOSAIC_GPU.tgmm_tiles_for(2880) == (64, 128, 64)
+    assert MOSAIC_GPU.tgmm_tiles_for(96) == (64, 128, 128)    # none divides: kept, and refused by the kernel
+
+
+def test_the_backward_pass_exports_for_cuda_at_gpt_oss_sizes():
+    """gpt-oss-like hidden size 2880 with 128 experts: the forward and d lhs gmm run tn=64, the
+    tgmm a last output row tile that passes k (2880 = 22.5 * 128) and tn=64."""
+    m, k, n, groups = 8192, 2880, 2880, 128
+
+    def loss(x, w, s, ct):
+        out = cv.gmm(x, w, s, backend="mosaic_gpu", preferred_element_type=jnp.bfloat16)
+        return jnp.vdot(out.astype(jnp.float32), ct)
+
+    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"])(
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((m, n), jnp.float32))
+    assert exported.mlir_module().count("custom_call @mosaic_gpu") == 2, "d lhs and d rhs: one Mosaic GPU kernel each"
+
+
 def test_what_the_gpu_tgmm_cannot_do_is_refused_by_name():
     x, y = jnp.zeros((128, 128), jnp.bfloat16), jnp.zeros((128, 256), jnp.bfloat16)
     gs = jnp.asarray([64, 64], jnp.int32)
@@ -151,10 +190,10 @@ def test_what_the_gpu_tgmm_cannot_do_is_refused_by_name():
         cv.tgmm(x, y, gs, backend="mosaic_gpu", interpret=True, tiling=(128, 128, 128))
     with pytest.raises(ValueError, match="tiling: mosaic_gpu tgmm uses tk=128"):
         cv.tgmm(x, y, gs, backend="mosaic_gpu", interpret=True, tiling=(64, 64, 128))
-    with pytest.raises(ValueError, match="which must divide k=96"):
-        cv.tgmm(x[:96], y, gs, backend="mosaic_gpu", interpret=True)
-    with pytest.raises(ValueError, match="tn to divide n=256, be a multiple of 128"):
-        cv.tgmm(x, y, gs, backend="mosaic_gpu", interpret=True, tiling=(64, 128, 64))
+    with pytest.raises(ValueError, match="n: mosaic_gpu tgmm needs n to be a multiple of 64 .*got n=96"):
+        cv.tgmm(x, y[:, :96], gs, backend="mosaic_gpu", interpret=True)
+    with pytest.raises(ValueError, match="tn to divide n=256, be a multiple of 64"):
+        cv.tgmm(x, y, gs, backend="mosaic_gpu", interpret=True, tiling=(64, 128, 32))
 
 
 def test_the_backward_pass_exports_for_cuda_at_moe_sizes():

@@ -58,7 +58,7 @@ def run_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tili
                                    interpret=interpret, **kw)
     if backend == "mosaic_gpu":
         from conveyor.ops.gmm import mosaic_gpu_tgmm
-        t = tiling_lib.resolve(tiling, m, k, n, mosaic_gpu_tgmm.DEFAULT_TILING)
+        t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.MOSAIC_GPU.tgmm_tiles_for(n))
         return mosaic_gpu_tgmm.tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t,
                                                interpret=interpret, **kw)
     raise AssertionError(f"unknown backend {backend!r}")

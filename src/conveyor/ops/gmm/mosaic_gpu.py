@@ -127,7 +127,7 @@ def accumulate_then_store(eval_pipeline, staging, store) -> None:
     pl.run_scoped(with_acc, plgpu.ACC(staging.shape, jnp.float32))
 
 
-def _store_rows(acc_smem, out_gmem, lo, hi, row0, col0, tn):
+def store_rows(acc_smem, out_gmem, lo, hi, row0, col0, tn):
     """TMA-store rows [lo, hi) of a 64-row shared-memory block to `out_gmem` rows row0 + [lo, hi),
     in power-of-two chunks (a TMA copy has a static shape; the row count is known at run time)."""
     start = lo
@@ -179,7 +179,7 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
                     row0 = tile * tm + wg * ROWS_PER_THREAD
                     lo = jnp.clip(lo_g - row0, 0, ROWS_PER_THREAD)
                     hi = jnp.clip(jnp.minimum(hi_g, m) - row0, 0, ROWS_PER_THREAD)
-                    _store_rows(mine, out_ref, lo, jnp.maximum(hi, lo), row0, j * tn, tn)
+                    store_rows(mine, out_ref, lo, jnp.maximum(hi, lo), row0, j * tn, tn)
 
                 accumulate_then_store(eval_pipeline, acc_smem.at[wg], store)
 
@@ -204,4 +204,4 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
 
 
 __all__ = ["gmm_mosaic_gpu", "DEFAULT_TILING", "check_gmm_args", "smem_layout", "accumulate_then_store", "stages_that_fit",
-           "wgmma_operands", "wgmma_step"]
+           "store_rows", "wgmma_operands", "wgmma_step"]

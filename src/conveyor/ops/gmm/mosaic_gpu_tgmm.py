@@ -24,8 +24,11 @@ XLA folds away when it is the zeros a gradient passes; with a nonzero `existing_
 output the sum is rounded twice (the product, then the sum), one ulp of the output dtype at most.
 
 Limits: bfloat16/float16 operands (float32 accumulation; see `mosaic_gpu.wgmma_operands`); tm=64
-rows per step (128-byte operand rows, the widest swizzle); tk=128 dividing k; tn a multiple of 128
-dividing n, at most 256. m is padded to whole row blocks (zero rows, outside every group). Verified on CPU by the Mosaic GPU
+rows per step (128-byte operand rows, the widest swizzle); tk=128; tn a multiple of 64 dividing n,
+at most 256 (the default: 128 where it divides n, else 64; with tn=64 compute thread 0 masks a
+boundary rhs block whole, the other waiting at the barrier). m is padded to whole row blocks
+(zero rows, outside every group); k to whole output row tiles (zero lhs rows; the rows past k are
+not stored: power-of-two chunks of TMA stores, as in gmm). Both pads are one copy of lhs. Verified on CPU by the Mosaic GPU
 interpreter and by `jax.export` for cuda; not yet run on a GPU.
 """
 from __future__ import annotations
@@ -39,10 +42,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import conveyor as cv
 from conveyor.ops.gmm.metadata import local_group_bounds, row_block_span
 from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, DELAY_RELEASE, ROWS_PER_THREAD, accumulate_then_store, \
-    smem_layout, stages_that_fit, wgmma_operands, wgmma_step
+    smem_layout, stages_that_fit, store_rows, wgmma_operands, wgmma_step
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
 
 SWIZZLE = 128                                   # bytes: one operand row of a block
+MIN_TN = 64                                     # one 128-byte swizzled row of 16-bit rhs columns
 TK = COMPUTE_THREADS * ROWS_PER_THREAD          # output rows (of k) per thread block
 DEFAULT_TILING = MOSAIC_GPU.tgmm_tiling          # (tm rows reduced per step, tk, tn) for 16-bit operands
 
@@ -55,12 +59,15 @@ def check_tgmm_args(lhs, rhs, tiling: Tile) -> tuple[int, int, int]:
     if tm * itemsize != SWIZZLE:
         raise ValueError(f"tiling: mosaic_gpu tgmm reduces tm={SWIZZLE // itemsize} rows per step ({SWIZZLE}-byte "
                          f"swizzled operand rows), got tm={tm}")
-    if tk != TK or k % tk:
+    if tk != TK:
         raise ValueError(f"tiling: mosaic_gpu tgmm uses tk={TK} (two compute warpgroups of {ROWS_PER_THREAD} output "
-                         f"rows), which must divide k={k}; got tk={tk}")
-    if n % tn or tn % 128 or tn > 256:
-        raise ValueError(f"tiling: mosaic_gpu tgmm needs tn to divide n={n}, be a multiple of 128 and at most 256, "
-                         f"got tn={tn}")
+                         f"rows), got tk={tk}")
+    if n % MIN_TN:
+        raise ValueError(f"n: mosaic_gpu tgmm needs n to be a multiple of {MIN_TN} (its narrowest column tile, "
+                         f"{SWIZZLE}-byte swizzled rows), got n={n}; pad rhs with zero columns or use backend='xla'")
+    if n % tn or tn % MIN_TN or tn > 256:
+        raise ValueError(f"tiling: mosaic_gpu tgmm needs tn to divide n={n}, be a multiple of {MIN_TN} and at most "
+                         f"256, got tn={tn}")
     return tm, tk, tn
 
 
@@ -76,9 +83,13 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
     n = rhs.shape[1]
     lhs, rhs = wgmma_operands("tgmm", lhs, rhs)
     tm, tk, tn = check_tgmm_args(lhs, rhs, tiling)
+    k_pad = -(-k // tk) * tk      # whole output row tiles: lhs gets zero rows, only rows < k are stored
     layout = smem_layout(tm, tn, itemsize=jnp.dtype(lhs.dtype).itemsize)   # 128-byte swizzle (tm*itemsize)
     starts, ends = local_group_bounds(group_sizes, jnp.asarray(group_offset, jnp.int32), num_groups, m)
+    # Each compute thread masks half of a boundary rhs block's columns when the halves are whole
+    # swizzled rows (tn >= 128); a 64-column block is masked whole by thread 0.
     half_n = tn // COMPUTE_THREADS
+    split_rhs = half_n >= MIN_TN
     staging = plgpu.SMEM((COMPUTE_THREADS, ROWS_PER_THREAD, tn), out_dtype)
     stages = stages_that_fit(block_bytes=(tk * tm + tm * tn) * jnp.dtype(lhs.dtype).itemsize, staging=staging)
 
@@ -95,18 +106,26 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
             @pl.when((row0 < lo) | (row0 + tm > hi))   # a block shared with a neighbouring group
             def _():
                 _zero_outside(a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], 1, row0, lo, hi)
-                _zero_outside(b_blk.at[:, pl.ds(wg * half_n, half_n)], 0, row0, lo, hi)
+                if split_rhs:
+                    _zero_outside(b_blk.at[:, pl.ds(wg * half_n, half_n)], 0, row0, lo, hi)
+                else:
+                    @pl.when(wg == 0)
+                    def _():
+                        _zero_outside(b_blk, 0, row0, lo, hi)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(masked)     # (jax 0.11 has no barrier_arrive_and_wait)
-                plgpu.barrier_wait(masked)       # both halves of the rhs block are masked now
+                plgpu.barrier_wait(masked)       # the whole rhs block is masked now
 
             return wgmma_step(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b_blk)
 
         def compute_context(eval_pipeline):
             def store(mine):
-                plgpu.copy_smem_to_gmem(
-                    mine, out_ref.at[i, pl.ds(kb * tk + wg * ROWS_PER_THREAD, ROWS_PER_THREAD), pl.ds(nb * tn, tn)])
-                plgpu.wait_smem_to_gmem(0)
+                row0 = kb * tk + wg * ROWS_PER_THREAD
+                if k == k_pad:
+                    plgpu.copy_smem_to_gmem(mine, out_ref.at[i, pl.ds(row0, ROWS_PER_THREAD), pl.ds(nb * tn, tn)])
+                    plgpu.wait_smem_to_gmem(0)
+                else:       # the last row tile passes k: store the rows below it
+                    store_rows(mine, out_ref.at[i], 0, jnp.clip(k - row0, 0, ROWS_PER_THREAD), row0, nb * tn, tn)
 
             accumulate_then_store(eval_pipeline, out_smem.at[wg], store)
 
@@ -118,13 +137,14 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
         )(lhs_ref, rhs_ref)
 
     m_pad = -(-m // tm) * tm      # whole row blocks: the padding rows belong to no group
+    if m_pad != m or k_pad != k:
+        lhs = jnp.pad(lhs, ((0, k_pad - k), (0, m_pad - m)))
     if m_pad != m:
-        lhs = jnp.pad(lhs, ((0, 0), (0, m_pad - m)))
         rhs = jnp.pad(rhs, ((0, m_pad - m), (0, 0)))
     scratch = [staging, plgpu.Barrier(num_arrivals=COMPUTE_THREADS)]
     call = cv.kernel(kernel, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), backend="mosaic_gpu",
                      interpret=interpret, num_threads=COMPUTE_THREADS + 1, thread_name="wg",
-                     grid=(num_groups, k // tk, n // tn), scratch_shapes=scratch)
+                     grid=(num_groups, k_pad // tk, n // tn), scratch_shapes=scratch)
     computed = call(starts, ends, lhs, rhs)
     return existing_out.astype(out_dtype) + computed
 

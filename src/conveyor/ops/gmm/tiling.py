@@ -33,6 +33,13 @@ class GpuKernelConfig:
         tm, tk, tn = self.gmm_tiling
         return tm, _widest_dividing(tk, k, self.min_tile), _widest_dividing(tn, n, 8 if transpose_rhs else self.min_tile)
 
+    def tgmm_tiles_for(self, n: int) -> tuple[int, int, int]:
+        """tgmm's default (tm, tk, tn): `tgmm_tiling`'s tn where it divides n, else 64 (one
+        128-byte swizzled row) where that does; k needs no dividing tile (the kernel pads its last
+        row tile and stores the rows below k)."""
+        tm, tk, tn = self.tgmm_tiling
+        return tm, tk, _widest_dividing(tn, n, 64)
+
 
 def _widest_dividing(tile: int, dim: int, smallest: int) -> int:
     """The largest of tile, tile / 2, ..., smallest that divides dim; else tile."""
