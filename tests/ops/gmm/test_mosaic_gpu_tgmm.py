@@ -166,21 +166,6 @@ def test_default_tgmm_tiles_narrow_to_64_columns_where_128_do_not_divide():
     assert MOSAIC_GPU.tgmm_tiles_for(96) == (64, 128, 128)    # none divides: kept, and refused by the kernel
 
 
-def test_the_backward_pass_exports_for_cuda_at_gpt_oss_sizes():
-    """gpt-oss-like hidden size 2880 with 128 experts: the forward and d lhs gmm run tn=64, the
-    tgmm a last output row tile that passes k (2880 = 22.5 * 128) and tn=64."""
-    m, k, n, groups = 8192, 2880, 2880, 128
-
-    def loss(x, w, s, ct):
-        out = cv.gmm(x, w, s, backend="mosaic_gpu", preferred_element_type=jnp.bfloat16)
-        return jnp.vdot(out.astype(jnp.float32), ct)
-
-    exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"])(
-        jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16),
-        jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((m, n), jnp.float32))
-    assert exported.mlir_module().count("custom_call @mosaic_gpu") == 2, "d lhs and d rhs: one Mosaic GPU kernel each"
-
-
 def test_what_the_gpu_tgmm_cannot_do_is_refused_by_name():
     x, y = jnp.zeros((128, 128), jnp.bfloat16), jnp.zeros((128, 256), jnp.bfloat16)
     gs = jnp.asarray([64, 64], jnp.int32)
@@ -196,10 +181,13 @@ def test_what_the_gpu_tgmm_cannot_do_is_refused_by_name():
         cv.tgmm(x, y, gs, backend="mosaic_gpu", interpret=True, tiling=(64, 128, 32))
 
 
-def test_the_backward_pass_exports_for_cuda_at_moe_sizes():
-    """jax.grad of a bf16 gmm at m=8192, k=4096, n=14336, G=8: the transposed-weight gmm (d lhs) and
-    the tgmm (d rhs) compile as two Mosaic GPU kernels."""
-    m, k, n, groups = 8192, 4096, 14336, 8
+@pytest.mark.parametrize("k, n, groups", [(4096, 14336, 8), (2880, 2880, 128)], ids=["mixtral", "gpt-oss"])
+def test_the_backward_pass_exports_for_cuda_at_moe_sizes(k, n, groups):
+    """jax.grad of a bf16 gmm with m=8192 tokens: the transposed-weight gmm (d lhs) and the tgmm
+    (d rhs) compile as two Mosaic GPU kernels. Mixtral-like k=4096, n=14336, G=8; gpt-oss-like
+    hidden size 2880 with 128 experts, where the forward and d lhs gmm run tn=64 and the tgmm a
+    last output row tile that passes k (2880 = 22.5 * 128) and tn=64."""
+    m = 8192
 
     def loss(x, w, s, ct):
         out = cv.gmm(x, w, s, backend="mosaic_gpu", preferred_element_type=jnp.bfloat16)
