@@ -19,8 +19,8 @@ lack of input/output aliasing makes necessary).
 Limits: bfloat16/float16 operands (float32 accumulation; see `wgmma_operands`); k a multiple of
 tk; n a multiple of tn, at most 128; tm = 128. The default tk and tn halve until they divide k and
 n (`GpuKernelConfig.gmm_tiles_for`), so k and n need only be multiples of 16 (n of 8 with
-transpose_rhs). Verified on CPU by the Mosaic GPU interpreter and
-by `jax.export` for cuda; not yet run on a GPU (see the benchmark notes).
+transpose_rhs). Verified on CPU by the Mosaic GPU interpreter and by `jax.export` for cuda; not
+yet run on a GPU (see the benchmark notes).
 """
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ rows per step (128-byte operand rows, the widest swizzle); tk=128; tn a multiple
 at most 256 (the default: 128 where it divides n, else 64; with tn=64 compute thread 0 masks a
 boundary rhs block whole, the other waiting at the barrier). m is padded to whole row blocks
 (zero rows, outside every group); k to whole output row tiles (zero lhs rows; the rows past k are
-not stored: power-of-two chunks of TMA stores, as in gmm). Both pads are one copy of lhs. Verified on CPU by the Mosaic GPU
-interpreter and by `jax.export` for cuda; not yet run on a GPU.
+not stored: power-of-two chunks of TMA stores, as in gmm). Both pads are one copy of lhs.
+Verified on CPU by the Mosaic GPU interpreter and by `jax.export` for cuda; not yet run on a GPU.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, DELAY_RELEASE, ROWS_PER
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
 
 SWIZZLE = 128                                   # bytes: one operand row of a block
-MIN_TN = 64                                     # one 128-byte swizzled row of 16-bit rhs columns
+MIN_TN = MOSAIC_GPU.tgmm_min_tn                 # one 128-byte swizzled row of 16-bit rhs columns
 TK = COMPUTE_THREADS * ROWS_PER_THREAD          # output rows (of k) per thread block
 DEFAULT_TILING = MOSAIC_GPU.tgmm_tiling          # (tm rows reduced per step, tk, tn) for 16-bit operands
 

@@ -23,6 +23,7 @@ class GpuKernelConfig:
     gmm_tiling: tuple[int, int, int] = (128, 64, 128)    # (tm, tk, tn): tm = compute_threads * 64
     tgmm_tiling: tuple[int, int, int] = (64, 128, 128)   # (tm rows reduced per step, tk = 2 * 64, tn)
     min_tile: int = 16                # elements: 32 bytes of bf16/f16, the narrowest swizzled shared-memory row
+    tgmm_min_tn: int = 64             # tgmm's narrowest column tile: one 128-byte swizzled row of bf16/f16
 
     def gmm_tiles_for(self, k: int, n: int, *, transpose_rhs: bool = False) -> tuple[int, int, int]:
         """gmm's default (tm, tk, tn) for a k x n weight: `gmm_tiling`'s tk and tn where they
@@ -34,11 +35,11 @@ class GpuKernelConfig:
         return tm, _widest_dividing(tk, k, self.min_tile), _widest_dividing(tn, n, 8 if transpose_rhs else self.min_tile)
 
     def tgmm_tiles_for(self, n: int) -> tuple[int, int, int]:
-        """tgmm's default (tm, tk, tn): `tgmm_tiling`'s tn where it divides n, else 64 (one
-        128-byte swizzled row) where that does; k needs no dividing tile (the kernel pads its last
+        """tgmm's default (tm, tk, tn): `tgmm_tiling`'s tn where it divides n, else the widest
+        halving down to `tgmm_min_tn` that does; k needs no dividing tile (the kernel pads its last
         row tile and stores the rows below k)."""
         tm, tk, tn = self.tgmm_tiling
-        return tm, tk, _widest_dividing(tn, n, 64)
+        return tm, tk, _widest_dividing(tn, n, self.tgmm_min_tn)
 
 
 def _widest_dividing(tile: int, dim: int, smallest: int) -> int:
