@@ -40,7 +40,6 @@ GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 COMPUTE_THREADS = MOSAIC_GPU.compute_threads
 ROWS_PER_THREAD = 64         # one wgmma M per compute warpgroup
 TM = COMPUTE_THREADS * ROWS_PER_THREAD
-DEFAULT_TILING = MOSAIC_GPU.gmm_tiling
 STAGES = MOSAIC_GPU.stages
 DELAY_RELEASE = MOSAIC_GPU.delay_release   # a step's wgmma stays in flight while the next is issued
 
@@ -203,5 +202,5 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     return jnp.where(rows[:, None], computed, existing_out.astype(out_dtype))
 
 
-__all__ = ["gmm_mosaic_gpu", "DEFAULT_TILING", "check_gmm_args", "smem_layout", "accumulate_then_store", "stages_that_fit",
+__all__ = ["gmm_mosaic_gpu", "check_gmm_args", "smem_layout", "accumulate_then_store", "stages_that_fit",
            "store_rows", "wgmma_operands", "wgmma_step"]

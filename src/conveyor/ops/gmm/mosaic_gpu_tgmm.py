@@ -48,7 +48,6 @@ from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
 SWIZZLE = 128                                   # bytes: one operand row of a block
 MIN_TN = MOSAIC_GPU.tgmm_min_tn                 # one 128-byte swizzled row of 16-bit rhs columns
 TK = COMPUTE_THREADS * ROWS_PER_THREAD          # output rows (of k) per thread block
-DEFAULT_TILING = MOSAIC_GPU.tgmm_tiling          # (tm rows reduced per step, tk, tn) for 16-bit operands
 
 
 def check_tgmm_args(lhs, rhs, tiling: Tile) -> tuple[int, int, int]:
@@ -149,4 +148,4 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
     return existing_out.astype(out_dtype) + computed
 
 
-__all__ = ["tgmm_mosaic_gpu", "DEFAULT_TILING", "check_tgmm_args"]
+__all__ = ["tgmm_mosaic_gpu", "check_tgmm_args"]
