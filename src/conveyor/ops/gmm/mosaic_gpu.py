@@ -86,7 +86,7 @@ def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs) -> tuple[int, int, int
     # A block's minor dimension spans a 32-byte swizzled row at least: tk always, tn unless rhs is
     # transposed (then its rows are tn, any multiple of 8). tn=8 with a [tk, tn] block passed the
     # interpreter and failed Mosaic's compile ("No valid tiling found for SMEM reference", jax 0.12.0.1).
-    narrowest = {"k": MOSAIC_GPU.min_tile, "n": 8 if transpose_rhs else MOSAIC_GPU.min_tile}
+    narrowest = {"k": MOSAIC_GPU.min_tile, "n": MOSAIC_GPU.gmm_min_tn(transpose_rhs)}
     for name, dim in (("k", k), ("n", n)):
         if dim % narrowest[name]:
             raise ValueError(f"{name}: mosaic_gpu gmm needs {name} to be a multiple of {narrowest[name]} (its "

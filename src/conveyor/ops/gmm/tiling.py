@@ -32,7 +32,12 @@ class GpuKernelConfig:
         are tn). A dimension no candidate divides keeps the configured tile, which the kernel then
         refuses by name."""
         tm, tk, tn = self.gmm_tiling
-        return tm, _widest_dividing(tk, k, self.min_tile), _widest_dividing(tn, n, 8 if transpose_rhs else self.min_tile)
+        return tm, _widest_dividing(tk, k, self.min_tile), _widest_dividing(tn, n, self.gmm_min_tn(transpose_rhs))
+
+    def gmm_min_tn(self, transpose_rhs: bool) -> int:
+        """gmm's narrowest tn: `min_tile` when tn is the rhs blocks' minor dimension (a swizzled
+        row), 8 when rhs is transposed (its blocks' rows are tn)."""
+        return 8 if transpose_rhs else self.min_tile
 
     def tgmm_tiles_for(self, n: int) -> tuple[int, int, int]:
         """tgmm's default (tm, tk, tn): `tgmm_tiling`'s tn where it divides n, else the widest
