@@ -185,5 +185,19 @@ def test_grouped_simulations_on_a_gpu_model_the_mosaic_gpu_kernels():
     # gmm's default tiles follow the weight's shape as the kernel's do: gpt-oss's n=2880 takes tn=64
     assert tuple(cv.sim.simulate_gmm(sizes, 2880, 2880, hardware="h100").config["tiling"]) == (128, 64, 64)
     assert tuple(cv.sim.simulate_tgmm(sizes, 2880, 2880, hardware="h100").config["tiling"]) == (64, 128, 64)
+    # The slots are the kernel's own: as many as fit beside its staging buffer (gmm stages its
+    # tn=256 tile in 64-row parts, which leaves room for 4)
+    import jax.numpy as jnp
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from conveyor.ops.gmm.mosaic_gpu import stages_that_fit
+    for dtype, jdt in (("bf16", jnp.bfloat16),):       # the kernels take 16-bit operands only
+        tm, tk, tn = MOSAIC_GPU.gmm_tiles_for(4096, 14336)
+        kernel = stages_that_fit(block_bytes=(tm * tk + tk * tn) * jnp.dtype(jdt).itemsize,
+                                 staging=plgpu.SMEM(MOSAIC_GPU.gmm_staging_shape(tm, tn), jdt))
+        assert cv.sim.simulate_gmm(sizes, 4096, 14336, dtype=dtype, hardware="h100").config["stages"] == kernel
+        tm, tk, tn = MOSAIC_GPU.tgmm_tiles_for(14336)
+        kernel = stages_that_fit(block_bytes=(tk * tm + tm * tn) * jnp.dtype(jdt).itemsize,
+                                 staging=plgpu.SMEM(MOSAIC_GPU.tgmm_staging_shape(tk, tn), jdt))
+        assert cv.sim.simulate_tgmm(sizes, 4096, 14336, dtype=dtype, hardware="h100").config["stages"] == kernel
     # tgmm's flops are the grouped product's, not the padded blocks'
     assert cv.sim.simulate_tgmm(sizes, 512, 256).flops == 2.0 * sum(sizes) * 512 * 256

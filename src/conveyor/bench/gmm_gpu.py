@@ -25,6 +25,12 @@ import conveyor as cv
 from conveyor.problems import BENCH_GMM_GPU, GmmProblem, skewed_group_sizes
 
 
+# Tilings measured beside the default mosaic_gpu rows, so that one run on a GPU decides between
+# them: the previous default (a 128 x 128 tile, 64 rows per compute warpgroup).
+GMM_ALTERNATIVE_TILINGS = ((128, 64, 128),)
+TGMM_ALTERNATIVE_TILINGS = ((64, 128, 128),)
+
+
 def device_median(fn: Callable[[], object], reps: int, inner: int = 5) -> float:
     """Median seconds per call of `fn` (already compiled), synchronising only around batches."""
     jax.block_until_ready(fn())
@@ -137,6 +143,9 @@ def bench_gmm(p: GmmProblem, reps: int, backends: tuple[str, ...]) -> list[dict]
         add(f"cv.gmm {b}", functools.partial(cv.gmm, preferred_element_type=bf16, backend=b), (lhs, rhs, gs))
         if b == "mosaic_gpu":
             _predict(rows, cv.sim.simulate_gmm, sizes, p.k, p.n)
+            for t in GMM_ALTERNATIVE_TILINGS:
+                add(f"cv.gmm {b} tiling={t}", functools.partial(cv.gmm, preferred_element_type=bf16, backend=b,
+                                                                tiling=t), (lhs, rhs, gs))
     return rows
 
 
@@ -159,6 +168,9 @@ def bench_tgmm(p: GmmProblem, reps: int, backends: tuple[str, ...]) -> list[dict
         add(f"cv.tgmm {b}", lambda a, c, s, b=b: cv.tgmm(a.T, c, s, preferred_element_type=bf16, backend=b), (x, dy, gs))
         if b == "mosaic_gpu":
             _predict(rows, cv.sim.simulate_tgmm, sizes, p.k, p.n)
+            for t in TGMM_ALTERNATIVE_TILINGS:
+                add(f"cv.tgmm {b} tiling={t}", lambda a, c, s, b=b, t=t: cv.tgmm(
+                    a.T, c, s, preferred_element_type=bf16, backend=b, tiling=t), (x, dy, gs))
     return rows
 
 

@@ -98,11 +98,13 @@ def _matmul_plan(tiles: int, k_steps: int, tile: tuple[int, int, int], stages: i
                      max_concurrent_steps=stages, delay_release=delay_release)
 
 
-def _onchip(tile, stages, in_b, out_b) -> int:
+def _onchip(tile, stages, in_b, out_b, staging_bytes=None) -> int:
     """Input slots plus one output staging block (the accumulator itself lives in registers on GPU
-    and in VMEM-resident output blocks on TPU; one output block either way)."""
+    and in VMEM-resident output blocks on TPU; one output block either way), or the kernel's own
+    `staging_bytes` when it stages less (cv.gmm's mosaic_gpu epilogue: 64-row parts)."""
     bm, bn, bk = tile
-    return stages * (bm * bk + bk * bn) * in_b + bm * bn * out_b
+    staging = bm * bn * out_b if staging_bytes is None else staging_bytes
+    return stages * (bm * bk + bk * bn) * in_b + staging
 
 
 def simulate_matmul(m: int, k: int, n: int, *, dtype: str = "bf16", hardware: str | Hardware = "h100",
@@ -121,15 +123,16 @@ def simulate_matmul(m: int, k: int, n: int, *, dtype: str = "bf16", hardware: st
 
 def _matmul(m: int, k: int, n: int, *, dtype: str, hardware: str | Hardware, tile: tuple[int, int, int] | None,
             stages: int | None, warp_specialized: bool = False, compute_threads: int = 2, delay_release: int = 0,
-            tiles: int | None = None, cores: int | None = None) -> Report:
-    """simulate_matmul on the model's own tile order (bm, bn, bk); `tiles` overrides the tile count (gmm)."""
+            tiles: int | None = None, cores: int | None = None, staging_bytes: int | None = None) -> Report:
+    """simulate_matmul on the model's own tile order (bm, bn, bk); `tiles` overrides the tile count
+    (gmm), `staging_bytes` the output staging buffer's size (see `_onchip`)."""
     hw = get_hardware(hardware)
     if tile is None or stages is None:
         return _search(m, k, n, dtype=dtype, hw=hw, tile=tile, stages=stages, warp_specialized=warp_specialized,
                        compute_threads=compute_threads, tiles=tiles, cores=cores, delay_release=delay_release)
     bm, bn, bk = (int(x) for x in tile)
     in_b = out_b = dtypes.itemsize(dtype)
-    used = _onchip((bm, bn, bk), stages, in_b, out_b)
+    used = _onchip((bm, bn, bk), stages, in_b, out_b, staging_bytes)
     if used > hw.onchip_bytes.value:
         raise DoesNotFit(f"tiling (tm, tk, tn)=({bm}, {bk}, {bn}) with {stages} stages needs {used / 1024:.0f} KiB "
                          f"of on-chip memory per core; {hw.name} has {hw.onchip_bytes.value / 1024:.0f} KiB")
@@ -212,16 +215,31 @@ def simulate_copy(nbytes: float, *, hardware: str | Hardware = "h100", block_byt
     return Report("copy", hw, time, 0.0, 2 * nbytes, 0.0, int(2 * stages * block_bytes), config, tuple(boxes))
 
 
-def _grouped_kernel(hw: Hardware, tiling, stages, kernel_tiling) -> dict[str, Any]:
+def _grouped_kernel(hw: Hardware, tiling, stages, kernel_tiling, kernel_smem=None) -> dict[str, Any]:
     """The kernel configuration a grouped-matmul simulation replays: on GPU hardware without
-    `tiling`/`stages`, the cv.gmm/tgmm mosaic_gpu kernel's (its tiles, slots, warpgroups and
-    delay_release); otherwise the given or searched tiles and slots of a plain pipeline."""
+    `tiling`/`stages`, the cv.gmm/tgmm mosaic_gpu kernel's (its tiles, warpgroups, delay_release,
+    and the slots that fit beside its staging buffer: `kernel_smem(budget_bytes)` gives
+    (stages, staging bytes) as the kernel computes them); otherwise the given or searched tiles and
+    slots of a plain pipeline."""
     if hw.kind == "gpu" and tiling is None and stages is None:
-        return dict(tiling=kernel_tiling, stages=MOSAIC_GPU.stages, warp_specialized=True,
+        kernel_stages, staging = (MOSAIC_GPU.stages, None) if kernel_smem is None else \
+            kernel_smem(int(hw.onchip_bytes.value))
+        return dict(tiling=kernel_tiling, stages=kernel_stages, warp_specialized=True, staging_bytes=staging,
                     compute_threads=MOSAIC_GPU.compute_threads, delay_release=MOSAIC_GPU.delay_release,
                     kernel="cv mosaic_gpu")
     return dict(tiling=tiling, stages=stages, warp_specialized=False, compute_threads=2, delay_release=0,
-                kernel="searched" if tiling is None or stages is None else "given")
+                staging_bytes=None, kernel="searched" if tiling is None or stages is None else "given")
+
+
+def _kernel_smem(block_elems: int, staging_shape: tuple[int, ...], itemsize: int):
+    """(stages, staging bytes) of a mosaic_gpu kernel whose step moves `block_elems` operand
+    elements and whose output staging buffer is `staging_shape` (outputs in the operand dtype)."""
+    staging = math.prod(staging_shape) * itemsize
+
+    def fit(budget_bytes: int) -> tuple[int, int]:
+        return MOSAIC_GPU.stages_that_fit(block_bytes=block_elems * itemsize, staging_bytes=staging,
+                                          budget_bytes=budget_bytes), staging
+    return fit
 
 
 def _check_sizes(where: str, group_sizes: Sequence[int]) -> int:
@@ -240,7 +258,7 @@ def _grouped(where: str, m: int, k: int, n: int, *, dtype: str, hw: Hardware, cf
         try:
             r = _matmul(m, k, n, dtype=dtype, hardware=hw, tile=t, stages=cfg["stages"], tiles=tiles_for(t[0], t[1]),
                         warp_specialized=cfg["warp_specialized"], compute_threads=cfg["compute_threads"],
-                        delay_release=cfg["delay_release"])
+                        delay_release=cfg["delay_release"], staging_bytes=cfg["staging_bytes"])
         except DoesNotFit:
             continue
         if best is None or r.time_s < best.time_s:
@@ -264,8 +282,10 @@ def simulate_gmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf
     hw = get_hardware(hardware)
     m = _check_sizes("simulate_gmm", group_sizes)
     _check_positive("simulate_gmm", k=k, n=n, stages=stages)
-    cfg = _grouped_kernel(hw, tiling, stages, MOSAIC_GPU.gmm_tiles_for(k, n))
     b = dtypes.itemsize(dtype)
+    tm, tk, tn = MOSAIC_GPU.gmm_tiles_for(k, n)
+    cfg = _grouped_kernel(hw, tiling, stages, (tm, tk, tn),
+                          _kernel_smem(tm * tk + tk * tn, MOSAIC_GPU.gmm_staging_shape(tm, tn), b))
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b
     return _grouped("simulate_gmm", m, k, n, dtype=dtype, hw=hw, cfg=cfg, hbm_bytes=hbm, workload="gmm",
@@ -286,7 +306,9 @@ def simulate_tgmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "b
     hw = get_hardware(hardware)
     m = _check_sizes("simulate_tgmm", group_sizes)
     _check_positive("simulate_tgmm", k=k, n=n, stages=stages)
-    cfg = _grouped_kernel(hw, tiling, stages, MOSAIC_GPU.tgmm_tiles_for(n))
+    tm, tk, tn = MOSAIC_GPU.tgmm_tiles_for(n)
+    cfg = _grouped_kernel(hw, tiling, stages, (tm, tk, tn), _kernel_smem(
+        tk * tm + tm * tn, MOSAIC_GPU.tgmm_staging_shape(tk, tn), dtypes.itemsize(dtype)))
     if cfg["tiling"] is None:
         cfg["tiling"] = (128, 128, 128)   # the tgmm reduction block is tm: no search over it
     tm = int(cfg["tiling"][0])

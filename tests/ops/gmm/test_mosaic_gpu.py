@@ -130,11 +130,11 @@ def test_exports_for_cuda_at_moe_sizes(groups):
 
 
 @pytest.mark.parametrize("k, n, transpose_rhs, tiles", [
-    (4096, 14336, False, (128, 64, 128)),       # Mixtral: the configured tiles
+    (4096, 14336, False, (128, 64, 256)),       # Mixtral: the configured tiles
     (2880, 2880, False, (128, 64, 64)),         # gpt-oss: 2880 = 45 * 64
     (48, 96, False, (128, 16, 32)),
     (64, 200, True, (128, 64, 8)),              # transposed rhs: tn's blocks are rows, any multiple of 8
-    (64, 200, False, (128, 64, 128)),           # no tile divides: kept, and refused by the kernel
+    (64, 200, False, (128, 64, 256)),           # no tile divides: kept, and refused by the kernel
 ])
 def test_default_tiles_halve_until_they_divide_the_weight(k, n, transpose_rhs, tiles):
     from conveyor.ops.gmm.tiling import MOSAIC_GPU
@@ -152,6 +152,35 @@ def test_default_tiles_that_halve_match_the_reference(k, n, transpose_rhs):
                existing_out=jnp.full((M, n), 7.25, jnp.float32))
     assert_close(out[:M - 5], numpy_gmm(lhs, rhs, sizes, transpose_rhs=transpose_rhs)[:M - 5], k, jnp.float32)
     np.testing.assert_array_equal(out[M - 5:], 7.25)
+
+
+@pytest.mark.parametrize("transpose_rhs", [False, True], ids=["rhs", "transposed-rhs"])
+def test_column_split_tiles_match_the_reference(transpose_rhs):
+    """n=512 runs with the default tn=256: each compute warpgroup owns all 128 rows of a tile and
+    128 of its columns, and stores its rows in two 64-row parts; two column tiles, walked as one
+    band. Empty groups first and in the middle, poisoned rows past the groups kept."""
+    n = 512
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    sizes = np.asarray([0, 70, 0, M - 5 - 70], np.int32)
+    lhs, rhs = operands(rng, M, K, n, 4, jnp.bfloat16, transpose_rhs=transpose_rhs)
+    out = _gmm(lhs, rhs, jnp.asarray(sizes), transpose_rhs=transpose_rhs,
+               existing_out=jnp.full((M, n), 7.25, jnp.float32))
+    assert_close(out[:M - 5], numpy_gmm(lhs, rhs, sizes, transpose_rhs=transpose_rhs)[:M - 5], K, jnp.float32)
+    np.testing.assert_array_equal(out[M - 5:], 7.25)
+
+
+@pytest.mark.parametrize("column_tiles, visits", [(56, 71), (45, 9), (7, 3), (1, 5)])
+def test_banded_grid_visits_every_tile_once_a_band_at_a_time(column_tiles, visits):
+    """The 1-D grid's (column tile, visit) map is a bijection, and the blocks of one band use only
+    that band's column tiles."""
+    from conveyor.ops.gmm.mosaic_gpu import banded_tile, grid_band
+    band = grid_band(column_tiles)
+    assert column_tiles % band == 0 and band <= 8
+    pids = np.arange(column_tiles * visits)
+    j, v = banded_tile(pids, column_tiles=column_tiles, visits=visits, band=band)
+    assert len(set(zip(j.tolist(), v.tolist()))) == column_tiles * visits
+    assert j.min() == 0 and j.max() == column_tiles - 1 and v.min() == 0 and v.max() == visits - 1
+    np.testing.assert_array_equal(j // band, pids // (band * visits))
 
 
 @pytest.mark.parametrize("n", [2880, 5760])
@@ -180,9 +209,13 @@ def test_what_the_gpu_kernel_cannot_do_is_refused_by_name():
     with pytest.raises(ValueError, match="tn to divide n=128"):
         cv.gmm(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True,
                tiling=(128, 64, 96))
-    with pytest.raises(ValueError, match="at most 128, got tn=256"):
-        cv.gmm(lhs.astype(jnp.bfloat16), jnp.zeros((2, 64, 256), jnp.bfloat16), gs, backend="mosaic_gpu",
-               interpret=True, tiling=(128, 64, 256))
+    with pytest.raises(ValueError, match="at most 256, got tn=512"):
+        cv.gmm(lhs.astype(jnp.bfloat16), jnp.zeros((2, 64, 512), jnp.bfloat16), gs, backend="mosaic_gpu",
+               interpret=True, tiling=(128, 64, 512))
+    # Above 128 columns each warpgroup takes half the columns: whole 128-byte swizzled rows.
+    with pytest.raises(ValueError, match="be a multiple of 128 and at most 256, got tn=192"):
+        cv.gmm(lhs.astype(jnp.bfloat16), jnp.zeros((2, 64, 384), jnp.bfloat16), gs, backend="mosaic_gpu",
+               interpret=True, tiling=(128, 64, 192))
     with pytest.raises(NotImplementedError, match="wgmma takes bfloat16 or float16 operands"):
         cv.gmm(lhs.astype(jnp.float16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True)
     with pytest.raises(ValueError, match="k: mosaic_gpu gmm needs k to be a multiple of 16 .*got k=1000"):
@@ -191,7 +224,7 @@ def test_what_the_gpu_kernel_cannot_do_is_refused_by_name():
     with pytest.raises(ValueError, match="n: mosaic_gpu gmm needs n to be a multiple of 16 .*got n=200"):
         cv.gmm(lhs.astype(jnp.bfloat16), jnp.zeros((2, 64, 200), jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True)
     # A [tk, 8] block is a 16-byte row: the interpreter ran it, Mosaic's compile refused it.
-    with pytest.raises(ValueError, match="be a multiple of 16 and at most 128, got tn=8"):
+    with pytest.raises(ValueError, match="be a multiple of 16 and at most 256, got tn=8"):
         cv.gmm(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True,
                tiling=(128, 64, 8))
 

@@ -1,26 +1,32 @@
 """Mosaic GPU backend for gmm: Conveyor's warp-specialized pipeline feeding wgmma, one output
 tile per thread block, over the tile schedule of `make_group_metadata`.
 
-Thread block (j, v) computes visit v (a row tile and one local group; a tile shared by two groups
-is visited once per group) for column tile j. Three warpgroups: one memory thread runs
-`cv.emit_pipeline_warp_specialized`'s TMA copies of the K blocks (4 slots, fewer when wide tiles
-leave no room beside the output staging buffer; in the widest swizzled layout the block widths
-allow); two compute threads each own 64 rows of the tm=128-row tile and accumulate `wgmma`s in
-registers, each step's wgmma left in flight while the next is issued (`delay_release=1`). The
-epilogue stores exactly the visit's valid rows (its group's rows inside the tile): rows are stored
-by TMA in power-of-two chunks from shared memory, since a full-tile store would race with the
-neighbouring group's visit of the same tile. Visits past `num_visits` (the static schedule's
-padding) do nothing.
+Each thread block computes one visit (a row tile and one local group; a tile shared by two groups
+is visited once per group) for one column tile. The grid is 1-D and walks the column tiles in
+bands of up to 8 (`banded_tile`): blocks that run at once share a few column tiles of weights and
+a few row tiles of lhs, which L2 holds, rather than each row tile streaming its group's whole
+[k, n] weights. Three warpgroups: one memory thread runs `cv.emit_pipeline_warp_specialized`'s TMA
+copies of the K blocks (4 slots, fewer when wide tiles leave no room beside the output staging
+buffer; in the widest swizzled layout the block widths allow); two compute threads accumulate
+`wgmma`s in registers, each step's wgmma left in flight while the next is issued
+(`delay_release=1`). Up to tn=128 each compute thread owns 64 of the tm=128 rows; the default
+tn=256 is split by columns instead (each thread owns all 128 rows and 128 columns, as upstream's
+Hopper matmul does; a 64 x 256 accumulator per thread fails Mosaic GPU's layout inference, jax
+0.12.0.1). The epilogue stores exactly the visit's valid rows (its group's rows inside the tile),
+64 rows of a thread's accumulator at a time through a small staging buffer (which leaves room for
+4 slots): rows are stored by TMA in power-of-two chunks from shared memory, since a full-tile
+store would race with the neighbouring group's visit of the same tile. Visits past `num_visits`
+(the static schedule's padding) do nothing.
 
 Rows no local group owns are never written by the kernel; they are taken from `existing_out` (or
 zero) by one select after it (an extra elementwise pass over the output, which plgpu.kernel's
 lack of input/output aliasing makes necessary).
 
 Limits: bfloat16/float16 operands (float32 accumulation; see `wgmma_operands`); k a multiple of
-tk; n a multiple of tn, at most 128; tm = 128. The default tk and tn halve until they divide k and
-n (`GpuKernelConfig.gmm_tiles_for`), so k and n need only be multiples of 16 (n of 8 with
-transpose_rhs). Verified on CPU by the Mosaic GPU interpreter and by `jax.export` for cuda; not
-yet run on a GPU (see the benchmark notes).
+tk; n a multiple of tn, at most 256 (above 128 a multiple of 128); tm = 128. The default tk and tn
+halve from (64, 256) until they divide k and n (`GpuKernelConfig.gmm_tiles_for`), so k and n need
+only be multiples of 16 (n of 8 with transpose_rhs). Verified on CPU by the Mosaic GPU
+interpreter and by `jax.export` for cuda; not yet run on a GPU (see the benchmark notes).
 """
 from __future__ import annotations
 
@@ -46,10 +52,9 @@ DELAY_RELEASE = MOSAIC_GPU.delay_release   # a step's wgmma stays in flight whil
 
 def stages_that_fit(*, block_bytes: int, staging) -> int:
     """Up to STAGES pipeline slots of `block_bytes` (one step's operand blocks), as many as fit
-    beside the kernel's output staging buffer; at least 2 (a tile that fits no double buffer is
-    refused, naming its bytes, by the pipeline's shared-memory check)."""
-    room = SMEM_BUDGET_BYTES - smem_bytes([staging])
-    return max(2, min(STAGES, room // (block_bytes + 64)))     # + 64: the slot's barriers, generously
+    beside the kernel's output staging buffer (`GpuKernelConfig.stages_that_fit`)."""
+    return MOSAIC_GPU.stages_that_fit(block_bytes=block_bytes, staging_bytes=smem_bytes([staging]),
+                                      budget_bytes=SMEM_BUDGET_BYTES)
 
 
 def smem_layout(*minor_elems: int, itemsize: int) -> tuple:
@@ -97,10 +102,13 @@ def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs) -> tuple[int, int, int
     if k % tk or (tk * jnp.dtype(lhs.dtype).itemsize) % 32:
         raise ValueError(f"tiling: mosaic_gpu gmm needs tk to divide k={k} and span a multiple of 32 bytes, "
                          f"got tk={tk}")
-    if n % tn or tn % narrowest["n"] or tn > 128:
-        # tn=256 passes the interpreter but Mosaic GPU's layout inference rejects the kernel (jax 0.12.0.1).
-        raise ValueError(f"tiling: mosaic_gpu gmm needs tn to divide n={n}, be a multiple of {narrowest['n']} and at "
-                         f"most 128, got tn={tn}")
+    widest = MOSAIC_GPU.gmm_max_tn
+    split = MOSAIC_GPU.gmm_split_columns(tn)
+    # Split by columns, each warpgroup's tn / 2 columns are whole 128-byte swizzled rows.
+    step = 128 // jnp.dtype(lhs.dtype).itemsize * COMPUTE_THREADS if split else narrowest["n"]
+    if n % tn or tn % step or tn > widest:
+        raise ValueError(f"tiling: mosaic_gpu gmm needs tn to divide n={n}, be a multiple of {step} and at most "
+                         f"{widest}, got tn={tn}")
     return tm, tk, tn
 
 
@@ -112,37 +120,59 @@ def wgmma_step(acc, a, b):
     return acc
 
 
-def accumulate_then_store(eval_pipeline, staging, store) -> None:
-    """Run a compute warpgroup's pipeline into a fresh f32 register accumulator shaped like
-    `staging`, copy the finished accumulator into `staging` (shared memory, its dtype) once every
-    wgmma is done, and hand it to `store` (the kernel's TMA epilogue)."""
+def accumulate_then_store(eval_pipeline, acc_shape: tuple[int, int], staging, store) -> None:
+    """Run a compute warpgroup's pipeline into a fresh f32 register accumulator of `acc_shape`;
+    once every wgmma is done, copy it into `staging` (shared memory, the output dtype) one
+    `staging`-sized row part at a time and hand each part to `store(staging, part)` (the kernel's
+    TMA epilogue, which waits for its copies before the next part overwrites the buffer)."""
+    rows = staging.shape[0]
+
     def with_acc(acc):
         eval_pipeline(acc)
         plgpu.wgmma_wait(0)
-        staging[...] = acc[...].astype(staging.dtype)
-        plgpu.commit_smem()
-        store(staging)
+        done = acc[...]
+        for part in range(acc_shape[0] // rows):
+            staging[...] = done[part * rows:(part + 1) * rows].astype(staging.dtype)
+            plgpu.commit_smem()
+            store(staging, part)
 
-    pl.run_scoped(with_acc, plgpu.ACC(staging.shape, jnp.float32))
+    pl.run_scoped(with_acc, plgpu.ACC(acc_shape, jnp.float32))
 
 
-def store_rows(acc_smem, out_gmem, lo, hi, row0, col0, tn):
-    """TMA-store rows [lo, hi) of a 64-row shared-memory block to `out_gmem` rows row0 + [lo, hi),
-    in power-of-two chunks (a TMA copy has a static shape; the row count is known at run time)."""
+def store_rows(acc_smem, out_gmem, lo, hi, row0, col0, width):
+    """TMA-store rows [lo, hi) of a shared-memory block to `out_gmem` rows row0 + [lo, hi) and
+    columns col0 + [0, width), in power-of-two chunks (a TMA copy has a static shape; the row
+    count is known at run time). Waits for the copies: the block may be rewritten after."""
     start = lo
     size = hi - lo
-    chunk = ROWS_PER_THREAD
+    chunk = acc_smem.shape[0]
     while chunk >= 1:
         take = (size & chunk) != 0
 
         @pl.when(take)
         def _(chunk=chunk, start=start):
             plgpu.copy_smem_to_gmem(acc_smem.at[pl.ds(start, chunk)],
-                                    out_gmem.at[pl.ds(row0 + start, chunk), pl.ds(col0, tn)])
+                                    out_gmem.at[pl.ds(row0 + start, chunk), pl.ds(col0, width)])
 
         start = start + jnp.where(take, chunk, 0)
         chunk //= 2
     plgpu.wait_smem_to_gmem(0)
+
+
+def banded_tile(pid, *, column_tiles: int, visits: int, band: int):
+    """(column tile, visit) of thread block `pid` in a 1-D grid that walks the column tiles in
+    bands of `band` (a divisor of column_tiles): all visits of a band's column tiles, the band's
+    columns fastest, before the next band. Blocks running at once then share a few column tiles of
+    weights and a few row tiles of lhs, which stay in L2, instead of each row tile streaming a
+    group's whole [k, n] weights (a plain (column tile, visit) grid with columns fastest)."""
+    per_band = band * visits
+    b, r = pid // per_band, pid % per_band
+    return b * band + r % band, r // band
+
+
+def grid_band(column_tiles: int) -> int:
+    """The widest band of column tiles up to `MOSAIC_GPU.grid_band` that divides column_tiles."""
+    return max(b for b in range(1, MOSAIC_GPU.grid_band + 1) if column_tiles % b == 0)
 
 
 def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, tiling,
@@ -155,14 +185,20 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     visits = meta.group_ids.shape[0]
     num_visits = meta.num_visits[None]
+    column_tiles = n // tn
+    band = grid_band(column_tiles)
     rhs_block = (tn, tk) if transpose_rhs else (tk, tn)
     layout = smem_layout(tk, *(() if transpose_rhs else (tn,)), itemsize=jnp.dtype(lhs.dtype).itemsize)
-    staging = plgpu.SMEM((COMPUTE_THREADS, ROWS_PER_THREAD, tn), out_dtype)
+    split_columns = MOSAIC_GPU.gmm_split_columns(tn)
+    wg_rows, wg_cols = MOSAIC_GPU.gmm_thread_tile(tm, tn)
+    staging = plgpu.SMEM(MOSAIC_GPU.gmm_staging_shape(tm, tn), out_dtype)
     stages = stages_that_fit(block_bytes=(tm * tk + tk * tn) * jnp.dtype(lhs.dtype).itemsize, staging=staging)
 
     def kernel(gids_ref, tids_ref, starts_ref, ends_ref, nvis_ref, lhs_ref, rhs_ref, out_ref, acc_smem):
-        j, v = cv.program_id(0), cv.program_id(1)
+        j, v = banded_tile(cv.program_id(0), column_tiles=column_tiles, visits=visits, band=band)
         wg = lax.axis_index("wg")
+        # This warpgroup's part of the tile: rows [row_off, row_off + wg_rows), columns [col_off, col_off + wg_cols).
+        row_off, col_off = (0, wg * wg_cols) if split_columns else (wg * wg_rows, 0)
 
         @pl.when(v < nvis_ref[0])
         def _():
@@ -170,17 +206,22 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
             lo_g, hi_g = starts_ref[g], ends_ref[g]
 
             def mma(indices, a_blk, b_blk, acc):
-                b = b_blk.T if transpose_rhs else b_blk
-                return wgmma_step(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b)
+                if split_columns:
+                    a = a_blk
+                    b = b_blk.at[pl.ds(col_off, wg_cols)].T if transpose_rhs else b_blk.at[:, pl.ds(col_off, wg_cols)]
+                else:
+                    a = a_blk.at[pl.ds(row_off, wg_rows)]
+                    b = b_blk.T if transpose_rhs else b_blk
+                return wgmma_step(acc, a, b)
 
             def compute_context(eval_pipeline):
-                def store(mine):
-                    row0 = tile * tm + wg * ROWS_PER_THREAD
-                    lo = jnp.clip(lo_g - row0, 0, ROWS_PER_THREAD)
-                    hi = jnp.clip(jnp.minimum(hi_g, m) - row0, 0, ROWS_PER_THREAD)
-                    store_rows(mine, out_ref, lo, jnp.maximum(hi, lo), row0, j * tn, tn)
+                def store(staged, part):
+                    row0 = tile * tm + row_off + part * staged.shape[0]
+                    lo = jnp.clip(lo_g - row0, 0, staged.shape[0])
+                    hi = jnp.clip(jnp.minimum(hi_g, m) - row0, 0, staged.shape[0])
+                    store_rows(staged, out_ref, lo, jnp.maximum(hi, lo), row0, j * tn + col_off, wg_cols)
 
-                accumulate_then_store(eval_pipeline, acc_smem.at[wg], store)
+                accumulate_then_store(eval_pipeline, (wg_rows, wg_cols), acc_smem.at[wg], store)
 
             cv.emit_pipeline_warp_specialized(
                 mma, grid=(k // tk,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_THREADS,
@@ -196,11 +237,11 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     out_struct = jax.ShapeDtypeStruct((m_pad, n), out_dtype)
     scratch = [staging]
     call = cv.kernel(kernel, out_struct, backend="mosaic_gpu", interpret=interpret, num_threads=COMPUTE_THREADS + 1,
-                     thread_name="wg", grid=(n // tn, visits), scratch_shapes=scratch)
+                     thread_name="wg", grid=(column_tiles * visits,), scratch_shapes=scratch)
     computed = call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, num_visits, lhs, rhs)[:m]
     rows = local_row_mask(group_sizes, jnp.asarray(group_offset, jnp.int32), num_groups, m)
     return jnp.where(rows[:, None], computed, existing_out.astype(out_dtype))
 
 
 __all__ = ["gmm_mosaic_gpu", "check_gmm_args", "smem_layout", "accumulate_then_store", "stages_that_fit",
-           "store_rows", "wgmma_operands", "wgmma_step"]
+           "store_rows", "wgmma_operands", "wgmma_step", "banded_tile", "grid_band"]

@@ -89,7 +89,7 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
     # swizzled rows (tn >= 128); a 64-column block is masked whole by thread 0.
     half_n = tn // COMPUTE_THREADS
     split_rhs = half_n >= MIN_TN
-    staging = plgpu.SMEM((COMPUTE_THREADS, ROWS_PER_THREAD, tn), out_dtype)
+    staging = plgpu.SMEM(MOSAIC_GPU.tgmm_staging_shape(tk, tn), out_dtype)
     stages = stages_that_fit(block_bytes=(tk * tm + tm * tn) * jnp.dtype(lhs.dtype).itemsize, staging=staging)
 
     def kernel(starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, out_smem, masked):
@@ -118,7 +118,7 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
             return wgmma_step(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b_blk)
 
         def compute_context(eval_pipeline):
-            def store(mine):
+            def store(mine, part):
                 row0 = kb * tk + wg * ROWS_PER_THREAD
                 if k == k_pad:
                     plgpu.copy_smem_to_gmem(mine, out_ref.at[i, pl.ds(row0, ROWS_PER_THREAD), pl.ds(nb * tn, tn)])
@@ -126,7 +126,7 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
                 else:       # the last row tile passes k: store the rows below it
                     store_rows(mine, out_ref.at[i], 0, jnp.clip(k - row0, 0, ROWS_PER_THREAD), row0, nb * tn, tn)
 
-            accumulate_then_store(eval_pipeline, out_smem.at[wg], store)
+            accumulate_then_store(eval_pipeline, (ROWS_PER_THREAD, tn), out_smem.at[wg], store)
 
         cv.emit_pipeline_warp_specialized(
             mma, grid=(blocks,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_THREADS,
