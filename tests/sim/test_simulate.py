@@ -193,11 +193,11 @@ def test_grouped_simulations_on_a_gpu_model_the_mosaic_gpu_kernels():
     for dtype, jdt in (("bf16", jnp.bfloat16),):       # the kernels take 16-bit operands only
         tm, tk, tn = MOSAIC_GPU.gmm_tiles_for(4096, 14336)
         kernel = stages_that_fit(block_bytes=(tm * tk + tk * tn) * jnp.dtype(jdt).itemsize,
-                                 staging=plgpu.SMEM(MOSAIC_GPU.gmm_staging_shape(tm, tn), jdt))
+                                 staging=plgpu.SMEM(MOSAIC_GPU.staging_shape(tm, tn), jdt))
         assert cv.sim.simulate_gmm(sizes, 4096, 14336, dtype=dtype, hardware="h100").config["stages"] == kernel
         tm, tk, tn = MOSAIC_GPU.tgmm_tiles_for(14336)
         kernel = stages_that_fit(block_bytes=(tk * tm + tm * tn) * jnp.dtype(jdt).itemsize,
-                                 staging=plgpu.SMEM(MOSAIC_GPU.tgmm_staging_shape(tk, tn), jdt))
+                                 staging=plgpu.SMEM(MOSAIC_GPU.staging_shape(tk, tn), jdt))
         assert cv.sim.simulate_tgmm(sizes, 4096, 14336, dtype=dtype, hardware="h100").config["stages"] == kernel
     # tgmm's flops are the grouped product's, not the padded blocks'
     assert cv.sim.simulate_tgmm(sizes, 512, 256).flops == 2.0 * sum(sizes) * 512 * 256

@@ -285,7 +285,7 @@ def simulate_gmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf
     b = dtypes.itemsize(dtype)
     tm, tk, tn = MOSAIC_GPU.gmm_tiles_for(k, n)
     cfg = _grouped_kernel(hw, tiling, stages, (tm, tk, tn),
-                          _kernel_smem(tm * tk + tk * tn, MOSAIC_GPU.gmm_staging_shape(tm, tn), b))
+                          _kernel_smem(tm * tk + tk * tn, MOSAIC_GPU.staging_shape(tm, tn), b))
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b
     return _grouped("simulate_gmm", m, k, n, dtype=dtype, hw=hw, cfg=cfg, hbm_bytes=hbm, workload="gmm",
@@ -308,7 +308,7 @@ def simulate_tgmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "b
     _check_positive("simulate_tgmm", k=k, n=n, stages=stages)
     tm, tk, tn = MOSAIC_GPU.tgmm_tiles_for(n)
     cfg = _grouped_kernel(hw, tiling, stages, (tm, tk, tn), _kernel_smem(
-        tk * tm + tm * tn, MOSAIC_GPU.tgmm_staging_shape(tk, tn), dtypes.itemsize(dtype)))
+        tk * tm + tm * tn, MOSAIC_GPU.staging_shape(tk, tn), dtypes.itemsize(dtype)))
     if cfg["tiling"] is None:
         cfg["tiling"] = (128, 128, 128)   # the tgmm reduction block is tm: no search over it
     tm = int(cfg["tiling"][0])

@@ -131,12 +131,13 @@ def test_tgmm_gradients_run_gmm_with_transposed_weights():
 
 @pytest.mark.parametrize("groups", [8, 64, 256])
 def test_tgmm_exports_for_cuda_at_moe_sizes(groups):
-    """Mixtral-like m=8192 tokens, k=4096, n=14336 in bf16, with the widest tiles too (tn=256 and a
-    float32 output: the pipeline drops to the slots that fit beside the staging buffer)."""
+    """Mixtral-like m=8192 tokens, k=4096, n=14336 in bf16: the default tn=256 (split by columns
+    between the compute warpgroups), with a float32 output too (the pipeline takes the slots that
+    fit beside the staging buffer), and tn=128 (split by rows)."""
     m, k, n = 8192, 4096, 14336
     args = (jax.ShapeDtypeStruct((k, m), jnp.bfloat16), jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
             jax.ShapeDtypeStruct((groups,), jnp.int32))
-    for tiling, out_dtype in ((None, jnp.bfloat16), ((64, 128, 256), jnp.float32)):
+    for tiling, out_dtype in ((None, jnp.bfloat16), ((64, 128, 256), jnp.float32), ((64, 128, 128), jnp.bfloat16)):
         f = jax.jit(lambda a, b, s: cv.tgmm(a, b, s, backend="mosaic_gpu", tiling=tiling,
                                             preferred_element_type=out_dtype))
         assert jax.export.export(f, platforms=["cuda"])(*args).platforms == ("cuda",)
@@ -159,11 +160,28 @@ def test_tgmm_with_k_past_the_row_tile_and_64_column_tiles_matches_the_reference
     assert_close(out, numpy_tgmm(x[:, :used], y[:used], np.asarray(sizes)), M, jnp.float32)
 
 
+@pytest.mark.parametrize("k", [128, 200])
+def test_tgmm_column_split_tiles_match_the_reference(k):
+    """n=512 runs with the default tn=256: each compute warpgroup owns all 128 output rows and 128
+    columns of a tile and stores them in two 64-row parts (with k=200, the last tile's second
+    part stores 8 rows, as the rows below k). Two column tiles; empty groups; NaN and inf in the
+    rows no group owns."""
+    n, sizes = 512, [0, 70, 0, 100]
+    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    used = sum(sizes)
+    x = _bf16(rng, (k, M)).at[:, used:].set(jnp.nan)
+    y = _bf16(rng, (M, n)).at[used:].set(jnp.inf)
+    out = _tgmm(x, y, jnp.asarray(sizes, jnp.int32))
+    for i in np.flatnonzero(np.asarray(sizes) == 0):
+        np.testing.assert_array_equal(out[i], 0.0)
+    assert_close(out, numpy_tgmm(x[:, :used], y[:used], np.asarray(sizes)), M, jnp.float32)
+
+
 def test_default_tgmm_tiles_narrow_to_64_columns_where_128_do_not_divide():
     from conveyor.ops.gmm.tiling import MOSAIC_GPU
-    assert MOSAIC_GPU.tgmm_tiles_for(14336) == (64, 128, 128)
+    assert MOSAIC_GPU.tgmm_tiles_for(14336) == (64, 128, 256)
     assert MOSAIC_GPU.tgmm_tiles_for(2880) == (64, 128, 64)
-    assert MOSAIC_GPU.tgmm_tiles_for(96) == (64, 128, 128)    # none divides: kept, and refused by the kernel
+    assert MOSAIC_GPU.tgmm_tiles_for(96) == (64, 128, 256)    # none divides: kept, and refused by the kernel
 
 
 def test_what_the_gpu_tgmm_cannot_do_is_refused_by_name():
@@ -179,6 +197,10 @@ def test_what_the_gpu_tgmm_cannot_do_is_refused_by_name():
         cv.tgmm(x, y[:, :96], gs, backend="mosaic_gpu", interpret=True)
     with pytest.raises(ValueError, match="tn to divide n=256, be a multiple of 64"):
         cv.tgmm(x, y, gs, backend="mosaic_gpu", interpret=True, tiling=(64, 128, 32))
+    # Above 128 columns each compute warpgroup takes half: whole 128-byte swizzled rows.
+    with pytest.raises(ValueError, match="tn to divide n=384, be a multiple of 128 and at most 256, got tn=192"):
+        cv.tgmm(x, jnp.zeros((128, 384), jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True,
+                tiling=(64, 128, 192))
 
 
 @pytest.mark.parametrize("k, n, groups", [(4096, 14336, 8), (2880, 2880, 128)], ids=["mixtral", "gpt-oss"])

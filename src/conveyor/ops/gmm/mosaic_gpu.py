@@ -103,7 +103,7 @@ def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs) -> tuple[int, int, int
         raise ValueError(f"tiling: mosaic_gpu gmm needs tk to divide k={k} and span a multiple of 32 bytes, "
                          f"got tk={tk}")
     widest = MOSAIC_GPU.gmm_max_tn
-    split = MOSAIC_GPU.gmm_split_columns(tn)
+    split = MOSAIC_GPU.split_columns(tn)
     # Split by columns, each warpgroup's tn / 2 columns are whole 128-byte swizzled rows.
     step = 128 // jnp.dtype(lhs.dtype).itemsize * COMPUTE_THREADS if split else narrowest["n"]
     if n % tn or tn % step or tn > widest:
@@ -189,9 +189,9 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     band = grid_band(column_tiles)
     rhs_block = (tn, tk) if transpose_rhs else (tk, tn)
     layout = smem_layout(tk, *(() if transpose_rhs else (tn,)), itemsize=jnp.dtype(lhs.dtype).itemsize)
-    split_columns = MOSAIC_GPU.gmm_split_columns(tn)
-    wg_rows, wg_cols = MOSAIC_GPU.gmm_thread_tile(tm, tn)
-    staging = plgpu.SMEM(MOSAIC_GPU.gmm_staging_shape(tm, tn), out_dtype)
+    split_columns = MOSAIC_GPU.split_columns(tn)
+    wg_rows, wg_cols = MOSAIC_GPU.thread_tile(tm, tn)
+    staging = plgpu.SMEM(MOSAIC_GPU.staging_shape(tm, tn), out_dtype)
     stages = stages_that_fit(block_bytes=(tm * tk + tk * tn) * jnp.dtype(lhs.dtype).itemsize, staging=staging)
 
     def kernel(gids_ref, tids_ref, starts_ref, ends_ref, nvis_ref, lhs_ref, rhs_ref, out_ref, acc_smem):

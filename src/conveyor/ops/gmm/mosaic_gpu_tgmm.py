@@ -7,9 +7,11 @@ computes local group i's output tile (kb, nb). Its reduction loop is a
 *dynamic* grid (the block count is read from the group bounds inside the kernel, so an empty group
 runs no step and stores exact zeros). Three warpgroups: one memory thread issues the TMA copies of
 the lhs block [tk, tm] and the rhs block [tm, tn] (tiled, 128-byte swizzled shared memory); two
-compute threads each own 64 of the tk=128 output rows and accumulate `wgmma`s in registers, each
-step's wgmma left in flight while the next is issued (`delay_release=1`). The pipeline has 4
-slots, fewer when the output staging buffer leaves no room for them (tn=256).
+compute threads accumulate `wgmma`s in registers, each step's wgmma left in flight while the next
+is issued (`delay_release=1`). Up to tn=128 each owns 64 of the tk=128 output rows; the default
+tn=256 is split by columns (each owns all 128 rows and 128 columns, as gmm's kernel), and stores
+its rows 64 at a time through a small staging buffer, which leaves room for the pipeline's 4
+slots.
 
 The first and last blocks of a group hold rows of the neighbouring groups. There both operands are
 zeroed outside the group with `jnp.where` (never by multiplying with a mask: `inf * 0` is NaN, and
@@ -24,9 +26,9 @@ XLA folds away when it is the zeros a gradient passes; with a nonzero `existing_
 output the sum is rounded twice (the product, then the sum), one ulp of the output dtype at most.
 
 Limits: bfloat16/float16 operands (float32 accumulation; see `mosaic_gpu.wgmma_operands`); tm=64
-rows per step (128-byte operand rows, the widest swizzle); tk=128; tn a multiple of 64 dividing n,
-at most 256 (the default: 128 where it divides n, else 64; with tn=64 compute thread 0 masks a
-boundary rhs block whole, the other waiting at the barrier). m is padded to whole row blocks
+rows per step (128-byte operand rows, the widest swizzle); tk=128; tn a multiple of 64 dividing n
+(of 128 above 128), at most 256 (the default: 256, else 128, else 64, the widest that divides n;
+with tn=64 compute thread 0 masks a boundary rhs block whole, the other waiting at the barrier). m is padded to whole row blocks
 (zero rows, outside every group); k to whole output row tiles (zero lhs rows; the rows past k are
 not stored: power-of-two chunks of TMA stores, as in gmm). Both pads are one copy of lhs.
 Verified on CPU by the Mosaic GPU interpreter and by `jax.export` for cuda; not yet run on a GPU.
@@ -64,8 +66,10 @@ def check_tgmm_args(lhs, rhs, tiling: Tile) -> tuple[int, int, int]:
     if n % MIN_TN:
         raise ValueError(f"n: mosaic_gpu tgmm needs n to be a multiple of {MIN_TN} (its narrowest column tile, "
                          f"{SWIZZLE}-byte swizzled rows), got n={n}; pad rhs with zero columns or use backend='xla'")
-    if n % tn or tn % MIN_TN or tn > 256:
-        raise ValueError(f"tiling: mosaic_gpu tgmm needs tn to divide n={n}, be a multiple of {MIN_TN} and at most "
+    # Split by columns (tn > 128), each compute warpgroup's half is whole 128-byte swizzled rows.
+    step = MIN_TN * COMPUTE_THREADS if MOSAIC_GPU.split_columns(tn) else MIN_TN
+    if n % tn or tn % step or tn > 256:
+        raise ValueError(f"tiling: mosaic_gpu tgmm needs tn to divide n={n}, be a multiple of {step} and at most "
                          f"256, got tn={tn}")
     return tm, tk, tn
 
@@ -89,7 +93,9 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
     # swizzled rows (tn >= 128); a 64-column block is masked whole by thread 0.
     half_n = tn // COMPUTE_THREADS
     split_rhs = half_n >= MIN_TN
-    staging = plgpu.SMEM(MOSAIC_GPU.tgmm_staging_shape(tk, tn), out_dtype)
+    split_columns = MOSAIC_GPU.split_columns(tn)
+    wg_rows, wg_cols = MOSAIC_GPU.thread_tile(tk, tn)
+    staging = plgpu.SMEM(MOSAIC_GPU.staging_shape(tk, tn), out_dtype)
     stages = stages_that_fit(block_bytes=(tk * tm + tm * tn) * jnp.dtype(lhs.dtype).itemsize, staging=staging)
 
     def kernel(starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, out_smem, masked):
@@ -97,6 +103,8 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
         wg = lax.axis_index("wg")
         lo, hi = starts_ref[i], ends_ref[i]
         first_block, blocks = row_block_span(lo, hi, tm)
+        # This warpgroup's part of the output tile: rows row_off + [0, wg_rows), columns col_off + [0, wg_cols).
+        row_off, col_off = (0, wg * wg_cols) if split_columns else (wg * wg_rows, 0)
 
         def mma(indices, a_blk, b_blk, acc):
             r = first_block + indices[0]
@@ -113,20 +121,24 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
                         _zero_outside(b_blk, 0, row0, lo, hi)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(masked)     # (jax 0.11 has no barrier_arrive_and_wait)
-                plgpu.barrier_wait(masked)       # the whole rhs block is masked now
+                plgpu.barrier_wait(masked)       # both operand blocks are masked whole now
 
-            return wgmma_step(acc, a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], b_blk)
+            if split_columns:
+                return wgmma_step(acc, a_blk, b_blk.at[:, pl.ds(col_off, wg_cols)])
+            return wgmma_step(acc, a_blk.at[pl.ds(row_off, wg_rows)], b_blk)
 
         def compute_context(eval_pipeline):
-            def store(mine, part):
-                row0 = kb * tk + wg * ROWS_PER_THREAD
+            def store(staged, part):
+                rows = staged.shape[0]
+                row0 = kb * tk + row_off + part * rows
+                col0 = nb * tn + col_off
                 if k == k_pad:
-                    plgpu.copy_smem_to_gmem(mine, out_ref.at[i, pl.ds(row0, ROWS_PER_THREAD), pl.ds(nb * tn, tn)])
+                    plgpu.copy_smem_to_gmem(staged, out_ref.at[i, pl.ds(row0, rows), pl.ds(col0, wg_cols)])
                     plgpu.wait_smem_to_gmem(0)
                 else:       # the last row tile passes k: store the rows below it
-                    store_rows(mine, out_ref.at[i], 0, jnp.clip(k - row0, 0, ROWS_PER_THREAD), row0, nb * tn, tn)
+                    store_rows(staged, out_ref.at[i], 0, jnp.clip(k - row0, 0, rows), row0, col0, wg_cols)
 
-            accumulate_then_store(eval_pipeline, (ROWS_PER_THREAD, tn), out_smem.at[wg], store)
+            accumulate_then_store(eval_pipeline, (wg_rows, wg_cols), out_smem.at[wg], store)
 
         cv.emit_pipeline_warp_specialized(
             mma, grid=(blocks,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_THREADS,

@@ -29,7 +29,8 @@ class GpuKernelConfig:
     gmm_max_tn: int = 256
     epilogue_rows: int = 64           # rows of an output staging buffer per warpgroup (stored in turn)
     grid_band: int = 8                # gmm visits column tiles in bands of this many (L2 reuse; see the kernel)
-    tgmm_tiling: tuple[int, int, int] = (64, 128, 128)   # (tm rows reduced per step, tk = 2 * 64, tn)
+    # tgmm's (tm rows reduced per step, tk, tn): a 128 x 256 output tile, split by columns as gmm's.
+    tgmm_tiling: tuple[int, int, int] = (64, 128, 256)
     min_tile: int = 16                # elements: 32 bytes of bf16/f16, the narrowest swizzled shared-memory row
     tgmm_min_tn: int = 64             # tgmm's narrowest column tile: one 128-byte swizzled row of bf16/f16
 
@@ -47,26 +48,24 @@ class GpuKernelConfig:
         row), 8 when rhs is transposed (its blocks' rows are tn)."""
         return 8 if transpose_rhs else self.min_tile
 
-    def gmm_split_columns(self, tn: int) -> bool:
-        """Whether gmm's compute warpgroups split a tn-column tile by columns (tn > 128) rather
-        than by 64-row halves."""
+    def split_columns(self, tn: int) -> bool:
+        """Whether the compute warpgroups split a tn-column output tile by columns (tn > 128: each
+        takes all the tile's rows and tn / 2 columns) rather than by rows (each takes its share of
+        the rows and all tn columns). Both kernels follow this rule."""
         return tn > 128
 
-    def gmm_thread_tile(self, tm: int, tn: int) -> tuple[int, int]:
-        """The (rows, columns) of the accumulator one gmm compute warpgroup owns."""
-        if self.gmm_split_columns(tn):
-            return tm, tn // self.compute_threads
-        return tm // self.compute_threads, tn
+    def thread_tile(self, tile_rows: int, tn: int) -> tuple[int, int]:
+        """The (rows, columns) of the accumulator one compute warpgroup owns in a tile_rows x tn
+        output tile (gmm: tm rows; tgmm: tk rows)."""
+        if self.split_columns(tn):
+            return tile_rows, tn // self.compute_threads
+        return tile_rows // self.compute_threads, tn
 
-    def gmm_staging_shape(self, tm: int, tn: int) -> tuple[int, int, int]:
-        """gmm's output staging buffer: per compute warpgroup, `epilogue_rows` rows (at most its
+    def staging_shape(self, tile_rows: int, tn: int) -> tuple[int, int, int]:
+        """The output staging buffer: per compute warpgroup, `epilogue_rows` rows (at most its
         own) of its columns; a warpgroup with more rows stages and stores them a part at a time."""
-        rows, cols = self.gmm_thread_tile(tm, tn)
+        rows, cols = self.thread_tile(tile_rows, tn)
         return self.compute_threads, min(rows, self.epilogue_rows), cols
-
-    def tgmm_staging_shape(self, tk: int, tn: int) -> tuple[int, int, int]:
-        """tgmm's output staging buffer: each compute warpgroup's tk / threads rows of the tile."""
-        return self.compute_threads, tk // self.compute_threads, tn
 
     def stages_that_fit(self, *, block_bytes: int, staging_bytes: int, budget_bytes: int) -> int:
         """Up to `stages` pipeline slots of `block_bytes` (one step's operand blocks), as many as
