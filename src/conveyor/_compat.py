@@ -72,6 +72,14 @@ def per_device_tracing():
     return _config._check_vma(False)
 
 
+def without_internal_ref_effects(effects):
+    """`effects` less the one a jax Ref created and frozen inside a function leaves in its trace
+    (cv.kernel's input_output_aliases on mosaic_gpu): nothing outside sees that Ref, and a
+    primitive that declared the effect could not be lowered under jit."""
+    from jax._src import core
+    return {e for e in effects if e is not core.internal_mutable_array_effect}
+
+
 def strip_varying(aval):
     """`aval` without manual-axis (varying) information nor an explicit sharding (it is traced per
     device); other avals unchanged."""

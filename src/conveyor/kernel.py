@@ -13,7 +13,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -22,6 +22,7 @@ import numpy as np
 
 from conveyor import backends
 from conveyor._compat import call_as_thread, per_device_call, run_state
+from conveyor.aliasing import check_alias_operands, check_aliases
 from conveyor.plans.grid import normalize_semantics, unravel
 
 AVAILABLE = ("xla", "mosaic_tpu", "mosaic_gpu")
@@ -127,7 +128,8 @@ def _check_threads(num_threads, thread_name, backend) -> int:
 def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = None, interpret: Any = False,
            num_threads: int | None = None, thread_name: str | None = None,
            scratch_shapes: Sequence[Any] = (), grid: Sequence[int] = (),
-           dimension_semantics: Sequence[Any] | None = None) -> Callable[..., Any]:
+           dimension_semantics: Sequence[Any] | None = None,
+           input_output_aliases: Mapping[int, int] | None = None) -> Callable[..., Any]:
     """Wrap `body(*in_refs, *out_refs, *scratch_refs)` into a function of arrays returning `out_shape`.
 
     Args:
@@ -155,6 +157,11 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         chip's TensorCores (megacore: TPU v4 / v5p; with `cv.emit_pipeline(core_axis=...)`) and
         runs "arbitrary" ones in order on one core (the default). GPU thread blocks are always
         independent and xla always runs points in order: there it is validated and changes nothing.
+      input_output_aliases: {input index: output index}: that output starts as that input (same
+        shape and dtype), so the body writes only what changes and the rest keeps the input's
+        values; on every backend (mosaic_tpu: Pallas's aliasing, in place; mosaic_gpu: a jax Ref
+        the kernel updates in place; xla: the output's initial value). Without it an output
+        starts uninitialized (poisoned on xla).
     """
     backend = backends.check_backend(backend, AVAILABLE, "cv.kernel")
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
@@ -164,6 +171,7 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
     semantics = normalize_semantics(dimension_semantics, len(grid), "cv.kernel: dimension_semantics")
     single = not isinstance(out_shape, (tuple, list))
     outs = _shapes(out_shape, "out_shape")
+    aliases = check_aliases("cv.kernel", {} if input_output_aliases is None else input_output_aliases)
     scratch = tuple(scratch_shapes)
     if backend == "xla":
         _shapes(scratch, "scratch_shapes")
@@ -171,18 +179,21 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
     if backend == "mosaic_tpu":
         from conveyor import kernel_tpu
         return kernel_tpu.launch(body, outs, scratch, single, interpret,
-                                 lambda: _entered(KernelContext(backend, interpret, grid=grid)), grid, semantics)
+                                 lambda: _entered(KernelContext(backend, interpret, grid=grid)), grid, semantics,
+                                 aliases)
     ctx = KernelContext(backend, interpret, threads, thread_name, grid=grid)
     if backend == "mosaic_gpu":
         from conveyor import kernel_gpu
         ctx = dataclasses.replace(ctx, scratch_bytes=kernel_gpu.smem_bytes(scratch))
         return kernel_gpu.launch(body, outs, scratch, single, interpret, lambda: _entered(ctx), threads, thread_name,
-                                 grid, GRID_NAMES[:len(grid)])
+                                 grid, GRID_NAMES[:len(grid)], aliases)
 
     def run(*inputs):
         for i, x in enumerate(inputs):
             if not hasattr(x, "shape"):
                 raise TypeError(f"input {i}: expected an array, got {type(x).__name__}")
+        check_alias_operands("cv.kernel", aliases, inputs, outs)
+        starts = {dst: src for src, dst in aliases.items()}
         n_in, n_out = len(inputs), len(outs)
 
         def stateful(refs):
@@ -191,7 +202,8 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
                 raise TypeError(f"kernel body must return None (it writes outputs through refs), got {type(result).__name__}")
 
         def execute(*arrays):
-            init = (*arrays, *[poison(s.shape, s.dtype) for s in outs], *[poison(s.shape, s.dtype) for s in scratch])
+            init = (*arrays, *[arrays[starts[j]] if j in starts else poison(s.shape, s.dtype) for j, s in enumerate(outs)],
+                    *[poison(s.shape, s.dtype) for s in scratch])
             final = run_state(every_point)(init)
             return list(final[n_in:n_in + n_out])
 

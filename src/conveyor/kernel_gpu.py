@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conveyor._compat import gpu_interpreter_multi_device_fix
+from conveyor.aliasing import check_alias_operands, gpu_call_with_aliases
 
 
 def _interpret(interpret):
@@ -36,20 +37,27 @@ def smem_bytes(buffers) -> int:
 
 
 def launch(body, outs, scratch, single, interpret, enter_context, num_threads=1, thread_name=None, grid=(),
-           grid_names=()):
+           grid_names=(), aliases=None):
     def wrapped(*refs):
         with enter_context():
             if body(*refs) is not None:
                 raise TypeError("kernel body must return None (it writes outputs through refs)")
 
-    call = plgpu.kernel(wrapped, out_type=tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in outs),
-                        scratch_types=[plgpu.SMEM(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s for s in scratch],
-                        interpret=_interpret(interpret),
-                        **({"num_threads": num_threads, "thread_name": thread_name} if thread_name is not None else {}),
-                        **({"grid": grid, "grid_names": grid_names} if grid else {}))
+    def make_kernel(kernel_body, out_type):
+        return plgpu.kernel(kernel_body, out_type=out_type,
+                            scratch_types=[plgpu.SMEM(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s
+                                           for s in scratch],
+                            interpret=_interpret(interpret),
+                            **({"num_threads": num_threads, "thread_name": thread_name} if thread_name is not None
+                               else {}),
+                            **({"grid": grid, "grid_names": grid_names} if grid else {}))
 
     def run(*inputs):
-        results = call(*inputs)
+        if aliases:
+            check_alias_operands("cv.kernel", aliases, inputs, outs)
+            results = gpu_call_with_aliases(make_kernel, wrapped, inputs, outs, aliases)
+        else:
+            results = make_kernel(wrapped, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in outs))(*inputs)
         return results[0] if single else tuple(results)
 
     return run

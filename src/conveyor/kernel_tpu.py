@@ -16,6 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from conveyor._compat import out_struct
+from conveyor.aliasing import check_alias_operands
 
 
 def _interpret(interpret):
@@ -38,9 +39,11 @@ def _tpu_mesh():
                                                        abstract_device=tpu))
 
 
-def launch(body, outs, scratch, single, interpret, enter_context, grid=(), dimension_semantics=None):
+def launch(body, outs, scratch, single, interpret, enter_context, grid=(), dimension_semantics=None, aliases=None):
     def run(*inputs):
         n_in = len(inputs)
+        if aliases:
+            check_alias_operands("cv.kernel", aliases, inputs, outs)
 
         def wrapped(*refs):
             with enter_context():
@@ -57,6 +60,7 @@ def launch(body, outs, scratch, single, interpret, enter_context, grid=(), dimen
             grid=grid,
             compiler_params=(pltpu.CompilerParams(dimension_semantics=dimension_semantics)
                              if dimension_semantics else None),
+            input_output_aliases=dict(aliases or {}),
             name="conveyor_kernel")
         mesh = _tpu_mesh() if interpret or jax.default_backend() != "tpu" else contextlib.nullcontext()
         with mesh:

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from conveyor.aliasing import check_alias_operands, check_aliases
 from conveyor.mpmd.programs import program_label
 from conveyor.mpmd.scratch import ScratchLayout
 
@@ -111,7 +112,7 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
         if not (hasattr(s, "shape") and hasattr(s, "dtype")):
             raise TypeError(f"mpmd_map: out_shapes leaf {j}: expected a jax.ShapeDtypeStruct, got {s!r}")
     layout = ScratchLayout.of(scratch_shapes, sum(mesh.size for mesh, _ in programs))
-    _check_aliases(input_output_aliases)
+    check_aliases("mpmd_map", input_output_aliases)
     _check_annotations(cost_estimate, metadata)
     params = _options(compiler_params, debug)
     backend = params.get("backend") or _default_backend(interpret)
@@ -122,14 +123,7 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
             if not (hasattr(x, "shape") and hasattr(x, "dtype")) or jnp.dtype(x.dtype) == np.dtype(object):
                 raise TypeError(f"mpmd_map{f' {name!r}' if name else ''}: input {i} is not an array a ref can hold "
                                 f"(got {type(x).__name__})")
-        for src, dst in input_output_aliases.items():
-            if not (0 <= src < len(in_leaves) and 0 <= dst < len(out_leaves)):
-                raise ValueError(f"mpmd_map: input_output_aliases {{{src}: {dst}}} is out of range "
-                                 f"({len(in_leaves)} inputs, {len(out_leaves)} outputs)")
-            a, o = in_leaves[src], out_leaves[dst]
-            if tuple(a.shape) != tuple(o.shape) or jnp.dtype(a.dtype) != jnp.dtype(o.dtype):
-                raise ValueError(f"mpmd_map: input {src} ({a.dtype}{list(a.shape)}) cannot alias output {dst} "
-                                 f"({o.dtype}{list(o.shape)}): shapes and dtypes must match")
+        check_alias_operands("mpmd_map", input_output_aliases, in_leaves, out_leaves)
         if backend == "mosaic_gpu":
             from conveyor.mpmd import mosaic_gpu
             outs = mosaic_gpu.build(programs, axes, out_leaves, layout, dict(input_output_aliases),
@@ -147,19 +141,6 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
         return jax.tree_util.tree_unflatten(out_tree, list(outs))
 
     return call
-
-
-def _check_aliases(aliases) -> None:
-    """One input per output: a second input aliased to the same output would be silently dropped."""
-    if not isinstance(aliases, Mapping):
-        raise TypeError(f"mpmd_map: input_output_aliases must be a dict {{input index: output index}}, "
-                        f"got {aliases!r}")
-    by_output: dict[int, int] = {}
-    for src, dst in aliases.items():
-        if dst in by_output:
-            raise ValueError(f"mpmd_map: input_output_aliases maps inputs {by_output[dst]} and {src} to output "
-                             f"{dst}; an output can start as one input only")
-        by_output[dst] = src
 
 
 def _check_annotations(cost_estimate, metadata) -> None:

@@ -8,8 +8,9 @@ warpgroup arrives on; semaphore scratch becomes GMEM semaphores declared as kern
 
 Limits (jax 0.12): the Mosaic GPU interpreter cannot run semaphores (its re-trace refuses them:
 "Cannot signal on a non-semaphore Ref"), so kernels with semaphores are verified by
-`jax.export(..., platforms=["cuda"])` and `make gpu-check` only; `input_output_aliases` and jax
-Ref inputs are not supported by `plgpu.kernel`.
+`jax.export(..., platforms=["cuda"])` and `make gpu-check` only. jax Ref inputs are refused
+(pass arrays); `input_output_aliases` hold the aliased outputs in Refs the kernel updates in
+place (`conveyor.aliasing.gpu_call_with_aliases`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conveyor._compat import call_with_axis_values, gpu_kernel_options, is_jax_ref
+from conveyor.aliasing import gpu_call_with_aliases
 from conveyor.mpmd.programs import call_program
 from conveyor.mpmd.scratch import ScratchLayout
 from conveyor.sync import SYNC_BACKEND, BarrierType, SemaphoreType
@@ -40,9 +42,6 @@ def kernel_scratch(layout: ScratchLayout, total: int) -> list:
 
 
 def build(programs, axes, out_leaves, layout: ScratchLayout, aliases, interpret, name, cost_estimate=None):
-    if aliases:
-        raise NotImplementedError("mpmd_map on mosaic_gpu: input_output_aliases is not supported by plgpu.kernel; "
-                                  "copy the input into the output in a program instead")
     instances = [(i, fn, point) for i, (mesh, fn) in enumerate(programs) for point in mesh.points()]
     total = len(instances)
     if interpret and any(isinstance(s, SemaphoreType) for s in layout.leaves):
@@ -73,10 +72,11 @@ def build(programs, axes, out_leaves, layout: ScratchLayout, aliases, interpret,
             finally:
                 SYNC_BACKEND.reset(token)
 
-        kernel = plgpu.kernel(body, out_type=tuple(jax.ShapeDtypeStruct(tuple(s.shape), s.dtype) for s in out_leaves),
-                              scratch_types=scratch_types, num_threads=total, thread_name=THREAD_AXIS,
-                              **gpu_kernel_options(cost_estimate=cost_estimate, kernel_name=name),
-                              interpret=(plgpu.InterpretGPUParams() if interpret is True else interpret) or None)
-        return kernel(*inputs)
+        def make_kernel(kernel_body, out_type):
+            return plgpu.kernel(kernel_body, out_type=out_type, scratch_types=scratch_types, num_threads=total,
+                                thread_name=THREAD_AXIS, **gpu_kernel_options(cost_estimate=cost_estimate, kernel_name=name),
+                                interpret=(plgpu.InterpretGPUParams() if interpret is True else interpret) or None)
+
+        return gpu_call_with_aliases(make_kernel, body, inputs, out_leaves, aliases)
 
     return call

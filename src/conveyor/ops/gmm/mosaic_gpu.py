@@ -18,9 +18,8 @@ Hopper matmul does; a 64 x 256 accumulator per thread fails Mosaic GPU's layout 
 store would race with the neighbouring group's visit of the same tile. Visits past `num_visits`
 (the static schedule's padding) do nothing.
 
-Rows no local group owns are never written by the kernel; they are taken from `existing_out` (or
-zero) by one select after it (an extra elementwise pass over the output, which plgpu.kernel's
-lack of input/output aliasing makes necessary).
+The output starts as `existing_out` (or zeros): `cv.kernel(input_output_aliases=...)` hands the
+kernel that buffer to update in place, and rows no local group owns are never written.
 
 Limits: bfloat16/float16 operands (float32 accumulation; see `wgmma_operands`); k a multiple of
 tk; n a multiple of tn, at most 256 (above 128 a multiple of 128); tm = 128. The default tk and tn
@@ -37,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
-from conveyor.ops.gmm.metadata import local_row_mask, make_group_metadata
+from conveyor.ops.gmm.metadata import make_group_metadata
 from conveyor.kernel_gpu import smem_bytes
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
 from conveyor.pipeline.mosaic_gpu import SMEM_BUDGET_BYTES
@@ -194,7 +193,7 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     staging = plgpu.SMEM(MOSAIC_GPU.staging_shape(tm, tn), out_dtype)
     stages = stages_that_fit(block_bytes=(tm * tk + tk * tn) * jnp.dtype(lhs.dtype).itemsize, staging=staging)
 
-    def kernel(gids_ref, tids_ref, starts_ref, ends_ref, nvis_ref, lhs_ref, rhs_ref, out_ref, acc_smem):
+    def kernel(gids_ref, tids_ref, starts_ref, ends_ref, nvis_ref, lhs_ref, rhs_ref, start_ref, out_ref, acc_smem):
         j, v = banded_tile(cv.program_id(0), column_tiles=column_tiles, visits=visits, band=band)
         wg = lax.axis_index("wg")
         # This warpgroup's part of the tile: rows [row_off, row_off + wg_rows), columns [col_off, col_off + wg_cols).
@@ -234,13 +233,12 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     m_pad = -(-m // tm) * tm      # pipeline blocks divide their arrays: whole row tiles (zero rows, never stored)
     if m_pad != m:
         lhs = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))
-    out_struct = jax.ShapeDtypeStruct((m_pad, n), out_dtype)
-    scratch = [staging]
-    call = cv.kernel(kernel, out_struct, backend="mosaic_gpu", interpret=interpret, num_threads=COMPUTE_THREADS + 1,
-                     thread_name="wg", grid=(column_tiles * visits,), scratch_shapes=scratch)
-    computed = call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, num_visits, lhs, rhs)[:m]
-    rows = local_row_mask(group_sizes, jnp.asarray(group_offset, jnp.int32), num_groups, m)
-    return jnp.where(rows[:, None], computed, existing_out.astype(out_dtype))
+    # The output starts as existing_out (or zeros) and the kernel writes only its groups' rows.
+    start = existing_out.astype(out_dtype)
+    call = cv.kernel(kernel, jax.ShapeDtypeStruct((m, n), out_dtype), backend="mosaic_gpu", interpret=interpret,
+                     num_threads=COMPUTE_THREADS + 1, thread_name="wg", grid=(column_tiles * visits,),
+                     scratch_shapes=[staging], input_output_aliases={7: 0})
+    return call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, num_visits, lhs, rhs, start)
 
 
 __all__ = ["gmm_mosaic_gpu", "check_gmm_args", "smem_layout", "accumulate_then_store", "stages_that_fit",

@@ -17,7 +17,7 @@ from jax import lax
 
 from conveyor._compat import Primitive, Zero, ad, batching, is_undefined_primal, match_varying, per_device_tracing, \
     register_lowering_from_function, requires_devices_during_lowering, with_explicit_spec, \
-    explicit_axes_spec
+    explicit_axes_spec, without_internal_ref_effects
 from conveyor.ops.gmm import backend_impls, partitioning
 from conveyor.ops.gmm.metadata import local_row_mask
 
@@ -66,7 +66,8 @@ def _effects(impl, avals, params):
     """Effects of the backend's implementation (the Pallas interpreter's callbacks are ordered IO)."""
     fn = functools.partial(impl, **dict(params))
     with per_device_tracing():  # as the lowering traces it (see _compat.register_lowering_from_function)
-        return jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]).effects
+        effects = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]).effects
+    return without_internal_ref_effects(effects)
 
 
 def _abstract(impl, out_spec):
