@@ -14,7 +14,6 @@ place (`conveyor.aliasing.gpu_call_with_aliases`).
 """
 from __future__ import annotations
 
-import jax
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
