@@ -38,6 +38,7 @@ def smem_bytes(buffers) -> int:
 
 def launch(body, outs, scratch, single, interpret, enter_context, num_threads=1, thread_name=None, grid=(),
            grid_names=(), aliases=None):
+    aliases = aliases or {}
     def wrapped(*refs):
         with enter_context():
             if body(*refs) is not None:
@@ -53,11 +54,8 @@ def launch(body, outs, scratch, single, interpret, enter_context, num_threads=1,
                             **({"grid": grid, "grid_names": grid_names} if grid else {}))
 
     def run(*inputs):
-        if aliases:
-            check_alias_operands("cv.kernel", aliases, inputs, outs)
-            results = gpu_call_with_aliases(make_kernel, wrapped, inputs, outs, aliases)
-        else:
-            results = make_kernel(wrapped, tuple(jax.ShapeDtypeStruct(s.shape, s.dtype) for s in outs))(*inputs)
+        check_alias_operands("cv.kernel", aliases, inputs, outs)
+        results = gpu_call_with_aliases(make_kernel, wrapped, inputs, outs, aliases)
         return results[0] if single else tuple(results)
 
     return run

@@ -215,31 +215,22 @@ def simulate_copy(nbytes: float, *, hardware: str | Hardware = "h100", block_byt
     return Report("copy", hw, time, 0.0, 2 * nbytes, 0.0, int(2 * stages * block_bytes), config, tuple(boxes))
 
 
-def _grouped_kernel(hw: Hardware, tiling, stages, kernel_tiling, kernel_smem=None) -> dict[str, Any]:
+def _grouped_kernel(hw: Hardware, tiling, stages, kernel_tiling, *, block_elems: int, staging_elems: int,
+                    itemsize: int) -> dict[str, Any]:
     """The kernel configuration a grouped-matmul simulation replays: on GPU hardware without
     `tiling`/`stages`, the cv.gmm/tgmm mosaic_gpu kernel's (its tiles, warpgroups, delay_release,
-    and the slots that fit beside its staging buffer: `kernel_smem(budget_bytes)` gives
-    (stages, staging bytes) as the kernel computes them); otherwise the given or searched tiles and
-    slots of a plain pipeline."""
+    and the slots that fit beside its output staging buffer, as the kernel counts them from a
+    step's `block_elems` operand elements and its `staging_elems`); otherwise the given or
+    searched tiles and slots of a plain pipeline."""
     if hw.kind == "gpu" and tiling is None and stages is None:
-        kernel_stages, staging = (MOSAIC_GPU.stages, None) if kernel_smem is None else \
-            kernel_smem(int(hw.onchip_bytes.value))
+        staging = staging_elems * itemsize
+        kernel_stages = MOSAIC_GPU.stages_that_fit(block_bytes=block_elems * itemsize, staging_bytes=staging,
+                                                   budget_bytes=int(hw.onchip_bytes.value))
         return dict(tiling=kernel_tiling, stages=kernel_stages, warp_specialized=True, staging_bytes=staging,
                     compute_threads=MOSAIC_GPU.compute_threads, delay_release=MOSAIC_GPU.delay_release,
                     kernel="cv mosaic_gpu")
     return dict(tiling=tiling, stages=stages, warp_specialized=False, compute_threads=2, delay_release=0,
                 staging_bytes=None, kernel="searched" if tiling is None or stages is None else "given")
-
-
-def _kernel_smem(block_elems: int, staging_shape: tuple[int, ...], itemsize: int):
-    """(stages, staging bytes) of a mosaic_gpu kernel whose step moves `block_elems` operand
-    elements and whose output staging buffer is `staging_shape` (outputs in the operand dtype)."""
-    staging = math.prod(staging_shape) * itemsize
-
-    def fit(budget_bytes: int) -> tuple[int, int]:
-        return MOSAIC_GPU.stages_that_fit(block_bytes=block_elems * itemsize, staging_bytes=staging,
-                                          budget_bytes=budget_bytes), staging
-    return fit
 
 
 def _check_sizes(where: str, group_sizes: Sequence[int]) -> int:
@@ -284,8 +275,8 @@ def simulate_gmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf
     _check_positive("simulate_gmm", k=k, n=n, stages=stages)
     b = dtypes.itemsize(dtype)
     tm, tk, tn = MOSAIC_GPU.gmm_tiles_for(k, n)
-    cfg = _grouped_kernel(hw, tiling, stages, (tm, tk, tn),
-                          _kernel_smem(tm * tk + tk * tn, MOSAIC_GPU.staging_shape(tm, tn), b))
+    cfg = _grouped_kernel(hw, tiling, stages, (tm, tk, tn), block_elems=tm * tk + tk * tn,
+                          staging_elems=math.prod(MOSAIC_GPU.staging_shape(tm, tn)), itemsize=b)
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b
     return _grouped("simulate_gmm", m, k, n, dtype=dtype, hw=hw, cfg=cfg, hbm_bytes=hbm, workload="gmm",
@@ -307,8 +298,8 @@ def simulate_tgmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "b
     m = _check_sizes("simulate_tgmm", group_sizes)
     _check_positive("simulate_tgmm", k=k, n=n, stages=stages)
     tm, tk, tn = MOSAIC_GPU.tgmm_tiles_for(n)
-    cfg = _grouped_kernel(hw, tiling, stages, (tm, tk, tn), _kernel_smem(
-        tk * tm + tm * tn, MOSAIC_GPU.staging_shape(tk, tn), dtypes.itemsize(dtype)))
+    cfg = _grouped_kernel(hw, tiling, stages, (tm, tk, tn), block_elems=tk * tm + tm * tn,
+                          staging_elems=math.prod(MOSAIC_GPU.staging_shape(tk, tn)), itemsize=dtypes.itemsize(dtype))
     if cfg["tiling"] is None:
         cfg["tiling"] = (128, 128, 128)   # the tgmm reduction block is tm: no search over it
     tm = int(cfg["tiling"][0])

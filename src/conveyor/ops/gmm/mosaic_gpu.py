@@ -101,13 +101,10 @@ def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs) -> tuple[int, int, int
     if k % tk or (tk * jnp.dtype(lhs.dtype).itemsize) % 32:
         raise ValueError(f"tiling: mosaic_gpu gmm needs tk to divide k={k} and span a multiple of 32 bytes, "
                          f"got tk={tk}")
-    widest = MOSAIC_GPU.gmm_max_tn
-    split = MOSAIC_GPU.split_columns(tn)
-    # Split by columns, each warpgroup's tn / 2 columns are whole 128-byte swizzled rows.
-    step = 128 // jnp.dtype(lhs.dtype).itemsize * COMPUTE_THREADS if split else narrowest["n"]
-    if n % tn or tn % step or tn > widest:
+    step = MOSAIC_GPU.tn_multiple(tn, narrowest["n"])
+    if n % tn or tn % step or tn > MOSAIC_GPU.max_tn:
         raise ValueError(f"tiling: mosaic_gpu gmm needs tn to divide n={n}, be a multiple of {step} and at most "
-                         f"{widest}, got tn={tn}")
+                         f"{MOSAIC_GPU.max_tn}, got tn={tn}")
     return tm, tk, tn
 
 
@@ -196,8 +193,7 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     def kernel(gids_ref, tids_ref, starts_ref, ends_ref, nvis_ref, lhs_ref, rhs_ref, start_ref, out_ref, acc_smem):
         j, v = banded_tile(cv.program_id(0), column_tiles=column_tiles, visits=visits, band=band)
         wg = lax.axis_index("wg")
-        # This warpgroup's part of the tile: rows [row_off, row_off + wg_rows), columns [col_off, col_off + wg_cols).
-        row_off, col_off = (0, wg * wg_cols) if split_columns else (wg * wg_rows, 0)
+        row_off, col_off = MOSAIC_GPU.thread_origin(wg, tm, tn)   # this warpgroup's wg_rows x wg_cols part
 
         @pl.when(v < nvis_ref[0])
         def _():

@@ -66,11 +66,10 @@ def check_tgmm_args(lhs, rhs, tiling: Tile) -> tuple[int, int, int]:
     if n % MIN_TN:
         raise ValueError(f"n: mosaic_gpu tgmm needs n to be a multiple of {MIN_TN} (its narrowest column tile, "
                          f"{SWIZZLE}-byte swizzled rows), got n={n}; pad rhs with zero columns or use backend='xla'")
-    # Split by columns (tn > 128), each compute warpgroup's half is whole 128-byte swizzled rows.
-    step = MIN_TN * COMPUTE_THREADS if MOSAIC_GPU.split_columns(tn) else MIN_TN
-    if n % tn or tn % step or tn > 256:
+    step = MOSAIC_GPU.tn_multiple(tn, MIN_TN)
+    if n % tn or tn % step or tn > MOSAIC_GPU.max_tn:
         raise ValueError(f"tiling: mosaic_gpu tgmm needs tn to divide n={n}, be a multiple of {step} and at most "
-                         f"256, got tn={tn}")
+                         f"{MOSAIC_GPU.max_tn}, got tn={tn}")
     return tm, tk, tn
 
 
@@ -103,8 +102,7 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
         wg = lax.axis_index("wg")
         lo, hi = starts_ref[i], ends_ref[i]
         first_block, blocks = row_block_span(lo, hi, tm)
-        # This warpgroup's part of the output tile: rows row_off + [0, wg_rows), columns col_off + [0, wg_cols).
-        row_off, col_off = (0, wg * wg_cols) if split_columns else (wg * wg_rows, 0)
+        row_off, col_off = MOSAIC_GPU.thread_origin(wg, tk, tn)   # this warpgroup's wg_rows x wg_cols part
 
         def mma(indices, a_blk, b_blk, acc):
             r = first_block + indices[0]

@@ -26,7 +26,7 @@ class GpuKernelConfig:
     # accumulator per warpgroup, and a 128 x 256 tile that reads 25% fewer operand bytes per flop
     # from L2 than 128 x 128.
     gmm_tiling: tuple[int, int, int] = (128, 64, 256)
-    gmm_max_tn: int = 256
+    max_tn: int = 256                 # both kernels' widest column tile: two warpgroups of 128 columns
     epilogue_rows: int = 64           # rows of an output staging buffer per warpgroup (stored in turn)
     grid_band: int = 8                # gmm visits column tiles in bands of this many (L2 reuse; see the kernel)
     # tgmm's (tm rows reduced per step, tk, tn): a 128 x 256 output tile, split by columns as gmm's.
@@ -60,6 +60,16 @@ class GpuKernelConfig:
         if self.split_columns(tn):
             return tile_rows, tn // self.compute_threads
         return tile_rows // self.compute_threads, tn
+
+    def thread_origin(self, wg, tile_rows: int, tn: int):
+        """(row, column) of compute warpgroup `wg`'s accumulator inside the output tile."""
+        rows, cols = self.thread_tile(tile_rows, tn)
+        return (0, wg * cols) if self.split_columns(tn) else (wg * rows, 0)
+
+    def tn_multiple(self, tn: int, narrowest: int) -> int:
+        """What tn must be a multiple of: the kernel's `narrowest` column tile; split by columns,
+        each warpgroup's columns must be whole 128-byte swizzled rows (64 bf16/f16 elements)."""
+        return self.compute_threads * 64 if self.split_columns(tn) else narrowest
 
     def staging_shape(self, tile_rows: int, tn: int) -> tuple[int, int, int]:
         """The output staging buffer: per compute warpgroup, `epilogue_rows` rows (at most its
