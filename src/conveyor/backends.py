@@ -21,14 +21,26 @@ AUTO = "auto"
 def for_platform(platform: str, available: tuple[str, ...]) -> str:
     """The backend an op lowered for `platform` ("cpu", "cuda", "rocm", "tpu") runs when none was named.
 
-    TPU runs the Mosaic TPU kernel when the op has one, GPUs the Mosaic GPU kernel when it has one;
-    everything else the XLA backend, which is exact and fast everywhere.
+    TPU runs the Mosaic TPU kernel when the op has one, CUDA the Mosaic GPU kernel when it has one
+    and the GPUs are Hopper (`local_gpus_run_wgmma`); everything else the XLA backend, which is
+    exact and runs everywhere. ROCm has no Mosaic GPU: xla.
     """
     if platform == "tpu" and "mosaic_tpu" in available:
         return "mosaic_tpu"
-    if platform in ("cuda", "rocm") and "mosaic_gpu" in available:
+    if platform == "cuda" and "mosaic_gpu" in available and local_gpus_run_wgmma():
         return "mosaic_gpu"
     return "xla"
+
+
+def local_gpus_run_wgmma() -> bool:
+    """Whether Mosaic GPU kernels built on wgmma and TMA can run here: every CUDA GPU this process
+    sees is a Hopper (compute capability 9.x; Ampere lacks both, Blackwell has no wgmma). True on a
+    host without GPUs, where a lowering for cuda is an export for the H100s the kernels target."""
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:   # no GPU platform in this process
+        return True
+    return all(str(getattr(d, "compute_capability", "9.0")).startswith("9.") for d in gpus)
 
 
 def check_backend(backend: str | None, available: tuple[str, ...], op: str) -> str:

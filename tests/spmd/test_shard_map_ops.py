@@ -25,18 +25,34 @@ D, M, K, N, G = 4, 32, 16, 24, 4
 # to it (about 1 run in 3 on 4 devices; never on one device, where tests/pipeline runs the same
 # kernels with detection on). Not understood yet; the multi-device runs here check the values only.
 GPU_MULTI_DEVICE = dict(detect_races=False)
-INTERPRET = {"xla": False, "reference": False, "mosaic_tpu": pltpu.InterpretParams(detect_races=True)}
-GMM_BACKENDS = ["xla", "reference", "mosaic_tpu"]
+INTERPRET = {"xla": False, "reference": False, "mosaic_tpu": pltpu.InterpretParams(detect_races=True),
+             "mosaic_gpu": gpu_interpret(**GPU_MULTI_DEVICE)}
+# mosaic_gpu (the default when lowered for a Hopper GPU) multiplies bfloat16 operands and needs n a
+# multiple of 64 for tgmm: its cases run bf16 copies of the operands with N_GPU columns.
+GMM_BACKENDS = ["xla", "reference", "mosaic_tpu", "mosaic_gpu"]
+N_GPU = 64
 
 
 def _mesh(axis="dp", devices=D):
     return Mesh(np.array(jax.devices()[:devices]), (axis,))
 
 
-def _data(seed):
+def _columns(backend):
+    return N_GPU if backend == "mosaic_gpu" else N
+
+
+def _operand(backend):
+    """How a backend's case feeds an f32 operand: as is, or rounded to bf16 for mosaic_gpu."""
+    return (lambda a: a.astype(jnp.bfloat16)) if backend == "mosaic_gpu" else (lambda a: a)
+
+
+def _data(seed, backend="xla"):
+    """x [D*M, K], w [G, K, n], per-device sizes; values exactly representable in bf16, so the
+    NumPy references see the very operands a bf16 backend multiplies."""
     rng = np.random.default_rng(seed)
-    x = rng.standard_normal((D * M, K)).astype(np.float32)
-    w = rng.standard_normal((G, K, N)).astype(np.float32)
+    bf16_exact = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
+    x = bf16_exact(rng.standard_normal((D * M, K)))
+    w = bf16_exact(rng.standard_normal((G, K, _columns(backend))))
     sizes = np.stack([rng.multinomial(M - 3 * d, np.ones(G) / G) for d in range(D)]).astype(np.int32)
     sizes[1, 0] = 0  # an empty group on one device
     return x, w, sizes
@@ -44,10 +60,11 @@ def _data(seed):
 
 @pytest.mark.parametrize("backend", GMM_BACKENDS)
 def test_gmm_data_parallel_varying_tokens_replicated_weights(backend):
-    x, w, sizes = _data(1)
+    x, w, sizes = _data(1, backend)
+    cast = _operand(backend)
 
     def local(a, b, s):
-        return cv.gmm(a, b, s[0], backend=backend, interpret=INTERPRET[backend])
+        return cv.gmm(cast(a), cast(b), s[0], backend=backend, interpret=INTERPRET[backend])
 
     out = jax.jit(jax.shard_map(local, mesh=_mesh(), in_specs=(P("dp"), P(), P("dp")), out_specs=P("dp")))(
         x, w, sizes)
@@ -57,38 +74,48 @@ def test_gmm_data_parallel_varying_tokens_replicated_weights(backend):
 
 @pytest.mark.parametrize("backend", GMM_BACKENDS)
 def test_gmm_and_tgmm_gradients_in_shard_map_match_reference(backend):
-    x, w, sizes = _data(2)
+    x, w, sizes = _data(2, backend)
     rng = np.random.default_rng(3)
-    y = rng.standard_normal((D * M, N)).astype(np.float32)
+    y = np.asarray(jnp.asarray(rng.standard_normal((D * M, _columns(backend))), jnp.bfloat16), np.float32)
+    cast = _operand(backend)
+    # mosaic_gpu rounds a float32 cotangent to bf16 (its documented rule) and refuses two float32
+    # operands (tgmm's lhs gradient would multiply t by w's float32 cotangent): its case uses bf16
+    # operands and a loss whose cotangents are bf16 values already (y, and w), so both sides
+    # differentiate the same numbers; the others keep a nonlinear loss. bf16 gradients (of bf16
+    # operands) are rounded once more.
+    nonlinear = backend != "mosaic_gpu"
+    grad_dtype = jnp.bfloat16 if backend == "mosaic_gpu" else jnp.float32
 
     def grads(be):
         def local(a, b, s, t):
             def loss(a, b, t):
                 out = cv.gmm(a, b, s[0], backend=be, interpret=INTERPRET[be])
                 wg = cv.tgmm(a.T, t, s[0], backend=be, interpret=INTERPRET[be])
-                return jnp.sum(jnp.sin(out) * t) + jnp.sum(wg * b)
+                return jnp.sum((jnp.sin(out) if nonlinear else out) * t) + jnp.sum(wg * b)
             # the replicated weights get the psum of every device's gradient
-            return jax.grad(loss, argnums=(0, 1, 2))(a, b, t)
+            return jax.grad(loss, argnums=(0, 1, 2))(cast(a), cast(b), cast(t))
         return jax.jit(jax.shard_map(local, mesh=_mesh(), in_specs=(P("dp"), P(), P("dp"), P("dp")),
                                      out_specs=(P("dp"), P(), P("dp"))))(x, w, sizes, y)
 
     got, want = grads(backend), grads("reference")
     for g, r in zip(got, want):
-        assert_close(g, r, 2 * M * D, jnp.float32)
+        assert np.abs(np.asarray(g, np.float32)).max() > 0
+        assert_close(g, r, 2 * M * D, grad_dtype if g.dtype == jnp.bfloat16 else jnp.float32)
 
 
 @pytest.mark.parametrize("backend", GMM_BACKENDS)
 def test_gmm_expert_parallel_local_experts_through_group_offset(backend):
     """Weights sharded over the expert axis; each device computes its experts' rows (group_offset),
     the others stay exactly zero; a psum assembles the full result."""
-    x, w, sizes = _data(4)
+    x, w, sizes = _data(4, backend)
     global_sizes = sizes[0]
     per = G // 2
     mesh = _mesh("ep", 2)
+    cast = _operand(backend)
 
     def local(a, b, s):
         off = lax.axis_index("ep") * per
-        part = cv.gmm(a, b, s, group_offset=off, backend=backend, interpret=INTERPRET[backend])
+        part = cv.gmm(cast(a), cast(b), s, group_offset=off, backend=backend, interpret=INTERPRET[backend])
         return part[None], lax.psum(part, "ep")
 
     parts, full = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("ep"), P()),
@@ -101,11 +128,13 @@ def test_gmm_expert_parallel_local_experts_through_group_offset(backend):
 
 @pytest.mark.parametrize("backend", GMM_BACKENDS)
 def test_tgmm_per_device_rows(backend):
-    x, _, sizes = _data(5)
-    y = np.random.default_rng(6).standard_normal((D * M, N)).astype(np.float32)
+    x, _, sizes = _data(5, backend)
+    y = np.asarray(jnp.asarray(np.random.default_rng(6).standard_normal((D * M, _columns(backend))), jnp.bfloat16),
+                   np.float32)
+    cast = _operand(backend)
 
     def local(a, b, s):
-        return cv.tgmm(a.T, b, s[0], backend=backend, interpret=INTERPRET[backend])[None]
+        return cv.tgmm(cast(a).T, cast(b), s[0], backend=backend, interpret=INTERPRET[backend])[None]
 
     out = jax.jit(jax.shard_map(local, mesh=_mesh(), in_specs=(P("dp"), P("dp"), P("dp")), out_specs=P("dp")))(
         x, y, sizes)

@@ -116,11 +116,15 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       existing_out: [m, n] values for the rows this call does not compute (chain shards through it).
       transpose_rhs: rhs is [G, n, k] and used transposed.
       backend: "xla", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the op is lowered,
-        the default of the platform it is lowered for (mosaic_tpu for TPU, xla otherwise: the
-        mosaic_gpu kernel is chosen by name until it has passed on a real GPU). mosaic_gpu takes
-        bfloat16/float16 operands (a float32 operand beside a 16-bit one, such as a backward
-        pass's cotangent, is rounded to the 16-bit dtype) and tiling (128, tk, tn) for gmm,
-        (64, 128, tn) for tgmm.
+        for the platform it is lowered for: mosaic_tpu for TPU; for CUDA mosaic_gpu where it runs
+        the call (Hopper GPUs, or a host without GPUs exporting for cuda; operands within its
+        limits below), xla otherwise (f32 operands, k or n off its tile multiples, a `tiling` it
+        cannot use, pre-Hopper GPUs, ROCm); xla on CPU. mosaic_gpu takes bfloat16/float16
+        operands (a float32 operand beside a 16-bit one, such as a backward pass's float32
+        cotangent, is rounded to the 16-bit dtype: pass backend="xla" to keep it float32), k a
+        multiple of 16, n of 16 (gmm; 8 with transpose_rhs) or 64 (tgmm), and tiling
+        (128, tk, tn) for gmm, (64, 128, tn) for tgmm. It is verified on CPU (Mosaic GPU
+        interpreter, cuda export), not yet on a GPU: see the README's GPU section.
       interpret: run a Mosaic backend through its Pallas interpreter: True, or a
         `pltpu.InterpretParams` / `plgpu.InterpretGPUParams` (e.g. with detect_races=True).
 
