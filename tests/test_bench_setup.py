@@ -62,3 +62,21 @@ def test_gpu_table_puts_the_simulator_next_to_the_measured_kernel():
     lines = gmm_gpu._table("gmm", p, rows, 1.0e-3, "floor")
     assert lines[-3].startswith("| dense jnp.dot | 1.000 |") and "| - | - |" in lines[-3]
     assert "| 2.000 | 481 | 2.00x | 1.600 | 1.25 | 1.0e-03 |" in lines[-2]
+
+
+def test_gpu_benchmark_runs_end_to_end_on_cpu_through_the_interpreter(monkeypatch):
+    """`make gpu-bench` has never had a GPU: run its whole table on CPU at a tiny shape, the Mosaic
+    GPU rows through the interpreter, so the first run on an H100 does not die in the harness."""
+    from conveyor.bench import gmm_gpu
+    monkeypatch.setattr(gmm_gpu, "hardware_model", lambda kind: "h100")   # the simulator's column too
+    table = gmm_gpu.run(reps=1, groups=(2,), shape=(256, 128, 128), interpret=True)
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in table.splitlines()
+            if line.startswith("| ") and not line.startswith("| candidate")}
+    for op in ("gmm", "tgmm"):
+        default = rows[f"cv.{op} mosaic_gpu"]
+        assert float(default[1]) > 0 and float(default[4]) > 0, default     # measured and simulated ms
+        # bf16 output of a k=128 (or m=256) f32-accumulated dot: rounding to bf16 dominates (2^-9).
+        assert float(default[6]) < 5e-3, default
+        assert float(rows[f"cv.{op} xla"][1]) > 0
+    for upstream in ("ragged_dot_mgpu", "transposed_ragged_dot_mgpu"):   # GPU-only kernels: said, not blank
+        assert "failed" in rows[upstream][7], rows[upstream]

@@ -88,6 +88,13 @@ def _best(cands: dict[str, Callable], args, reps: int, ref) -> tuple[str, float,
     return best
 
 
+def _upstream_row(name: str, best: tuple[str, float, float] | None) -> dict:
+    """The table row of an upstream kernel's fastest configuration, or of its failure (said)."""
+    if best is None:
+        return dict(name=name, t=None, err=None, config="failed: no configuration ran (errors in the log above)")
+    return dict(name=name, t=best[1], err=best[2], config=best[0])
+
+
 def _measure(rows: list[dict], reps: int, ref, name: str, f: Callable, args) -> None:
     """Append `name`'s row: its median time and error against `ref`, or why it failed to run."""
     jf = jax.jit(f)
@@ -125,7 +132,7 @@ def _inputs(p: GmmProblem, seed: int):
     return sizes, k1, k2
 
 
-def bench_gmm(p: GmmProblem, reps: int, backends: tuple[str, ...]) -> list[dict]:
+def bench_gmm(p: GmmProblem, reps: int, backends: tuple[str, ...], interpret: bool = False) -> list[dict]:
     sizes, k1, k2 = _inputs(p, p.groups)
     lhs = jax.random.normal(k1, (p.m, p.k), jnp.bfloat16)
     rhs = (jax.random.normal(k2, (p.groups, p.k, p.n), jnp.float32) / np.sqrt(p.k)).astype(jnp.bfloat16)
@@ -138,18 +145,19 @@ def bench_gmm(p: GmmProblem, reps: int, backends: tuple[str, ...]) -> list[dict]
     rows[-1]["err"] = None  # different math: a floor, not a candidate
     add("lax.ragged_dot", lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=bf16), (lhs, rhs, gs))
     best = _best({k: functools.partial(f, group_sizes=gs) for k, f in _upstream_gmm().items()}, (lhs, rhs), reps, ref)
-    rows.append(dict(name="ragged_dot_mgpu", t=best and best[1], err=best and best[2], config=best and best[0]))
+    rows.append(_upstream_row("ragged_dot_mgpu", best))
     for b in backends:
-        add(f"cv.gmm {b}", functools.partial(cv.gmm, preferred_element_type=bf16, backend=b), (lhs, rhs, gs))
+        mosaic = dict(interpret=interpret) if b.startswith("mosaic") else {}
+        add(f"cv.gmm {b}", functools.partial(cv.gmm, preferred_element_type=bf16, backend=b, **mosaic), (lhs, rhs, gs))
         if b == "mosaic_gpu":
             _predict(rows, cv.sim.simulate_gmm, sizes, p.k, p.n)
             for t in GMM_ALTERNATIVE_TILINGS:
                 add(f"cv.gmm {b} tiling={t}", functools.partial(cv.gmm, preferred_element_type=bf16, backend=b,
-                                                                tiling=t), (lhs, rhs, gs))
+                                                                tiling=t, **mosaic), (lhs, rhs, gs))
     return rows
 
 
-def bench_tgmm(p: GmmProblem, reps: int, backends: tuple[str, ...]) -> list[dict]:
+def bench_tgmm(p: GmmProblem, reps: int, backends: tuple[str, ...], interpret: bool = False) -> list[dict]:
     sizes, k1, k2 = _inputs(p, 100 + p.groups)
     x = jax.random.normal(k1, (p.m, p.k), jnp.bfloat16)       # tokens [m, k]
     dy = jax.random.normal(k2, (p.m, p.n), jnp.bfloat16)      # output gradient [m, n]
@@ -162,15 +170,16 @@ def bench_tgmm(p: GmmProblem, reps: int, backends: tuple[str, ...]) -> list[dict
     rows[-1]["err"] = None
     best = _best({k: functools.partial(f, group_sizes=gs) for k, f in _upstream_gmm(transpose=True).items()},
                  (x, dy), reps, ref)
-    rows.append(dict(name="transposed_ragged_dot_mgpu", t=best and best[1], err=best and best[2],
-                     config=best and best[0]))
+    rows.append(_upstream_row("transposed_ragged_dot_mgpu", best))
     for b in backends:
-        add(f"cv.tgmm {b}", lambda a, c, s, b=b: cv.tgmm(a.T, c, s, preferred_element_type=bf16, backend=b), (x, dy, gs))
+        mosaic = dict(interpret=interpret) if b.startswith("mosaic") else {}
+        add(f"cv.tgmm {b}", lambda a, c, s, b=b, kw=mosaic: cv.tgmm(a.T, c, s, preferred_element_type=bf16, backend=b,
+                                                                    **kw), (x, dy, gs))
         if b == "mosaic_gpu":
             _predict(rows, cv.sim.simulate_tgmm, sizes, p.k, p.n)
             for t in TGMM_ALTERNATIVE_TILINGS:
-                add(f"cv.tgmm {b} tiling={t}", lambda a, c, s, b=b, t=t: cv.tgmm(
-                    a.T, c, s, preferred_element_type=bf16, backend=b, tiling=t), (x, dy, gs))
+                add(f"cv.tgmm {b} tiling={t}", lambda a, c, s, b=b, t=t, kw=mosaic: cv.tgmm(
+                    a.T, c, s, preferred_element_type=bf16, backend=b, tiling=t, **kw), (x, dy, gs))
     return rows
 
 
@@ -189,8 +198,9 @@ def _table(title: str, p: GmmProblem, rows: list[dict], floor: float, floor_what
 
 
 def run(reps: int = 10, groups: tuple[int, ...] = (8, 64, 256), backends: tuple[str, ...] = ("mosaic_gpu", "xla"),
-        tgmm: bool = True, shape: tuple[int, int, int] | None = None) -> str:
-    """The GPU table; `shape` is (m, k, n) (default: the Mixtral expert shape)."""
+        tgmm: bool = True, shape: tuple[int, int, int] | None = None, interpret: bool = False) -> str:
+    """The GPU table; `shape` is (m, k, n) (default: the Mixtral expert shape). `interpret` runs the
+    Mosaic rows through their Pallas interpreters: the CPU check of this benchmark (tiny shapes)."""
     m, k, n = shape or (BENCH_GMM_GPU[0].m, BENCH_GMM_GPU[0].k, BENCH_GMM_GPU[0].n)
     dev = jax.devices()[0]
     lines = [f"# gmm on GPU, {datetime.date.today().isoformat()}", "",
@@ -201,7 +211,7 @@ def run(reps: int = 10, groups: tuple[int, ...] = (8, 64, 256), backends: tuple[
     lines += [f"Measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write).", ""]
     for p in [GmmProblem(name=f"mixtral-g{g}", m=m, k=k, n=n, groups=g) for g in groups]:
         print(f"gmm G={p.groups}", flush=True)
-        rows = bench_gmm(p, reps, backends)
+        rows = bench_gmm(p, reps, backends, interpret)
         dense = rows[0]["t"]
         weights = 2 * (p.groups * p.k * p.n + p.m * p.k + p.m * p.n)
         floor = max(dense, weights / bw)
@@ -210,7 +220,7 @@ def run(reps: int = 10, groups: tuple[int, ...] = (8, 64, 256), backends: tuple[
         print("\n".join(lines[-len(rows) - 6:]), flush=True)
         if tgmm:
             print(f"tgmm G={p.groups}", flush=True)
-            rows = bench_tgmm(p, reps, backends)
+            rows = bench_tgmm(p, reps, backends, interpret)
             dense = rows[0]["t"]
             floor = max(dense, 2 * (p.m * p.k + p.m * p.n + p.groups * p.k * p.n) / bw)
             lines += _table("tgmm", p, rows, floor, "max of the dense matmul and moving the inputs and the G*k*n "
