@@ -5,9 +5,11 @@ block, whose reduction runs over its group's own rows only.
 computes local group i's output tile (kb, nb). Its reduction loop is a
 `cv.emit_pipeline_warp_specialized` over the row blocks of tm rows that intersect group i: a
 *dynamic* grid (the block count is read from the group bounds inside the kernel, so an empty group
-runs no step and stores exact zeros). Three warpgroups: one memory thread issues the TMA copies of
-the lhs block [tk, tm] and the rhs block [tm, tn] (tiled, 128-byte swizzled shared memory); two
-compute threads accumulate `wgmma`s in registers, each step's wgmma left in flight while the next
+runs no step and stores exact zeros). The kernel reads lhs as the tokens x = lhs.T [m, k], as a
+gmm backward holds them (it passes x.T, and XLA folds the two transposes: no [k, m] copy). Three
+warpgroups: one memory thread issues the TMA copies of the x block [tm, tk] and the rhs block
+[tm, tn] (tiled, 128-byte swizzled shared memory); two compute threads accumulate `wgmma`s in
+registers, the x block read transposed from shared memory, each step's wgmma left in flight while the next
 is issued (`delay_release=1`). Up to tn=128 each owns 64 of the tk=128 output rows; the default
 tn=256 is split by columns (each owns all 128 rows and 128 columns, as gmm's kernel), and stores
 its rows 64 at a time through a small staging buffer, which leaves room for the pipeline's 4
@@ -15,8 +17,8 @@ slots.
 
 The first and last blocks of a group hold rows of the neighbouring groups. There both operands are
 zeroed outside the group with `jnp.where` (never by multiplying with a mask: `inf * 0` is NaN, and
-other groups' rows may hold anything): each compute thread masks its own 64 rows of the lhs block
-and its half of the rhs block's columns, then the two meet at a barrier so that each one's wgmma
+other groups' rows may hold anything): each compute thread masks its own 64 columns of the x
+block (its output rows) and its half of the rhs block's columns, then the two meet at a barrier so that each one's wgmma
 reads the other's masked half. Interior blocks are used as they land. (The GPU interpreter does
 not race-check wgmma operand reads, jax 0.12.0.1: with that barrier removed `detect_races=True`
 reports nothing, so the barrier is kept by review, not by a test.)
@@ -26,11 +28,11 @@ XLA folds away when it is the zeros a gradient passes; with a nonzero `existing_
 output the sum is rounded twice (the product, then the sum), one ulp of the output dtype at most.
 
 Limits: bfloat16/float16 operands (float32 accumulation; see `mosaic_gpu.wgmma_operands`); tm=64
-rows per step (128-byte operand rows, the widest swizzle); tk=128; tn a multiple of 64 dividing n
+rows per step (4 slots of blocks fit beside the staging buffer); tk=128; tn a multiple of 64 dividing n
 (of 128 above 128), at most 256 (the default: 256, else 128, else 64, the widest that divides n;
 with tn=64 compute thread 0 masks a boundary rhs block whole, the other waiting at the barrier). m is padded to whole row blocks
-(zero rows, outside every group); k to whole output row tiles (zero lhs rows; the rows past k are
-not stored: power-of-two chunks of TMA stores, as in gmm). Both pads are one copy of lhs.
+(zero rows, outside every group); k to whole output row tiles (zero x columns; the rows past k are
+not stored: power-of-two chunks of TMA stores, as in gmm). Both pads are one copy of x.
 Verified on CPU by the Mosaic GPU interpreter and by `jax.export` for cuda; not yet run on a GPU.
 """
 from __future__ import annotations
@@ -47,7 +49,8 @@ from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, DELAY_RELEASE, ROWS_PER
     smem_layout, stages_that_fit, store_rows, wgmma_operands, wgmma_step
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
 
-SWIZZLE = 128                                   # bytes: one operand row of a block
+SWIZZLE = 128                                   # bytes: the widest shared-memory swizzle
+TM = MOSAIC_GPU.tgmm_tiling[0]                  # rows reduced per step: 4 slots of blocks fit (see check_tgmm_args)
 MIN_TN = MOSAIC_GPU.tgmm_min_tn                 # one 128-byte swizzled row of 16-bit rhs columns
 TK = COMPUTE_THREADS * ROWS_PER_THREAD          # output rows (of k) per thread block
 
@@ -55,11 +58,11 @@ TK = COMPUTE_THREADS * ROWS_PER_THREAD          # output rows (of k) per thread 
 def check_tgmm_args(lhs, rhs, tiling: Tile) -> tuple[int, int, int]:
     k, m = lhs.shape
     n = rhs.shape[1]
-    itemsize = jnp.dtype(lhs.dtype).itemsize
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
-    if tm * itemsize != SWIZZLE:
-        raise ValueError(f"tiling: mosaic_gpu tgmm reduces tm={SWIZZLE // itemsize} rows per step ({SWIZZLE}-byte "
-                         f"swizzled operand rows), got tm={tm}")
+    if tm != TM:
+        raise ValueError(f"tiling: mosaic_gpu tgmm reduces tm={TM} rows per step (the size it is built and verified "
+                         f"for: 4 pipeline slots of a [{TM}, {TK}] x block and a [{TM}, tn] rhs block fit in shared "
+                         f"memory), got tm={tm}")
     if tk != TK:
         raise ValueError(f"tiling: mosaic_gpu tgmm uses tk={TK} (two compute warpgroups of {ROWS_PER_THREAD} output "
                          f"rows), got tk={tk}")
@@ -85,8 +88,11 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
     n = rhs.shape[1]
     lhs, rhs = wgmma_operands("tgmm", lhs, rhs)
     tm, tk, tn = check_tgmm_args(lhs, rhs, tiling)
-    k_pad = -(-k // tk) * tk      # whole output row tiles: lhs gets zero rows, only rows < k are stored
-    layout = smem_layout(tm, tn, itemsize=jnp.dtype(lhs.dtype).itemsize)   # 128-byte swizzle (tm*itemsize)
+    k_pad = -(-k // tk) * tk      # whole output row tiles: x gets zero columns, only rows < k are stored
+    # The kernel reads lhs as x = lhs.T [m, k] (the tokens, as the caller holds them): a gmm backward
+    # passes x.T, and XLA folds the two transposes, so no [k, m] copy of the tokens is made.
+    x = lhs.T
+    layout = smem_layout(tk, tn, itemsize=jnp.dtype(lhs.dtype).itemsize)   # 128-byte swizzled rows
     starts, ends = local_group_bounds(group_sizes, jnp.asarray(group_offset, jnp.int32), num_groups, m)
     # Each compute thread masks half of a boundary rhs block's columns when the halves are whole
     # swizzled rows (tn >= 128); a 64-column block is masked whole by thread 0.
@@ -97,20 +103,20 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
     staging = plgpu.SMEM(MOSAIC_GPU.staging_shape(tk, tn), out_dtype)
     stages = stages_that_fit(block_bytes=(tk * tm + tm * tn) * jnp.dtype(lhs.dtype).itemsize, staging=staging)
 
-    def kernel(starts_ref, ends_ref, lhs_ref, rhs_ref, out_ref, out_smem, masked):
+    def kernel(starts_ref, ends_ref, x_ref, rhs_ref, out_ref, out_smem, masked):
         i, kb, nb = cv.program_id(0), cv.program_id(1), cv.program_id(2)
         wg = lax.axis_index("wg")
         lo, hi = starts_ref[i], ends_ref[i]
         first_block, blocks = row_block_span(lo, hi, tm)
         row_off, col_off = MOSAIC_GPU.thread_origin(wg, tk, tn)   # this warpgroup's wg_rows x wg_cols part
 
-        def mma(indices, a_blk, b_blk, acc):
+        def mma(indices, x_blk, b_blk, acc):
             r = first_block + indices[0]
             row0 = r * tm
 
             @pl.when((row0 < lo) | (row0 + tm > hi))   # a block shared with a neighbouring group
             def _():
-                _zero_outside(a_blk.at[pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], 1, row0, lo, hi)
+                _zero_outside(x_blk.at[:, pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], 0, row0, lo, hi)
                 if split_rhs:
                     _zero_outside(b_blk.at[:, pl.ds(wg * half_n, half_n)], 0, row0, lo, hi)
                 else:
@@ -121,9 +127,10 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
                 plgpu.barrier_arrive(masked)     # (jax 0.11 has no barrier_arrive_and_wait)
                 plgpu.barrier_wait(masked)       # both operand blocks are masked whole now
 
+            # wgmma reads the x block [tm, tk] transposed from shared memory: the [tk, tm] lhs block
             if split_columns:
-                return wgmma_step(acc, a_blk, b_blk.at[:, pl.ds(col_off, wg_cols)])
-            return wgmma_step(acc, a_blk.at[pl.ds(row_off, wg_rows)], b_blk)
+                return wgmma_step(acc, x_blk.T, b_blk.at[:, pl.ds(col_off, wg_cols)])
+            return wgmma_step(acc, x_blk.at[:, pl.ds(row_off, wg_rows)].T, b_blk)
 
         def compute_context(eval_pipeline):
             def store(staged, part):
@@ -141,20 +148,20 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
         cv.emit_pipeline_warp_specialized(
             mma, grid=(blocks,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_THREADS,
             max_concurrent_steps=stages, delay_release=DELAY_RELEASE, compute_context=compute_context,
-            in_specs=[cv.BlockSpec((tk, tm), lambda r: (kb, first_block + r), transforms=layout),
+            in_specs=[cv.BlockSpec((tm, tk), lambda r: (first_block + r, kb), transforms=layout),
                       cv.BlockSpec((tm, tn), lambda r: (first_block + r, nb), transforms=layout)],
-        )(lhs_ref, rhs_ref)
+        )(x_ref, rhs_ref)
 
     m_pad = -(-m // tm) * tm      # whole row blocks: the padding rows belong to no group
     if m_pad != m or k_pad != k:
-        lhs = jnp.pad(lhs, ((0, k_pad - k), (0, m_pad - m)))
+        x = jnp.pad(x, ((0, m_pad - m), (0, k_pad - k)))
     if m_pad != m:
         rhs = jnp.pad(rhs, ((0, m_pad - m), (0, 0)))
     scratch = [staging, plgpu.Barrier(num_arrivals=COMPUTE_THREADS)]
     call = cv.kernel(kernel, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), backend="mosaic_gpu",
                      interpret=interpret, num_threads=COMPUTE_THREADS + 1, thread_name="wg",
                      grid=(num_groups, k_pad // tk, n // tn), scratch_shapes=scratch)
-    computed = call(starts, ends, lhs, rhs)
+    computed = call(starts, ends, x, rhs)
     return existing_out.astype(out_dtype) + computed
 
 
