@@ -45,12 +45,11 @@ GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 COMPUTE_THREADS = MOSAIC_GPU.compute_threads
 ROWS_PER_THREAD = 64         # one wgmma M per compute warpgroup
 TM = COMPUTE_THREADS * ROWS_PER_THREAD
-STAGES = MOSAIC_GPU.stages
 DELAY_RELEASE = MOSAIC_GPU.delay_release   # a step's wgmma stays in flight while the next is issued
 
 
 def stages_that_fit(*, block_bytes: int, staging) -> int:
-    """Up to STAGES pipeline slots of `block_bytes` (one step's operand blocks), as many as fit
+    """Up to `MOSAIC_GPU.stages` pipeline slots of `block_bytes` (one step's operand blocks), as many as fit
     beside the kernel's output staging buffer (`GpuKernelConfig.stages_that_fit`)."""
     return MOSAIC_GPU.stages_that_fit(block_bytes=block_bytes, staging_bytes=smem_bytes([staging]),
                                       budget_bytes=SMEM_BUDGET_BYTES)
