@@ -16,6 +16,7 @@ from jax import lax
 
 import conveyor as cv
 from conveyor.bench.timing import interleaved_medians
+from conveyor.native import build
 from conveyor.progress import bar as progress_bar
 from conveyor.problems import BENCH_GMM, GmmProblem, skewed_group_sizes
 
@@ -119,10 +120,12 @@ def bench_gmm_forward(p: GmmProblem, dtype, reps: int) -> dict:
     batched = jax.jit(equal_split_gmm)
     loop = jax.jit(equal_split_loop_gmm)
     ours = jax.jit(lambda a, b, s: cv.gmm(a, b, s))
+    ours_xla = jax.jit(lambda a, b, s: cv.gmm(a, b, s, backend="xla"))
     ragged = jax.jit(lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32))
     ref = jax.jit(lambda a, b, s: cv.gmm(a, b, s, backend="reference"))
     fns = {"dense": lambda: dense(lhs, rhs), "batched": lambda: batched(lhs, rhs), "loop": lambda: loop(lhs, rhs),
-           "numpy": lambda: numpy_group_loop(lhs_np, rhs_np, sizes), "gmm": lambda: ours(lhs, rhs, gs)}
+           "numpy": lambda: numpy_group_loop(lhs_np, rhs_np, sizes), "gmm": lambda: ours(lhs, rhs, gs),
+           "xla": lambda: ours_xla(lhs, rhs, gs)}
     if p.groups <= RAGGED_MAX_G:
         fns["ragged_dot"] = lambda: ragged(lhs, rhs, gs)
     if p.groups <= REFERENCE_MAX_G:
@@ -144,10 +147,11 @@ def bench_tgmm(p: GmmProblem, dtype, reps: int) -> dict:
     batched = jax.jit(lambda a, b: equal_split_tgmm(a, b, p.groups))
     loop = jax.jit(lambda a, b: equal_split_loop_tgmm(a, b, p.groups))
     ours = jax.jit(lambda a, b, s: cv.tgmm(a, b, s))
+    ours_xla = jax.jit(lambda a, b, s: cv.tgmm(a, b, s, backend="xla"))
     t = interleaved_medians({"dense": lambda: dense(lhs_t, rhs), "batched": lambda: batched(lhs_t, rhs),
                              "loop": lambda: loop(lhs_t, rhs),
                              "numpy": lambda: numpy_tgroup_loop(lhs_np, rhs_np, sizes),
-                             "tgmm": lambda: ours(lhs_t, rhs, gs)}, reps)
+                             "tgmm": lambda: ours(lhs_t, rhs, gs), "xla": lambda: ours_xla(lhs_t, rhs, gs)}, reps)
     err = float(np.abs(np.asarray(ours(lhs_t, rhs, gs)) - numpy_tgroup_loop(lhs_np, rhs_np, sizes)).max())
     return dict(t=t, err=err)
 
@@ -171,12 +175,14 @@ def bench_moe_ffn(groups: int, reps: int, m=2048, d=512, f=1024) -> dict:
     w2 = jnp.asarray(rng.standard_normal((groups, f, d)) / np.sqrt(f), jnp.float32)
     ct = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
     ours = ffn_loss_and_grads(lambda a, b, s: cv.gmm(a, b, s))
+    ours_xla = ffn_loss_and_grads(lambda a, b, s: cv.gmm(a, b, s, backend="xla"))
     ragged = ffn_loss_and_grads(lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32))
     batched = ffn_loss_and_grads(lambda a, b, s: equal_split_gmm(a, b))
     loop = ffn_loss_and_grads(lambda a, b, s: equal_split_loop_gmm(a, b))
     t = interleaved_medians({"batched": lambda: batched(x, w1, w2, sizes, ct),
                              "loop": lambda: loop(x, w1, w2, sizes, ct),
                              "gmm": lambda: ours(x, w1, w2, sizes, ct),
+                             "xla": lambda: ours_xla(x, w1, w2, sizes, ct),
                              "ragged_dot": lambda: ragged(x, w1, w2, sizes, ct)}, reps,
                             {"ragged_dot": 1 if groups > 8 else 3})
     g_ours, g_ragged = ours(x, w1, w2, sizes, ct)[1], ragged(x, w1, w2, sizes, ct)[1]
@@ -222,14 +228,18 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
              f"Machine: {platform.machine()}, {jax.device_count()} JAX CPU device(s), "
              f"jax {jax.__version__}, numpy {np.__version__}. Command: `conveyor bench gmm`.",
              f"Medians of {reps} interleaved runs (slow baselines: 1-2 runs). Times in ms.", ""]
+    native = build.status()
+    lines.append("cv.gmm / cv.tgmm: backend=None, which ran "
+                 + ("native_cpu (Conveyor's AVX-512 kernels)." if native.available else f"xla ({native.reason}).")
+                 + " cv xla: the same call with backend=\"xla\".")
     bw = copy_bandwidth(reps)
     lines.append(f"Measured copy bandwidth: {bw / 1e9:.1f} GB/s (read+write).")
     lines.append("")
     lines += [f"## gmm forward (m={m}, k={k}, n={n})", "",
-              "| dtype | G | dense floor | batched floor | loop floor | roofline | numpy loop | cv.gmm | ragged_dot | "
+              "| dtype | G | dense floor | batched floor | loop floor | roofline | numpy loop | cv.gmm | cv xla | ragged_dot | "
               "reference | gmm/dense | gmm/batched | loop/batched | gmm/loop | gmm/numpy | ragged/gmm | "
               "max err vs numpy |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for dt in dtypes:
         dtype = jnp.dtype(dt)
         for p in problems:
@@ -243,7 +253,7 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
             lines.append(
                 f"| {dt} | {p.groups} | {_fmt(t['dense'] * 1e3)} | {_fmt(t['batched'] * 1e3)} | "
                 f"{_fmt(t['loop'] * 1e3)} | {_fmt(floor * 1e3)} | "
-                f"{_fmt(t['numpy'] * 1e3)} | {_fmt(t['gmm'] * 1e3)} | {_fmt(ragged and ragged * 1e3)} | "
+                f"{_fmt(t['numpy'] * 1e3)} | {_fmt(t['gmm'] * 1e3)} | {_fmt(t['xla'] * 1e3)} | {_fmt(ragged and ragged * 1e3)} | "
                 f"{_fmt(ref and ref * 1e3)} | {_ratio(t['gmm'], t['dense'])} | {_ratio(t['gmm'], t['batched'])} | "
                 f"{_ratio(t['loop'], t['batched'])} | {_ratio(t['gmm'], t['loop'])} | {_ratio(t['gmm'], t['numpy'])} | "
                 f"{'-' if ragged is None else f'{ragged / t['gmm']:.1f}x'} | {r['err']:.1e} |")
@@ -252,9 +262,9 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
     lines += ["", "numpy loop: one `np.matmul` per group on float32 copies (NumPy has no fast bf16 matmul);"
               " ragged_dot and reference are skipped above G=64 (about 30 s and 12 s per call).", "",
               "## tgmm (lhs [k, m], rhs [m, n] -> [G, k, n])", "",
-              "| dtype | G | dense floor | batched floor | loop floor | roofline | numpy loop | cv.tgmm | tgmm/dense | "
+              "| dtype | G | dense floor | batched floor | loop floor | roofline | numpy loop | cv.tgmm | cv xla | tgmm/dense | "
               "tgmm/batched | loop/batched | tgmm/loop | tgmm/numpy | max err |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for dt in dtypes:
         dtype = jnp.dtype(dt)
         for p in problems:
@@ -267,7 +277,7 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
             floor = max(2 * p.m * p.k * p.n / rate, must_move / bw)
             lines.append(f"| {dt} | {p.groups} | {_fmt(t['dense'] * 1e3)} | {_fmt(t['batched'] * 1e3)} | "
                          f"{_fmt(t['loop'] * 1e3)} | {_fmt(floor * 1e3)} | {_fmt(t['numpy'] * 1e3)} | "
-                         f"{_fmt(t['tgmm'] * 1e3)} | {_ratio(t['tgmm'], t['dense'])} | {_ratio(t['tgmm'], t['batched'])} | "
+                         f"{_fmt(t['tgmm'] * 1e3)} | {_fmt(t['xla'] * 1e3)} | {_ratio(t['tgmm'], t['dense'])} | {_ratio(t['tgmm'], t['batched'])} | "
                          f"{_ratio(t['loop'], t['batched'])} | {_ratio(t['tgmm'], t['loop'])} | "
                          f"{_ratio(t['tgmm'], t['numpy'])} | {r['err']:.1e} |")
             bar.write(lines[-1])
@@ -281,13 +291,13 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
         bar.write(lines[-1])
         bar.update()
     lines += ["", "## Two-layer MoE FFN, forward + backward (f32)", "",
-              "| G | tokens, d, f | batched floor | loop floor | cv.gmm | ragged_dot | gmm/batched | loop/batched | "
-              "gmm/loop | speed-up vs ragged_dot | max rel. grad diff |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| G | tokens, d, f | batched floor | loop floor | cv.gmm | cv xla | ragged_dot | gmm/batched | loop/batched | "
+              "gmm/loop | speed-up vs ragged_dot | max rel. grad diff |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in ffn_groups:
         r = bench_moe_ffn(g, reps)
         t = r["t"]
         lines.append(f"| {g} | {r['shape']} | {_fmt(t['batched'] * 1e3)} | {_fmt(t['loop'] * 1e3)} | "
-                     f"{_fmt(t['gmm'] * 1e3)} | {_fmt(t['ragged_dot'] * 1e3)} | {_ratio(t['gmm'], t['batched'])} | "
+                     f"{_fmt(t['gmm'] * 1e3)} | {_fmt(t['xla'] * 1e3)} | {_fmt(t['ragged_dot'] * 1e3)} | {_ratio(t['gmm'], t['batched'])} | "
                      f"{_ratio(t['loop'], t['batched'])} | {_ratio(t['gmm'], t['loop'])} | "
                      f"{t['ragged_dot'] / t['gmm']:.1f}x | {r['rel']:.1e} |")
         bar.write(lines[-1])

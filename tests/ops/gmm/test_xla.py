@@ -23,11 +23,16 @@ class TestXla(GmmBackendTests):
         t = cv.tgmm(lhs.T, out, jnp.asarray(sizes))
         assert_close(t, numpy_tgmm(lhs.T, out, sizes), m, jnp.float32)
 
-    def test_default_backend_on_cpu_is_xla(self):
+    def test_default_backend_on_cpu_without_native_kernels_is_xla(self, monkeypatch):
+        """Where the native kernels cannot build (see test_native_cpu), backend=None runs xla."""
+        import jax
+        from conveyor.native import build
+        monkeypatch.setattr(build, "status", lambda: build.NativeStatus(available=False, reason="test"))
         rng = np.random.default_rng(21)
         lhs, rhs = operands(rng, 9, 4, 3, 2, jnp.float32)
         sizes = jnp.asarray([4, 5], jnp.int32)
-        np.testing.assert_array_equal(cv.gmm(lhs, rhs, sizes), cv.gmm(lhs, rhs, sizes, backend="xla"))
+        auto = jax.jit(lambda a, b, s: cv.gmm(a, b, s))(lhs, rhs, sizes)   # a fresh trace and lowering
+        np.testing.assert_array_equal(auto, cv.gmm(lhs, rhs, sizes, backend="xla"))
 
     def test_tiny_m_smaller_than_remainder_tile(self):
         rng = np.random.default_rng(22)

@@ -115,11 +115,13 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       group_offset: scalar int, first global group of this shard (expert parallelism); may be traced.
       existing_out: [m, n] values for the rows this call does not compute (chain shards through it).
       transpose_rhs: rhs is [G, n, k] and used transposed.
-      backend: "xla", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the op is lowered,
-        for the platform it is lowered for: mosaic_tpu for TPU; for CUDA mosaic_gpu where it runs
+      backend: "xla", "native_cpu", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the
+        op is lowered, for the platform it is lowered for: for CPU native_cpu where its kernels
+        built (AVX-512 BF16 and a C++ compiler), the operands and output are float32/bfloat16 and
+        no tiling is given, xla otherwise and in exported programs; mosaic_tpu for TPU; for CUDA mosaic_gpu where it runs
         the call (Hopper GPUs, or a host without GPUs exporting for cuda; operands within its
         limits below), xla otherwise (f32 operands, k or n off its tile multiples, a `tiling` it
-        cannot use, pre-Hopper GPUs, ROCm); xla on CPU. mosaic_gpu takes bfloat16/float16
+        cannot use, pre-Hopper GPUs, ROCm). mosaic_gpu takes bfloat16/float16
         operands (a float32 operand beside a 16-bit one, such as a backward pass's float32
         cotangent, is rounded to the 16-bit dtype: pass backend="xla" to keep it float32), k a
         multiple of 16, n of 16 (gmm; 8 with transpose_rhs) or 64 (tgmm), and tiling

@@ -1,0 +1,1 @@
+"""Native CPU kernels, compiled on first use (see `build`)."""

@@ -1,0 +1,58 @@
+"""native_cpu backend for gmm/tgmm: one FFI call into Conveyor's own AVX-512 kernels
+(`conveyor/native/gmm_cpu.cc`, built on first use by `conveyor.native.build`).
+
+Each group's product is one packed, register-tiled matrix product over exactly its rows: no
+windows, masks or per-group copies of operands, and the weights of a group are packed once per
+column chunk. float32 and bfloat16 operands (bf16 products summed in float32 by vdpbf16ps), float32
+or bfloat16 outputs. The output aliases existing_out: gmm leaves the rows outside the local groups as
+they are, tgmm adds each group's sum to existing_out[g] and rounds once.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from conveyor.native import build
+from conveyor.ops.gmm.metadata import local_group_boundaries
+
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def unsupported(lhs_dtype, rhs_dtype, out_dtype, tiling) -> str | None:
+    """Why the native kernels cannot run this call (None when they can)."""
+    st = build.status()
+    if not st.available:
+        return st.reason
+    operands = jnp.promote_types(lhs_dtype, rhs_dtype)
+    if operands not in DTYPES:
+        return f"operands promote to {operands}; the native kernels take float32 or bfloat16"
+    if jnp.dtype(out_dtype) not in DTYPES:
+        return f"preferred_element_type={jnp.dtype(out_dtype)}; the native kernels write float32 or bfloat16"
+    if tiling is not None:
+        return f"tiling={tiling!r}; the native kernels have fixed register tiles (10 x 32) and take no tiling"
+    return None
+
+
+def check(lhs, rhs, out_dtype, tiling) -> None:
+    """Raise, naming the reason, when backend="native_cpu" cannot run this call."""
+    if (why := unsupported(lhs.dtype, rhs.dtype, out_dtype, tiling)) is not None:
+        raise NotImplementedError(f"backend='native_cpu': {why}")
+
+
+def gmm_native_cpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, tiling, **_):
+    check(lhs, rhs, out_dtype, tiling)
+    cdt = jnp.promote_types(lhs.dtype, rhs.dtype)
+    bounds = local_group_boundaries(group_sizes, group_offset, rhs.shape[0], lhs.shape[0])
+    out = jax.ShapeDtypeStruct(existing_out.shape, out_dtype)
+    call = jax.ffi.ffi_call(build.GMM_TARGET, out, input_output_aliases={3: 0})
+    return call(lhs.astype(cdt), rhs.astype(cdt), bounds, existing_out.astype(out_dtype),
+                transpose_rhs=bool(transpose_rhs))
+
+
+def tgmm_native_cpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling, **_):
+    check(lhs, rhs, out_dtype, tiling)
+    cdt = jnp.promote_types(lhs.dtype, rhs.dtype)
+    bounds = local_group_boundaries(group_sizes, group_offset, num_groups, lhs.shape[1])
+    out = jax.ShapeDtypeStruct(existing_out.shape, out_dtype)
+    call = jax.ffi.ffi_call(build.TGMM_TARGET, out, input_output_aliases={3: 0})
+    return call(lhs.astype(cdt), rhs.astype(cdt), bounds, existing_out.astype(out_dtype))

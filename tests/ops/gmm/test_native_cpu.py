@@ -1,0 +1,133 @@
+"""gmm/tgmm on native_cpu (Conveyor's AVX-512 kernels through the XLA FFI) against the reference:
+the shared suite at shapes that leave partial 10-row and 32-column register tiles and odd
+contraction lengths, the bfloat16 path, the build and dispatch rules, and the refusals."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import conveyor as cv
+from conveyor.native import build
+from conveyor.ops.gmm import backend_impls
+from tests.ops.gmm.base import GmmBackendTests, assert_close
+from tests.ops.gmm.problems import numpy_gmm, numpy_tgmm, operands, skewed_sizes
+
+STATUS = build.status()
+# Skipped only where the kernels cannot build (no compiler, or a CPU without AVX-512 BF16): see the first test.
+needs_native = pytest.mark.skipif(not STATUS.available, reason=f"native kernels unavailable: {STATUS.reason}")
+
+
+def test_native_kernels_build_where_they_can():
+    """Not skipped: on a host with a C++ compiler and an AVX-512 BF16 CPU (this project's CI), the
+    kernels must build, so a broken build fails here instead of silently falling back to xla."""
+    cpu_flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    if build.find_compiler() and all(f in cpu_flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")):
+        assert STATUS.available, STATUS.reason
+
+
+@needs_native
+class TestNativeCpu(GmmBackendTests):
+    backend = "native_cpu"
+    m, k, n = 67, 41, 70    # 67 rows: tiles of 10 and a 7-row rest; n = 2 x 32 + 6; odd k (bf16 pairs)
+    tiling = None
+    half_dtypes = (jnp.bfloat16,)
+
+    @pytest.mark.parametrize("tiling", [None])
+    def test_tilings_that_do_not_divide(self, tiling):
+        super().test_tilings_that_do_not_divide(tiling)
+
+    def test_tiling_callable(self):
+        """The register tiles are fixed: a tiling is refused by name (backend=None takes xla then)."""
+        rng = np.random.default_rng(5)
+        lhs, rhs = self.operands(rng, self.m, self.k, self.n, 3)
+        sizes = jnp.asarray(skewed_sizes(rng, self.m, 3))
+        for tiling in ((16, 128, 128), lambda m, k, n: None):
+            with pytest.raises(NotImplementedError, match="native_cpu.*tiling"):
+                self.gmm(lhs, rhs, sizes, tiling=tiling)
+        auto = cv.gmm(lhs, rhs, sizes, tiling=(16, 128, 128))
+        np.testing.assert_array_equal(auto, cv.gmm(lhs, rhs, sizes, backend="xla", tiling=(16, 128, 128)))
+
+
+@needs_native
+def test_float16_and_float64_are_refused_by_name():
+    rng = np.random.default_rng(30)
+    lhs, rhs = operands(rng, 12, 8, 4, 2, jnp.float16)
+    sizes = jnp.asarray([5, 7], jnp.int32)
+    with pytest.raises(NotImplementedError, match="native_cpu.*float16"):
+        cv.gmm(lhs, rhs, sizes, backend="native_cpu")
+    with pytest.raises(NotImplementedError, match="native_cpu.*preferred_element_type=float16"):
+        cv.gmm(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes, backend="native_cpu",
+               preferred_element_type=jnp.float16)
+
+
+@needs_native
+def test_default_on_cpu_is_native_and_agrees_with_xla():
+    """backend=None on CPU runs native_cpu for float32/bfloat16 (same values as xla, up to summation
+    order) and xla where native cannot (float16)."""
+    rng = np.random.default_rng(31)
+    m, k, n, g = 150, 64, 96, 5
+    sizes = jnp.asarray(skewed_sizes(rng, m, g))
+    lhs, rhs = operands(rng, m, k, n, g, jnp.float32)
+    assert backend_impls.auto_backend("cpu", lambda: False, lambda: True) == "native_cpu"
+    np.testing.assert_array_equal(cv.gmm(lhs, rhs, sizes), cv.gmm(lhs, rhs, sizes, backend="native_cpu"))
+    assert_close(cv.gmm(lhs, rhs, sizes), np.asarray(cv.gmm(lhs, rhs, sizes, backend="xla")), k, jnp.float32)
+    h, w = lhs.astype(jnp.float16), rhs.astype(jnp.float16)
+    np.testing.assert_array_equal(cv.gmm(h, w, sizes), cv.gmm(h, w, sizes, backend="xla"))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_larger_shapes_many_groups_and_poisoned_output(dtype):
+    """Several column chunks (so both threads work), 40 groups with empty ones, rows past the
+    groups kept exactly from a NaN-poisoned existing_out; tgmm adds a random existing_out."""
+    rng = np.random.default_rng(32)
+    m, k, n, g = 517, 130, 200, 40
+    sizes = skewed_sizes(rng, m, g, alpha=0.3, total=m - 9)
+    lhs, rhs = operands(rng, m, k, n, g, dtype)
+    poison = jnp.full((m, n), jnp.nan, jnp.float32)
+    out = cv.gmm(lhs, rhs, jnp.asarray(sizes), existing_out=poison, backend="native_cpu")
+    assert np.isnan(np.asarray(out[m - 9:])).all()
+    assert_close(out[:m - 9], numpy_gmm(lhs[:m - 9], rhs, sizes), k, jnp.float32)
+    y = jnp.asarray(rng.standard_normal((m, n)), dtype)
+    ex = jnp.asarray(rng.standard_normal((g, k, n)), jnp.float32)
+    t = cv.tgmm(lhs.T, y, jnp.asarray(sizes), existing_out=ex, backend="native_cpu")
+    assert_close(t, numpy_tgmm(lhs.T[:, :m - 9], y[:m - 9], sizes) + np.asarray(ex, np.float64), m, jnp.float32)
+
+
+@needs_native
+def test_bfloat16_subnormals_flush_to_zero_as_xla_does():
+    """vdpbf16ps treats subnormal bf16 inputs as zero; XLA:CPU's own bf16 dot does too (measured
+    here on jax 0.12), so the two CPU backends agree on them."""
+    tiny = jnp.asarray(np.full((4, 2), 1e-39, np.float32)).astype(jnp.bfloat16)   # subnormal
+    ones = jnp.ones((1, 2, 3), jnp.bfloat16)
+    sizes = jnp.asarray([4], jnp.int32)
+    np.testing.assert_array_equal(cv.gmm(tiny, ones, sizes, backend="native_cpu"), 0.0)
+    np.testing.assert_array_equal(cv.gmm(tiny, ones, sizes, backend="xla"), 0.0)
+
+
+@needs_native
+def test_export_and_other_platforms_take_other_backends():
+    """A kernel compiled on this host must not end up in an exported program: backend=None exports
+    xla for CPU; backend="native_cpu" refuses to export or to lower for another platform."""
+    rng = np.random.default_rng(33)
+    lhs, rhs = operands(rng, 24, 16, 8, 2, jnp.float32)
+    sizes = jnp.asarray([10, 14], jnp.int32)
+    exported = jax.export.export(jax.jit(lambda a, b, s: cv.gmm(a, b, s)), platforms=["cpu"])(lhs, rhs, sizes)
+    assert build.GMM_TARGET not in exported.mlir_module()
+    np.testing.assert_array_equal(exported.call(lhs, rhs, sizes), cv.gmm(lhs, rhs, sizes, backend="xla"))
+    for platforms in (["cpu"], ["cuda"]):
+        with pytest.raises(NotImplementedError, match="native_cpu"):
+            jax.export.export(jax.jit(lambda a, b, s: cv.gmm(a, b, s, backend="native_cpu")),
+                              platforms=platforms)(lhs, rhs, sizes)
+
+
+@needs_native
+def test_unavailable_backend_names_the_reason(monkeypatch):
+    monkeypatch.setattr(build, "status", lambda: build.NativeStatus(available=False, reason="no compiler (test)"))
+    lhs, rhs = operands(np.random.default_rng(34), 6, 4, 3, 1, jnp.float32)
+    with pytest.raises(NotImplementedError, match="native_cpu.*no compiler \\(test\\)"):
+        jax.jit(lambda a, b: cv.gmm(a, b, jnp.asarray([6], jnp.int32), backend="native_cpu"))(lhs, rhs)
+    out = jax.jit(lambda a, b: cv.gmm(a, b, jnp.asarray([6], jnp.int32)))(lhs * 1.5, rhs)   # a fresh trace: xla
+    assert_close(out, numpy_gmm(lhs * 1.5, rhs, np.array([6])), 4, jnp.float32)
