@@ -218,6 +218,7 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     group_offset = _check_group_offset(group_offset, total, num_actual_groups)
     tiling_lib.check_tiling(tiling)
     shape = (num_actual_groups, k, n)
+    existing_out_zero = existing_out is None
     if existing_out is None:
         existing_out = jnp.zeros(shape, out_dtype)
     else:
@@ -228,7 +229,7 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     backend = _choose_backend(backend, interpret, "tgmm")
     return bind_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, num_groups=num_actual_groups,
                        out_dtype=out_dtype, backend=backend, tiling=_hashable(tiling),
-                       interpret=_interpret_param(interpret, backend))
+                       interpret=_interpret_param(interpret, backend), existing_out_zero=existing_out_zero)
 
 
 def _hashable(tiling):

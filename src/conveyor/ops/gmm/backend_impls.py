@@ -93,7 +93,7 @@ def run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tilin
 
 
 def run_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tiling, interpret,
-             num_groups, out_dtype, platform="cpu"):
+             num_groups, out_dtype, existing_out_zero=False, platform="cpu"):
     k, m = lhs.shape
     n = rhs.shape[1]
     if backend == backends.AUTO:
@@ -111,7 +111,8 @@ def run_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tili
         return xla.tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t, **kw)
     if backend == "native_cpu":
         _check_native_cpu(platform)
-        return native_cpu.tgmm_native_cpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=tiling, **kw)
+        return native_cpu.tgmm_native_cpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=tiling,
+                                          existing_out_zero=existing_out_zero, **kw)
     if backend == "mosaic_tpu":
         mod = _mosaic_tpu()
         t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)

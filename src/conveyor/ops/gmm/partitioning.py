@@ -175,7 +175,7 @@ def _partitioned_tgmm(impl, static: tuple):
                 return fn(lhs, rhs, group_sizes, group_offset, existing_out)
             local = local_group_sizes(group_sizes, _linear_index(lay.rows, mesh) * local_rows, local_rows, m)
             partial_sums = impl(lhs, rhs, local, group_offset, jnp.zeros(existing_out.shape, acc),
-                                **dict(params, out_dtype=acc))
+                                **dict(params, out_dtype=acc, existing_out_zero=True))
             total = lax.psum(partial_sums, lay.summed)
             return (existing_out.astype(acc) + total).astype(params["out_dtype"])
         return lower

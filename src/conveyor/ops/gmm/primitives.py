@@ -5,7 +5,8 @@ tangents, and the transpose of gmm with respect to lhs is gmm, with respect to r
 (and the other way round). JAX builds reverse mode from JVP + transpose, so first-order,
 second-order and forward-over-reverse derivatives all come from these few rules.
 Params (all static): backend, tiling, interpret, out_dtype, plus transpose_rhs (gmm) or
-num_groups (tgmm).
+num_groups and existing_out_zero (tgmm: a promise that existing_out is all zeros, made where the
+op itself created it, so a backend may write the [G, k, n] result without reading it).
 """
 from __future__ import annotations
 
@@ -130,9 +131,9 @@ def _tgmm_jvp(primals, tangents, **params):
     zeros = jnp.zeros(ex.shape, params["out_dtype"])
     terms = []
     if type(t_lhs) is not Zero:
-        terms.append(bind_tgmm(t_lhs, rhs, gs, go, zeros, **params))
+        terms.append(bind_tgmm(t_lhs, rhs, gs, go, zeros, **dict(params, existing_out_zero=True)))
     if type(t_rhs) is not Zero:
-        terms.append(bind_tgmm(lhs, t_rhs, gs, go, zeros, **params))
+        terms.append(bind_tgmm(lhs, t_rhs, gs, go, zeros, **dict(params, existing_out_zero=True)))
     if type(t_ex) is not Zero:
         terms.append(t_ex.astype(params["out_dtype"]))
     return out, _sum_tangents(terms, out)
@@ -167,7 +168,7 @@ def _gmm_transpose(ct, lhs, rhs, gs, go, ex, *, transpose_rhs, out_dtype, **para
     if is_undefined_primal(rhs):
         a, b = (ct.T, lhs) if transpose_rhs else (lhs.T, ct)
         ct_rhs = bind_tgmm(a, b, gs, go, jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
-                             num_groups=num_groups, out_dtype=rhs.aval.dtype, **bp)
+                             num_groups=num_groups, out_dtype=rhs.aval.dtype, existing_out_zero=True, **bp)
     if is_undefined_primal(ex):
         keep = ~local_row_mask(gs, go, num_groups, m)
         ct_ex = jnp.where(keep[:, None], ct, 0).astype(ex.aval.dtype)
