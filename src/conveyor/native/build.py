@@ -55,6 +55,14 @@ def find_compiler() -> str | None:
     return None
 
 
+def host_should_build() -> bool:
+    """Whether this host has what the kernels need (a C++ compiler, and AVX-512 F/BW/VL/BF16 as
+    Linux's /proc/cpuinfo lists them): where it does, `status()` must be available, and the tests
+    and the wheel check fail instead of falling back to xla."""
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    return find_compiler() is not None and all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
+
+
 def _compiler_version(cxx: str) -> str:
     return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
 

@@ -9,8 +9,9 @@
 // columns; tgmm: ranges of rows) that the XLA CPU thread pool's workers and the calling thread claim
 // from an atomic counter (no thread ever waits for a task that has not started, so a busy pool cannot
 // deadlock the call). Group bounds come from the
-// caller, already clamped to [0, m]; rows outside every group are not touched (the output aliases
-// existing_out). Built and loaded by conveyor/native/build.py.
+// caller, already clamped to [0, m]. Rows (gmm) or blocks (tgmm) no group computes keep existing_out,
+// aliased to the output, or, when the op made existing_out itself (`zero_init`: all zeros), are
+// zeroed in a fresh output. Built and loaded by conveyor/native/build.py.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -71,9 +72,27 @@ inline __mmask16 lane_mask(int64_t lanes) {
 constexpr int64_t PACK_ROWS = 16;
 constexpr int64_t PANELS_PER_BLOCK = 8;
 
+// (a[p], a[p + 1]) as one 32-bit word, the second zero past K.
+inline uint32_t pair_at(const bf16* a, int64_t p, int64_t K) {
+  uint32_t v = a[p];
+  if (p + 1 < K) v |= uint32_t(a[p + 1]) << 16;
+  return v;
+}
+
+// A transposed B (gmm's transpose_rhs: each column contiguous along p) is packed column by column,
+// reading each column's run of p instead of gathering 32 columns at every p.
+inline bool columns_contiguous(int64_t b_row, int64_t b_col) { return b_row == 1 && b_col != 1; }
+
 // float32: dst[p * NR + q] = B(p, j0 + q) for p in [p0, p1), zero past the w real columns.
 template <typename Out>
 inline void pack_panel(const Product<float, Out>& P, int64_t j0, int64_t w, float* dst, int64_t p0, int64_t p1) {
+  if (columns_contiguous(P.b_row, P.b_col)) {
+    for (int64_t q = 0; q < NR; ++q) {
+      const float* col = P.b + (j0 + q) * P.b_col;
+      for (int64_t p = p0; p < p1; ++p) dst[p * NR + q] = q < w ? col[p] : 0.f;
+    }
+    return;
+  }
   for (int64_t p = p0; p < p1; ++p) {
     const float* src = P.b + p * P.b_row + j0 * P.b_col;
     if (P.b_col == 1 && w == NR) {
@@ -90,6 +109,14 @@ inline void pack_panel(const Product<float, Out>& P, int64_t j0, int64_t w, floa
 // Pairs pp in [p0 / 2, p1 / 2) (p0, p1 even, or p1 = K).
 template <typename Out>
 inline void pack_panel(const Product<bf16, Out>& P, int64_t j0, int64_t w, bf16* dst, int64_t p0, int64_t p1) {
+  if (columns_contiguous(P.b_row, P.b_col)) {
+    uint32_t* d32 = (uint32_t*)dst;
+    for (int64_t q = 0; q < NR; ++q) {
+      const bf16* col = P.b + (j0 + q) * P.b_col;
+      for (int64_t pp = p0 / 2; pp < (p1 + 1) / 2; ++pp) d32[pp * NR + q] = q < w ? pair_at(col, 2 * pp, P.K) : 0;
+    }
+    return;
+  }
   for (int64_t pp = p0 / 2; pp < (p1 + 1) / 2; ++pp) {
     bf16* d = dst + pp * NR * 2;
     const bool second = 2 * pp + 1 < P.K;
@@ -134,12 +161,6 @@ inline void tile_f32(const Product<float, Out>& P, const float* a, const float* 
     store_c(c + r * P.ldc, m0, acc[r][0]);
     store_c(c + r * P.ldc + 16, m1, acc[r][1]);
   }
-}
-
-inline uint32_t pair_at(const bf16* a, int64_t p, int64_t K) {
-  uint32_t v = a[p];
-  if (p + 1 < K) v |= uint32_t(a[p + 1]) << 16;
-  return v;
 }
 
 template <int R, typename Out>
@@ -260,7 +281,7 @@ int64_t chunks_of(int64_t units, ffi::ThreadPool& pool) {
 
 template <typename In, typename Out>
 ffi::Error gmm_typed(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> bounds, bool transpose_rhs,
-                     ffi::Result<ffi::AnyBuffer> out, ffi::ThreadPool& pool) {
+                     bool zero_init, ffi::Result<ffi::AnyBuffer> out, ffi::ThreadPool& pool) {
   const auto ld = lhs.dimensions(), rd = rhs.dimensions();
   const int64_t m = ld[0], k = ld[1], groups = rd[0], n = out->dimensions()[1];
   auto work = std::make_shared<Work<In, Out>>();
@@ -277,6 +298,11 @@ ffi::Error gmm_typed(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S3
     if (r1 == r0) continue;
     work->products.push_back(Product<In, Out>{r1 - r0, k, a + r0 * k, k, b + g * k * n,
                                               transpose_rhs ? 1 : n, transpose_rhs ? k : 1, c + r0 * n, n, false});
+  }
+  if (zero_init) {  // rows outside every local group (groups are contiguous: before the first, after the last)
+    const int64_t first = std::clamp<int64_t>(bd[0], 0, m), last = std::clamp<int64_t>(bd[groups], first, m);
+    std::memset(c, 0, sizeof(Out) * first * n);
+    std::memset(c + last * n, 0, sizeof(Out) * (m - last) * n);
   }
   run_parallel(work, pool);
   return ffi::Error::Success();
@@ -311,14 +337,16 @@ ffi::Error tgmm_typed(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S
 bool is(ffi::AnyBuffer x, ffi::DataType t) { return x.element_type() == t; }
 bool is(ffi::Result<ffi::AnyBuffer>& x, ffi::DataType t) { return x->element_type() == t; }
 
+// zero_init: existing is empty and out is written whole (zeros outside the groups); otherwise existing
+// is aliased to out and rows outside the groups keep it.
 ffi::Error gmm_impl(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S32> bounds, ffi::AnyBuffer existing,
-                    ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs, ffi::ThreadPool pool) {
-  (void)existing;  // aliased to out: rows outside the groups keep it
+                    ffi::Result<ffi::AnyBuffer> out, bool transpose_rhs, bool zero_init, ffi::ThreadPool pool) {
+  (void)existing;
   using T = ffi::DataType;
-  if (is(lhs, T::F32) && is(rhs, T::F32) && is(out, T::F32)) return gmm_typed<float, float>(lhs, rhs, bounds, transpose_rhs, out, pool);
-  if (is(lhs, T::F32) && is(rhs, T::F32) && is(out, T::BF16)) return gmm_typed<float, bf16>(lhs, rhs, bounds, transpose_rhs, out, pool);
-  if (is(lhs, T::BF16) && is(rhs, T::BF16) && is(out, T::F32)) return gmm_typed<bf16, float>(lhs, rhs, bounds, transpose_rhs, out, pool);
-  if (is(lhs, T::BF16) && is(rhs, T::BF16) && is(out, T::BF16)) return gmm_typed<bf16, bf16>(lhs, rhs, bounds, transpose_rhs, out, pool);
+  if (is(lhs, T::F32) && is(rhs, T::F32) && is(out, T::F32)) return gmm_typed<float, float>(lhs, rhs, bounds, transpose_rhs, zero_init, out, pool);
+  if (is(lhs, T::F32) && is(rhs, T::F32) && is(out, T::BF16)) return gmm_typed<float, bf16>(lhs, rhs, bounds, transpose_rhs, zero_init, out, pool);
+  if (is(lhs, T::BF16) && is(rhs, T::BF16) && is(out, T::F32)) return gmm_typed<bf16, float>(lhs, rhs, bounds, transpose_rhs, zero_init, out, pool);
+  if (is(lhs, T::BF16) && is(rhs, T::BF16) && is(out, T::BF16)) return gmm_typed<bf16, bf16>(lhs, rhs, bounds, transpose_rhs, zero_init, out, pool);
   return ffi::Error::InvalidArgument("conveyor native gmm: operands must be float32 or bfloat16, both the same");
 }
 
@@ -345,6 +373,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ConveyorGmm, gmm_impl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<bool>("transpose_rhs")
+                                  .Attr<bool>("zero_init")
                                   .Ctx<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ConveyorTgmm, tgmm_impl,

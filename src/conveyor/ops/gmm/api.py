@@ -157,6 +157,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         raise ValueError(f"group_sizes: expected at least rhs.shape[0]={num_groups} groups, got {group_sizes.shape[0]}")
     group_offset = _check_group_offset(group_offset, group_sizes.shape[0], num_groups)
     tiling_lib.check_tiling(tiling)
+    existing_out_zero = existing_out is None
     if existing_out is None:
         existing_out = jnp.zeros((m, n), out_dtype)
     else:
@@ -167,7 +168,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     backend = _choose_backend(backend, interpret)
     return bind_gmm(lhs, rhs, group_sizes, group_offset, existing_out, transpose_rhs=bool(transpose_rhs),
                       out_dtype=out_dtype, backend=backend, tiling=_hashable(tiling),
-                      interpret=_interpret_param(interpret, backend))
+                      interpret=_interpret_param(interpret, backend), existing_out_zero=existing_out_zero)
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,

@@ -59,7 +59,7 @@ def _mosaic_tpu():
 
 
 def run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tiling, interpret,
-            transpose_rhs, out_dtype, platform="cpu"):
+            transpose_rhs, out_dtype, existing_out_zero=False, platform="cpu"):
     m, k = lhs.shape
     n = existing_out.shape[1]
     if backend == backends.AUTO:
@@ -78,7 +78,8 @@ def run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tilin
         return xla.gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t, **kw)
     if backend == "native_cpu":
         _check_native_cpu(platform)
-        return native_cpu.gmm_native_cpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=tiling, **kw)
+        return native_cpu.gmm_native_cpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=tiling,
+                                         existing_out_zero=existing_out_zero, **kw)
     if backend == "mosaic_tpu":
         mod = _mosaic_tpu()
         t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)

@@ -39,27 +39,31 @@ def check(lhs, rhs, out_dtype, tiling) -> None:
         raise NotImplementedError(f"backend='native_cpu': {why}")
 
 
-def gmm_native_cpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, tiling, **_):
-    check(lhs, rhs, out_dtype, tiling)
+def _call(target, lhs, rhs, bounds, existing_out, out_dtype, existing_out_zero, **attrs):
+    """One FFI call. With `existing_out_zero` (the op made existing_out itself: all zeros) the kernel
+    writes the whole result, zeros where no group computes, into a fresh buffer; otherwise the
+    result aliases existing_out and the kernel keeps (gmm) or adds to (tgmm) what it holds. The
+    first saves setting the output to zero and reading it back: at G=64, k=n=1024 f32 a tgmm
+    result is 256 MiB."""
     cdt = jnp.promote_types(lhs.dtype, rhs.dtype)
-    bounds = local_group_boundaries(group_sizes, group_offset, rhs.shape[0], lhs.shape[0])
     out = jax.ShapeDtypeStruct(existing_out.shape, out_dtype)
-    call = jax.ffi.ffi_call(build.GMM_TARGET, out, input_output_aliases={3: 0})
-    return call(lhs.astype(cdt), rhs.astype(cdt), bounds, existing_out.astype(out_dtype),
-                transpose_rhs=bool(transpose_rhs))
+    if existing_out_zero:
+        call = jax.ffi.ffi_call(target, out)
+        return call(lhs.astype(cdt), rhs.astype(cdt), bounds, jnp.zeros((0,), out_dtype), zero_init=True, **attrs)
+    call = jax.ffi.ffi_call(target, out, input_output_aliases={3: 0})
+    return call(lhs.astype(cdt), rhs.astype(cdt), bounds, existing_out.astype(out_dtype), zero_init=False, **attrs)
+
+
+def gmm_native_cpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, tiling,
+                   existing_out_zero=False, **_):
+    check(lhs, rhs, out_dtype, tiling)
+    bounds = local_group_boundaries(group_sizes, group_offset, rhs.shape[0], lhs.shape[0])
+    return _call(build.GMM_TARGET, lhs, rhs, bounds, existing_out, out_dtype, existing_out_zero,
+                 transpose_rhs=bool(transpose_rhs))
 
 
 def tgmm_native_cpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling,
                     existing_out_zero=False, **_):
-    """With `existing_out_zero` (the op made existing_out itself: all zeros) the kernel writes every
-    block once, zeros for empty groups, instead of reading and adding existing_out: at G=64,
-    k=n=1024 f32 that is 256 MiB neither set to zero first nor read back."""
     check(lhs, rhs, out_dtype, tiling)
-    cdt = jnp.promote_types(lhs.dtype, rhs.dtype)
     bounds = local_group_boundaries(group_sizes, group_offset, num_groups, lhs.shape[1])
-    out = jax.ShapeDtypeStruct(existing_out.shape, out_dtype)
-    if existing_out_zero:
-        call = jax.ffi.ffi_call(build.TGMM_TARGET, out)
-        return call(lhs.astype(cdt), rhs.astype(cdt), bounds, jnp.zeros((0,), out_dtype), zero_init=True)
-    call = jax.ffi.ffi_call(build.TGMM_TARGET, out, input_output_aliases={3: 0})
-    return call(lhs.astype(cdt), rhs.astype(cdt), bounds, existing_out.astype(out_dtype), zero_init=False)
+    return _call(build.TGMM_TARGET, lhs, rhs, bounds, existing_out, out_dtype, existing_out_zero)
