@@ -64,12 +64,12 @@ inline __mmask16 lane_mask(int64_t lanes) {
 
 // ---- packing one NR-column panel of B -------------------------------------------------------------
 
-// Rows of B are packed in steps of PACK_ROWS (bf16: pairs) over all panels of a block, so a row-major
+// Rows of B are packed in steps of PACK_UNITS 32-bit units (16 float32 rows, 16 bfloat16 row pairs) over all panels of a block, so a row-major
 // B is read in runs of up to PANELS_PER_BLOCK * 128 bytes instead of one 128-byte piece per 4 KiB row.
 // Measured 2026-11-25 (2-core VM, m=4096, k=n=1024, medians of 5 after bench.timing.settle): blocks of
 // 1 panel packed whole (K rows), and of 4, 8 or 32 panels in steps of 16 rows, were within run-to-run
 // noise of each other (gmm G=64 f32 60-74 ms, tgmm G=256 f32 371-459 ms, no variant best throughout).
-constexpr int64_t PACK_ROWS = 16;
+constexpr int64_t PACK_UNITS = 16;
 constexpr int64_t PANELS_PER_BLOCK = 8;
 
 // (a[p], a[p + 1]) as one 32-bit word, the second zero past K.
@@ -83,10 +83,50 @@ inline uint32_t pair_at(const bf16* a, int64_t p, int64_t K) {
 // reading each column's run of p instead of gathering 32 columns at every p.
 inline bool columns_contiguous(int64_t b_row, int64_t b_col) { return b_row == 1 && b_col != 1; }
 
+// In place: lane j of r[i] becomes lane i of r[j] (a 16 x 16 transpose of 32-bit elements).
+inline void transpose16x16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // Now 128-bit chunk c of r[4 i + j] holds rows 4 i .. 4 i + 3 of column 4 c + j.
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x88), w = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xdd);
+    const __m512i v2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x88), w2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xdd);
+    t[j] = _mm512_shuffle_i32x4(v, v2, 0x88);
+    t[8 + j] = _mm512_shuffle_i32x4(v, v2, 0xdd);
+    t[4 + j] = _mm512_shuffle_i32x4(w, w2, 0x88);
+    t[12 + j] = _mm512_shuffle_i32x4(w, w2, 0xdd);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// A transposed B's panel, 16 units of 32 bits (float32 rows, or bfloat16 row pairs) from u0 on, for
+// all NR columns: each column's 16 units are one contiguous 64-byte load; two 16 x 16 transposes
+// turn them into the panel's rows, dst32[u * NR + q].
+inline void pack_transposed_units(const uint8_t* col0, int64_t col_bytes, int64_t u0, uint32_t* dst32) {
+  for (int h = 0; h < NR; h += 16) {
+    __m512i r[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(col0 + (h + i) * col_bytes + u0 * 4);
+    transpose16x16(r);
+    for (int i = 0; i < 16; ++i) _mm512_store_si512((__m512i*)(dst32 + (u0 + i) * NR + h), r[i]);
+  }
+}
+
 // float32: dst[p * NR + q] = B(p, j0 + q) for p in [p0, p1), zero past the w real columns.
 template <typename Out>
 inline void pack_panel(const Product<float, Out>& P, int64_t j0, int64_t w, float* dst, int64_t p0, int64_t p1) {
   if (columns_contiguous(P.b_row, P.b_col)) {
+    if (w == NR && p1 - p0 == 16) {
+      return pack_transposed_units((const uint8_t*)(P.b + j0 * P.b_col), P.b_col * 4, p0, (uint32_t*)dst);
+    }
     for (int64_t q = 0; q < NR; ++q) {
       const float* col = P.b + (j0 + q) * P.b_col;
       for (int64_t p = p0; p < p1; ++p) dst[p * NR + q] = q < w ? col[p] : 0.f;
@@ -111,6 +151,9 @@ template <typename Out>
 inline void pack_panel(const Product<bf16, Out>& P, int64_t j0, int64_t w, bf16* dst, int64_t p0, int64_t p1) {
   if (columns_contiguous(P.b_row, P.b_col)) {
     uint32_t* d32 = (uint32_t*)dst;
+    if (w == NR && p1 - p0 == 32 && p1 <= P.K) {  // 16 whole pairs
+      return pack_transposed_units((const uint8_t*)(P.b + j0 * P.b_col), P.b_col * 2, p0 / 2, d32);
+    }
     for (int64_t q = 0; q < NR; ++q) {
       const bf16* col = P.b + (j0 + q) * P.b_col;
       for (int64_t pp = p0 / 2; pp < (p1 + 1) / 2; ++pp) d32[pp * NR + q] = q < w ? pair_at(col, 2 * pp, P.K) : 0;
@@ -220,9 +263,10 @@ void product_block(const Product<In, Out>& P, int64_t m0, int64_t m1, int64_t n0
   In* bp = (In*)(((uintptr_t)pack.data() + 63) & ~uintptr_t(63));
   for (int64_t jb = n0; jb < n1; jb += NR * PANELS_PER_BLOCK) {
     const int64_t je = std::min(n1, jb + NR * PANELS_PER_BLOCK), panels = (je - jb + NR - 1) / NR;
-    for (int64_t p = 0; p < P.K; p += PACK_ROWS)
+    constexpr int64_t rows = PACK_UNITS * 4 / int64_t(sizeof(In));
+    for (int64_t p = 0; p < P.K; p += rows)
       for (int64_t q = 0; q < panels; ++q)
-        pack_panel(P, jb + q * NR, std::min(NR, je - jb - q * NR), bp + q * panel, p, std::min(P.K, p + PACK_ROWS));
+        pack_panel(P, jb + q * NR, std::min(NR, je - jb - q * NR), bp + q * panel, p, std::min(P.K, p + rows));
     for (int64_t i = m0; i < m1; i += MR)
       for (int64_t q = 0; q < panels; ++q)
         tile_rows<In, Out>(std::min(MR, m1 - i), P, P.a + i * P.lda, bp + q * panel, P.c + i * P.ldc + jb + q * NR,

@@ -94,6 +94,23 @@ def test_larger_shapes_many_groups_and_poisoned_output(dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_transposed_rhs_whole_and_partial_pack_blocks(dtype):
+    """A transposed rhs is packed by 16 x 16 register transposes where a block has 16 whole 32-bit
+    units (16 float32 rows, 16 bfloat16 row pairs) of 32 columns, and element by element elsewhere:
+    k=130 gives whole blocks and a partial one (bf16: 4 whole pairs and an odd row at the end;
+    k=131), n=200 whole panels and an 8-column one. Rows past the groups come back exactly zero."""
+    rng = np.random.default_rng(35)
+    for m, k, n, g in ((300, 130, 200, 7), (300, 131, 200, 7)):
+        sizes = skewed_sizes(rng, m, g, alpha=0.5, total=m - 5)
+        lhs, rhs = operands(rng, m, k, n, g, dtype, transpose_rhs=True)
+        out = cv.gmm(lhs, rhs, jnp.asarray(sizes), transpose_rhs=True, backend="native_cpu",
+                     preferred_element_type=jnp.float32)
+        np.testing.assert_array_equal(out[m - 5:], 0.0)
+        assert_close(out[:m - 5], numpy_gmm(lhs[:m - 5], rhs, sizes, transpose_rhs=True), k, jnp.float32)
+
+
+@needs_native
 def test_bfloat16_subnormals_flush_to_zero_as_xla_does():
     """vdpbf16ps treats subnormal bf16 inputs as zero; XLA:CPU's own bf16 dot does too (measured
     here on jax 0.12), so the two CPU backends agree on them."""
