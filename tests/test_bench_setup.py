@@ -80,3 +80,14 @@ def test_gpu_benchmark_runs_end_to_end_on_cpu_through_the_interpreter(monkeypatc
         assert float(rows[f"cv.{op} xla"][1]) > 0
     for upstream in ("ragged_dot_mgpu", "transposed_ragged_dot_mgpu"):   # GPU-only kernels: said, not blank
         assert "failed" in rows[upstream][7], rows[upstream]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_moe_ffn_bench_candidates_agree(dtype):
+    """The FFN rows' candidates (cv.gmm, the xla backend, ragged_dot, the floors) run in both dtypes
+    at a tiny shape and cv.gmm's gradients match ragged_dot's: float32 to ~1e-6; bfloat16 to the
+    rounding of the hidden activation to bf16 (relative 2^-8 per element, a few of them summed)."""
+    from conveyor.bench.gmm import bench_moe_ffn
+    r = bench_moe_ffn(3, 1, m=48, d=16, f=32, dtype=dtype)
+    assert set(r["t"]) == {"batched", "loop", "gmm", "xla", "ragged_dot"}
+    assert r["rel"] < (1e-5 if dtype == jnp.float32 else 2e-2)

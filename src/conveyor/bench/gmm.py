@@ -7,6 +7,7 @@ Rows: m=4096, k=n=1024, f32 and bf16, G in {1, 8, 64, 256}, Dirichlet(1)-skewed 
 from __future__ import annotations
 
 import datetime
+import itertools
 import platform
 
 import jax
@@ -157,8 +158,9 @@ def bench_tgmm(p: GmmProblem, dtype, reps: int) -> dict:
 
 
 def moe_ffn(x, w1, w2, sizes, matmul):
-    """Two-layer MoE feed-forward: gelu(x @ w1[e]) @ w2[e] per expert e."""
-    return matmul(jax.nn.gelu(matmul(x, w1, sizes)), w2, sizes)
+    """Two-layer MoE feed-forward: gelu(x @ w1[e]) @ w2[e] per expert e. Every matmul returns float32;
+    the hidden activation goes back to the operands' dtype (bf16 training keeps bf16 activations)."""
+    return matmul(jax.nn.gelu(matmul(x, w1, sizes)).astype(x.dtype), w2, sizes)
 
 
 def ffn_loss_and_grads(matmul):
@@ -167,15 +169,16 @@ def ffn_loss_and_grads(matmul):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-def bench_moe_ffn(groups: int, reps: int, m=2048, d=512, f=1024) -> dict:
+def bench_moe_ffn(groups: int, reps: int, m=2048, d=512, f=1024, dtype=jnp.float32) -> dict:
     rng = np.random.default_rng(200 + groups)
     sizes = jnp.asarray(skewed_group_sizes(m, groups, seed=groups))
-    x = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
-    w1 = jnp.asarray(rng.standard_normal((groups, d, f)) / np.sqrt(d), jnp.float32)
-    w2 = jnp.asarray(rng.standard_normal((groups, f, d)) / np.sqrt(f), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((m, d)), dtype)
+    w1 = jnp.asarray(rng.standard_normal((groups, d, f)) / np.sqrt(d), dtype)
+    w2 = jnp.asarray(rng.standard_normal((groups, f, d)) / np.sqrt(f), dtype)
     ct = jnp.asarray(rng.standard_normal((m, d)), jnp.float32)
-    ours = ffn_loss_and_grads(lambda a, b, s: cv.gmm(a, b, s))
-    ours_xla = ffn_loss_and_grads(lambda a, b, s: cv.gmm(a, b, s, backend="xla"))
+    f32 = jnp.float32
+    ours = ffn_loss_and_grads(lambda a, b, s: cv.gmm(a, b, s, preferred_element_type=f32))
+    ours_xla = ffn_loss_and_grads(lambda a, b, s: cv.gmm(a, b, s, backend="xla", preferred_element_type=f32))
     ragged = ffn_loss_and_grads(lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32))
     batched = ffn_loss_and_grads(lambda a, b, s: equal_split_gmm(a, b))
     loop = ffn_loss_and_grads(lambda a, b, s: equal_split_loop_gmm(a, b))
@@ -186,7 +189,8 @@ def bench_moe_ffn(groups: int, reps: int, m=2048, d=512, f=1024) -> dict:
                              "ragged_dot": lambda: ragged(x, w1, w2, sizes, ct)}, reps,
                             {"ragged_dot": 1 if groups > 8 else 3})
     g_ours, g_ragged = ours(x, w1, w2, sizes, ct)[1], ragged(x, w1, w2, sizes, ct)[1]
-    rel = max(float(jnp.abs(a - b).max() / jnp.abs(b).max()) for a, b in zip(g_ours, g_ragged))
+    rel = max(float(jnp.abs(a.astype(f32) - b.astype(f32)).max() / jnp.abs(b.astype(f32)).max())
+              for a, b in zip(g_ours, g_ragged))
     return dict(t=t, rel=rel, shape=(m, d, f))
 
 
@@ -222,7 +226,7 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
     """
     m, k, n = shape or (BENCH_GMM[0].m, BENCH_GMM[0].k, BENCH_GMM[0].n)
     problems = [GmmProblem(name=f"moe-g{g}", m=m, k=k, n=n, groups=g) for g in groups]
-    bar = progress_bar(len(dtypes) * (len(problems) + sum(p.groups > 1 for p in problems)) + 2 + len(ffn_groups),
+    bar = progress_bar(len(dtypes) * (len(problems) + sum(p.groups > 1 for p in problems)) + 2 + len(dtypes) * len(ffn_groups),
                        "bench gmm", "row")
     lines = [f"# gmm benchmark, {datetime.date.today().isoformat()}", "",
              f"Machine: {platform.machine()}, {jax.device_count()} JAX CPU device(s), "
@@ -290,13 +294,14 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
         lines.append(f"| {name} | {c['lower']:.2f} | {c['compile']:.2f} | {c['lower'] + c['compile']:.2f} | {c['chars']} |")
         bar.write(lines[-1])
         bar.update()
-    lines += ["", "## Two-layer MoE FFN, forward + backward (f32)", "",
-              "| G | tokens, d, f | batched floor | loop floor | cv.gmm | cv xla | ragged_dot | gmm/batched | loop/batched | "
-              "gmm/loop | speed-up vs ragged_dot | max rel. grad diff |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for g in ffn_groups:
-        r = bench_moe_ffn(g, reps)
+    lines += ["", "## Two-layer MoE FFN, forward + backward", "",
+              "Operands and weights in the row's dtype, every matmul returning float32 (the floors' einsums too).", "",
+              "| dtype | G | tokens, d, f | batched floor | loop floor | cv.gmm | cv xla | ragged_dot | gmm/batched | loop/batched | "
+              "gmm/loop | speed-up vs ragged_dot | max rel. grad diff |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for dt, g in itertools.product(dtypes, ffn_groups):
+        r = bench_moe_ffn(g, reps, dtype=jnp.dtype(dt))
         t = r["t"]
-        lines.append(f"| {g} | {r['shape']} | {_fmt(t['batched'] * 1e3)} | {_fmt(t['loop'] * 1e3)} | "
+        lines.append(f"| {dt} | {g} | {r['shape']} | {_fmt(t['batched'] * 1e3)} | {_fmt(t['loop'] * 1e3)} | "
                      f"{_fmt(t['gmm'] * 1e3)} | {_fmt(t['xla'] * 1e3)} | {_fmt(t['ragged_dot'] * 1e3)} | {_ratio(t['gmm'], t['batched'])} | "
                      f"{_ratio(t['loop'], t['batched'])} | {_ratio(t['gmm'], t['loop'])} | "
                      f"{t['ragged_dot'] / t['gmm']:.1f}x | {r['rel']:.1e} |")
