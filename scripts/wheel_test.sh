@@ -31,7 +31,8 @@ src = pathlib.Path("src")
 missing = [str(p.relative_to(src)) for p in src.rglob("*.py") if str(p.relative_to(src)) not in names]
 assert not missing, f"wheel-test: modules missing from the wheel: {missing}"
 assert not [n for n in names if n.startswith("tests/")], "wheel-test: the wheel carries tests/"
-assert "conveyor/native/gmm_cpu.cc" in names, "wheel-test: the wheel lacks the native kernels' source"
+for source in ("gmm_cpu.cc", "gmm_cpu_avx512.h", "gmm_cpu_avx2.h"):
+    assert f"conveyor/native/{source}" in names, f"wheel-test: the wheel lacks the native kernels' {source}"
 EOF
 
 BASE=$("$PY" -c 'import sys; print(sys._base_executable)')
@@ -63,7 +64,7 @@ JAX_PLATFORMS=cpu "$WORK/venv/bin/python" quickstart.py
 echo "wheel-test: README quick start ran"
 
 # The native CPU kernels build from the installed wheel's source (into a fresh cache) where this
-# host can run them (a C++ compiler and AVX-512 BF16): the same rule as tests/ops/gmm/test_native_cpu.py.
+# host can run them (a C++ compiler and AVX2 + FMA or AVX-512 BF16): the same rule as tests/ops/gmm/test_native_cpu.py.
 CONVEYOR_CACHE_DIR="$WORK/cache" "$WORK/venv/bin/python" - <<'EOF'
 from conveyor.native import build
 st = build.status()

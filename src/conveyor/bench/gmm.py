@@ -234,7 +234,7 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
              f"Medians of {reps} interleaved runs (slow baselines: 1-2 runs). Times in ms.", ""]
     native = build.status()
     lines.append("cv.gmm / cv.tgmm: backend=None, which ran "
-                 + ("native_cpu (Conveyor's AVX-512 kernels)." if native.available else f"xla ({native.reason}).")
+                 + (f"native_cpu (Conveyor's {native.isa} kernels)." if native.available else f"xla ({native.reason}).")
                  + " cv xla: the same call with backend=\"xla\".")
     bw = copy_bandwidth(reps)
     lines.append(f"Measured copy bandwidth: {bw / 1e9:.1f} GB/s (read+write).")

@@ -3,10 +3,13 @@
 The C++ source ships with the package; the first call that needs it compiles it with the host's
 C++ compiler (`$CXX`, else `c++`, `g++` or `clang++`) against the FFI headers of the installed
 jaxlib, into a cache directory (`$CONVEYOR_CACHE_DIR`, else `$XDG_CACHE_HOME/conveyor`, else
-`~/.cache/conveyor`) keyed by the source, the flags, the compiler and jaxlib versions: a few seconds
-once per machine and version. The kernels need AVX-512 with bfloat16 dot products (checked at run
-time). Without a compiler or such a CPU, or with `CONVEYOR_NATIVE=0`, `status()` says why and
-`backend=None` keeps the xla backend; asking for `backend="native_cpu"` then raises with that reason.
+`~/.cache/conveyor`) keyed by the sources, the flags, the compiler and jaxlib versions: a few seconds
+once per machine and version. Two builds of one source, for two instruction sets: `avx512` (AVX-512
+F/BW/VL/BF16: bfloat16 dot products in hardware) where the CPU has it, else `avx2` (AVX2 and FMA;
+bfloat16 widened to float32), checked at run time; `CONVEYOR_NATIVE_ISA=avx2` picks the second on
+any CPU that runs it (how the tests check it on an AVX-512 host). Without a compiler or such a CPU,
+or with `CONVEYOR_NATIVE=0`, `status()` says why and `backend=None` keeps the xla backend; asking
+for `backend="native_cpu"` then raises with that reason.
 """
 from __future__ import annotations
 
@@ -24,8 +27,15 @@ import jax
 import jaxlib
 
 SOURCE = Path(__file__).with_name("gmm_cpu.cc")
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC",
-         "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
+# The driver and the instruction-set parts it includes (all part of the cache key).
+SOURCES = (SOURCE, SOURCE.with_name("gmm_cpu_avx512.h"), SOURCE.with_name("gmm_cpu_avx2.h"))
+COMMON_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
+# Instruction sets, best first: the flags each build adds.
+ISA_FLAGS = {
+    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+    "avx2": ("-mavx2", "-mfma", "-DCONVEYOR_ISA_AVX2"),
+}
+ISA_CPU_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), "avx2": ("avx2", "fma")}
 # FFI target names, registered for the CPU platform.
 GMM_TARGET = "conveyor_gmm_cpu"
 TGMM_TARGET = "conveyor_tgmm_cpu"
@@ -37,6 +47,7 @@ class NativeStatus:
     available: bool
     reason: str = ""
     library: str = ""
+    isa: str = ""   # "avx512" or "avx2" where available
 
 
 def cache_dir() -> Path:
@@ -55,34 +66,39 @@ def find_compiler() -> str | None:
     return None
 
 
+def host_isas() -> tuple[str, ...]:
+    """The instruction sets of ISA_FLAGS this CPU has, best first, as Linux's /proc/cpuinfo lists them."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    return tuple(isa for isa, need in ISA_CPU_FLAGS.items() if flags.issuperset(need))
+
+
 def host_should_build() -> bool:
-    """Whether this host has what the kernels need (a C++ compiler, and AVX-512 F/BW/VL/BF16 as
-    Linux's /proc/cpuinfo lists them): where it does, `status()` must be available, and the tests
-    and the wheel check fail instead of falling back to xla."""
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    return find_compiler() is not None and all(f in flags for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
+    """Whether this host has what the kernels need (a C++ compiler, and AVX2 + FMA at least): where it
+    does, `status()` must be available, and the tests and the wheel check fail instead of falling
+    back to xla."""
+    return find_compiler() is not None and bool(host_isas())
 
 
 def _compiler_version(cxx: str) -> str:
     return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
 
 
-def library_path(cxx: str) -> Path:
-    """Where the library built from this source with `cxx` lives in the cache."""
+def library_path(cxx: str, isa: str = "avx512") -> Path:
+    """Where the library built from the sources for `isa` with `cxx` lives in the cache."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), _compiler_version(cxx).encode(),
-                 jaxlib.__version__.encode()):
+    for part in (*(s.read_bytes() for s in SOURCES), " ".join(COMMON_FLAGS + ISA_FLAGS[isa]).encode(),
+                 _compiler_version(cxx).encode(), jaxlib.__version__.encode()):
         key.update(part)
-    return cache_dir() / f"conveyor_native_{key.hexdigest()[:16]}.so"
+    return cache_dir() / f"conveyor_native_{isa}_{key.hexdigest()[:16]}.so"
 
 
-def compile_library(cxx: str, out: Path) -> None:
-    """Compile SOURCE into `out` (atomically: concurrent processes each write a temporary file)."""
+def compile_library(cxx: str, out: Path, isa: str = "avx512") -> None:
+    """Compile SOURCE for `isa` into `out` (atomically: concurrent processes each write a temporary file)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+        cmd = [cxx, *COMMON_FLAGS, *ISA_FLAGS[isa], "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             raise RuntimeError(f"`{' '.join(cmd)}` failed:\n{done.stderr[-2000:]}")
@@ -94,23 +110,33 @@ def compile_library(cxx: str, out: Path) -> None:
 
 @functools.cache
 def status() -> NativeStatus:
-    """Build (once per machine), load and register the kernels; never raises."""
+    """Build (once per machine), load and register the kernels for the best instruction set this CPU
+    runs (or `$CONVEYOR_NATIVE_ISA`); never raises."""
     if os.environ.get("CONVEYOR_NATIVE", "1") == "0":
         return NativeStatus(available=False, reason="disabled by CONVEYOR_NATIVE=0")
+    forced = os.environ.get("CONVEYOR_NATIVE_ISA", "")
+    if forced and forced not in ISA_FLAGS:
+        return NativeStatus(available=False, reason=f"CONVEYOR_NATIVE_ISA={forced!r}: expected one of {sorted(ISA_FLAGS)}")
     cxx = find_compiler()
     if cxx is None:
         return NativeStatus(available=False, reason="no C++ compiler found ($CXX, c++, g++, clang++)")
-    path = library_path(cxx)
-    try:
-        if not path.exists():
-            compile_library(cxx, path)
-        lib = ctypes.CDLL(str(path))
-        supported, gmm, tgmm = lib.conveyor_native_cpu_supported, lib.ConveyorGmm, lib.ConveyorTgmm
-    except (OSError, RuntimeError, AttributeError) as e:
-        return NativeStatus(available=False, reason=f"building the native kernels failed: {e}")
-    if not supported():
-        return NativeStatus(available=False, library=str(path),
-                            reason="this CPU lacks AVX-512 (F, BW, VL and BF16), which the native kernels use")
-    jax.ffi.register_ffi_target(GMM_TARGET, jax.ffi.pycapsule(gmm), platform="cpu")
-    jax.ffi.register_ffi_target(TGMM_TARGET, jax.ffi.pycapsule(tgmm), platform="cpu")
-    return NativeStatus(available=True, library=str(path))
+    # Only builds this CPU runs are loaded (a library compiled for AVX-512 may use it as it loads); where
+    # /proc/cpuinfo is missing each build is loaded and asked.
+    candidates = [forced] if forced else list(ISA_FLAGS)
+    if Path("/proc/cpuinfo").exists():
+        candidates = [isa for isa in candidates if isa in host_isas()]
+    for isa in candidates:
+        path = library_path(cxx, isa)
+        try:
+            if not path.exists():
+                compile_library(cxx, path, isa)
+            lib = ctypes.CDLL(str(path))
+            supported, gmm, tgmm = lib.conveyor_native_cpu_supported, lib.ConveyorGmm, lib.ConveyorTgmm
+        except (OSError, RuntimeError, AttributeError) as e:
+            return NativeStatus(available=False, reason=f"building the native kernels ({isa}) failed: {e}")
+        if supported():
+            jax.ffi.register_ffi_target(GMM_TARGET, jax.ffi.pycapsule(gmm), platform="cpu")
+            jax.ffi.register_ffi_target(TGMM_TARGET, jax.ffi.pycapsule(tgmm), platform="cpu")
+            return NativeStatus(available=True, library=str(path), isa=isa)
+    wanted = " or ".join("/".join(ISA_CPU_FLAGS[i]) for i in ([forced] if forced else ISA_FLAGS))
+    return NativeStatus(available=False, reason=f"this CPU lacks {wanted}, which the native kernels use")

@@ -1,6 +1,11 @@
-"""gmm/tgmm on native_cpu (Conveyor's AVX-512 kernels through the XLA FFI) against the reference:
+"""gmm/tgmm on native_cpu (Conveyor's AVX-512 or AVX2 kernels through the XLA FFI) against the reference:
 the shared suite at shapes that leave partial 10-row and 32-column register tiles and odd
 contraction lengths, the bfloat16 path, the build and dispatch rules, and the refusals."""
+import os
+import pathlib
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,20 +13,36 @@ import pytest
 
 import conveyor as cv
 from conveyor.native import build
-from conveyor.ops.gmm import backend_impls
+from conveyor.ops.gmm import backend_impls, native_cpu
 from tests.ops.gmm.base import GmmBackendTests, assert_close
 from tests.ops.gmm.problems import numpy_gmm, numpy_tgmm, operands, skewed_sizes
 
 STATUS = build.status()
-# Skipped only where the kernels cannot build (no compiler, or a CPU without AVX-512 BF16): see the first test.
+# Skipped only where the kernels cannot build (no compiler, or a CPU without AVX2 + FMA): see the first test.
 needs_native = pytest.mark.skipif(not STATUS.available, reason=f"native kernels unavailable: {STATUS.reason}")
 
 
 def test_native_kernels_build_where_they_can():
-    """Not skipped: on a host with a C++ compiler and an AVX-512 BF16 CPU (this project's CI), the
-    kernels must build, so a broken build fails here instead of silently falling back to xla."""
+    """Not skipped: on a host with a C++ compiler and AVX2 + FMA (this project's CI has AVX-512 BF16
+    too), the kernels must build, for the best instruction set the host has (or the one
+    CONVEYOR_NATIVE_ISA names), so a broken build fails here instead of silently falling back to xla."""
     if build.host_should_build():
         assert STATUS.available, STATUS.reason
+        assert STATUS.isa == (os.environ.get("CONVEYOR_NATIVE_ISA") or build.host_isas()[0])
+
+
+@pytest.mark.skipif(os.environ.get("CONVEYOR_NATIVE_ISA") is not None or "avx2" not in build.host_isas()
+                    or build.host_isas()[0] == "avx2" or build.find_compiler() is None,
+                    reason="runs the avx2 build from an AVX-512 host's suite (elsewhere the suite runs it itself)")
+def test_the_avx2_build_passes_this_suite():
+    """The AVX2 build (for CPUs without AVX-512 BF16: most laptops and CI runners) runs this whole
+    file in a fresh process that picks it by CONVEYOR_NATIVE_ISA=avx2."""
+    env = dict(os.environ, CONVEYOR_NATIVE_ISA="avx2")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                          env=env, capture_output=True, text=True, timeout=600,
+                          cwd=pathlib.Path(__file__).resolve().parents[3])
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and " failed" not in done.stdout
 
 
 @needs_native
@@ -61,14 +82,16 @@ def test_float16_and_float64_are_refused_by_name():
 
 @needs_native
 def test_default_on_cpu_is_native_and_agrees_with_xla():
-    """backend=None on CPU runs native_cpu for float32/bfloat16 (same values as xla, up to summation
-    order) and xla where native cannot (float16)."""
+    """backend=None on CPU runs the AVX-512 build for float32/bfloat16 (same values as xla, up to
+    summation order), and xla where native cannot (float16) or where only the AVX2 build loaded."""
     rng = np.random.default_rng(31)
     m, k, n, g = 150, 64, 96, 5
     sizes = jnp.asarray(skewed_sizes(rng, m, g))
     lhs, rhs = operands(rng, m, k, n, g, jnp.float32)
     assert backend_impls.auto_backend("cpu", lambda: False, lambda: True) == "native_cpu"
-    np.testing.assert_array_equal(cv.gmm(lhs, rhs, sizes), cv.gmm(lhs, rhs, sizes, backend="native_cpu"))
+    default = "native_cpu" if STATUS.isa in native_cpu.DEFAULT_ISAS else "xla"
+    assert native_cpu.chosen_by_default(lhs.dtype, rhs.dtype, lhs.dtype, None) == (default == "native_cpu")
+    np.testing.assert_array_equal(cv.gmm(lhs, rhs, sizes), cv.gmm(lhs, rhs, sizes, backend=default))
     assert_close(cv.gmm(lhs, rhs, sizes), np.asarray(cv.gmm(lhs, rhs, sizes, backend="xla")), k, jnp.float32)
     h, w = lhs.astype(jnp.float16), rhs.astype(jnp.float16)
     np.testing.assert_array_equal(cv.gmm(h, w, sizes), cv.gmm(h, w, sizes, backend="xla"))
@@ -145,3 +168,32 @@ def test_unavailable_backend_names_the_reason(monkeypatch):
         jax.jit(lambda a, b: cv.gmm(a, b, jnp.asarray([6], jnp.int32), backend="native_cpu"))(lhs, rhs)
     out = jax.jit(lambda a, b: cv.gmm(a, b, jnp.asarray([6], jnp.int32)))(lhs * 1.5, rhs)   # a fresh trace: xla
     assert_close(out, numpy_gmm(lhs * 1.5, rhs, np.array([6])), 4, jnp.float32)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bfloat16_output_is_the_float32_result_rounded_as_xla_rounds(dtype):
+    """A bfloat16 output is the kernel's float32 result rounded to nearest even, bit for bit as XLA's
+    convert does (the accumulation is the same; only the store differs), NaN rows included; n=70
+    leaves partial register tiles."""
+    rng = np.random.default_rng(36)
+    m, k, n, g = 90, 33, 70, 4
+    sizes = jnp.asarray(skewed_sizes(rng, m, g))
+    lhs, rhs = operands(rng, m, k, n, g, dtype)
+    lhs = lhs.at[5].set(jnp.nan).at[6].set(jnp.inf) * 37.0   # NaN rows; a wide range of magnitudes
+    wide = cv.gmm(lhs, rhs, sizes, backend="native_cpu", preferred_element_type=jnp.float32)
+    narrow = cv.gmm(lhs, rhs, sizes, backend="native_cpu", preferred_element_type=jnp.bfloat16)
+    assert np.isnan(np.asarray(wide[5], np.float32)).all()
+    got, want = np.asarray(narrow), np.asarray(wide.astype(jnp.bfloat16))
+    nan = np.isnan(want.astype(np.float32))
+    np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan)
+    np.testing.assert_array_equal(got.view(np.uint16)[~nan], want.view(np.uint16)[~nan])
+
+
+def test_avx2_build_is_not_the_default(monkeypatch):
+    """An AVX2 build runs when named, and backend=None keeps xla beside it (see native_cpu.DEFAULT_ISAS)."""
+    monkeypatch.setattr(build, "status", lambda: build.NativeStatus(available=True, isa="avx2"))
+    assert not native_cpu.chosen_by_default(jnp.float32, jnp.float32, jnp.float32, None)
+    monkeypatch.setattr(build, "status", lambda: build.NativeStatus(available=True, isa="avx512"))
+    assert native_cpu.chosen_by_default(jnp.bfloat16, jnp.bfloat16, jnp.float32, None)
+    assert not native_cpu.chosen_by_default(jnp.float16, jnp.float16, jnp.float32, None)

@@ -117,8 +117,9 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       transpose_rhs: rhs is [G, n, k] and used transposed.
       backend: "xla", "native_cpu", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the
         op is lowered, for the platform it is lowered for: for CPU native_cpu where its kernels
-        built (AVX-512 BF16 and a C++ compiler), the operands and output are float32/bfloat16 and
-        no tiling is given, xla otherwise and in exported programs; mosaic_tpu for TPU; for CUDA mosaic_gpu where it runs
+        built for AVX-512 BF16 (with a C++ compiler; the AVX2 build runs only when named), the
+        operands and output are float32/bfloat16 and no tiling is given, xla otherwise and in
+        exported programs; mosaic_tpu for TPU; for CUDA mosaic_gpu where it runs
         the call (Hopper GPUs, or a host without GPUs exporting for cuda; operands within its
         limits below), xla otherwise (f32 operands, k or n off its tile multiples, a `tiling` it
         cannot use, pre-Hopper GPUs, ROCm). mosaic_gpu takes bfloat16/float16

@@ -13,8 +13,8 @@ def auto_backend(platform: str, mosaic_gpu_takes, native_cpu_takes=lambda: False
     """backend=None, for the platform being lowered for: mosaic_tpu on TPU; on CUDA (Hopper, or a
     host exporting for cuda) mosaic_gpu when `mosaic_gpu_takes()` says the kernel runs these
     operands (16-bit, or float32 beside 16-bit; shapes and tiling within its limits), else xla;
-    on CPU native_cpu when `native_cpu_takes()` (the kernels built here, float32/bfloat16, no
-    tiling) and the program is not being exported, else xla.
+    on CPU native_cpu when `native_cpu_takes()` (the AVX-512 kernels built here, float32/bfloat16,
+    no tiling) and the program is not being exported, else xla.
     The fallback is the documented rule of `cv.gmm`'s `backend` argument, not an error: the
     xla backend computes the same result for every input."""
     if platform == "cpu":
@@ -69,7 +69,7 @@ def run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tilin
                 *mosaic_gpu.wgmma_operands("gmm", lhs, rhs), _mosaic_gpu_gmm_tile(tiling, m, k, n, transpose_rhs),
                 transpose_rhs))
         backend = auto_backend(platform, mosaic_gpu_takes,
-                               lambda: native_cpu.unsupported(lhs.dtype, rhs.dtype, out_dtype, tiling) is None)
+                               lambda: native_cpu.chosen_by_default(lhs.dtype, rhs.dtype, out_dtype, tiling))
     kw = dict(transpose_rhs=transpose_rhs, out_dtype=out_dtype)
     if backend == "reference":
         return reference.gmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, **kw)
@@ -103,7 +103,7 @@ def run_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tili
             return _accepted(lambda: mosaic_gpu_tgmm.check_tgmm_args(
                 *mosaic_gpu.wgmma_operands("tgmm", lhs, rhs), _mosaic_gpu_tgmm_tile(tiling, m, k, n)))
         backend = auto_backend(platform, mosaic_gpu_takes,
-                               lambda: native_cpu.unsupported(lhs.dtype, rhs.dtype, out_dtype, tiling) is None)
+                               lambda: native_cpu.chosen_by_default(lhs.dtype, rhs.dtype, out_dtype, tiling))
     kw = dict(num_groups=num_groups, out_dtype=out_dtype)
     if backend == "reference":
         return reference.tgmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, **kw)
