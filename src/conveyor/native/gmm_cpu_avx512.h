@@ -210,8 +210,8 @@ inline void pack_a_units(const uint8_t* a, int64_t row_bytes, int64_t rows, int6
 // read one contiguous stream instead of `rows` streams lda apart (for lda a multiple of 4 KiB all in
 // one L1 set), and the bfloat16 tile needs no odd-K test per step. Packed once per row tile and block
 // of panels. Measured 2026-11-25 against unpacked A, packing element by element then (2-core VM, m=4096,
-// k=n=1024, medians of 9): bf16 gmm G=64 38.2 -> 35.4
-// ms, G=256 69.1 -> 62.3; float32 within noise (G=64 63.3 -> 60.4, G=256 100.1 -> 106.8).
+// k=n=1024, medians of 9): bf16 gmm G=64 38.2 -> 35.4 ms, G=256 69.1 -> 62.3; float32 within noise
+// (G=64 63.3 -> 60.4, G=256 100.1 -> 106.8).
 template <typename Out>
 inline void pack_a(const Product<float, Out>& P, const float* a, int64_t rows, float* dst) {
   pack_a_units((const uint8_t*)a, P.lda * 4, rows, P.K, (uint32_t*)dst);
