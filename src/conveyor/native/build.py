@@ -125,6 +125,7 @@ def status() -> NativeStatus:
     candidates = [forced] if forced else list(ISA_FLAGS)
     if Path("/proc/cpuinfo").exists():
         candidates = [isa for isa in candidates if isa in host_isas()]
+    failures = []   # a build that fails (e.g. a compiler without -mavx512bf16) leaves the next one to try
     for isa in candidates:
         path = library_path(cxx, isa)
         try:
@@ -133,10 +134,13 @@ def status() -> NativeStatus:
             lib = ctypes.CDLL(str(path))
             supported, gmm, tgmm = lib.conveyor_native_cpu_supported, lib.ConveyorGmm, lib.ConveyorTgmm
         except (OSError, RuntimeError, AttributeError) as e:
-            return NativeStatus(available=False, reason=f"building the native kernels ({isa}) failed: {e}")
+            failures.append(f"building the native kernels ({isa}) failed: {e}")
+            continue
         if supported():
             jax.ffi.register_ffi_target(GMM_TARGET, jax.ffi.pycapsule(gmm), platform="cpu")
             jax.ffi.register_ffi_target(TGMM_TARGET, jax.ffi.pycapsule(tgmm), platform="cpu")
             return NativeStatus(available=True, library=str(path), isa=isa)
+    if failures:
+        return NativeStatus(available=False, reason="; ".join(failures))
     wanted = " or ".join("/".join(ISA_CPU_FLAGS[i]) for i in ([forced] if forced else ISA_FLAGS))
     return NativeStatus(available=False, reason=f"this CPU lacks {wanted}, which the native kernels use")

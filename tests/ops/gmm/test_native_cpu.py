@@ -197,3 +197,26 @@ def test_avx2_build_is_not_the_default(monkeypatch):
     monkeypatch.setattr(build, "status", lambda: build.NativeStatus(available=True, isa="avx512"))
     assert native_cpu.chosen_by_default(jnp.bfloat16, jnp.bfloat16, jnp.float32, None)
     assert not native_cpu.chosen_by_default(jnp.float16, jnp.float16, jnp.float32, None)
+
+
+@pytest.mark.skipif(os.environ.get("CONVEYOR_NATIVE_ISA") is not None or build.host_isas()[:2] != ("avx512", "avx2")
+                    or build.find_compiler() is None, reason="needs a host with both instruction sets and a compiler")
+def test_a_failed_build_leaves_the_next_instruction_set(monkeypatch, tmp_path):
+    """A compiler that cannot build the AVX-512 kernels (e.g. no -mavx512bf16) leaves the AVX2 build,
+    and the reason is kept where none builds. Registration is stubbed: this process keeps its kernels."""
+    real_path, real_compile = build.library_path, build.compile_library
+
+    def compile_or_fail(cxx, out, isa="avx512"):
+        if isa == "avx512":
+            raise RuntimeError("no -mavx512bf16 (test)")
+        real_compile(cxx, out, isa)
+
+    monkeypatch.setattr(build, "library_path", lambda cxx, isa="avx512": tmp_path / "none.so" if isa == "avx512"
+                        else real_path(cxx, isa))
+    monkeypatch.setattr(build, "compile_library", compile_or_fail)
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda *a, **k: None)
+    st = build.status.__wrapped__()
+    assert st.available and st.isa == "avx2", st
+    monkeypatch.setenv("CONVEYOR_NATIVE_ISA", "avx512")
+    st = build.status.__wrapped__()
+    assert not st.available and "no -mavx512bf16 (test)" in st.reason
