@@ -124,7 +124,8 @@ def status() -> NativeStatus:
     # /proc/cpuinfo is missing each build is loaded and asked.
     candidates = [forced] if forced else list(ISA_FLAGS)
     if Path("/proc/cpuinfo").exists():
-        candidates = [isa for isa in candidates if isa in host_isas()]
+        runs_here = host_isas()
+        candidates = [isa for isa in candidates if isa in runs_here]
     failures = []   # a build that fails (e.g. a compiler without -mavx512bf16) leaves the next one to try
     for isa in candidates:
         path = library_path(cxx, isa)
