@@ -38,7 +38,7 @@ def test_predictions_match_published_measurements_or_explain_the_miss():
     for r in checked:
         assert r["within"] or r["miss_explained"], r
     assert sum(r["within"] for r in checked) >= 4
-    assert validation.markdown() in (DOCS / "simulator.md").read_text()
+    assert validation.markdown(rows) in (DOCS / "simulator.md").read_text()
 
 
 def test_bottlenecks_move_the_way_the_hardware_says():

@@ -4,10 +4,11 @@ The C++ source ships with the package; the first call that needs it compiles it 
 C++ compiler (`$CXX`, else `c++`, `g++` or `clang++`) against the FFI headers of the installed
 jaxlib, into a cache directory (`$CONVEYOR_CACHE_DIR`, else `$XDG_CACHE_HOME/conveyor`, else
 `~/.cache/conveyor`) keyed by the sources, the flags, the compiler and jaxlib versions: a few seconds
-once per machine and version. Two builds of one source, for two instruction sets: `avx512` (AVX-512
-F/BW/VL/BF16: bfloat16 dot products in hardware) where the CPU has it, else `avx2` (AVX2 and FMA;
-bfloat16 widened to float32), checked at run time; `CONVEYOR_NATIVE_ISA=avx2` picks the second on
-any CPU that runs it (how the tests check it on an AVX-512 host). Without a compiler or such a CPU,
+once per machine and version. Three builds of one source, the best the CPU runs first (checked at
+run time): `amx` (the AVX-512 build with bfloat16 products on Intel AMX tiles, where the CPU has
+AMX-BF16 and Linux lets the process use it), `avx512` (AVX-512 F/BW/VL/BF16: bfloat16 dot products
+by vdpbf16ps), `avx2` (AVX2 and FMA; bfloat16 widened to float32). `CONVEYOR_NATIVE_ISA=avx512` or
+`=avx2` picks a lesser build on any CPU that runs it (how the tests check them on an AMX host). Without a compiler or such a CPU,
 or with `CONVEYOR_NATIVE=0`, `status()` says why and `backend=None` keeps the xla backend; asking
 for `backend="native_cpu"` then raises with that reason.
 """
@@ -28,14 +29,18 @@ import jaxlib
 
 SOURCE = Path(__file__).with_name("gmm_cpu.cc")
 # The driver and the instruction-set parts it includes (all part of the cache key).
-SOURCES = (SOURCE, SOURCE.with_name("gmm_cpu_avx512.h"), SOURCE.with_name("gmm_cpu_avx2.h"))
+SOURCES = (SOURCE, *(SOURCE.with_name(f"gmm_cpu_{isa}.h") for isa in ("amx", "avx512", "avx2")))
 COMMON_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 # Instruction sets, best first: the flags each build adds.
+_AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
 ISA_FLAGS = {
-    "avx512": ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"),
+    "amx": (*_AVX512_FLAGS, "-mamx-tile", "-mamx-bf16", "-DCONVEYOR_ISA_AMX"),
+    "avx512": _AVX512_FLAGS,
     "avx2": ("-mavx2", "-mfma", "-DCONVEYOR_ISA_AVX2"),
 }
-ISA_CPU_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"), "avx2": ("avx2", "fma")}
+_AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+ISA_CPU_FLAGS = {"amx": (*_AVX512_CPU_FLAGS, "amx_tile", "amx_bf16"), "avx512": _AVX512_CPU_FLAGS,
+                 "avx2": ("avx2", "fma")}
 # FFI target names, registered for the CPU platform.
 GMM_TARGET = "conveyor_gmm_cpu"
 TGMM_TARGET = "conveyor_tgmm_cpu"
@@ -47,7 +52,7 @@ class NativeStatus:
     available: bool
     reason: str = ""
     library: str = ""
-    isa: str = ""   # "avx512" or "avx2" where available
+    isa: str = ""   # "amx", "avx512" or "avx2" where available
 
 
 def cache_dir() -> Path:

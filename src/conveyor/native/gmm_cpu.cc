@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -56,10 +57,27 @@ constexpr int64_t PANELS_PER_BLOCK = 8;
 
 // The instruction set's part: MR x NR register tiles, the packed element type Packed<In>, the output
 // tile's loads and stores, pack_panel (B), pack_a (A), tile<R> and isa_supported().
-#if defined(CONVEYOR_ISA_AVX2)
+#if defined(CONVEYOR_ISA_AMX)
+#include "gmm_cpu_amx.h"
+#elif defined(CONVEYOR_ISA_AVX2)
 #include "gmm_cpu_avx2.h"
 #else
 #include "gmm_cpu_avx512.h"
+#endif
+
+// Whether this build's bfloat16 products run on AMX tiles (gmm_cpu_amx.h: amx_rows) instead of
+// register tiles, and the multiple of K a packed panel holds (the rest zero): whole AMX tiles there,
+// whole bfloat16 pairs elsewhere.
+#if defined(CONVEYOR_ISA_AMX)
+template <typename In>
+constexpr bool on_amx() { return std::is_same_v<In, bf16>; }
+template <typename In>
+constexpr int64_t panel_k_unit() { return on_amx<In>() ? AMX_K : 2; }
+#else
+template <typename In>
+constexpr bool on_amx() { return false; }
+template <typename In>
+constexpr int64_t panel_k_unit() { return 2; }
 #endif
 
 template <typename In, typename Out, int R = MR>
@@ -102,7 +120,8 @@ template <typename In, typename Out>
 void product_block(const Product<In, Out>& P, int64_t m0, int64_t m1, int64_t j0, int64_t j1,
                    const BlockSource<In, Out>& next, std::vector<Packed<In>>& pack) {
   if (m1 <= m0 || j1 <= j0 || P.K <= 0) return;
-  const int64_t panel = (P.K + 1) / 2 * 2 * NR;
+  constexpr int64_t k_unit = panel_k_unit<In>();
+  const int64_t padded_k = (P.K + k_unit - 1) / k_unit * k_unit, panel = padded_k * NR;
   const size_t need = size_t(panel * PANELS_PER_BLOCK + panel / NR * MR) + 128;
   if (pack.size() < need) pack.resize(need);
   Packed<In>* bp = (Packed<In>*)(((uintptr_t)pack.data() + 63) & ~uintptr_t(63));
@@ -112,6 +131,11 @@ void product_block(const Product<In, Out>& P, int64_t m0, int64_t m1, int64_t j0
   for (int64_t p = 0; p < P.K; p += rows)
     for (int64_t q = 0; q < panels; ++q)
       pack_panel(P, j0 + q * NR, std::min(NR, j1 - j0 - q * NR), bp + q * panel, p, std::min(P.K, p + rows));
+  if constexpr (on_amx<In>()) {
+    const int64_t packed = (P.K + 1) / 2 * 2 * NR;   // what pack_panel wrote: whole pairs
+    for (int64_t q = 0; q < panels; ++q) std::memset(bp + q * panel + packed, 0, sizeof(In) * (panel - packed));
+    return amx_rows(P, m0, m1, j0, j1, bp, panel, next);
+  }
   const int64_t row_tiles = (m1 - m0 + MR - 1) / MR;
   for (int64_t t = 0; t < row_tiles; ++t) {
     const int64_t i = m0 + t * MR;

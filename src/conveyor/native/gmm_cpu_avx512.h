@@ -235,8 +235,13 @@ inline void tile(const Product<bf16, Out>& P, const bf16* a, const bf16* bp, Out
 }
 
 
-inline int isa_supported() {
+inline int avx512_supported() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
 }
+
+// The AMX build (gmm_cpu_amx.h) adds its own conditions.
+#if !defined(CONVEYOR_ISA_AMX)
+inline int isa_supported() { return avx512_supported(); }
+#endif

@@ -101,14 +101,16 @@ def compare() -> list[dict]:
     return rows
 
 
-def markdown() -> str:
+def markdown(rows: list[dict] | None = None) -> str:
+    """The comparison as the table in docs/simulator.md (`rows`: compare()'s, computed here if not given)."""
     lines = ["| measurement | hardware | measured | predicted | error | role | source |",
              "|---|---|---|---|---|---|---|"]
-    for r in compare():
+    rows = compare() if rows is None else rows
+    for r in rows:
         flag = "" if r["within"] or r["role"] == "calibration" else " **miss**"
         lines.append(f"| {r['name']} | {r['hardware']} | {r['measured']:g} {r['unit']} | {r['predicted']:.4g} "
                      f"{r['unit']} | {r['error']:+.1%}{flag} | {r['role']} | {r['source']} |")
-    misses = [r for r in compare() if not r["within"] and r["role"] == "validation"]
+    misses = [r for r in rows if not r["within"] and r["role"] == "validation"]
     if misses:
         lines += ["", "Misses, explained:"]
         lines += [f"- {r['name']} ({r['error']:+.1%}): {r['miss_explained']}" for r in misses]

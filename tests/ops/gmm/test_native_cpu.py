@@ -31,18 +31,25 @@ def test_native_kernels_build_where_they_can():
         assert STATUS.isa == (os.environ.get("CONVEYOR_NATIVE_ISA") or build.host_isas()[0])
 
 
-@pytest.mark.skipif(os.environ.get("CONVEYOR_NATIVE_ISA") is not None or "avx2" not in build.host_isas()
-                    or build.host_isas()[0] == "avx2" or build.find_compiler() is None,
-                    reason="runs the avx2 build from an AVX-512 host's suite (elsewhere the suite runs it itself)")
-def test_the_avx2_build_passes_this_suite():
-    """The AVX2 build (for CPUs without AVX-512 BF16: most laptops and CI runners) runs this whole
-    file in a fresh process that picks it by CONVEYOR_NATIVE_ISA=avx2."""
-    env = dict(os.environ, CONVEYOR_NATIVE_ISA="avx2")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=600,
-                          cwd=pathlib.Path(__file__).resolve().parents[3])
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
-    assert " passed" in done.stdout and " failed" not in done.stdout
+OTHER_ISAS = build.host_isas()[1:]
+
+
+@pytest.mark.skipif(os.environ.get("CONVEYOR_NATIVE_ISA") is not None or not OTHER_ISAS
+                    or build.find_compiler() is None,
+                    reason="runs the host's other builds from its default suite (each then runs this file itself)")
+def test_the_other_builds_pass_this_suite():
+    """Each build this host runs besides its best (on an AMX host: the AVX-512 build, whose bfloat16
+    products use vdpbf16ps instead of AMX tiles, and the AVX2 build for CPUs without AVX-512 BF16)
+    runs this whole file in a fresh process that picks it by CONVEYOR_NATIVE_ISA, all at once."""
+    root = pathlib.Path(__file__).resolve().parents[3]
+    runs = {isa: subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
+                                  env=dict(os.environ, CONVEYOR_NATIVE_ISA=isa), cwd=root, text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for isa in OTHER_ISAS}
+    for isa, run in runs.items():
+        out, err = run.communicate(timeout=600)
+        assert run.returncode == 0, f"{isa}:\n{out[-4000:]}{err[-2000:]}"
+        assert " passed" in out and " failed" not in out, f"{isa}:\n{out[-4000:]}"
 
 
 @needs_native
@@ -134,6 +141,27 @@ def test_transposed_rhs_whole_and_partial_pack_blocks(dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("k", [16, 32, 45, 96, 97])
+def test_bfloat16_tiles_read_only_their_rows_and_contraction(k):
+    """The AMX build loads 16-row tiles of A straight from lhs for whole 32-step pieces of K and from a
+    zero-padded copy elsewhere (fewer than 16 rows, the rest of K): groups of 1-33 rows give 32-row
+    blocks with 0-16 rows in their second tile, k < 32, = 32, and with a tail; n=88 a last panel of 24
+    columns. Rows (gmm) and columns (tgmm) of lhs past the groups are inf, so a load past them turns
+    the padding's zero products into NaN. Runs on every build (on the others it is one more shape)."""
+    rng = np.random.default_rng(37 + k)
+    sizes = np.array([1, 15, 16, 17, 31, 32, 33, 3, 48, 0, 20], np.int32)
+    m, n, g = int(sizes.sum()) + 7, 88, len(sizes)
+    lhs, rhs = operands(rng, m, k, n, g, jnp.bfloat16)
+    lhs = lhs.at[m - 7:].set(jnp.inf)
+    out = cv.gmm(lhs, rhs, jnp.asarray(sizes), backend="native_cpu", preferred_element_type=jnp.float32)
+    np.testing.assert_array_equal(out[m - 7:], 0.0)
+    assert_close(out[:m - 7], numpy_gmm(lhs[:m - 7], rhs, sizes), k, jnp.float32)
+    y = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    t = cv.tgmm(lhs.T, y, jnp.asarray(sizes), backend="native_cpu", preferred_element_type=jnp.float32)
+    assert_close(t, numpy_tgmm(lhs.T[:, :m - 7], y[:m - 7], sizes), int(sizes.max()), jnp.float32)
+
+
+@needs_native
 def test_bfloat16_subnormals_flush_to_zero_as_xla_does():
     """vdpbf16ps treats subnormal bf16 inputs as zero; XLA:CPU's own bf16 dot does too (measured
     here on jax 0.12), so the two CPU backends agree on them."""
@@ -191,32 +219,36 @@ def test_bfloat16_output_is_the_float32_result_rounded_as_xla_rounds(dtype):
 
 
 def test_avx2_build_is_not_the_default(monkeypatch):
-    """An AVX2 build runs when named, and backend=None keeps xla beside it (see native_cpu.DEFAULT_ISAS)."""
+    """An AVX2 build runs when named, and backend=None keeps xla beside it; the AMX and AVX-512 builds
+    are the default (see native_cpu.DEFAULT_ISAS)."""
     monkeypatch.setattr(build, "status", lambda: build.NativeStatus(available=True, isa="avx2"))
     assert not native_cpu.chosen_by_default(jnp.float32, jnp.float32, jnp.float32, None)
-    monkeypatch.setattr(build, "status", lambda: build.NativeStatus(available=True, isa="avx512"))
-    assert native_cpu.chosen_by_default(jnp.bfloat16, jnp.bfloat16, jnp.float32, None)
+    for isa in ("amx", "avx512"):
+        monkeypatch.setattr(build, "status", lambda isa=isa: build.NativeStatus(available=True, isa=isa))
+        assert native_cpu.chosen_by_default(jnp.bfloat16, jnp.bfloat16, jnp.float32, None)
     assert not native_cpu.chosen_by_default(jnp.float16, jnp.float16, jnp.float32, None)
 
 
-@pytest.mark.skipif(os.environ.get("CONVEYOR_NATIVE_ISA") is not None or build.host_isas()[:2] != ("avx512", "avx2")
-                    or build.find_compiler() is None, reason="needs a host with both instruction sets and a compiler")
+@pytest.mark.skipif(os.environ.get("CONVEYOR_NATIVE_ISA") is not None or len(build.host_isas()) < 2
+                    or build.find_compiler() is None, reason="needs a host with two instruction sets and a compiler")
 def test_a_failed_build_leaves_the_next_instruction_set(monkeypatch, tmp_path):
-    """A compiler that cannot build the AVX-512 kernels (e.g. no -mavx512bf16) leaves the AVX2 build,
-    and the reason is kept where none builds. Registration is stubbed: this process keeps its kernels."""
+    """A compiler that cannot build the best kernels (e.g. no -mamx-bf16 or -mavx512bf16) leaves the
+    next build, and the reason is kept where none builds. Registration is stubbed: this process keeps
+    its kernels."""
+    best, next_best = build.host_isas()[:2]
     real_path, real_compile = build.library_path, build.compile_library
 
     def compile_or_fail(cxx, out, isa="avx512"):
-        if isa == "avx512":
-            raise RuntimeError("no -mavx512bf16 (test)")
+        if isa == best:
+            raise RuntimeError(f"no flags for {best} (test)")
         real_compile(cxx, out, isa)
 
-    monkeypatch.setattr(build, "library_path", lambda cxx, isa="avx512": tmp_path / "none.so" if isa == "avx512"
+    monkeypatch.setattr(build, "library_path", lambda cxx, isa="avx512": tmp_path / "none.so" if isa == best
                         else real_path(cxx, isa))
     monkeypatch.setattr(build, "compile_library", compile_or_fail)
     monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda *a, **k: None)
     st = build.status.__wrapped__()
-    assert st.available and st.isa == "avx2", st
-    monkeypatch.setenv("CONVEYOR_NATIVE_ISA", "avx512")
+    assert st.available and st.isa == next_best, st
+    monkeypatch.setenv("CONVEYOR_NATIVE_ISA", best)
     st = build.status.__wrapped__()
-    assert not st.available and "no -mavx512bf16 (test)" in st.reason
+    assert not st.available and f"no flags for {best} (test)" in st.reason

@@ -1,12 +1,13 @@
 """native_cpu backend for gmm/tgmm: one FFI call into Conveyor's own x86-64 kernels
-(`conveyor/native/gmm_cpu.cc`, AVX-512 BF16 or AVX2 + FMA, built on first use by `conveyor.native.build`).
+(`conveyor/native/gmm_cpu.cc`: AMX, AVX-512 BF16 or AVX2 + FMA, built on first use by
+`conveyor.native.build`).
 
-Each group's product is one packed, register-tiled matrix product over exactly its rows: no
-windows, masks or per-group copies of operands, and the weights of a group are packed once per
-column chunk. float32 and bfloat16 operands (bf16 products summed in float32: by vdpbf16ps, or
-widened to float32 on AVX2), float32
-or bfloat16 outputs. The output aliases existing_out: gmm leaves the rows outside the local groups as
-they are, tgmm adds each group's sum to existing_out[g] and rounds once.
+Each group's product is one packed, tiled matrix product over exactly its rows: no windows, masks
+or per-group copies of operands, and the weights of a group are packed once per column chunk.
+float32 and bfloat16 operands (bf16 products summed in float32: by AMX tdpbf16ps, by vdpbf16ps, or
+widened to float32 on AVX2), float32 or bfloat16 outputs. The output aliases existing_out: gmm
+leaves the rows outside the local groups as they are, tgmm adds each group's sum to existing_out[g]
+and rounds once.
 """
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from conveyor.native import build
 from conveyor.ops.gmm.metadata import local_group_boundaries
 
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-# The builds backend=None runs. The AVX2 build runs only when named: on this project's AVX-512 BF16
-# machine (2026-11-25, m=4096, k=n=1024, medians of 5) it ran float32 gmm at 1.11-1.25x the batched
-# floor against xla's 1.00-1.25x, and bfloat16 at 1.68-1.90x against xla's 1.07-1.42x (XLA's own
-# dots there use AVX-512); on a CPU with AVX2 only it has not been measured against xla.
-DEFAULT_ISAS = ("avx512",)
+# The builds backend=None runs: AMX (bfloat16 on tiles, float32 as the AVX-512 build) and AVX-512.
+# The AVX2 build runs only when named: on this project's AVX-512 BF16 machine (2026-11-25, m=4096,
+# k=n=1024, medians of 5) it ran float32 gmm at 1.11-1.25x the batched floor against xla's
+# 1.00-1.25x, and bfloat16 at 1.68-1.90x against xla's 1.07-1.42x (XLA's own dots there use
+# AVX-512); on a CPU with AVX2 only it has not been measured against xla.
+DEFAULT_ISAS = ("amx", "avx512")
 
 
 def unsupported(lhs_dtype, rhs_dtype, out_dtype, tiling) -> str | None:
