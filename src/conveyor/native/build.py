@@ -7,10 +7,10 @@ jaxlib, into a cache directory (`$CONVEYOR_CACHE_DIR`, else `$XDG_CACHE_HOME/con
 once per machine and version. Three builds of one source, the best the CPU runs first (checked at
 run time): `amx` (the AVX-512 build with bfloat16 products on Intel AMX tiles, where the CPU has
 AMX-BF16 and Linux lets the process use it), `avx512` (AVX-512 F/BW/VL/BF16: bfloat16 dot products
-by vdpbf16ps), `avx2` (AVX2 and FMA; bfloat16 widened to float32). `CONVEYOR_NATIVE_ISA=avx512` or
-`=avx2` picks a lesser build on any CPU that runs it (how the tests check them on an AMX host). Without a compiler or such a CPU,
-or with `CONVEYOR_NATIVE=0`, `status()` says why and `backend=None` keeps the xla backend; asking
-for `backend="native_cpu"` then raises with that reason.
+by vdpbf16ps), `avx2` (AVX2 and FMA; bfloat16 widened to float32). `CONVEYOR_NATIVE_ISA=avx512`
+or `=avx2` picks a lesser build on any CPU that runs it (how the tests check them on an AMX host).
+Without a compiler or such a CPU, or with `CONVEYOR_NATIVE=0`, `status()` says why and
+`backend=None` keeps the xla backend; asking for `backend="native_cpu"` then raises with that reason.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-// Native CPU kernels for gmm and tgmm (float32 and bfloat16, AVX-512 or AVX2), called through the XLA FFI.
+// Native CPU kernels for gmm and tgmm (float32 and bfloat16; AMX, AVX-512 or AVX2), called through the XLA FFI.
 //
 // Both ops are a list of independent matrix products, one per group: C_g (+)= A_g @ B_g.
 //   gmm:  C_g = out[rows of g]  (M = group rows, K = k),   A_g = lhs[rows of g], B_g = rhs[g] (or rhs[g]^T)
@@ -7,7 +7,8 @@
 // contiguous, the register tile's MR rows of A are packed step by step, then the MR x NR tile of C is
 // accumulated over all of K in registers, with one broadcast of A per row and step; the next block's B
 // is prefetched meanwhile. MR, NR and the packing are the instruction set's (gmm_cpu_avx512.h: 10 x 32,
-// gmm_cpu_avx2.h: 6 x 16). The work is split into chunks (gmm: ranges of columns; tgmm: ranges of
+// gmm_cpu_avx2.h: 6 x 16); the AMX build (gmm_cpu_amx.h) runs bfloat16 products on 32 x 32 blocks of
+// AMX tiles over the same packed B instead (amx_rows). The work is split into chunks (gmm: ranges of columns; tgmm: ranges of
 // rows) that the XLA CPU thread pool's workers and the calling thread claim from an atomic counter (no
 // thread ever waits for a task that has not started, so a busy pool cannot deadlock the call). Group
 // bounds come from the caller, already clamped to [0, m]. Rows (gmm) or blocks (tgmm) no group computes
