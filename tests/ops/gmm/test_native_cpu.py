@@ -162,6 +162,24 @@ def test_bfloat16_tiles_read_only_their_rows_and_contraction(k):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chunks_of_several_blocks_of_panels(dtype):
+    """n=1100 splits into column chunks of more than 16 panels of 32 (the largest block, AMX's
+    bfloat16) and a partial block, so a chunk packs several blocks and prefetches the next one,
+    for a row-major and a transposed rhs, and tgmm's row chunks pack 1100-column blocks."""
+    rng = np.random.default_rng(38)
+    m, k, n, g = 150, 70, 1100, 4
+    sizes = skewed_sizes(rng, m, g)
+    for transpose_rhs in (False, True):
+        lhs, rhs = operands(rng, m, k, n, g, dtype, transpose_rhs=transpose_rhs)
+        out = cv.gmm(lhs, rhs, jnp.asarray(sizes), transpose_rhs=transpose_rhs, backend="native_cpu")
+        assert_close(out, numpy_gmm(lhs, rhs, sizes, transpose_rhs=transpose_rhs), k, jnp.float32)
+    y = jnp.asarray(rng.standard_normal((m, n)), dtype)
+    t = cv.tgmm(lhs.T, y, jnp.asarray(sizes), backend="native_cpu")
+    assert_close(t, numpy_tgmm(lhs.T, y, sizes), m, jnp.float32)
+
+
+@needs_native
 def test_bfloat16_subnormals_flush_to_zero_as_xla_does():
     """vdpbf16ps treats subnormal bf16 inputs as zero; XLA:CPU's own bf16 dot does too (measured
     here on jax 0.12), so the two CPU backends agree on them."""
