@@ -91,3 +91,14 @@ def test_moe_ffn_bench_candidates_agree(dtype):
     r = bench_moe_ffn(3, 1, m=48, d=16, f=32, dtype=dtype)
     assert set(r["t"]) == {"batched", "loop", "gmm", "xla", "ragged_dot"}
     assert r["rel"] < (1e-5 if dtype == jnp.float32 else 2e-2)
+
+
+def test_settle_pause_setting_is_checked(monkeypatch):
+    """CONVEYOR_BENCH_SETTLE_S takes seconds >= 0; anything else is refused by name."""
+    from conveyor.bench import timing
+    monkeypatch.setenv("CONVEYOR_BENCH_SETTLE_S", "0.05")
+    assert timing._settle_seconds() == 0.05
+    for bad in ("abc", "-1", "nan"):
+        monkeypatch.setenv("CONVEYOR_BENCH_SETTLE_S", bad)
+        with pytest.raises(ValueError, match=f"CONVEYOR_BENCH_SETTLE_S: expected seconds >= 0, got '{bad}'"):
+            timing._settle_seconds()

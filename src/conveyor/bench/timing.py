@@ -25,8 +25,21 @@ import numpy as np
 
 
 _EVICT = np.zeros(64 * 1024 * 1024 // 8)  # 64 MiB: twice the L3 of the reference machine
-# OpenBLAS threads spin for 2^28 cycles (~0.1 s) before sleeping.
-SETTLE_SECONDS = float(os.environ.get("CONVEYOR_BENCH_SETTLE_S", "0.3"))
+
+
+def _settle_seconds() -> float:
+    """$CONVEYOR_BENCH_SETTLE_S, else 0.3: OpenBLAS threads spin for 2^28 cycles (~0.1 s) before sleeping."""
+    text = os.environ.get("CONVEYOR_BENCH_SETTLE_S", "0.3")
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError(f"CONVEYOR_BENCH_SETTLE_S: expected seconds >= 0, got {text!r}")
+    return value
+
+
+SETTLE_SECONDS = _settle_seconds()
 
 
 def settle() -> None:

@@ -28,8 +28,6 @@ import jax
 import jaxlib
 
 SOURCE = Path(__file__).with_name("gmm_cpu.cc")
-# The driver and the instruction-set parts it includes (all part of the cache key).
-SOURCES = (SOURCE, *(SOURCE.with_name(f"gmm_cpu_{isa}.h") for isa in ("amx", "avx512", "avx2")))
 COMMON_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC")
 # Instruction sets, best first: the flags each build adds.
 _AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma")
@@ -41,6 +39,8 @@ ISA_FLAGS = {
 _AVX512_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 ISA_CPU_FLAGS = {"amx": (*_AVX512_CPU_FLAGS, "amx_tile", "amx_bf16"), "avx512": _AVX512_CPU_FLAGS,
                  "avx2": ("avx2", "fma")}
+# The driver and the instruction-set parts it includes (all part of the cache key).
+SOURCES = (SOURCE, *(SOURCE.with_name(f"gmm_cpu_{isa}.h") for isa in ISA_FLAGS))
 # FFI target names, registered for the CPU platform.
 GMM_TARGET = "conveyor_gmm_cpu"
 TGMM_TARGET = "conveyor_tgmm_cpu"
