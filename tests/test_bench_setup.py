@@ -102,3 +102,24 @@ def test_settle_pause_setting_is_checked(monkeypatch):
         monkeypatch.setenv("CONVEYOR_BENCH_SETTLE_S", bad)
         with pytest.raises(ValueError, match=f"CONVEYOR_BENCH_SETTLE_S: expected seconds >= 0, got '{bad}'"):
             timing._settle_seconds()
+
+
+def test_each_timed_call_follows_an_untimed_one_unless_the_candidate_is_slow(monkeypatch):
+    """interleaved_medians: one warm-up call per candidate, then per repetition a warm call and the
+    timed call; a candidate whose last timed call took over WARM_CALL_MAX_S gets no warm call."""
+    from conveyor.bench import timing
+    calls = {"fast": 0, "slow": 0}
+
+    def counting(name):
+        def fn():
+            calls[name] += 1
+            return jnp.zeros(())
+        return fn
+
+    monkeypatch.setattr(timing, "WARM_CALL_MAX_S", 60.0)
+    timing.interleaved_medians({"fast": counting("fast")}, 3)
+    assert calls["fast"] == 1 + 3 * 2
+    # Every call counts as slow: only the first repetition (no time yet) gets a warm call.
+    monkeypatch.setattr(timing, "WARM_CALL_MAX_S", -1.0)
+    timing.interleaved_medians({"slow": counting("slow")}, 3)
+    assert calls["slow"] == 1 + 2 + 1 + 1

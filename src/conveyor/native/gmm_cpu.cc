@@ -51,7 +51,7 @@ struct Product {
 inline bool columns_contiguous(int64_t b_row, int64_t b_col) { return b_row == 1 && b_col != 1; }
 
 // Column panels of B packed and computed on together. Measured 2026-11-25 (2-core VM, m=4096, k=n=1024,
-// medians of 5 after bench.timing.settle, AVX-512): blocks of 1 panel packed whole (K rows), and of 4,
+// medians of 5 after a cache eviction and pause, AVX-512): blocks of 1 panel packed whole (K rows), and of 4,
 // 8 or 32 panels in steps of 16 rows, were within run-to-run noise of each other (gmm G=64 f32 60-74
 // ms, tgmm G=256 f32 371-459 ms, no variant best throughout).
 constexpr int64_t PANELS_PER_BLOCK = 8;

@@ -246,7 +246,7 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
     # an f32 carry cast at the end: bit-identical outputs). The f32 carry cost 16-bit outputs two
     # passes over all G blocks: measured 2026-11-25 on the 2-core CPU (bf16, m=4096, k=n=1024,
     # Dirichlet(1) sizes, a random existing_out; this function against its previous version in
-    # one process, interleaved after `bench.timing.settle`, p25 of 9 / 9 / 5; one-off script),
+    # one process, interleaved after a cache eviction and pause (bench.timing then), p25 of 9 / 9 / 5; one-off script),
     # G=8: 54.2 -> 48.5 ms, G=64: 247.3 -> 193.7, G=256: 1151.5 -> 605.3 (batched floor 38.5 /
     # 120.3 / 401.0); f32 unchanged (63.6 / 63.7 at G=8).
     # When base is in out_dtype, the carry's own block g holds base[g] (only group g writes it),
