@@ -7,11 +7,12 @@ import pytest
 
 from conveyor.bench import pipeline as bench_pipeline
 from conveyor.bench.gmm import equal_split_gmm, equal_split_loop_gmm, equal_split_loop_tgmm, equal_split_tgmm
-from conveyor.bench.pipeline import slab_loop_matmul, step_loop_matmul
+from conveyor.bench.pipeline import slab_loop_matmul, step_loop_matmul, thread_slab_loop_matmul
 
 
-@pytest.mark.parametrize("floor", [lambda: step_loop_matmul(64, 32, 48, 16, 8, 16), lambda: slab_loop_matmul(64, 32, 48, 8)],
-                         ids=["step loop", "k slabs"])
+@pytest.mark.parametrize("floor", [lambda: step_loop_matmul(64, 32, 48, 16, 8, 16), lambda: slab_loop_matmul(64, 32, 48, 8),
+                                   lambda: thread_slab_loop_matmul(64, 32, 48, 16, 8, 2)],
+                         ids=["step loop", "k slabs", "per-thread k slabs"])
 def test_matmul_floors_are_matmuls(floor):
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((64, 32)), rng.standard_normal((32, 48))

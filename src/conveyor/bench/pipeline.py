@@ -98,6 +98,30 @@ def slab_loop_matmul(m, k, n, bk):
     return jax.jit(run)
 
 
+def thread_slab_loop_matmul(m, k, n, bm, bk, threads, bn=None):
+    """The batched steps' floor for the warp-specialized body, whose compute threads each take
+    bm // threads rows of every block (`warp_specialized_matmul`): per k slab, each thread's rows
+    of all (i, j) blocks as one (m // threads, bk) x (bk, n) dot, added into those rows of the
+    resident output with the body's `where(k == 0, 0, o)`. The output is held as the executor holds
+    its batched blocks, [m // bm, bm, n // bn, bn], so a thread's rows are one slice of it. Its ratio
+    to `slab_loop_matmul` is what XLA:CPU charges for each thread's rows multiplied on their own."""
+    bn = bn or bm
+    rows, gi, gj = bm // threads, m // bm, n // bn
+
+    def run(x, y):
+        def step(kk, o):
+            xs = lax.dynamic_slice(x, (0, kk * bk), (m, bk)).reshape(gi, bm, bk)
+            ys = lax.dynamic_slice(y, (kk * bk, 0), (bk, n))
+            for t in range(threads):
+                part = jnp.dot(xs[:, t * rows:(t + 1) * rows].reshape(-1, bk), ys, preferred_element_type=jnp.float32)
+                mine = lax.slice_in_dim(o, t * rows, (t + 1) * rows, axis=1)
+                o = lax.dynamic_update_slice_in_dim(o, jnp.where(kk == 0, 0.0, mine) + part.reshape(gi, rows, gj, bn),
+                                                    t * rows, axis=1)
+            return o
+        return lax.fori_loop(0, k // bk, step, jnp.zeros((gi, bm, gj, bn), jnp.float32)).reshape(m, n)
+    return jax.jit(run)
+
+
 def elementwise_add(m, n, bm, backend, interpret=False):
     def kernel(x_ref, y_ref, o_ref):
         def body(idx, xb, yb, ob):
@@ -119,6 +143,7 @@ class Case:
     ref: Callable
     floor: Callable | None
     slab_floor: Callable | None
+    thread_slab_floor: Callable | None = None   # warp-specialized rows only
     interp: Callable | None
 
 
@@ -136,6 +161,7 @@ def build_case(name: str, size: tuple[int, ...], blocks: tuple[int, ...], with_i
                     steps_fn=build(m, k, n, *blocks, backend="xla"),
                     ref=jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)),
                     floor=step_loop_matmul(m, k, n, *blocks), slab_floor=slab_loop_matmul(m, k, n, blocks[1]),
+                    thread_slab_floor=None if name == "matmul" else thread_slab_loop_matmul(m, k, n, blocks[0], blocks[1], 2, blocks[2]),
                     interp=interp)
     m, n = size
     steps = m // blocks[0]
@@ -151,9 +177,10 @@ def run(reps: int = 5) -> str:
     rows = [f"# pipeline benchmark, {datetime.date.today().isoformat()}", "",
             f"jax {jax.__version__}, {jax.device_count()} CPU device(s). Command: `conveyor bench pipeline`. "
             f"Medians of {reps} interleaved runs, ms.", "",
-            "| kernel | size | blocks | steps | batched axes | jnp | k-slab floor | step-loop floor | "
-            "cv xla step by step | cv xla | xla/jnp | slab/jnp | steps/jnp | floor/jnp | GPU interpreter | interp/xla |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| kernel | size | blocks | steps | batched axes | jnp | k-slab floor | per-thread k-slab floor | step-loop floor | "
+            "cv xla step by step | cv xla | xla/jnp | slab/jnp | thread-slab/jnp | steps/jnp | floor/jnp | GPU interpreter | "
+            "interp/xla |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     bar = progress_bar(len(CASES), "bench pipeline", "row")
     for name, size, blocks, with_interp in CASES:
         case = build_case(name, size, blocks, with_interp)
@@ -172,15 +199,19 @@ def run(reps: int = 5) -> str:
             assert float(jnp.abs(case.slab_floor(x, y) - ref(x, y)).max()) < 1e-2, (name, "k-slab floor")
             fns["floor"] = lambda: floor(x, y)
             fns["slab"] = lambda: case.slab_floor(x, y)
+        if case.thread_slab_floor is not None:
+            assert float(jnp.abs(case.thread_slab_floor(x, y) - ref(x, y)).max()) < 1e-2, (name, "per-thread k-slab floor")
+            fns["thread_slab"] = lambda: case.thread_slab_floor(x, y)
         if interp is not None:
             fns["interp"] = lambda: interp(x, y)
         t = interleaved_medians(fns, reps, {"interp": 2})
-        it, fl, sl = t.get("interp"), t.get("floor"), t.get("slab")
+        it, fl, sl, ts = t.get("interp"), t.get("floor"), t.get("slab"), t.get("thread_slab")
         axes = ", ".join(str(a) for _, a in decided) or "-"
         rows.append(f"| {name} | {size} | {blocks} | {steps} | {axes} | {t['jnp'] * 1e3:.1f} | "
-                    f"{'-' if sl is None else f'{sl * 1e3:.1f}'} | "
+                    f"{'-' if sl is None else f'{sl * 1e3:.1f}'} | {'-' if ts is None else f'{ts * 1e3:.1f}'} | "
                     f"{'-' if fl is None else f'{fl * 1e3:.1f}'} | {t['steps'] * 1e3:.1f} | {t['xla'] * 1e3:.1f} | "
                     f"{t['xla'] / t['jnp']:.2f}x | {'-' if sl is None else f'{sl / t['jnp']:.2f}x'} | "
+                    f"{'-' if ts is None else f'{ts / t['jnp']:.2f}x'} | "
                     f"{t['steps'] / t['jnp']:.2f}x | "
                     f"{'-' if fl is None else f'{fl / t['jnp']:.2f}x'} | "
                     f"{'-' if it is None else f'{it * 1e3:.0f}'} | "
@@ -192,5 +223,7 @@ def run(reps: int = 5) -> str:
              "batched axes: the leading grid axes the xla executor ran together (0: step by step); the "
              "step-by-step column is the same kernel traced under `cv.pipeline.batch_independent_steps(False)`. "
              "k-slab floor: the batched steps' floor for this body, one (m, bk) x (bk, n) dot and add per k "
-             "(`slab_loop_matmul`); step-loop floor: a per-step executor's (`step_loop_matmul`)."]
+             "(`slab_loop_matmul`); per-thread k-slab floor (warp-specialized rows): the same with each compute "
+             "thread's rows of every block as their own dot (`thread_slab_loop_matmul`); step-loop floor: a "
+             "per-step executor's (`step_loop_matmul`)."]
     return "\n".join(rows) + "\n"
