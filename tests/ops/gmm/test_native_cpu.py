@@ -180,6 +180,35 @@ def test_chunks_of_several_blocks_of_panels(dtype):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_products_longer_than_a_k_chunk(dtype):
+    """Products longer than 1024 along K run as K chunks added into a float32 C in order: gmm with
+    k=2085 (two whole chunks and a 37-step one, odd for bfloat16 pairs), tgmm with one group of 2085
+    rows beside small and empty ones, alone and added to a random existing_out. With a bfloat16 C
+    the product is not chunked (each chunk's sum would be rounded): checked against the float32
+    result rounded once."""
+    rng = np.random.default_rng(39)
+    m, k, n = 60, 2085, 70
+    sizes = np.array([25, 0, 35], np.int32)
+    lhs, rhs = operands(rng, m, k, n, len(sizes), dtype)
+    out = cv.gmm(lhs, rhs, jnp.asarray(sizes), backend="native_cpu", preferred_element_type=jnp.float32)
+    assert_close(out, numpy_gmm(lhs, rhs, sizes), k, jnp.float32)
+    rounded = cv.gmm(lhs, rhs, jnp.asarray(sizes), backend="native_cpu", preferred_element_type=jnp.bfloat16)
+    assert rounded.dtype == jnp.bfloat16
+    assert_close(rounded, numpy_gmm(lhs, rhs, sizes), k, jnp.bfloat16)
+    tall = np.array([3, 0, 2085, 12], np.int32)
+    rows = int(tall.sum())
+    x = jnp.asarray(rng.standard_normal((rows, 40)), dtype)
+    y = jnp.asarray(rng.standard_normal((rows, n)), dtype)
+    want = numpy_tgmm(x.T, y, tall)
+    assert_close(cv.tgmm(x.T, y, jnp.asarray(tall), backend="native_cpu", preferred_element_type=jnp.float32),
+                 want, rows, jnp.float32)
+    ex = jnp.asarray(rng.standard_normal((len(tall), 40, n)), jnp.float32)
+    assert_close(cv.tgmm(x.T, y, jnp.asarray(tall), existing_out=ex, backend="native_cpu"),
+                 want + np.asarray(ex, np.float64), rows, jnp.float32)
+
+
+@needs_native
 def test_bfloat16_subnormals_flush_to_zero_as_xla_does():
     """vdpbf16ps treats subnormal bf16 inputs as zero; XLA:CPU's own bf16 dot does too (measured
     here on jax 0.12), so the two CPU backends agree on them."""
