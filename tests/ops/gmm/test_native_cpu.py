@@ -209,6 +209,27 @@ def test_products_longer_than_a_k_chunk(dtype):
 
 
 @needs_native
+def test_large_fresh_outputs_are_written_whole():
+    """Fresh outputs of several MiB (which the kernels ask to be backed by 2 MiB pages before writing
+    them): tgmm's [6, 512, 520] float32 result, 6.1 MiB, with an empty group (zeros) and a group
+    past which nothing is written; gmm's [4100, 520] result with rows past the groups (zeros)."""
+    rng = np.random.default_rng(40)
+    sizes = np.array([30, 0, 45, 7, 60, 20], np.int32)
+    rows = int(sizes.sum())
+    x = jnp.asarray(rng.standard_normal((rows, 512)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((rows, 520)), jnp.float32)
+    t = cv.tgmm(x.T, y, jnp.asarray(sizes), backend="native_cpu")
+    np.testing.assert_array_equal(t[1], 0.0)
+    assert_close(t, numpy_tgmm(x.T, y, sizes), int(sizes.max()), jnp.float32)
+    m, k, n = 4100, 24, 520
+    gsizes = np.array([1500, 0, 2500], np.int32)
+    lhs, rhs = operands(rng, m, k, n, len(gsizes), jnp.float32)
+    out = cv.gmm(lhs, rhs, jnp.asarray(gsizes), backend="native_cpu")
+    np.testing.assert_array_equal(out[4000:], 0.0)
+    assert_close(out[:4000], numpy_gmm(lhs[:4000], rhs, gsizes), k, jnp.float32)
+
+
+@needs_native
 def test_bfloat16_subnormals_flush_to_zero_as_xla_does():
     """vdpbf16ps treats subnormal bf16 inputs as zero; XLA:CPU's own bf16 dot does too (measured
     here on jax 0.12), so the two CPU backends agree on them."""
