@@ -36,44 +36,35 @@ inline void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// Rows [i, i + rows) of A (rows <= 16) as tile loads: whole 32-step pieces straight from A when the
-// tile has 16 real rows (a 16-row load never reads past them), the rest from `copy`, a 16 x Kp copy
-// zero past the real rows and past K (so the padding of B is never multiplied by what lies past A).
+// Rows [i, i + rows) of A (rows <= 16) packed tile by tile into `buf`: the 16 x 32 tile of K step s is
+// the contiguous KiB at buf + s * AMX_ROWS * AMX_K, zero past the real rows and past K (so the padding
+// of B is never multiplied by what lies past A), and a tile load reads it with a 64-byte stride. Packed
+// once per 32-row block and reused by every panel of the block. Loading whole 16 x 32 pieces straight
+// from A instead reads 16 rows lda apart, which in tgmm (lda = m: 8 KiB at m=4096) all fall in one L1
+// set. Measured 2026-11-27 against that (2-core Intel VM, m=4096, k=n=1024, medians of 9-11, side by
+// side): bf16 tgmm G=8 10.5 -> 9.1 and 12.8 -> 10.2 ms, G=64 38.8 -> 35.8 and 39.7 -> 37.1, G=256
+// 160.6 -> 158.5; gmm within this VM's noise (G=64 14.3 -> 15.2, G=256 58.1 -> 54.5).
 struct ATile {
-  const uint8_t* whole = nullptr;   // A itself, or null: everything from `copy`
-  int64_t whole_stride = 0, whole_steps = 0;
-  const bf16* copy = nullptr;
-  int64_t copy_stride = 0;
-
-  const void* step(int64_t s, int64_t& stride) const {
-    if (s < whole_steps) return stride = whole_stride, whole + s * AMX_K * 2;
-    return stride = copy_stride, copy + s * AMX_K;
-  }
+  const bf16* tiles = nullptr;
+  const void* step(int64_t s) const { return tiles + s * AMX_ROWS * AMX_K; }
 };
 
-// Prepare the loads of rows [i, i + rows) of product P (rows in [1, 16]); `buf` holds the copy.
 template <typename Out>
 inline ATile a_tile(const Product<bf16, Out>& P, int64_t i, int64_t rows, bf16* buf) {
-  const int64_t steps = (P.K + AMX_K - 1) / AMX_K;
-  ATile t;
-  t.copy = buf, t.copy_stride = steps * AMX_K * 2;
-  int64_t first_copied = 0;   // K step from which the copy is read
-  if (rows == AMX_ROWS) {
-    t.whole = (const uint8_t*)(P.a + i * P.lda), t.whole_stride = P.lda * 2, t.whole_steps = P.K / AMX_K;
-    first_copied = t.whole_steps;
-  }
-  if (first_copied == steps) return t;
-  const int64_t p0 = first_copied * AMX_K, width = steps * AMX_K;
+  const int64_t steps = (P.K + AMX_K - 1) / AMX_K, whole = P.K / AMX_K, rest = P.K - whole * AMX_K;
+  const __mmask32 tail = __mmask32((uint64_t(1) << rest) - 1);   // the last step's real columns
   for (int64_t r = 0; r < AMX_ROWS; ++r) {
-    bf16* dst = buf + r * width;
-    if (r < rows) {
-      std::memcpy(dst + p0, P.a + (i + r) * P.lda + p0, size_t(P.K - p0) * 2);
-      std::memset(dst + P.K, 0, size_t(width - P.K) * 2);
-    } else {
-      std::memset(dst + p0, 0, size_t(width - p0) * 2);
+    bf16* dst = buf + r * AMX_K;
+    if (r >= rows) {
+      for (int64_t s = 0; s < steps; ++s) _mm512_store_si512(dst + s * AMX_ROWS * AMX_K, _mm512_setzero_si512());
+      continue;
     }
+    const bf16* src = P.a + (i + r) * P.lda;
+    for (int64_t s = 0; s < whole; ++s)
+      _mm512_store_si512(dst + s * AMX_ROWS * AMX_K, _mm512_loadu_si512(src + s * AMX_K));
+    if (rest) _mm512_store_si512(dst + whole * AMX_ROWS * AMX_K, _mm512_maskz_loadu_epi16(tail, src + whole * AMX_K));
   }
-  return t;
+  return ATile{buf};
 }
 
 // C rows [i, i + rows) (rows <= 16), columns [0, w) (w <= 16) from tile `acc` (16 x 16 float32),
@@ -94,10 +85,10 @@ inline void store_tile(const Product<bf16, Out>& P, const float* acc, Out* c, in
 template <typename Out, typename Next>
 void amx_rows(const Product<bf16, Out>& P, int64_t m0, int64_t m1, int64_t j0, int64_t j1, const bf16* bp,
               int64_t panel, const Next& next) {
-  thread_local std::vector<bf16> copies;
+  thread_local std::vector<bf16> packed_a;   // a_tile's tiles of the block's two 16-row halves
   const int64_t steps = (P.K + AMX_K - 1) / AMX_K, width = steps * AMX_K;
-  if (copies.size() < size_t(2 * AMX_ROWS * width + 64)) copies.resize(2 * AMX_ROWS * width + 64);
-  bf16* buf = (bf16*)(((uintptr_t)copies.data() + 63) & ~uintptr_t(63));
+  if (packed_a.size() < size_t(2 * AMX_ROWS * width + 64)) packed_a.resize(2 * AMX_ROWS * width + 64);
+  bf16* buf = (bf16*)(((uintptr_t)packed_a.data() + 63) & ~uintptr_t(63));
   alignas(64) float acc[4][AMX_ROWS * 16];
   const int64_t panels = (j1 - j0 + NR - 1) / NR, blocks = (m1 - m0 + AMX_MR - 1) / AMX_MR;
   configure_tiles();
@@ -113,16 +104,13 @@ void amx_rows(const Product<bf16, Out>& P, int64_t m0, int64_t m1, int64_t j0, i
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t s = 0; s < steps; ++s) {
-        int64_t stride;
-        const void* pa = a0.step(s, stride);
-        _tile_loadd(4, pa, stride);
+        _tile_loadd(4, a0.step(s), AMX_K * 2);
         _tile_loadd(6, b + s * AMX_K * NR, NR * 4);
         _tile_loadd(7, b + s * AMX_K * NR + 32, NR * 4);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (rows1 > 0) {
-          pa = a1.step(s, stride);
-          _tile_loadd(5, pa, stride);
+          _tile_loadd(5, a1.step(s), AMX_K * 2);
           _tile_dpbf16ps(2, 5, 6);
           _tile_dpbf16ps(3, 5, 7);
         }

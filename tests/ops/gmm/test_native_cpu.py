@@ -143,9 +143,8 @@ def test_transposed_rhs_whole_and_partial_pack_blocks(dtype):
 @needs_native
 @pytest.mark.parametrize("k", [16, 32, 45, 96, 97])
 def test_bfloat16_tiles_read_only_their_rows_and_contraction(k):
-    """The AMX build loads 16-row tiles of A straight from lhs for whole 32-step pieces of K and from a
-    zero-padded copy elsewhere (fewer than 16 rows, the rest of K): groups of 1-33 rows give 32-row
-    blocks with 0-16 rows in their second tile, k < 32, = 32, and with a tail; n=88 a last panel of 24
+    """The AMX build packs A's 16 x 32 tiles, zero past the real rows and past K: groups of 1-33 rows
+    give 32-row blocks with 0-16 rows in their second tile, k < 32, = 32, and with a tail; n=88 a last panel of 24
     columns. Rows (gmm) and columns (tgmm) of lhs past the groups are inf, so a load past them turns
     the padding's zero products into NaN. Runs on every build (on the others it is one more shape)."""
     rng = np.random.default_rng(37 + k)
