@@ -6,7 +6,8 @@
 // Each product is computed the GotoBLAS way: a block of panels of B (K x NR columns each) is packed
 // contiguous, the register tile's MR rows of A are packed step by step, then the MR x NR tile of C is
 // accumulated over all of K in registers, with one broadcast of A per row and step; the next block's B
-// is prefetched meanwhile. MR, NR and the packing are the instruction set's (gmm_cpu_avx512.h: 10 x 32,
+// is prefetched meanwhile. A product longer than K_CHUNK along K with a float32 C runs as K chunks
+// (push_product), and a fresh output is asked for 2 MiB pages before it is written (ask_for_huge_pages). MR, NR and the packing are the instruction set's (gmm_cpu_avx512.h: 10 x 32,
 // gmm_cpu_avx2.h: 6 x 16); the AMX build (gmm_cpu_amx.h) runs bfloat16 products on 32 x 32 blocks of
 // AMX tiles over the same packed B instead (amx_rows). The work is split into chunks (gmm: ranges of columns; tgmm: ranges of
 // rows) that the XLA CPU thread pool's workers and the calling thread claim from an atomic counter (no
@@ -288,8 +289,8 @@ ffi::Error gmm_typed(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S3
     push_product(work->products, Product<In, Out>{r1 - r0, k, a + r0 * k, k, b + g * k * n,
                                               transpose_rhs ? 1 : n, transpose_rhs ? k : 1, c + r0 * n, n, false});
   }
-  if (zero_init) ask_for_huge_pages(c, int64_t(sizeof(Out)) * m * n);
   if (zero_init) {  // rows outside every local group (groups are contiguous: before the first, after the last)
+    ask_for_huge_pages(c, int64_t(sizeof(Out)) * m * n);
     const int64_t first = std::clamp<int64_t>(bd[0], 0, m), last = std::clamp<int64_t>(bd[groups], first, m);
     std::memset(c, 0, sizeof(Out) * first * n);
     std::memset(c + last * n, 0, sizeof(Out) * (m - last) * n);
