@@ -7,14 +7,16 @@
 // contiguous, the register tile's MR rows of A are packed step by step, then the MR x NR tile of C is
 // accumulated over all of K in registers, with one broadcast of A per row and step; the next block's B
 // is prefetched meanwhile. A product longer than K_CHUNK along K with a float32 C runs as K chunks
-// (push_product), and a fresh output is asked for 2 MiB pages before it is written (ask_for_huge_pages). MR, NR and the packing are the instruction set's (gmm_cpu_avx512.h: 10 x 32,
+// (push_product), and a fresh output is asked for 2 MiB pages before it is written
+// (ask_for_huge_pages). MR, NR and the packing are the instruction set's (gmm_cpu_avx512.h: 10 x 32,
 // gmm_cpu_avx2.h: 6 x 16); the AMX build (gmm_cpu_amx.h) runs bfloat16 products on 32 x 32 blocks of
-// AMX tiles over the same packed B instead (amx_rows). The work is split into chunks (gmm: ranges of columns; tgmm: ranges of
-// rows) that the XLA CPU thread pool's workers and the calling thread claim from an atomic counter (no
-// thread ever waits for a task that has not started, so a busy pool cannot deadlock the call). Group
-// bounds come from the caller, already clamped to [0, m]. Rows (gmm) or blocks (tgmm) no group computes
-// keep existing_out, aliased to the output, or, when the op made existing_out itself (`zero_init`: all
-// zeros), are zeroed in a fresh output. Built and loaded by conveyor/native/build.py.
+// AMX tiles over the same packed B instead (amx_rows). The work is split into chunks (gmm: ranges of
+// columns; tgmm: ranges of rows) that the XLA CPU thread pool's workers and the calling thread claim
+// from an atomic counter (no thread ever waits for a task that has not started, so a busy pool cannot
+// deadlock the call). Group bounds come from the caller, already clamped to [0, m]. Rows (gmm) or blocks
+// (tgmm) no group computes keep existing_out, aliased to the output, or, when the op made existing_out
+// itself (`zero_init`: all zeros), are zeroed in a fresh output. Built and loaded by
+// conveyor/native/build.py.
 #include <immintrin.h>
 #include <sys/mman.h>
 
@@ -312,6 +314,7 @@ ffi::Error tgmm_typed(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S
   const In* b = (const In*)rhs.untyped_data();
   Out* c = (Out*)out->untyped_data();
   const int32_t* bd = bounds.typed_data();
+  if (zero_init) ask_for_huge_pages(c, int64_t(sizeof(Out)) * groups * k * n);   // before any write to it
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t r0 = bd[g], r1 = bd[g + 1];
     if (r0 < 0 || r1 > m || r1 < r0) return ffi::Error::InvalidArgument("tgmm: group bounds out of [0, m]");
@@ -321,7 +324,6 @@ ffi::Error tgmm_typed(ffi::AnyBuffer lhs, ffi::AnyBuffer rhs, ffi::Buffer<ffi::S
       std::memset(c + g * k * n, 0, sizeof(Out) * k * n);
     }
   }
-  if (zero_init) ask_for_huge_pages(c, int64_t(sizeof(Out)) * groups * k * n);
   run_parallel(work, pool);
   return ffi::Error::Success();
 }
