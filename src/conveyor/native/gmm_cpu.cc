@@ -11,7 +11,7 @@
 // (ask_for_huge_pages). MR, NR and the packing are the instruction set's (gmm_cpu_avx512.h: 10 x 32,
 // gmm_cpu_avx2.h: 6 x 16); the AMX build (gmm_cpu_amx.h) runs bfloat16 products on 32 x 32 blocks of
 // AMX tiles over the same packed B instead (amx_rows). The work is split into chunks (gmm: ranges of
-// columns; tgmm: ranges of rows) that the XLA CPU thread pool's workers and the calling thread claim
+// columns, or whole groups where there are many of few rows (group_split_k_chunk); tgmm: ranges of rows) that the XLA CPU thread pool's workers and the calling thread claim
 // from an atomic counter (no thread ever waits for a task that has not started, so a busy pool cannot
 // deadlock the call). Group bounds come from the caller, already clamped to [0, m]. Rows (gmm) or blocks
 // (tgmm) no group computes keep existing_out, aliased to the output, or, when the op made existing_out
