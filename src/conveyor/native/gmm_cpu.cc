@@ -11,9 +11,10 @@
 // (ask_for_huge_pages). MR, NR and the packing are the instruction set's (gmm_cpu_avx512.h: 10 x 32,
 // gmm_cpu_avx2.h: 6 x 16); the AMX build (gmm_cpu_amx.h) runs bfloat16 products on 32 x 32 blocks of
 // AMX tiles over the same packed B instead (amx_rows). The work is split into chunks (gmm: ranges of
-// columns, or whole groups where there are many of few rows (group_split_k_chunk); tgmm: ranges of rows) that the XLA CPU thread pool's workers and the calling thread claim
-// from an atomic counter (no thread ever waits for a task that has not started, so a busy pool cannot
-// deadlock the call). Group bounds come from the caller, already clamped to [0, m]. Rows (gmm) or blocks
+// columns, or whole groups where there are many of few rows (group_split_k_chunk); tgmm: ranges of
+// rows) that the XLA CPU thread pool's workers and the calling thread claim from an atomic counter
+// (no thread ever waits for a task that has not started, so a busy pool cannot deadlock the call).
+// Group bounds come from the caller, already clamped to [0, m]. Rows (gmm) or blocks
 // (tgmm) no group computes keep existing_out, aliased to the output, or, when the op made existing_out
 // itself (`zero_init`: all zeros), are zeroed in a fresh output. Built and loaded by
 // conveyor/native/build.py.
@@ -126,7 +127,7 @@ struct BlockSource {
   }
 };
 
-// Rows [m0, m1) and columns [j0, j1) (at most one block of panels_per_block() panels) of one product: the
+// Rows [m0, m1) and columns [j0, j1) (one block: Work::block_columns at most) of one product: the
 // block's panels are packed (`pack` holds them, K x NR each, K rounded up to pairs), then every
 // register tile of the rows runs over them, prefetching `next` a part per row tile.
 template <typename In, typename Out>
