@@ -286,8 +286,8 @@ inline void ask_for_huge_pages(void* out, int64_t bytes) {
 // (n = 1024 bfloat16: 1 KiB of each 2 KiB), and on the 2026-11-27 VM (2-core Intel Xeon with AMX) two
 // threads read 128 MiB that way at 21-24 GB/s against 27-31 GB/s in contiguous halves. Measured there
 // (m=4096, k=n=1024, skewed groups, f32 out, medians of 11-25 calls each after its own warm call and
-// a 64 MiB cache eviction, side by side, in ms):
-//   bf16 (AMX):   G=64 14.2 -> 11.9, G=256 48.4 -> 36.4;  G=8 6.8 -> 5.9, G=16 7.5 -> 7.4, G=32 9.1 -> 8.4
+// a 64 MiB cache eviction, side by side, in ms; every G shown split by groups):
+//   bf16 (AMX):    G=64 14.2 -> 11.9, G=256 48.4 -> 36.4; G=8 6.8 -> 8.1, G=16 7.5 -> 7.4, G=32 9.1 -> 8.4
 //   f32 (AVX-512): G=64 43.2 -> 40.0, G=256 82.1 -> 68.1; G=16 31.1 -> 36.2 and 30.3 -> 31.8, G=32 31.4 -> 33.5
 // It pays where a group's product is bound by reading its B (few rows per group): at most
 // MAX_ROWS_PER_GROUP on average, with GROUPS_PER_THREAD groups for the threads to claim so that

@@ -212,10 +212,10 @@ def test_products_longer_than_a_k_chunk(dtype):
 def test_many_small_groups_with_a_float32_result(dtype):
     """gmm over many groups of few rows (at most 64 on average) with a float32 C is split by groups
     where at most 2 threads run at once (the kernel's rule: 8 groups per thread, threads at most one
-    per core; CI's machines have 2 cores), each group run over all n
-    columns in K chunks of 1 MiB of whole rows of B: n=520 (a partial last panel) and k=1100 make 3
-    chunks for float32 (480 rows each) and 2 for bfloat16 (992). Empty groups, rows past the last
-    group (zeros) and a bfloat16 C (not chunked) beside it."""
+    per core; CI's machines have 2 cores), each group run over all n columns in K chunks of 1 MiB of
+    whole rows of B: n=520 (a partial last panel) and k=1100 make 3 chunks for float32 (480 rows
+    each) and 2 for bfloat16 (992). Empty groups, rows past the last group (zeros), and a bfloat16 C
+    (split by columns, not chunked) beside it."""
     rng = np.random.default_rng(41)
     sizes = np.array([17, 0, 40, 3, 64, 1, 29, 0, 55, 12, 33, 8, 0, 47, 21, 6, 38, 2, 60, 15], np.int32)
     m, k, n = int(sizes.sum()) + 9, 1100, 520
