@@ -301,8 +301,9 @@ template <typename In, typename Out>
 int64_t group_split_k_chunk(int64_t groups_with_rows, int64_t rows, int64_t n, bool transpose_rhs,
                             ffi::ThreadPool& pool) {
   // Threads that run at once: the pool's, at most one per core (a pool made for 8 virtual devices
-  // on 2 cores has more threads than cores).
-  const int64_t threads = std::min<int64_t>(pool.num_threads(), std::max(1u, std::thread::hardware_concurrency()));
+  // on 2 cores has more threads than cores). The core count is read once: glibc reads it from /sys.
+  static const int64_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t threads = std::min<int64_t>(pool.num_threads(), cores);
   if (!std::is_same_v<Out, float> || transpose_rhs || groups_with_rows < GROUPS_PER_THREAD * threads ||
       rows > MAX_ROWS_PER_GROUP * groups_with_rows)
     return 0;
