@@ -163,11 +163,13 @@ def test_bfloat16_tiles_read_only_their_rows_and_contraction(k):
 @needs_native
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_chunks_of_several_blocks_of_panels(dtype):
-    """n=1100 splits into column chunks of more than 16 panels of 32 (the largest block, AMX's
-    bfloat16) and a partial block, so a chunk packs several blocks and prefetches the next one,
-    for a row-major and a transposed rhs, and tgmm's row chunks pack 1100-column blocks."""
+    """n=2600 splits into column chunks of several blocks of panels of 32 and a partial block (a
+    chunk has 325 or more columns where the pool has up to 8 threads, as with the suite's 8 virtual
+    devices), so a chunk packs several blocks, prefetches the next one and packs each group's rows
+    of lhs once for all of them, for a row-major and a transposed rhs; tgmm's row chunks (k=170:
+    several 10-row tiles each) pack 2600-column blocks the same way."""
     rng = np.random.default_rng(38)
-    m, k, n, g = 150, 70, 1100, 4
+    m, k, n, g = 150, 170, 2600, 4
     sizes = skewed_sizes(rng, m, g)
     for transpose_rhs in (False, True):
         lhs, rhs = operands(rng, m, k, n, g, dtype, transpose_rhs=transpose_rhs)
