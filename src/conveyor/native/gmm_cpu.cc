@@ -8,7 +8,7 @@
 // accumulated over all of K in registers, with one broadcast of A per row and step; the next block's B
 // is prefetched meanwhile. A product longer than K_CHUNK along K with a float32 C runs as K chunks
 // (push_product), and a fresh output is asked for 2 MiB pages before it is written
-// (ask_for_huge_pages). MR, NR and the packing are the instruction set's (gmm_cpu_avx512.h: 10 x 32,
+// (ask_for_huge_pages). MR, NR and the packing are the instruction set's (gmm_cpu_avx512.h: 14 x 32,
 // gmm_cpu_avx2.h: 6 x 16); the AMX build (gmm_cpu_amx.h) runs bfloat16 products on 32 x 32 blocks of
 // AMX tiles over the same packed B instead (amx_rows). The work is split into chunks (gmm: ranges of
 // columns, or whole groups where there are many of few rows (group_split_k_chunk); tgmm: ranges of

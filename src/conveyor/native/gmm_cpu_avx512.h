@@ -1,7 +1,13 @@
 // AVX-512 part of the native CPU kernels (included by gmm_cpu.cc): float32 by vfmadd231ps, bfloat16 by
-// vdpbf16ps on row pairs, 10 x 32 register tiles (20 zmm accumulators). Needs AVX-512 F, BW, VL, BF16.
+// vdpbf16ps on row pairs, 14 x 32 register tiles (28 zmm accumulators, two for the step's B, one for
+// the broadcast of A). Needs AVX-512 F, BW, VL, BF16.
 
-constexpr int64_t MR = 10;  // rows of C per register tile
+// Rows of C per register tile. 14 against 10 (each step's two loads of B then feed 28 FMAs, not 20),
+// measured 2026-11-27 (2-core Intel VM, m=4096, k=n=1024, medians of 11-15 side by side, in ms):
+// f32 tgmm G=8 32.6 -> 31.7 and 32.4 -> 28.8, G=64 49.6 -> 44.8 and 49.5 -> 46.5, G=1 23.4 -> 23.4;
+// f32 gmm G=8 26.2 -> 25.1, G=1 26.8 -> 25.6, G=64 and 256 unchanged; bf16 by vdpbf16ps (the AVX-512
+// build) within noise. 12 rows fell between.
+constexpr int64_t MR = 14;
 constexpr int64_t NR = 32;  // columns of C per register tile (two zmm of float32)
 // Rows of B are packed in steps of PACK_UNITS 32-bit units (16 float32 rows, 16 bfloat16 row pairs) over
 // all panels of a block, so a row-major B is read in runs of up to PANELS_PER_BLOCK * 128 bytes instead

@@ -1,5 +1,5 @@
 """gmm/tgmm on native_cpu (Conveyor's AVX-512 or AVX2 kernels through the XLA FFI) against the reference:
-the shared suite at shapes that leave partial 10-row and 32-column register tiles and odd
+the shared suite at shapes that leave partial 14-row and 32-column register tiles and odd
 contraction lengths, the bfloat16 path, the build and dispatch rules, and the refusals."""
 import os
 import pathlib
@@ -167,7 +167,7 @@ def test_chunks_of_several_blocks_of_panels(dtype):
     chunk has 325 or more columns where the pool has up to 8 threads, as with the suite's 8 virtual
     devices), so a chunk packs several blocks, prefetches the next one and packs each group's rows
     of lhs once for all of them, for a row-major and a transposed rhs; tgmm's row chunks (k=170:
-    several 10-row tiles each) pack 2600-column blocks the same way."""
+    several 14-row tiles each) pack 2600-column blocks the same way."""
     rng = np.random.default_rng(38)
     m, k, n, g = 150, 170, 2600, 4
     sizes = skewed_sizes(rng, m, g)
