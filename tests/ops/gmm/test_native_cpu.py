@@ -163,11 +163,12 @@ def test_bfloat16_tiles_read_only_their_rows_and_contraction(k):
 @needs_native
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_chunks_of_several_blocks_of_panels(dtype):
-    """n=2600 splits into column chunks of several blocks of panels of 32 and a partial block (a
-    chunk has 325 or more columns where the pool has up to 8 threads, as with the suite's 8 virtual
-    devices), so a chunk packs several blocks, prefetches the next one and packs each group's rows
-    of lhs once for all of them, for a row-major and a transposed rhs; tgmm's row chunks (k=170:
-    several 14-row tiles each) pack 2600-column blocks the same way."""
+    """n=2600 splits into column chunks of 325 or more columns (a pool of up to 8 threads, as with
+    the suite's 8 virtual devices): more than one block of 256 (register tiles) and a partial one,
+    so a chunk packs several blocks, prefetches the next one and packs each group's rows of lhs once
+    for all of them, for a row-major and a transposed rhs (AMX's bfloat16 blocks of 512 columns: one
+    or more per chunk); tgmm's row chunks (k=170: several 14-row tiles each) run over 2600-column
+    rows of blocks the same way."""
     rng = np.random.default_rng(38)
     m, k, n, g = 150, 170, 2600, 4
     sizes = skewed_sizes(rng, m, g)
