@@ -445,12 +445,135 @@ def discharge_ref_function(fn, value_avals, ref_avals):
     n_out = len(jax.tree_util.tree_leaves(out_shape))
 
     def run(*args):
-        flat = core.eval_jaxpr(pure_jaxpr, pure.consts, *args)
+        flat = eval_merging_dots(pure_jaxpr, pure.consts, *args)
         return flat[:n_out], flat[n_out:n_out + len(ref_avals)]
     return run, tuple(written), jax.tree_util.tree_structure(out_shape)
 
 
-__all__ += ["discharge_ref_function"]
+def _dot_groups(jaxpr) -> dict:
+    """The dot_generals of a pure jaxpr's top level that can run as one: same second operand (one
+    var), same parameters, first operands sliced (`slice` / `dynamic_slice`) from one var along one
+    and the same dimension, a free one (neither contracted nor batched), the rest of their shapes
+    equal, and no operand computed from any dot_general's result (so every group's operands are
+    ready before any group runs: no group waits on another). {index of the group's last eqn:
+    (member eqn indices in order, the sliced dimension)}; groups of one are left out."""
+    from jax._src import core
+    from jax._src.lax import lax as lax_internal, slicing
+
+    producers = {eqn.outvars[0]: eqn for eqn in jaxpr.eqns if len(eqn.outvars) == 1}
+
+    def sliced_dim(v):
+        """(source var, dim) where v is a slice of a var along exactly one dim, else None."""
+        eqn = producers.get(v) if isinstance(v, core.Var) else None
+        if eqn is None or eqn.primitive not in (slicing.slice_p, slicing.dynamic_slice_p):
+            return None
+        src = eqn.invars[0]
+        if not isinstance(src, core.Var):
+            return None
+        dims = [d for d, (a, b) in enumerate(zip(src.aval.shape, v.aval.shape)) if a != b]
+        return (src, dims[0]) if len(dims) == 1 else None
+
+    depends: dict = {}    # var -> whether it is computed from a dot_general's result
+    open_groups: list = []   # [rhs var, params, source var, dim, lhs shape without dim, members]
+    for i, eqn in enumerate(jaxpr.eqns):
+        after_a_dot = any(depends.get(v, False) for v in eqn.invars if isinstance(v, core.Var))
+        is_dot = eqn.primitive is lax_internal.dot_general_p
+        if is_dot and not after_a_dot and isinstance(eqn.invars[1], core.Var):
+            found = sliced_dim(eqn.invars[0])
+            if found is not None:
+                src, d = found
+                (contract, _), (batch, _) = eqn.params["dimension_numbers"]
+                shape = tuple(n for k, n in enumerate(eqn.invars[0].aval.shape) if k != d)
+                if d not in contract and d not in batch:
+                    for g in open_groups:
+                        if (g[0] is eqn.invars[1] and g[2] is src and g[3] == d and g[4] == shape
+                                and g[1] == eqn.params):
+                            g[5].append(i)
+                            break
+                    else:
+                        open_groups.append([eqn.invars[1], eqn.params, src, d, shape, [i]])
+        for v in eqn.outvars:
+            depends[v] = after_a_dot or is_dot
+    return {g[5][-1]: (tuple(g[5]), g[3]) for g in open_groups if len(g[5]) > 1}
+
+
+def eval_merging_dots(jaxpr, consts, *args) -> list:
+    """`core.eval_jaxpr` of a pure jaxpr (no effects), except that each group of `_dot_groups` runs
+    as one dot_general over its first operands concatenated along their sliced dimension, its
+    results sliced back out: a warp-specialized pipeline's compute threads each multiply their rows
+    of a block by the same block, and one (2m, k) x (k, n) dot is faster on XLA:CPU than two
+    (m, k) x (k, n) ones. An eqn that reads a group's result before the group's last member runs
+    waits until it has run (the order of the rest is kept; the jaxpr is pure, so any order that
+    respects its dataflow gives the same values). The merged dot adds each output element's
+    products as the dot of its rows alone would on exact data; on inexact data its rounding may
+    differ, as between any two shapes of one dot."""
+    from jax import lax
+    from jax._src import core, source_info_util
+
+    groups = _dot_groups(jaxpr)
+    if not groups:
+        return core.eval_jaxpr(jaxpr, consts, *args)
+    members = {i for idx, _ in groups.values() for i in idx}
+    env: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, core.Literal) else env[v]
+
+    def ready(eqn) -> bool:
+        return all(isinstance(v, core.Literal) or v in env for v in eqn.invars)
+
+    def run(eqn) -> None:
+        params = eqn.primitive.get_bind_params(eqn.params)
+        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+        with source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack), eqn.ctx.manager:
+            ans = eqn.primitive.bind(*map(read, eqn.invars), **params)
+        for v, x in zip(eqn.outvars, ans if eqn.primitive.multiple_results else [ans]):
+            env[v] = x
+
+    def run_group(indices, d) -> None:
+        eqns = [jaxpr.eqns[i] for i in indices]
+        first = eqns[0]
+        (_, _), (batch, _) = first.params["dimension_numbers"]
+        contract = first.params["dimension_numbers"][0][0]
+        free = [k for k in range(first.invars[0].aval.ndim) if k not in contract and k not in batch]
+        out_dim = len(batch) + free.index(d)
+        merged = lax.concatenate([read(e.invars[0]) for e in eqns], d)
+        params = first.primitive.get_bind_params(first.params)
+        with first.ctx.manager:
+            out = first.primitive.bind(merged, read(first.invars[1]), **params)
+        start = 0
+        for e in eqns:
+            size = e.invars[0].aval.shape[d]
+            env[e.outvars[0]] = lax.slice_in_dim(out, start, start + size, axis=out_dim)
+            start += size
+
+    for v, x in zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]):
+        env[v] = x
+    waiting: list = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        if i in groups:
+            run_group(*groups[i])
+        elif i in members:
+            continue
+        elif ready(eqn):
+            run(eqn)
+        else:
+            waiting.append(eqn)
+            continue
+        while waiting and any(ready(e) for e in waiting):
+            still = []
+            for e in waiting:
+                if ready(e):
+                    run(e)
+                else:
+                    still.append(e)
+            waiting = still
+    if waiting:
+        raise AssertionError(f"eval_merging_dots: {len(waiting)} eqns never got their inputs (a bug)")
+    return [read(v) for v in jaxpr.outvars]
+
+
+__all__ += ["discharge_ref_function", "eval_merging_dots"]
 
 
 def _layout_keeping_slice_rule(jax_rule, axis_data, vals, dims, **params):

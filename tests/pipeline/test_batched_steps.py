@@ -9,6 +9,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 import conveyor as cv
+from conveyor import _compat
 
 B = (8, 128)
 
@@ -163,6 +164,45 @@ def test_the_warp_specialized_matmul_is_batched():
     # Each thread's half-block write stays a dynamic_update_slice of the batched blocks, in their
     # layout (`_compat.layout_keeping_slice_batching`), not a scatter with the blocks transposed.
     assert "scatter" not in program and "dynamic_update_slice" in program
+    # The two threads' dots of their rows by the same block run as one (`_compat.eval_merging_dots`).
+    assert program.count("dot_general") == 1, program
+
+
+def _dots_in(fn, *args) -> int:
+    """How many dot_generals `fn`'s jaxpr holds when run through `eval_merging_dots`."""
+    closed = jax.make_jaxpr(fn)(*args)
+    merged = jax.make_jaxpr(lambda *a: _compat.eval_merging_dots(closed.jaxpr, closed.consts, *a))(*args)
+    return str(merged).count("dot_general")
+
+
+def test_dots_sharing_an_operand_run_as_one_where_nothing_orders_them():
+    """`eval_merging_dots` runs dots of row slices of one array by the same operand as one dot, a
+    consumer of the first dot's result that comes before the second dot waits for it, and dots that
+    depend on another dot's result, or multiply by different operands, run as written. Values are
+    those of the jaxpr run as it is (exact: small integers)."""
+    rng = np.random.default_rng()
+    x, y, z = _ints(rng, (12, 16)), _ints(rng, (16, 8)), _ints(rng, (16, 8))
+
+    def threads(x, y):     # each "thread" its rows of x by y, the first's result used in between
+        a = jnp.dot(x[:4], y)
+        b = a * 2.0 + 1.0
+        c = jnp.dot(x[4:12], y)
+        return b, c, a.sum() + c.sum()
+
+    def chained(x, y):     # the second dot's rows come from the first dot's result
+        a = jnp.dot(x[:4], y)
+        return jnp.dot(jnp.concatenate([a, a], axis=1)[:, :16], y)
+
+    def other_operands(x, y, z):
+        return jnp.dot(x[:4], y), jnp.dot(x[4:8], z)
+
+    for fn, args, dots in ((threads, (x, y), 1), (chained, (x, y), 2), (other_operands, (x, y, z), 2)):
+        closed = jax.make_jaxpr(fn)(*args)
+        got = jax.jit(lambda *a: _compat.eval_merging_dots(closed.jaxpr, closed.consts, *a))(*args)
+        want = jax.tree_util.tree_leaves(fn(*args))
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=fn.__name__)
+        assert _dots_in(fn, *args) == dots, fn.__name__
 
 
 def _simple(body, carry=None):
