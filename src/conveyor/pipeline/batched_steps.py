@@ -22,6 +22,9 @@ Independent, decided at trace time (otherwise `xla.run_pipeline` runs step by st
 B is the longest run of leading axes for which this holds (of more than one step).
 The body's ops are batched one by one, so a dot may be done as a larger XLA dot whose own
 summation order differs: results agree to float rounding (exactly on integer-valued data).
+Dots of row slices of one block by the same operand (a warp-specialized pipeline's compute
+threads, each multiplying its rows) run as one dot (`_compat.eval_merging_dots`): on the 2-core
+VM the 2048^3 warp-specialized matmul went from 1.26-1.30x to 1.23-1.24x `jnp.dot`.
 The batched blocks keep the array's layout where they can, so XLA copies little around the body:
 output buffers interleave each batched grid axis with the block dimension it walks, an input
 whose blocks at one step form an in-bounds slab is read as one slice (`SlabRead`), and a partial
