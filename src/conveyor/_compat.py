@@ -533,8 +533,7 @@ def eval_merging_dots(jaxpr, consts, *args) -> list:
     def run_group(indices, d) -> None:
         eqns = [jaxpr.eqns[i] for i in indices]
         first = eqns[0]
-        (_, _), (batch, _) = first.params["dimension_numbers"]
-        contract = first.params["dimension_numbers"][0][0]
+        (contract, _), (batch, _) = first.params["dimension_numbers"]
         free = [k for k in range(first.invars[0].aval.ndim) if k not in contract and k not in batch]
         out_dim = len(batch) + free.index(d)
         merged = lax.concatenate([read(e.invars[0]) for e in eqns], d)
@@ -549,18 +548,12 @@ def eval_merging_dots(jaxpr, consts, *args) -> list:
 
     for v, x in zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args]):
         env[v] = x
-    waiting: list = []
+    waiting: list = []   # eqns that read a group's result (or a waiting eqn's), in order
     for i, eqn in enumerate(jaxpr.eqns):
         if i in groups:
             run_group(*groups[i])
-        elif i in members:
-            continue
-        elif ready(eqn):
-            run(eqn)
-        else:
-            waiting.append(eqn)
-            continue
-        while waiting and any(ready(e) for e in waiting):
+            # Only a group's results make waiting eqns ready; one pass in order runs every one
+            # whose inputs are now there (a later waiting eqn may read an earlier one's result).
             still = []
             for e in waiting:
                 if ready(e):
@@ -568,6 +561,12 @@ def eval_merging_dots(jaxpr, consts, *args) -> list:
                 else:
                     still.append(e)
             waiting = still
+        elif i in members:
+            continue
+        elif ready(eqn):
+            run(eqn)
+        else:
+            waiting.append(eqn)
     if waiting:
         raise AssertionError(f"eval_merging_dots: {len(waiting)} eqns never got their inputs (a bug)")
     return [read(v) for v in jaxpr.outvars]

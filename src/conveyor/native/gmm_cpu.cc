@@ -169,7 +169,7 @@ void product_block(const Product<In, Out>& P, int64_t m0, int64_t m1, int64_t j0
   constexpr int64_t k_unit = panel_k_unit<In>();
   const int64_t padded_k = (P.K + k_unit - 1) / k_unit * k_unit, panel = padded_k * NR;
   const int64_t block_panels = (j1 - j0 + NR - 1) / NR;
-  const size_t need = size_t(panel * block_panels + panel / NR * MR) + 128;
+  const size_t need = size_t(panel * block_panels + packed_a_tile(P)) + 128;
   if (pack.size() < need) pack.resize(need);
   Packed<In>* bp = (Packed<In>*)(((uintptr_t)pack.data() + 63) & ~uintptr_t(63));
   Packed<In>* ap = (Packed<In>*)(((uintptr_t)(bp + panel * block_panels) + 63) & ~uintptr_t(63));  // MR x K, rounded to pairs
