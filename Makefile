@@ -4,7 +4,8 @@ VENV ?= .venv
 JAX_END ?= newest
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-oldest-jax wheel-test lint dist ci bench bootstrap clean gpu-check gpu-bench
+.PHONY: demo test test-oldest-jax wheel-test lint dist ci bench bootstrap clean gpu-check gpu-bench \
+	compile-env compile-check
 
 bootstrap:
 	@VENV=$(VENV) JAX_END=$(JAX_END) bash scripts/bootstrap.sh
@@ -29,8 +30,24 @@ lint: bootstrap
 dist: bootstrap
 	$(PY) -m build --sdist --wheel --outdir dist .
 
-# What CI runs (.ci/run): both ends of the jax range, the installed wheel, the lint.
-ci: test test-oldest-jax wheel-test lint
+# The real compilers' environments (one per toolchain; scripts/compile_env.sh).
+compile-env:
+	bash scripts/compile_env.sh cuda
+	bash scripts/compile_env.sh tpu
+
+# Every kernel at production sizes through the real compilers for H100 and TPU v5e/v6e/v5p
+# (deviceless AOT on this CPU; docs/compile-check.md). Fails when a compiler refuses a kernel
+# Conveyor let through, or a GPU kernel spills; the tables land in build/compile-check/.
+COMPILE_OUT ?= build/compile-check
+compile-check: compile-env
+	.venv-compile-cuda/bin/python -m conveyor compile-check production --target h100 \
+		--allow-refused --out $(COMPILE_OUT)/h100.md
+	.venv-compile-tpu/bin/python -m conveyor compile-check production --target v5e,v6e,v5p \
+		--allow-refused --out $(COMPILE_OUT)/tpu.md
+
+# What CI runs (.ci/run): both ends of the jax range, the installed wheel, the lint, the
+# real compilers.
+ci: test test-oldest-jax wheel-test lint compile-check
 
 bench: bootstrap
 	$(PY) -m conveyor bench gmm
@@ -43,4 +60,4 @@ gpu-bench:
 	bash -c 'source scripts/gpu_env.sh && $$PY -m conveyor bench gmm --platform gpu'
 
 clean:
-	rm -rf $(VENV) .venv-jax-oldest .pytest_cache dist
+	rm -rf $(VENV) .venv-jax-oldest .venv-compile-cuda .venv-compile-tpu .pytest_cache dist build

@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 JAX_END=${JAX_END:-newest}
+EXTRAS=${EXTRAS-test,demo,dev}   # extras of Conveyor to install ("" for none)
 
 # The supported range is written once, in pyproject.toml ("jax>=OLDEST,<=NEWEST").
 jax_pin() {  # $1 = oldest|newest
@@ -65,6 +66,6 @@ if [ ! -f "$STAMP" ] || [ pyproject.toml -nt "$STAMP" ]; then
   "$VENV/bin/python" -m pip install -q --upgrade pip
   rm -f "$VENV"/.installed*
   echo "bootstrap: installing Conveyor into $VENV with jax/jaxlib $JAX_VERSION ($JAX_END end of the supported range)"
-  "$VENV/bin/python" -m pip install -q -e ".[test,demo,dev]" "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION"
+  "$VENV/bin/python" -m pip install -q -e ".${EXTRAS:+[$EXTRAS]}" "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION"
   touch "$STAMP"
 fi

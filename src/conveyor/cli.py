@@ -1,4 +1,4 @@
-"""The `conveyor` command: demo | bench | simulate | check.
+"""The `conveyor` command: demo | bench | simulate | check | compile-check.
 
 Every bad argument is a one-line error and exit status 2 (argument types in cli_args.py, the
 options a subcommand would ignore refused by name); a missing optional dependency says which
@@ -98,7 +98,86 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
                    help="time budget; the report then says it stopped and shows what it found so far")
     c.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                    help="progress bar on stderr (default: when stderr is a terminal)")
+    _compile_check_parser(sub, subs)
     return p, subs
+
+
+def _compile_check_parser(sub, subs) -> None:
+    c = subs["compile-check"] = sub.add_parser(
+        "compile-check", help="compile kernels with the real compilers for H100 / TPU chips "
+                              "this host does not have (see docs/compile-check.md)")
+    c.add_argument("which", choices=["production", "gmm", "tgmm", "all-gather-matmul",
+                                     "matmul-reduce-scatter"],
+                   help="production: every kernel at the sizes it exists for; or one op at "
+                        "your shape")
+    c.add_argument("--target", type=t.compile_targets,
+                   help="comma-separated: h100, v5e, v6e, v5p")
+    c.add_argument("--m", type=t.positive_int, help="gmm, tgmm: rows (tokens)")
+    c.add_argument("--k", type=t.positive_int, help="gmm, tgmm: contraction size")
+    c.add_argument("--n", type=t.positive_int, help="gmm, tgmm: columns")
+    c.add_argument("--groups", type=t.positive_int, default=8, help="gmm, tgmm: groups")
+    c.add_argument("--grad", action="store_true", help="gmm, rings: compile the gradient too")
+    c.add_argument("--devices", type=t.positive_int, default=8, help="rings: chips (4 or 8)")
+    c.add_argument("--shard", type=t.positive_int, default=1024,
+                   help="rings: every per-device operand is shard x shard")
+    c.add_argument("--dim", type=int, choices=[0, 1], default=0,
+                   help="rings: gather_dim / scatter_dim")
+    c.add_argument("--unidirectional", action="store_true", help="rings: one direction")
+    c.add_argument("--allow-refused", action="store_true",
+                   help="exit 0 when Conveyor itself refuses a case (its error is printed)")
+    c.add_argument("--timeout", type=t.positive_float, default=600.0,
+                   help="seconds one compile may take")
+    c.add_argument("--out", type=pathlib.Path, help="also write the markdown table here")
+
+
+def _compile_cases(args, fail) -> list:
+    """The cases `compile-check` was asked for."""
+    from conveyor import compile_check as cc
+
+    if args.which == "production":
+        return cc.production()
+    if args.which in ("gmm", "tgmm"):
+        missing = [f"--{d}" for d in "mkn" if getattr(args, d) is None]
+        if missing:
+            fail(f"argument {', '.join(missing)}: required by '{args.which}'")
+        shape = dict(m=args.m, k=args.k, n=args.n, groups=args.groups)
+        if args.which == "tgmm":
+            return [cc.case("tgmm", **shape)]
+        return [cc.case("gmm", **shape, grad=args.grad)]
+    op = args.which.replace("-", "_")
+    return [cc.case("ring", op=op, devices=args.devices, shard=args.shard, dim=args.dim,
+                    bidirectional=not args.unidirectional, grad=args.grad)]
+
+
+def _compile_check(args, fail) -> int:
+    from conveyor import compile_check as cc
+    from conveyor.compile_check.device import MissingToolchain, require_toolchain
+
+    if args.target is None:
+        fail("argument --target: required (comma-separated: h100, v5e, v6e, v5p)")
+    targets = [cc.target(name) for name in args.target]
+    cases = _compile_cases(args, fail)
+    if args.which in ("all-gather-matmul", "matmul-reduce-scatter"):
+        for target in targets:
+            if target.platform != "tpu":
+                fail(f"argument --target: {args.which} has a kernel on TPU only, got {target.name}")
+            if args.devices not in target.topologies:
+                fail(f"argument --devices: {target.name} is compiled for "
+                     f"{sorted(target.topologies)} chips, got {args.devices}")
+    for target in targets:
+        try:
+            require_toolchain(target)
+        except MissingToolchain as e:
+            fail(str(e))
+    rows = cc.run(cases, targets, timeout_s=args.timeout)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(cc.markdown(rows) + "\n")
+    allowed = {"ok", "refused"} if args.allow_refused else {"ok"}
+    bad = [r for r in rows if cc.verdict(r) not in allowed]
+    print(f"{len(rows) - len(bad)} of {len(rows)} kernels " +
+          ("compiled or refused" if args.allow_refused else "compiled") + " cleanly")
+    return 1 if bad else 0
 
 
 # The options each subcommand's variants use; any other option given is refused by name.
@@ -111,6 +190,10 @@ _SIMULATE_USES = {
     "all-gather-matmul": {"m", "k", "n", "devices", "dtype", "hardware", "unidirectional", "unfused", "buffering"},
 }
 _SIMULATE_USES["matmul-reduce-scatter"] = _SIMULATE_USES["all-gather-matmul"]
+_RING_OPTIONS = {"devices", "shard", "dim", "unidirectional", "grad"}
+_COMPILE_CHECK_USES = {"production": set(), "gmm": {"m", "k", "n", "groups", "grad"},
+                       "tgmm": {"m", "k", "n", "groups"},
+                       "all-gather-matmul": _RING_OPTIONS, "matmul-reduce-scatter": _RING_OPTIONS}
 _CHECK_USES = {"pipeline": {"grid", "inputs", "stages", "delay_release", "in_flight", "warp_specialized",
                             "compute_threads"},
                "ring": {"devices", "buffering", "unidirectional", "scatter", "no_credits"}}
@@ -261,14 +344,18 @@ def main(argv: list[str] | None = None) -> int:
         sub.error(f"argument --tile: renamed --tiling, in cv.gmm's order tm,tk,tn (--tile was bm,bn,bk); "
                   f"got {args.tile!r}")
     uses = {"simulate": lambda: _SIMULATE_USES[args.which], "check": lambda: _CHECK_USES[args.which],
-            "bench": lambda: _bench_uses(args)}[args.command]()
+            "bench": lambda: _bench_uses(args),
+            "compile-check": lambda: _COMPILE_CHECK_USES[args.which]}[args.command]()
     always = {"simulate": {"json", "png", "trace", "tile"}, "check": {"max_states", "max_seconds", "progress"},
-              "bench": {"reps", "out"}}[args.command]
+              "bench": {"reps", "out"},
+              "compile-check": {"target", "allow_refused", "timeout", "out"}}[args.command]
     if (unused := _unused(sub, args, uses, always)):
         variant = args.which + (f" --platform {args.platform}" if args.command == "bench" and args.which == "gmm" else "")
         sub.error(f"{unused} not used by '{args.command} {variant}'")
     if args.command == "bench":   # a ValueError inside a benchmark is a bug: its traceback is kept
         return _run(lambda: _bench(args), sub)
+    if args.command == "compile-check":
+        return _run(lambda: _compile_check(args, sub.error), sub)
     run = (lambda: _simulate(args, sub.error)) if args.command == "simulate" else (lambda: _check(args))
     return _run(run, sub, refused=ValueError)
 

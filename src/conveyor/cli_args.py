@@ -112,3 +112,16 @@ def hardware(text: str) -> str:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("hardware: ")) from None
     return text
+
+
+def compile_targets(text: str) -> tuple[str, ...]:
+    """Comma-separated compile-check targets (h100, v5e, v6e, v5p)."""
+    from conveyor.compile_check.targets import TARGETS
+
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not names:
+        raise argparse.ArgumentTypeError("expected comma-separated targets, got nothing")
+    for name in names:
+        if name not in TARGETS:
+            raise argparse.ArgumentTypeError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
+    return names

@@ -6,6 +6,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from conveyor.ints import floordiv, mod
+
 Int = Any  # a Python int or a traced int32 scalar
 
 
@@ -16,8 +18,8 @@ def unravel(step: Int, grid: Sequence[Int]) -> tuple[Int, ...]:
     idx = []
     for size in reversed(tuple(grid)):
         size = size if isinstance(size, int) else jnp.maximum(size, 1)
-        idx.append(step % size)
-        step = step // size
+        idx.append(mod(step, size))
+        step = floordiv(step, size)
     return tuple(reversed(idx))
 
 

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -28,6 +30,7 @@ from jax.experimental.pallas import tpu as pltpu
 from conveyor._compat import out_struct
 from conveyor.pipeline.lowering import issued
 from conveyor.plans.ring import ENABLED_BY, RingPlan
+from conveyor.tpu_vmem import vmem_limit
 
 # The slot each operation is reported with (conformance).
 SLOT_FIELD = {"receive": "slot", "send": "send_slot", "compute": "slot", "accumulate": "slot",
@@ -146,9 +149,28 @@ def _gather_kernel(me_ref, tab_ref, lhs_hbm, *refs, plan: RingPlan, axis, mode: 
     _run_step(plan, tab_ref, streams, {"compute": compute})
 
 
+def _vmem_bytes(args, in_specs, out_spec, scratch) -> tuple[int, int]:
+    """(resident, peak) VMEM of a ring kernel: its scratch slots and one buffer of every blocked
+    operand, then with Pallas' second buffer of each and one float32 product the size of the
+    output block (the dot's value before it is stored)."""
+    def nbytes(shape, dtype):
+        return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+    slots = sum(nbytes(s.shape, s.dtype) for s in scratch
+                if isinstance(s.dtype, np.dtype))  # semaphores have no numpy dtype
+    blocks = sum(nbytes(spec.block_shape, a.dtype) for a, spec in zip(args, in_specs)
+                 if spec.block_shape is not None)
+    out = nbytes(out_spec.block_shape, jnp.float32)
+    resident = slots + blocks + out
+    return resident, resident + blocks + 2 * out
+
+
 def _kernel_call(kernel, plan: RingPlan, *, axis, name, args, in_specs, out_shape, out_spec, scratch, interpret):
     """The pallas_call of a ring kernel: one grid step per plan step, the device's ring position and
-    the plan's table scalar-prefetched."""
+    the plan's table scalar-prefetched. Its VMEM limit is raised when the chip's default is too
+    small, and a kernel that cannot fit the chip's VMEM is refused (`tpu_vmem.vmem_limit`)."""
+    resident, peak = _vmem_bytes(args, in_specs, out_spec, scratch)
+    limit = vmem_limit(name, resident=resident, peak=peak)
     me = lax.axis_index(axis).astype(jnp.int32)[None]
     table = jnp.asarray(plan.step_table(), jnp.int32)
     call = pl.pallas_call(
@@ -157,7 +179,8 @@ def _kernel_call(kernel, plan: RingPlan, *, axis, name, args, in_specs, out_shap
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(plan.num_steps,), in_specs=in_specs, out_specs=out_spec,
             scratch_shapes=scratch),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), has_side_effects=True),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), has_side_effects=True,
+                                             vmem_limit_bytes=limit),
         interpret=(pltpu.InterpretParams() if interpret is True else interpret) if interpret else False,
         name=name)
     return call(me, table, *args)

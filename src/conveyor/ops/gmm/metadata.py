@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from conveyor.ints import floordiv
+
 
 def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
     """Row range [start, end) of every group, after the documented normalisation.
@@ -104,8 +106,8 @@ def row_block_span(lo, hi, tm: int):
     """(first, count): the blocks of `tm` rows that intersect rows [lo, hi), count 0 when the range
     is empty. Python ints or traced scalars: the tgmm kernels loop over these blocks of each group,
     and the simulator counts them the same way (`count_row_blocks`)."""
-    first = lo // tm
-    count = (hi + tm - 1) // tm - first
+    first = floordiv(lo, tm)
+    count = floordiv(hi + tm - 1, tm) - first
     if isinstance(lo, int) and isinstance(hi, int):
         return first, count if hi > lo else 0
     return first, jnp.where(hi > lo, count, 0)

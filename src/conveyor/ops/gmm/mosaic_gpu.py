@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
+from conveyor.ints import floordiv, mod
 from conveyor.ops.gmm.metadata import make_group_metadata
 from conveyor.kernel_gpu import smem_bytes
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
@@ -161,8 +162,8 @@ def banded_tile(pid, *, column_tiles: int, visits: int, band: int):
     weights and a few row tiles of lhs, which stay in L2, instead of each row tile streaming a
     group's whole [k, n] weights (a plain (column tile, visit) grid with columns fastest)."""
     per_band = band * visits
-    b, r = pid // per_band, pid % per_band
-    return b * band + r % band, r // band
+    b, r = floordiv(pid, per_band), mod(pid, per_band)
+    return b * band + mod(r, band), floordiv(r, band)
 
 
 def grid_band(column_tiles: int) -> int:

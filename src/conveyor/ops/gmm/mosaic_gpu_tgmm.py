@@ -76,11 +76,17 @@ def check_tgmm_args(lhs, rhs, tiling: Tile) -> tuple[int, int, int]:
     return tm, tk, tn
 
 
-def _zero_outside(block, axis: int, first_row, lo, hi):
-    """block[...] = where(lo <= first_row + position along `axis` < hi, block, 0), in registers."""
-    vals = block[...]
-    pos = plgpu.layout_cast(lax.broadcasted_iota(jnp.int32, block.shape, axis), plgpu.Layout.WGMMA) + first_row
-    block[...] = jnp.where((pos >= lo) & (pos < hi), vals, jnp.zeros_like(vals))
+def _zero_outside(block, first_row, lo, hi):
+    """block[r, :] = 0 where first_row + r is outside [lo, hi), in registers, MIN_TN columns at a
+    time: a whole [64, 128] chunk's values and row positions beside the [128, 128] float32
+    accumulator overflow the 168 registers a thread has when ptxas drops the register split
+    (docs/compile-check.md)."""
+    for col in range(0, block.shape[1], MIN_TN):
+        chunk = block.at[:, pl.ds(col, MIN_TN)]
+        vals = chunk[...]
+        rows = lax.broadcasted_iota(jnp.int32, chunk.shape, 0)
+        pos = plgpu.layout_cast(rows, plgpu.Layout.WGMMA) + first_row
+        chunk[...] = jnp.where((pos >= lo) & (pos < hi), vals, jnp.zeros_like(vals))
 
 
 def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling, interpret):
@@ -116,13 +122,13 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
 
             @pl.when((row0 < lo) | (row0 + tm > hi))   # a block shared with a neighbouring group
             def _():
-                _zero_outside(x_blk.at[:, pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], 0, row0, lo, hi)
+                _zero_outside(x_blk.at[:, pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], row0, lo, hi)
                 if split_rhs:
-                    _zero_outside(b_blk.at[:, pl.ds(wg * half_n, half_n)], 0, row0, lo, hi)
+                    _zero_outside(b_blk.at[:, pl.ds(wg * half_n, half_n)], row0, lo, hi)
                 else:
                     @pl.when(wg == 0)
                     def _():
-                        _zero_outside(b_blk, 0, row0, lo, hi)
+                        _zero_outside(b_blk, row0, lo, hi)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(masked)     # (jax 0.11 has no barrier_arrive_and_wait)
                 plgpu.barrier_wait(masked)       # both operand blocks are masked whole now

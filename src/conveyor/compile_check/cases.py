@@ -1,0 +1,225 @@
+"""What `conveyor compile-check` compiles: Conveyor's kernels as named, parameterised cases.
+
+A case is a kind (a function below) and its parameters; `build(ctx)` returns the function to
+jit and the operands' shapes, placed on the compile-only devices of `ctx`. `PRODUCTION` lists
+the sizes the kernels exist for (the Mixtral expert shape, many small experts, tensor-parallel
+rings on 4 and 8 chips); users name their own shapes through the CLI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+from typing import Any, Callable, Protocol
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+DTYPES = {"bf16": jnp.bfloat16, "f16": jnp.float16, "f32": jnp.float32}
+
+
+class Context(Protocol):
+    """Where a case is compiled (see `compile_check.device`)."""
+
+    platform: str  # "cuda" or "tpu"
+    backend: str  # "mosaic_gpu" or "mosaic_tpu"
+
+    def mesh(
+        self, shape: tuple[int, ...], names: tuple[str, ...], explicit: bool = False
+    ) -> jax.sharding.Mesh: ...
+
+    def array(self, shape, dtype, spec: P | None = None, mesh=None) -> jax.ShapeDtypeStruct: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Case:
+    """One kernel configuration: `kind` names a builder below, `params` its arguments."""
+
+    kind: str
+    params: tuple[tuple[str, Any], ...]
+
+    @property
+    def name(self) -> str:
+        return self.kind + "".join(f" {k}={v}" for k, v in self.params)
+
+    @property
+    def devices(self) -> int:
+        return dict(self.params).get("devices", 1)
+
+    def build(self, ctx: Context) -> tuple[Callable, tuple]:
+        return KINDS[self.kind](ctx, **dict(self.params))
+
+
+def case(kind: str, **params) -> Case:
+    """A case of `kind` with `params` (a ValueError names an unknown kind)."""
+    if kind not in KINDS:
+        raise ValueError(f"case: expected one of {', '.join(KINDS)}, got {kind!r}")
+    return Case(kind=kind, params=tuple(params.items()))
+
+
+def _gmm(ctx, *, m, k, n, groups, dtype="bf16", transpose_rhs=False, grad=False, sharded=False):
+    """cv.gmm (and with grad=True its backward: gmm with the transposed rhs, and tgmm).
+    sharded=True places the operands with a NamedSharding on an explicit-axes mesh, as a model
+    under `jax.set_mesh` does."""
+    import conveyor as cv
+
+    dt = DTYPES[dtype]
+    mesh = ctx.mesh((1,), ("data",), explicit=True) if sharded else None
+    spec = P() if sharded else None
+    rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
+    args = (
+        ctx.array((m, k), dt, spec, mesh),
+        ctx.array(rhs_shape, dt, spec, mesh),
+        ctx.array((groups,), jnp.int32, spec, mesh),
+    )
+
+    def fwd(x, w, s):
+        return cv.gmm(
+            x, w, s, backend=ctx.backend, preferred_element_type=dt, transpose_rhs=transpose_rhs
+        )
+
+    if not grad:
+        return fwd, args
+
+    def loss(x, w, s):
+        return jnp.sum(fwd(x, w, s).astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1)), args
+
+
+def _tgmm(ctx, *, m, k, n, groups, dtype="bf16"):
+    """cv.tgmm: the weight gradient, one [k, n] product per group."""
+    import conveyor as cv
+
+    dt = DTYPES[dtype]
+
+    def f(xt, dy, s):
+        return cv.tgmm(xt, dy, s, backend=ctx.backend, preferred_element_type=dt)
+
+    args = (ctx.array((k, m), dt), ctx.array((m, n), dt), ctx.array((groups,), jnp.int32))
+    return f, args
+
+
+def _ring(ctx, *, op, devices, shard, dim, bidirectional, grad=False, dtype="bf16", mesh_2d=False):
+    """A ring collective matmul inside shard_map over `devices` chips; every per-device operand
+    is `shard` x `shard`. op: "all_gather_matmul" (dim = gather_dim) or "matmul_reduce_scatter"
+    (dim = scatter_dim). mesh_2d: the ring runs along one axis of a 2 x devices/2 mesh."""
+    import conveyor as cv
+
+    dt = DTYPES[dtype]
+    shape, names = ((2, devices // 2), ("data", "x")) if mesh_2d else ((devices,), ("x",))
+    mesh = ctx.mesh(shape, names)
+    ring = devices // 2 if mesh_2d else devices
+    s = shard
+    if op == "all_gather_matmul":  # the gathered product is whole on every device
+        lhs = ((s, s * ring), P(None, "x")) if dim == 1 else ((s * ring, s), P("x"))
+        operands, out_spec = (lhs, ((s * ring if dim == 1 else s, s), P())), P()
+    else:  # lhs [s, K/D] and rhs [K/D, s]: each device's partial product is [s, s]
+        operands = (((s, s * ring), P(None, "x")), ((s * ring, s), P("x")))
+        out_spec = P("x") if dim == 0 else P(None, "x")
+
+    def local(a, b):
+        fn = getattr(cv, op)
+        kw = {"gather_dim" if op == "all_gather_matmul" else "scatter_dim": dim}
+        return fn(a, b, axis_name="x", bidirectional=bidirectional, backend=ctx.backend, **kw)
+
+    specs = tuple(spec for _, spec in operands)
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)
+    args = tuple(ctx.array(shape, dt, spec, mesh) for shape, spec in operands)
+    if not grad:
+        return sharded, args
+
+    def loss(a, b):
+        return jnp.sum(sharded(a, b).astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1)), args
+
+
+def _example(ctx, *, fn, m, k, n):
+    """A pipelined matmul of examples/pipelined_matmul.py (a source checkout only)."""
+    path = pathlib.Path(__file__).resolve().parents[3] / "examples" / "pipelined_matmul.py"
+    if not path.exists():
+        raise NotImplementedError(f"case example: needs a source checkout with {path}")
+    spec = importlib.util.spec_from_file_location("pipelined_matmul", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    matmul = getattr(module, fn)
+    args = (ctx.array((m, k), jnp.bfloat16), ctx.array((k, n), jnp.bfloat16))
+    return (lambda x, y: matmul(x, y, backend=ctx.backend)), args
+
+
+def _moe(ctx, *, tokens, d, f, experts, top_k, grad=False):
+    """cv.moe.moe_ffn (bf16): routing, three gmm kernels, the combine; grad adds tgmm."""
+    import conveyor as cv
+
+    bf16 = jnp.bfloat16
+    args = (
+        ctx.array((tokens, d), bf16),
+        ctx.array((d, experts), bf16),
+        ctx.array((experts, d, f), bf16),
+        ctx.array((experts, d, f), bf16),
+        ctx.array((experts, f, d), bf16),
+    )
+
+    def fwd(*a):
+        return cv.moe.moe_ffn(*a, top_k=top_k, backend=ctx.backend)[0]
+
+    if not grad:
+        return fwd, args
+    return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 2, 3, 4)), args
+
+
+KINDS: dict[str, Callable] = {
+    "gmm": _gmm,
+    "tgmm": _tgmm,
+    "ring": _ring,
+    "example": _example,
+    "moe": _moe,
+}
+
+MIXTRAL = dict(m=8192, k=4096, n=14336)
+
+
+def production() -> list[Case]:
+    """The kernels at the sizes they exist for, on every platform they have a kernel for."""
+    cases = [
+        case("gmm", **MIXTRAL, groups=8),
+        case("gmm", **MIXTRAL, groups=64),
+        # 256 experts of Mixtral's width hold 30 GB of weights, over a v5e's HBM: many small
+        # experts are narrow (DeepSeek-V3's expert FFN is 7168 x 2048).
+        case("gmm", m=8192, k=4096, n=2048, groups=256),
+        case("gmm", **MIXTRAL, groups=8, transpose_rhs=True),
+        case("tgmm", **MIXTRAL, groups=8),
+        case("tgmm", **MIXTRAL, groups=64),
+        case("gmm", **MIXTRAL, groups=8, grad=True),
+        case("gmm", **MIXTRAL, groups=8, grad=True, sharded=True),
+        case("moe", tokens=8192, d=4096, f=14336, experts=8, top_k=2, grad=True),
+        case("example", fn="matmul", m=4096, k=4096, n=4096),
+        case("example", fn="matmul_warp_specialized", m=4096, k=4096, n=4096),
+    ]
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        for devices in (4, 8):
+            for shard in (1024, 4096, 8192):
+                for dim in (0, 1):
+                    for bidirectional in (False, True):
+                        cases.append(
+                            case("ring", op=op, devices=devices, shard=shard, dim=dim,
+                                 bidirectional=bidirectional)
+                        )
+        cases.append(case("ring", op=op, devices=8, shard=1024, dim=0, bidirectional=True,
+                          grad=True))
+        cases.append(case("ring", op=op, devices=8, shard=1024, dim=1, bidirectional=True,
+                          mesh_2d=True))
+    return cases
+
+
+def applies(c: Case, platform: str) -> bool:
+    """Whether Conveyor has a kernel for case `c` on `platform` (rings are TPU-only; the
+    warp-specialized pipeline is GPU-style: one memory thread, mosaic_gpu only)."""
+    if c.kind == "ring":
+        return platform == "tpu"
+    if c.kind == "example" and dict(c.params)["fn"] == "matmul_warp_specialized":
+        return platform == "cuda"
+    return True

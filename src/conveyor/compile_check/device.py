@@ -1,0 +1,201 @@
+"""Compile one case for one target in this process, through the vendor's compiler, and read
+back what it reports (GPU: registers, spills, shared memory; TPU: scoped VMEM).
+
+Run in a process of its own per case (`compile_check.run`): the GPU dump folder is read from
+the environment when the first kernel compiles, and an LLVM fatal error ends the process.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from typing import Any
+
+from conveyor.compile_check.cases import Case
+from conveyor.compile_check.targets import Target
+
+
+class MissingToolchain(RuntimeError):
+    """The compiler for a target is not installed in this Python environment."""
+
+
+TOOLCHAINS = {
+    "cuda": ("jax_cuda12_plugin", "jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cuda-nvcc-cu12, "
+             "nvidia-nvjitlink-cu12", "scripts/compile_env.sh cuda"),
+    "tpu": ("libtpu", "libtpu (jax[tpu])", "scripts/compile_env.sh tpu"),
+}
+
+
+def importlib_spec(module: str) -> bool:
+    """Whether `module` can be imported here (without importing it)."""
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def require_toolchain(target: Target) -> None:
+    """A MissingToolchain naming what to install unless `target`'s compiler is importable."""
+    module, packages, script = TOOLCHAINS[target.platform]
+    if not importlib_spec(module):
+        raise MissingToolchain(
+            f"target {target.name} needs {packages} at this jax's version, not installed in "
+            f"this Python; `{script}` makes that environment (make compile-check uses it)"
+        )
+
+
+class _Context:
+    """The compile-only devices of one topology (see `cases.Context`)."""
+
+    def __init__(self, target: Target, devices: int):
+        import jax
+        from jax.experimental import topologies
+
+        from conveyor.compile_check.targets import H100_SXM_CONFIG
+
+        if devices not in target.topologies:
+            raise ValueError(
+                f"devices: {target.name} is compiled for {sorted(target.topologies)} chips, "
+                f"got {devices}"
+            )
+        topology = target.topologies[devices]
+        if target.platform == "cuda":
+            desc = topologies.get_topology_desc(
+                platform="cuda", target_config=H100_SXM_CONFIG, topology=topology
+            )
+        else:
+            desc = topologies.get_topology_desc(topology, "tpu")
+        self.platform, self.backend = target.platform, target.backend
+        self.devices = list(desc.devices)
+        self.case_mesh = None  # the last mesh the case asked for: compiled under it
+        self._jax = jax
+
+    def mesh(self, shape, names, explicit=False):
+        import numpy as np
+
+        sharding = self._jax.sharding
+        grid = np.array(self.devices[: int(np.prod(shape))]).reshape(shape)
+        kinds = (sharding.AxisType.Explicit if explicit else sharding.AxisType.Auto,) * len(shape)
+        self.case_mesh = sharding.Mesh(grid, names, axis_types=kinds)
+        return self.case_mesh
+
+    def array(self, shape, dtype, spec=None, mesh=None):
+        jax = self._jax
+        if spec is None:
+            sharding = jax.sharding.SingleDeviceSharding(self.devices[0])
+        else:
+            sharding = jax.sharding.NamedSharding(mesh or self.mesh((1,), ("x",)), spec)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def compile_case(case: Case, target: Target, dump_dir: str) -> dict[str, Any]:
+    """Lower and compile `case` for `target`. Returns {"status": "compiled" | "refused" |
+    "failed", "error", "seconds", "kernels": [per-kernel report]}. "refused" is Conveyor's own
+    error (a ValueError or NotImplementedError raised while tracing); "failed" is the
+    compiler's (or any other) error."""
+    import jax
+
+    require_toolchain(target)
+    t0 = time.perf_counter()
+    ctx = _Context(target, case.devices)
+    fn, args = case.build(ctx)
+    mesh = ctx.case_mesh or ctx.mesh((len(ctx.devices),), ("chips",))
+    result: dict[str, Any] = {"kernels": []}
+    try:
+        with jax.set_mesh(mesh):  # Pallas' TPU lowering asks the mesh for the chip
+            lowered = jax.jit(fn).lower(*args)
+    except (ValueError, NotImplementedError) as e:
+        result.update(status="refused", error=f"{type(e).__name__}: {e}")
+    else:
+        try:
+            compiled = lowered.compile()
+        except Exception as e:  # the compiler's verdict is the point: record it
+            result.update(status="failed", error=f"{type(e).__name__}: {e}")
+        else:
+            result["status"] = "compiled"
+            if target.platform == "tpu":
+                result["kernels"] = tpu_kernels(compiled.as_text(), target)
+    if target.platform == "cuda":
+        result["kernels"] = gpu_kernels(dump_dir, target)
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    return result
+
+
+def tpu_kernels(hlo: str, target: Target) -> list[dict]:
+    """Scoped VMEM of every Mosaic kernel in a compiled TPU program's HLO text."""
+    kernels = []
+    call = re.compile(r'%([\w.\-]+) = [^\n]*custom_call_target="tpu_custom_call"')
+    next_instruction = re.compile(r"\n\s+(?:ROOT )?%|\n}(?:\n|$)")  # metadata spans lines
+    for m in call.finditer(hlo):
+        end = next_instruction.search(hlo, m.end())
+        body = hlo[m.end() : end.start() if end else None]
+        used = re.search(r'"used_scoped_memory_configs":\[\{[^}]*"size":"(\d+)"', body)
+        vmem = int(used.group(1)) if used else 0
+        kernels.append({"name": m.group(1), "vmem": vmem, "vmem_default": target.onchip_default})
+    return kernels
+
+
+def gpu_kernels(dump_dir: str, target: Target) -> list[dict]:
+    """Per kernel from Mosaic GPU's dumps: registers, spills, shared memory and whether the
+    warpgroups' register split (`setmaxnreg`) survived assembly; plus the same PTX assembled
+    by a standalone ptxas (which keeps the split) when one is installed."""
+    names = sorted(f[: -len(".ptxas")] for f in os.listdir(dump_dir) if f.endswith(".ptxas"))
+    ptxas = _standalone_ptxas()
+    kernels = []
+    for name in names:
+        path = os.path.join(dump_dir, name)
+        ptx = _read(path + ".ptx")
+        k = {"name": name, **parse_ptxas(_read(path + ".ptxas"))}
+        k["smem"] = dynamic_smem(_read(path + ".resources.txt")) + k.pop("static_smem", 0)
+        k["smem_limit"] = target.onchip_default
+        k["split_in_ptx"] = bool(re.search(r"setmaxnreg\.", ptx))
+        if ptxas and ptx:
+            k["standalone"] = _assemble(ptxas, path + ".ptx")
+        kernels.append(k)
+    return kernels
+
+
+def parse_ptxas(log: str) -> dict:
+    """Registers, spill bytes, static shared memory and the C7504 note from a `ptxas -v` log."""
+    out = {"registers": None, "spill_stores": 0, "spill_loads": 0, "static_smem": 0}
+    m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    if m:
+        out.update(spill_stores=int(m[1]), spill_loads=int(m[2]))
+    m = re.search(r"Used (\d+) registers(?:, used \d+ barriers)?(?:, (\d+) bytes smem)?", log)
+    if m:
+        out.update(registers=int(m[1]), static_smem=int(m[2] or 0))
+    out["split_dropped"] = "C7504" in log  # ptxas: 'setmaxnreg' ignored
+    return out
+
+
+def dynamic_smem(resources: str) -> int:
+    """Dynamic shared memory of a Mosaic GPU kernel from its resources dump: the scratch plus
+    8 bytes per mbarrier."""
+    scratch = re.search(r"smem_scratch_bytes=(\d+)", resources)
+    barriers = re.findall(r"num_barriers=(\d+)[^)]*\): (\d+)", resources)
+    count = sum(int(n) * int(times) for n, times in barriers)
+    return (int(scratch.group(1)) if scratch else 0) + 8 * count
+
+
+def _standalone_ptxas() -> str | None:
+    try:
+        from jax._src.lib import cuda_path  # the nvidia-cuda-nvcc wheel's folder
+    except ImportError:
+        cuda_path = None
+    return shutil.which("ptxas", path=os.path.join(cuda_path or "", "bin")) or shutil.which("ptxas")
+
+
+def _assemble(ptxas: str, ptx_path: str) -> dict:
+    cubin = ptx_path[: -len(".ptx")] + ".standalone.cubin"
+    cmd = [ptxas, "-arch=sm_90a", "-v", ptx_path, "-o", cubin]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    out = parse_ptxas(run.stdout + run.stderr)
+    if run.returncode:
+        out["error"] = (run.stdout + run.stderr).strip()[-500:]
+    return out
+
+
+def _read(path: str) -> str:
+    return open(path).read() if os.path.exists(path) else ""

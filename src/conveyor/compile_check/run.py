@@ -1,0 +1,105 @@
+"""Compile cases for targets, each in a child process, and tabulate the verdicts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Iterable
+
+from conveyor.compile_check.cases import Case
+from conveyor.compile_check.targets import Target
+
+MiB = 2**20
+
+
+def run_one(case: Case, target: Target, *, timeout_s: float) -> dict:
+    """`case` compiled for `target` in a fresh Python (this interpreter): its report, or a
+    "failed" report when the child died or ran past `timeout_s`."""
+    with tempfile.TemporaryDirectory(prefix="conveyor-compile-") as dump:
+        env = dict(os.environ, MOSAIC_GPU_DUMP_TO=dump, JAX_PLATFORMS="cpu")
+        env.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no cloud metadata server to ask
+        env.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+        request = json.dumps({"kind": case.kind, "params": case.params, "target": target.name,
+                              "dump": dump})
+        cmd = [sys.executable, "-m", "conveyor.compile_check.child", request]
+        t0 = time.perf_counter()
+        try:
+            child = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                                   timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return {"status": "failed", "error": f"no verdict within {timeout_s:.0f} s",
+                    "kernels": [], "seconds": round(time.perf_counter() - t0, 1)}
+        lines = [ln for ln in child.stdout.splitlines() if ln.startswith("{")]
+        if child.returncode == 0 and lines:
+            return json.loads(lines[-1])
+        tail = child.stderr.strip().splitlines()[-3:]
+        return {"status": "failed", "kernels": [],
+                "error": f"compiling process died (exit {child.returncode}): " + " | ".join(tail),
+                "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def run(cases: Iterable[Case], targets: Iterable[Target], *, timeout_s: float = 600,
+        progress=print) -> list[dict]:
+    """Every case on every target it applies to; one row dict per (case, target)."""
+    from conveyor.compile_check.cases import applies
+
+    rows = []
+    for target in targets:
+        for case in cases:
+            if not applies(case, target.platform):
+                continue
+            report = run_one(case, target, timeout_s=timeout_s)
+            row = {"target": target.name, "case": case.name, **report}
+            rows.append(row)
+            progress(line(row))
+    return rows
+
+
+def verdict(row: dict) -> str:
+    """"ok", or what is wrong: the compiler refused it, a kernel spills, or a kernel is over
+    the chip's on-chip memory. A case Conveyor refused itself is "refused" (not wrong)."""
+    if row["status"] != "compiled":
+        return row["status"]
+    for k in row["kernels"]:
+        if k.get("spill_stores") or k.get("spill_loads"):
+            return "spills"
+        if "smem" in k and k["smem"] > k["smem_limit"]:
+            return "smem over"
+    return "ok"
+
+
+def line(row: dict) -> str:
+    """One line for a terminal: target, case, verdict, then the kernels or the error."""
+    head = f"{row['target']:5s} {row['case']:80s} {verdict(row):8s} {row['seconds']:6.1f}s"
+    if row["status"] != "compiled":
+        return f"{head}  {row['error'].splitlines()[0][:200]}"
+    return f"{head}  " + "; ".join(kernel_summary(k) for k in row["kernels"])
+
+
+def kernel_summary(k: dict) -> str:
+    if "vmem" in k:
+        return f"VMEM {k['vmem'] / MiB:.2f} MiB (default limit {k['vmem_default'] / MiB:.0f})"
+    split = "dropped" if k["split_dropped"] else ("kept" if k["split_in_ptx"] else "none")
+    text = (f"{k['registers']} regs, spills {k['spill_stores']}/{k['spill_loads']} B, "
+            f"smem {k['smem']}/{k['smem_limit']} B, split {split}")
+    s = k.get("standalone")
+    if s:
+        text += (f" (ptxas alone: {s['registers']} regs, spills "
+                 f"{s['spill_stores']}/{s['spill_loads']} B)")
+    return text
+
+
+def markdown(rows: list[dict]) -> str:
+    """The table committed under benchmarks/results/."""
+    out = ["| target | case | verdict | s | kernels or error |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r["status"] == "compiled":
+            what = "<br>".join(kernel_summary(k) for k in r["kernels"]) or "no Mosaic kernel"
+        else:
+            what = r["error"].splitlines()[0][:160].replace("|", "/")
+        out.append(f"| {r['target']} | {r['case']} | {verdict(r)} | {r['seconds']:.1f} | {what} |")
+    return "\n".join(out)

@@ -1,0 +1,37 @@
+"""Integer arithmetic shared by plans, kernels and tilings, for Python or traced ints.
+
+Kernels divide with `lax.div` / `lax.rem`, not `//` / `%`: jnp's floor division of traced ints
+is a jitted function whose constants become `reshard` equations under an explicit mesh, which
+Mosaic GPU's lowering cannot take (a gmm backward lowered with NamedSharded operands failed so).
+The operands here are indices and sizes: non-negative, where truncation is floor.
+"""
+
+from __future__ import annotations
+
+from jax import lax
+
+Int = int  # or a traced int32 scalar
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling of a / b for Python ints (b > 0)."""
+    return -(-a // b)
+
+
+def floordiv(a, b):
+    """a // b for non-negative ints, Python or traced."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a // b
+    return lax.div(*_same_dtype(a, b))
+
+
+def mod(a, b):
+    """a % b for non-negative ints, Python or traced."""
+    if isinstance(a, int) and isinstance(b, int):
+        return a % b
+    return lax.rem(*_same_dtype(a, b))
+
+
+def _same_dtype(a, b):
+    dtype = lax.dtype(b if isinstance(a, int) else a)
+    return lax.convert_element_type(a, dtype), lax.convert_element_type(b, dtype)

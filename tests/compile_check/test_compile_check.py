@@ -1,0 +1,158 @@
+"""conveyor.compile_check without the compilers: reading their reports, the verdicts, the CLI's
+errors, the VMEM rule of TPU kernels. The compiles themselves run in `make compile-check`."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+from conveyor import compile_check as cc
+from conveyor import ints, tpu_vmem
+from conveyor.compile_check import device
+
+from tests.test_cli import _main
+
+# A ptxas -v log as Mosaic GPU dumps it (nvJitLink: the register split dropped, a spill).
+PTXAS_LOG = """\
+ptxas info    : (C7504) Potential Performance Loss: 'setmaxnreg' ignored to maintain compatibility.
+ptxas warning : Registers are spilled to local memory in function 'k', 36 bytes spill stores, 24 bytes spill loads
+ptxas         .     24 bytes stack frame, 36 bytes spill stores, 24 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers, 17 bytes smem
+"""
+RESOURCES = (
+    "Resources(smem_scratch_bytes=229376, tmem_scratch_cols=0, barrier_counts=Counter({"
+    "Barrier(arrival_count=1, num_barriers=4, orders_tensor_core=False): 2, "
+    "Barrier(arrival_count=2, num_barriers=1, orders_tensor_core=False): 1, "
+    "Barrier(arrival_count=2, num_barriers=4, orders_tensor_core=False): 1}))"
+)
+# A compiled TPU program's HLO: the kernel's metadata spans lines before its backend config.
+HLO = """\
+  %other = s32[] convert(%x), backend_config={"used_scoped_memory_configs":[]}
+  %ring.1 = f32[8,128]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={
+"mesh_axes":"x"
+}}, backend_config={"used_scoped_memory_configs":[{"memory_space":"1","offset":"0","size":"8769536"}]}
+  ROOT %t = f32[8,128]{1,0} copy(%ring.1)
+}
+"""
+
+
+def test_ptxas_log_gives_registers_spills_and_the_dropped_split():
+    assert device.parse_ptxas(PTXAS_LOG) == {
+        "registers": 168, "spill_stores": 36, "spill_loads": 24, "static_smem": 17,
+        "split_dropped": True,
+    }
+
+
+def test_dynamic_shared_memory_is_scratch_plus_eight_bytes_per_barrier():
+    # 4 x 2 + 1 + 4 = 13 barriers
+    assert device.dynamic_smem(RESOURCES) == 229376 + 8 * 13
+
+
+def test_tpu_vmem_is_read_from_the_kernels_own_backend_config():
+    target = cc.target("v5e")
+    assert device.tpu_kernels(HLO, target) == [
+        {"name": "ring.1", "vmem": 8769536, "vmem_default": 16 * 2**20}
+    ]
+
+
+def _row(status="compiled", **kernel):
+    return {"target": "h100", "case": "c", "status": status, "seconds": 1.0, "error": "E: x",
+            "kernels": [kernel] if kernel else []}
+
+
+def test_verdicts():
+    ok = dict(registers=154, spill_stores=0, spill_loads=0, smem=1000, smem_limit=232448,
+              split_dropped=True, split_in_ptx=True)
+    assert cc.verdict(_row(**ok)) == "ok"
+    assert cc.verdict(_row(**{**ok, "spill_loads": 4})) == "spills"
+    assert cc.verdict(_row(**{**ok, "smem": 232449})) == "smem over"
+    assert cc.verdict(_row("refused")) == "refused"
+    assert cc.verdict(_row("failed")) == "failed"
+    assert "| h100 | c | failed | 1.0 | E: x |" in cc.markdown([_row("failed")])
+
+
+def test_production_cases_have_unique_names_and_rings_only_on_tpu():
+    cases = cc.production()
+    assert len({c.name for c in cases}) == len(cases)
+    rings = [c for c in cases if c.kind == "ring"]
+    assert rings and not any(cc.cases.applies(c, "cuda") for c in rings)
+    assert all(cc.cases.applies(c, "tpu") for c in rings)
+    with pytest.raises(ValueError, match="case: expected one of gmm, tgmm"):
+        cc.case("gemm")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--target", "x100"], "unknown target 'x100'; known: h100, v5e, v6e, v5p"),
+        ([], "--target: required"),
+        (["--target", "h100", "--m", "64"], "argument --k, --n: required by 'gmm'"),
+        (["--target", "h100", "--m", "8", "--k", "8", "--n", "8", "--shard", "2"],
+         "--shard not used by 'compile-check gmm'"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    code, _, err = _main(capsys, "compile-check", "gmm", *args)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(device.importlib_spec("jax_cuda12_plugin"), reason="the CUDA compiler is here")
+def test_cli_names_the_missing_toolchain(capsys):
+    code, _, err = _main(capsys, "compile-check", "gmm", "--target", "h100",
+                         "--m", "64", "--k", "64", "--n", "64")
+    assert code == 2 and "scripts/compile_env.sh cuda" in err
+
+
+def test_cli_refuses_a_ring_on_the_gpu(capsys):
+    code, _, err = _main(capsys, "compile-check", "all-gather-matmul", "--target", "h100")
+    assert code == 2 and "has a kernel on TPU only, got h100" in err
+
+
+def test_kernel_integer_division_matches_python():
+    for a in (0, 5, 127, 128, 1000):
+        for b in (1, 7, 128):
+            traced = jax.jit(lambda x, b=b: (ints.floordiv(x, b), ints.mod(x, b)))(a)
+            assert (int(traced[0]), int(traced[1])) == (a // b, a % b) == (
+                ints.floordiv(a, b), ints.mod(a, b))
+    assert ints.cdiv(129, 128) == 2 and ints.cdiv(128, 128) == 1
+
+
+def _on(kind: str):
+    return jax.sharding.use_abstract_mesh(
+        AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice(kind, 1, "tpu")))
+
+
+def test_vmem_limit_follows_the_chip():
+    MiB = 2**20
+    with _on("TPU v5 lite"):
+        assert tpu_vmem.vmem_limit("k", resident=8 * MiB, peak=12 * MiB) is None
+        assert tpu_vmem.vmem_limit("k", resident=8 * MiB, peak=20 * MiB) == 20 * MiB
+        assert tpu_vmem.vmem_limit("k", resident=8 * MiB, peak=900 * MiB) == 128 * MiB
+        with pytest.raises(NotImplementedError, match=r"k: mosaic_tpu keeps 256.0 MiB .* 128 MiB"):
+            tpu_vmem.vmem_limit("k", resident=256 * MiB, peak=300 * MiB)
+    with _on("TPU v6 lite"):  # v6e's default scoped limit is 32 MiB
+        assert tpu_vmem.vmem_limit("k", resident=8 * MiB, peak=20 * MiB) is None
+    # No TPU in view (a plain CPU trace): the least VMEM of the supported chips is assumed.
+    assert tpu_vmem.chip_vmem() == tpu_vmem.UNKNOWN_CHIP
+
+
+def test_gmm_backward_lowers_for_cuda_under_an_explicit_mesh():
+    """Integer division inside the Mosaic GPU kernels used to become `reshard` equations under
+    an explicit mesh, which the Mosaic GPU lowering could not take (AssertionError)."""
+    import conveyor as cv
+
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("x",), axis_types=(AxisType.Explicit,))
+    spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    bf16 = jnp.bfloat16
+    args = (jax.ShapeDtypeStruct((256, 128), bf16, sharding=spec),
+            jax.ShapeDtypeStruct((4, 128, 128), bf16, sharding=spec),
+            jax.ShapeDtypeStruct((4,), jnp.int32, sharding=spec))
+
+    def loss(x, w, s):
+        out = cv.gmm(x, w, s, backend="mosaic_gpu", preferred_element_type=bf16)
+        return jnp.sum(out.astype(jnp.float32))
+
+    with jax.set_mesh(mesh):
+        exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))),
+                                     platforms=["cuda"])(*args)
+    assert exported.mlir_module().count("mosaic_gpu") >= 2  # gmm (d lhs) and tgmm (d rhs)
