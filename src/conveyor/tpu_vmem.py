@@ -38,16 +38,16 @@ def chip_vmem() -> ChipVmem:
     return ChipVmem(name=name, default=default, physical=info.vmem_capacity_bytes)
 
 
-def vmem_limit(kernel: str, *, resident: int, peak: int) -> int | None:
-    """`vmem_limit_bytes` for a kernel that holds at least `resident` bytes of VMEM and at most
-    `peak` (double buffers and temporaries included): None when the chip's default covers
-    `peak`, else `peak` capped at the chip's VMEM. A NotImplementedError names the bytes and
-    the chip when even `resident` does not fit."""
+def vmem_limit(kernel: str, *, working: int, peak: int) -> int | None:
+    """`vmem_limit_bytes` for a kernel whose buffers take `working` bytes of VMEM and at most
+    `peak` with its temporaries: None when the chip's default covers `peak`, else `peak` capped
+    at the chip's VMEM. A NotImplementedError names the bytes and the chip when `working` does
+    not fit."""
     chip = chip_vmem()
-    if resident > chip.physical:
+    if working > chip.physical:
         raise NotImplementedError(
-            f"{kernel}: mosaic_tpu keeps {resident / MiB:.1f} MiB resident in VMEM at these "
-            f"shapes, over the {chip.physical / MiB:.0f} MiB of {chip.name}; use smaller "
+            f"{kernel}: mosaic_tpu needs {working / MiB:.1f} MiB of VMEM at these shapes "
+            f"(its buffers), over the {chip.physical / MiB:.0f} MiB of {chip.name}; use smaller "
             f"per-device shards, more devices, or backend='xla'"
         )
     if peak <= chip.default:

@@ -125,13 +125,13 @@ def _on(kind: str):
 def test_vmem_limit_follows_the_chip():
     MiB = 2**20
     with _on("TPU v5 lite"):
-        assert tpu_vmem.vmem_limit("k", resident=8 * MiB, peak=12 * MiB) is None
-        assert tpu_vmem.vmem_limit("k", resident=8 * MiB, peak=20 * MiB) == 20 * MiB
-        assert tpu_vmem.vmem_limit("k", resident=8 * MiB, peak=900 * MiB) == 128 * MiB
-        with pytest.raises(NotImplementedError, match=r"k: mosaic_tpu keeps 256.0 MiB .* 128 MiB"):
-            tpu_vmem.vmem_limit("k", resident=256 * MiB, peak=300 * MiB)
+        assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=12 * MiB) is None
+        assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=20 * MiB) == 20 * MiB
+        assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=900 * MiB) == 128 * MiB
+        with pytest.raises(NotImplementedError, match=r"k: mosaic_tpu needs 256.0 MiB of VMEM .* 128 MiB"):
+            tpu_vmem.vmem_limit("k", working=256 * MiB, peak=300 * MiB)
     with _on("TPU v6 lite"):  # v6e's default scoped limit is 32 MiB
-        assert tpu_vmem.vmem_limit("k", resident=8 * MiB, peak=20 * MiB) is None
+        assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=20 * MiB) is None
     # No TPU in view (a plain CPU trace): the least VMEM of the supported chips is assumed.
     assert tpu_vmem.chip_vmem() == tpu_vmem.UNKNOWN_CHIP
 
