@@ -55,6 +55,15 @@ def test_tpu_vmem_is_read_from_the_kernels_own_backend_config():
     ]
 
 
+def test_only_conveyors_own_errors_count_as_refusals():
+    with pytest.raises(NotImplementedError) as own:
+        tpu_vmem.vmem_limit("k", working=2**40, peak=2**40)
+    with pytest.raises(TypeError) as jax_error:  # raised inside jax
+        jnp.zeros((2, 3)).reshape(4)
+    assert device.raised_by_conveyor(own.value)
+    assert not device.raised_by_conveyor(jax_error.value)
+
+
 def _row(status="compiled", **kernel):
     return {"target": "h100", "case": "c", "status": status, "seconds": 1.0, "error": "E: x",
             "kernels": [kernel] if kernel else []}

@@ -212,6 +212,9 @@ def production() -> list[Case]:
                           grad=True))
         cases.append(case("ring", op=op, devices=8, shard=1024, dim=1, bidirectional=True,
                           mesh_2d=True))
+        for dim in (0, 1):  # the interpreter tests' size: halves narrower than 128 lanes
+            cases.append(case("ring", op=op, devices=4, shard=128, dim=dim, bidirectional=True,
+                              grad=True))
     return cases
 
 

@@ -107,7 +107,8 @@ def compile_case(case: Case, target: Target, dump_dir: str) -> dict[str, Any]:
         with jax.set_mesh(mesh):  # Pallas' TPU lowering asks the mesh for the chip
             lowered = jax.jit(fn).lower(*args)
     except (ValueError, NotImplementedError) as e:
-        result.update(status="refused", error=f"{type(e).__name__}: {e}")
+        status = "refused" if raised_by_conveyor(e) else "failed"
+        result.update(status=status, error=f"{type(e).__name__}: {e}")
     else:
         try:
             compiled = lowered.compile()
@@ -121,6 +122,18 @@ def compile_case(case: Case, target: Target, dump_dir: str) -> dict[str, Any]:
         result["kernels"] = gpu_kernels(dump_dir, target)
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
+
+
+def raised_by_conveyor(error: BaseException) -> bool:
+    """Whether `error` was raised in Conveyor's own code (a refusal it states), not in JAX's
+    lowering (Pallas or Mosaic refusing a kernel Conveyor let through)."""
+    import traceback
+
+    import conveyor
+
+    frames = traceback.extract_tb(error.__traceback__)
+    package = os.path.dirname(os.path.abspath(conveyor.__file__))
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(package + os.sep)
 
 
 def tpu_kernels(hlo: str, target: Target) -> list[dict]:

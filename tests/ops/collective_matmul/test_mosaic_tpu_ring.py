@@ -71,6 +71,11 @@ def test_unsupported_configurations_are_refused_when_named():
                          mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P(None, "x"), check_vma=False)
     with pytest.raises(NotImplementedError, match="splits each device's 3 output columns in halves"):
         jax.jit(bad1)(x, jax.device_put(jnp.ones((256, 6)), NamedSharding(mesh, P("x", None))))
+    # 32 columns per device: a block the real Mosaic TPU lowering rejects (the interpreter would
+    # run it), so it is refused before lowering, in interpret mode too.
+    with pytest.raises(NotImplementedError, match=r"blocks of \(128, 32\) out of \(128, 64\);.*"
+                                                  r"multiples of \(8, 128\)"):
+        jax.jit(bad1)(x, jax.device_put(jnp.ones((256, 64)), NamedSharding(mesh, P("x", None))))
 
 
 def test_exports_for_tpu():

@@ -149,6 +149,23 @@ def _gather_kernel(me_ref, tab_ref, lhs_hbm, *refs, plan: RingPlan, axis, mode: 
     _run_step(plan, tab_ref, streams, {"compute": compute})
 
 
+LANES, SUBLANES = 128, 8
+
+
+def _check_tiles(kernel: str, what: str, block, shape) -> None:
+    """Mosaic TPU's rule for a block (the interpreter does not enforce it): its last two dims
+    are multiples of (8, 128) or the array's own."""
+    rows_ok = block[-2] % SUBLANES == 0 or block[-2] == shape[-2]
+    lanes_ok = block[-1] % LANES == 0 or block[-1] == shape[-1]
+    if not (rows_ok and lanes_ok):
+        raise NotImplementedError(
+            f"{kernel}: mosaic_tpu would copy {what} in blocks of {tuple(block)} out of "
+            f"{tuple(shape)}; Mosaic TPU needs the last two block dims to be multiples of "
+            f"({SUBLANES}, {LANES}) or the whole dims: pick shapes whose per-device shards are, "
+            f"or backend='xla'"
+        )
+
+
 def _vmem_bytes(args, in_specs, out_spec, scratch) -> tuple[int, int]:
     """(working set, peak) VMEM of a ring kernel. Working set: its scratch slots, two buffers of
     every blocked input (Pallas' double buffering) and the output block; above the compiled
@@ -170,6 +187,10 @@ def _kernel_call(kernel, plan: RingPlan, *, axis, name, args, in_specs, out_shap
     """The pallas_call of a ring kernel: one grid step per plan step, the device's ring position and
     the plan's table scalar-prefetched. Its VMEM limit is raised when the chip's default is too
     small, and a kernel that cannot fit the chip's VMEM is refused (`tpu_vmem.vmem_limit`)."""
+    for i, (a, spec) in enumerate(zip(args, in_specs)):
+        if spec.block_shape is not None:
+            _check_tiles(name, f"operand {i}", spec.block_shape, a.shape)
+    _check_tiles(name, "the output", out_spec.block_shape, out_shape)
     working, peak = _vmem_bytes(args, in_specs, out_spec, scratch)
     limit = vmem_limit(name, working=working, peak=peak)
     me = lax.axis_index(axis).astype(jnp.int32)[None]
@@ -229,19 +250,28 @@ def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, plan: RingPlan, out_dty
         interpret=interpret).astype(out_dtype)
 
 
-def _scatter_kernel(me_ref, tab_ref, *refs, plan: RingPlan, axis, columns: tuple[slice, ...]):
+def _scatter_kernel(me_ref, tab_ref, *refs, plan: RingPlan, axis, columns: tuple[slice, ...],
+                    shared_rhs: bool, rhs_columns: tuple[slice | None, ...]):
     """Accumulators travel, one stream per column range: at each step a stream's partial product
     for the block at its record's `source` is added into the accumulator that arrived and sent on;
     the last step stores it. Every record computes (each step has a partial), so the partial
     products are computed before the transfers are awaited.
 
-    refs: lhs blocks, rhs blocks (one per stream), out, then per stream: slots, send semaphores,
-    receive semaphores, capacity semaphore."""
+    refs: lhs blocks (one per stream), rhs blocks (one per stream, or one that every stream reads
+    when `shared_rhs`), out, then per stream: slots, send semaphores, receive semaphores,
+    capacity semaphore. Stream i multiplies the `rhs_columns[i]` of its rhs block (all: None)."""
     k = len(plan.directions)
-    lhs_blks, rhs_blks, out_ref, scratch = refs[:k], refs[k:2 * k], refs[2 * k], refs[2 * k + 1:]
+    n_rhs = 1 if shared_rhs else k
+    lhs_blks, rhs_blks = refs[:k], refs[k:k + n_rhs]
+    out_ref, scratch = refs[k + n_rhs], refs[k + n_rhs + 1:]
     streams = _streams(plan, me_ref, axis, [scratch[4 * i:4 * i + 4] for i in range(k)])
     assert all(r.computes for records in plan.steps() for r in records), "a scatter step without a partial"
-    blocks = {d: (lhs_blks[i], rhs_blks[i], columns[i]) for i, d in enumerate(plan.directions)}
+
+    def rhs_of(i):
+        block = rhs_blks[0] if shared_rhs else rhs_blks[i]
+        return block if rhs_columns[i] is None else block.at[:, rhs_columns[i]]
+
+    blocks = {d: (lhs_blks[i], rhs_of(i), columns[i]) for i, d in enumerate(plan.directions)}
     partials = {}
 
     @pl.when(pl.program_id(0) == 0)
@@ -289,25 +319,39 @@ def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, plan: RingPlan, out
                                   f"columns in halves and needs an even count; pass bidirectional=False")
     _require_double_buffering(plan, "matmul_reduce_scatter")
     whole = lambda t, me_ref, tab_ref: (0, 0)   # noqa: E731
+    streams = len(plan.directions)
     if scatter_dim == 1:   # column blocks of rhs are the step-driven operand (halves when bidirectional)
-        width = n // size // len(plan.directions)
-        columns = (slice(0, width), slice(width, None))[:len(plan.directions)]
+        width = n // size // streams
+        columns = (slice(0, width), slice(width, None))[:streams]
+        # A half narrower than whole 128-lane tiles cannot be a block of its own: each stream
+        # then fetches the device's whole column block and multiplies its half of it.
+        whole_blocks = streams == 2 and width % LANES != 0
+        fetched = 2 * width if whole_blocks else width
 
         def column_block(half, direction):
             block = _source_block(plan, direction)
-            return lambda t, me_ref, tab_ref: (0, len(columns) * block(t, me_ref, tab_ref)[0] + half)
-        lhs_specs = [pl.BlockSpec((m, k), whole)] * len(columns)
-        rhs_specs = [pl.BlockSpec((k, width), column_block(i, d)) for i, d in enumerate(plan.directions)]
+            if whole_blocks:
+                return lambda t, me_ref, tab_ref: (0, block(t, me_ref, tab_ref)[0])
+            return lambda t, me_ref, tab_ref: (0, streams * block(t, me_ref, tab_ref)[0] + half)
+        lhs_specs = [pl.BlockSpec((m, k), whole)] * streams
+        rhs_specs = [pl.BlockSpec((k, fetched), column_block(i, d)) for i, d in enumerate(plan.directions)]
+        rhs_columns = columns if whole_blocks else (None,) * streams
         acc_shape, out_shape = (m, width), (m, n // size)
     else:                  # row blocks of lhs are step-driven; the columns split in halves when bidirectional
-        mb, width = m // size, n // len(plan.directions)
-        columns = (slice(0, width), slice(width, None))[:len(plan.directions)]
+        mb, width = m // size, n // streams
+        columns = (slice(0, width), slice(width, None))[:streams]
         lhs_specs = [pl.BlockSpec((mb, k), _source_block(plan, d)) for d in plan.directions]
-        rhs_specs = [pl.BlockSpec((k, width), lambda t, me_ref, tab_ref, i=i: (0, i)) for i in range(len(columns))]
+        # rhs is fetched once, whole; each stream multiplies its columns of it (a block of half
+        # the columns would need n / 2 to be whole 128-lane tiles).
+        rhs_specs = [pl.BlockSpec((k, n), whole)]
+        rhs_columns = columns
         acc_shape, out_shape = (mb, width), (mb, n)
-    streams = len(plan.directions)
+    shared_rhs = scatter_dim == 0
+    kernel = functools.partial(_scatter_kernel, columns=columns, shared_rhs=shared_rhs,
+                               rhs_columns=rhs_columns)
     return _kernel_call(
-        functools.partial(_scatter_kernel, columns=columns), plan, axis=axis_name,
-        name="conveyor_matmul_reduce_scatter", args=(lhs,) * streams + (rhs,) * streams,
+        kernel, plan,
+        axis=axis_name, name="conveyor_matmul_reduce_scatter",
+        args=(lhs,) * streams + (rhs,) * (1 if shared_rhs else streams),
         in_specs=lhs_specs + rhs_specs, out_shape=out_shape, out_spec=pl.BlockSpec(out_shape, whole),
         scratch=_stream_scratch(plan, acc_shape, jnp.float32), interpret=interpret).astype(out_dtype)
