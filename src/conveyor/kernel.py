@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
 
 from conveyor import backends
 from conveyor._compat import call_as_thread, per_device_call, run_state
@@ -129,7 +130,8 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
            num_threads: int | None = None, thread_name: str | None = None,
            scratch_shapes: Sequence[Any] = (), grid: Sequence[int] = (),
            dimension_semantics: Sequence[Any] | None = None,
-           input_output_aliases: Mapping[int, int] | None = None) -> Callable[..., Any]:
+           input_output_aliases: Mapping[int, int] | None = None,
+           cost_estimate: Any = None) -> Callable[..., Any]:
     """Wrap `body(*in_refs, *out_refs, *scratch_refs)` into a function of arrays returning `out_shape`.
 
     Args:
@@ -164,6 +166,8 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         starts uninitialized (poisoned on xla).
     """
     backend = backends.check_backend(backend, AVAILABLE, "cv.kernel")
+    if cost_estimate is not None and not isinstance(cost_estimate, pl.CostEstimate):
+        raise TypeError(f"cv.kernel: cost_estimate must be a pl.CostEstimate or None, got {cost_estimate!r}")
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
     if len(grid) > 3 or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in grid):
         raise ValueError(f"cv.kernel: grid must be up to 3 positive ints, got {grid!r}")
@@ -180,13 +184,13 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         from conveyor import kernel_tpu
         return kernel_tpu.launch(body, outs, scratch, single, interpret,
                                  lambda: _entered(KernelContext(backend, interpret, grid=grid)), grid, semantics,
-                                 aliases)
+                                 aliases, cost_estimate)
     ctx = KernelContext(backend, interpret, threads, thread_name, grid=grid)
     if backend == "mosaic_gpu":
         from conveyor import kernel_gpu
         ctx = dataclasses.replace(ctx, scratch_bytes=kernel_gpu.smem_bytes(scratch))
         return kernel_gpu.launch(body, outs, scratch, single, interpret, lambda: _entered(ctx), threads, thread_name,
-                                 grid, GRID_NAMES[:len(grid)], aliases)
+                                 grid, GRID_NAMES[:len(grid)], aliases, cost_estimate)
 
     def run(*inputs):
         for i, x in enumerate(inputs):

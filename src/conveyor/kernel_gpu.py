@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from conveyor._compat import gpu_interpreter_multi_device_fix
+from conveyor._compat import gpu_interpreter_multi_device_fix, gpu_kernel_options
 from conveyor.aliasing import check_alias_operands, gpu_call_with_aliases
 
 
@@ -37,7 +37,7 @@ def smem_bytes(buffers) -> int:
 
 
 def launch(body, outs, scratch, single, interpret, enter_context, num_threads=1, thread_name=None, grid=(),
-           grid_names=(), aliases=None):
+           grid_names=(), aliases=None, cost_estimate=None):
     aliases = aliases or {}
     def wrapped(*refs):
         with enter_context():
@@ -49,6 +49,7 @@ def launch(body, outs, scratch, single, interpret, enter_context, num_threads=1,
                             scratch_types=[plgpu.SMEM(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s
                                            for s in scratch],
                             interpret=_interpret(interpret),
+                            **gpu_kernel_options(cost_estimate=cost_estimate),
                             **({"num_threads": num_threads, "thread_name": thread_name} if thread_name is not None
                                else {}),
                             **({"grid": grid, "grid_names": grid_names} if grid else {}))

@@ -39,7 +39,8 @@ def _tpu_mesh():
                                                        abstract_device=tpu))
 
 
-def launch(body, outs, scratch, single, interpret, enter_context, grid=(), dimension_semantics=None, aliases=None):
+def launch(body, outs, scratch, single, interpret, enter_context, grid=(), dimension_semantics=None, aliases=None,
+           cost_estimate=None):
     def run(*inputs):
         n_in = len(inputs)
         if aliases:
@@ -61,6 +62,7 @@ def launch(body, outs, scratch, single, interpret, enter_context, grid=(), dimen
             compiler_params=(pltpu.CompilerParams(dimension_semantics=dimension_semantics)
                              if dimension_semantics else None),
             input_output_aliases=dict(aliases or {}),
+            cost_estimate=cost_estimate,
             name="conveyor_kernel")
         mesh = _tpu_mesh() if interpret or jax.default_backend() != "tpu" else contextlib.nullcontext()
         with mesh:

@@ -21,6 +21,7 @@ import functools
 import math
 from typing import Any, Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -28,6 +29,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from conveyor._compat import out_struct
+from conveyor.cost import matmul_cost, nbytes
 from conveyor.pipeline.lowering import issued
 from conveyor.plans.ring import ENABLED_BY, RingPlan
 from conveyor.tpu_vmem import vmem_limit
@@ -183,7 +185,8 @@ def _vmem_bytes(args, in_specs, out_spec, scratch) -> tuple[int, int]:
     return working, working + 2 * out
 
 
-def _kernel_call(kernel, plan: RingPlan, *, axis, name, args, in_specs, out_shape, out_spec, scratch, interpret):
+def _kernel_call(kernel, plan: RingPlan, *, axis, name, args, in_specs, out_shape, out_spec, scratch, interpret,
+                 cost):
     """The pallas_call of a ring kernel: one grid step per plan step, the device's ring position and
     the plan's table scalar-prefetched. Its VMEM limit is raised when the chip's default is too
     small, and a kernel that cannot fit the chip's VMEM is refused (`tpu_vmem.vmem_limit`)."""
@@ -203,9 +206,19 @@ def _kernel_call(kernel, plan: RingPlan, *, axis, name, args, in_specs, out_shap
             scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), has_side_effects=True,
                                              vmem_limit_bytes=limit),
+        cost_estimate=cost,
         interpret=(pltpu.InterpretParams() if interpret is True else interpret) if interpret else False,
         name=name)
     return call(me, table, *args)
+
+
+def _ring_cost(plan: RingPlan, rows: int, k: int, cols: int, lhs, rhs, out_shape):
+    """One device's work: a [rows, k] x [k, cols] product per ring step (each step multiplies one
+    shard or block), its operands read once and its float32 output written once."""
+    out = jax.ShapeDtypeStruct(out_shape, jnp.float32)
+    one_step = matmul_cost(rows, k, cols)
+    return pl.CostEstimate(flops=plan.num_devices * one_step.flops, transcendentals=0,
+                           bytes_accessed=nbytes(lhs, rhs, out))
 
 
 def _stream_scratch(plan: RingPlan, slot_shape, dtype) -> list:
@@ -247,7 +260,7 @@ def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, plan: RingPlan, out_dty
         args=(lhs,) + (rhs,) * streams, in_specs=[pl.BlockSpec(memory_space=pl.ANY)] + rhs_specs,
         out_shape=out_shape, out_spec=out_spec,
         scratch=_stream_scratch(plan, (n, kd), lhs.dtype) + [pltpu.SemaphoreType.DMA],
-        interpret=interpret).astype(out_dtype)
+        interpret=interpret, cost=_ring_cost(plan, n, kd, m, lhs, rhs, out_shape)).astype(out_dtype)
 
 
 def _scatter_kernel(me_ref, tab_ref, *refs, plan: RingPlan, axis, columns: tuple[slice, ...],
@@ -354,4 +367,6 @@ def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, plan: RingPlan, out
         axis=axis_name, name="conveyor_matmul_reduce_scatter",
         args=(lhs,) * streams + (rhs,) * (1 if shared_rhs else streams),
         in_specs=lhs_specs + rhs_specs, out_shape=out_shape, out_spec=pl.BlockSpec(out_shape, whole),
-        scratch=_stream_scratch(plan, acc_shape, jnp.float32), interpret=interpret).astype(out_dtype)
+        scratch=_stream_scratch(plan, acc_shape, jnp.float32), interpret=interpret,
+        cost=_ring_cost(plan, m // size if scatter_dim == 0 else m, k,
+                        n if scatter_dim == 0 else n // size, lhs, rhs, out_shape)).astype(out_dtype)

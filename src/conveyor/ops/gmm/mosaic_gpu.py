@@ -36,6 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
+from conveyor._compat import gpu_kernel_takes_cost_estimate
+from conveyor.cost import matmul_cost
 from conveyor.ints import floordiv, mod
 from conveyor.ops.gmm.metadata import make_group_metadata
 from conveyor.kernel_gpu import smem_bytes
@@ -233,9 +235,16 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     start = existing_out.astype(out_dtype)
     call = cv.kernel(kernel, jax.ShapeDtypeStruct((m, n), out_dtype), backend="mosaic_gpu", interpret=interpret,
                      num_threads=COMPUTE_THREADS + 1, thread_name="wg", grid=(column_tiles * visits,),
-                     scratch_shapes=[staging], input_output_aliases={7: 0})
+                     scratch_shapes=[staging], input_output_aliases={7: 0},
+                     cost_estimate=gpu_cost(matmul_cost(m, k, n, lhs, rhs, start)))
     return call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, num_visits, lhs, rhs, start)
 
 
-__all__ = ["gmm_mosaic_gpu", "check_gmm_args", "smem_layout", "accumulate_then_store", "stages_that_fit",
+def gpu_cost(estimate):
+    """`estimate` where `plgpu.kernel` takes one (jax >= 0.12), else None: the kernels run the
+    same on jax 0.11, costed by XLA at about 0 flops."""
+    return estimate if gpu_kernel_takes_cost_estimate() else None
+
+
+__all__ = ["gmm_mosaic_gpu", "gpu_cost", "check_gmm_args", "smem_layout", "accumulate_then_store", "stages_that_fit",
            "store_rows", "wgmma_operands", "wgmma_step", "banded_tile", "grid_band"]

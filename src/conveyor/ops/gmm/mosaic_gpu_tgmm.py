@@ -45,7 +45,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
 from conveyor.ops.gmm.metadata import local_group_bounds, row_block_span
-from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, DELAY_RELEASE, ROWS_PER_THREAD, accumulate_then_store, \
+from conveyor.cost import matmul_cost
+from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, gpu_cost, DELAY_RELEASE, ROWS_PER_THREAD, accumulate_then_store, \
     smem_layout, stages_that_fit, store_rows, wgmma_operands, wgmma_step
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
 
@@ -164,9 +165,11 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
     if m_pad != m:
         rhs = jnp.pad(rhs, ((0, m_pad - m), (0, 0)))
     scratch = [staging, plgpu.Barrier(num_arrivals=COMPUTE_THREADS)]
-    call = cv.kernel(kernel, jax.ShapeDtypeStruct((num_groups, k, n), out_dtype), backend="mosaic_gpu",
+    out_struct = jax.ShapeDtypeStruct((num_groups, k, n), out_dtype)
+    call = cv.kernel(kernel, out_struct, backend="mosaic_gpu",
                      interpret=interpret, num_threads=COMPUTE_THREADS + 1, thread_name="wg",
-                     grid=(num_groups, k_pad // tk, n // tn), scratch_shapes=scratch)
+                     grid=(num_groups, k_pad // tk, n // tn), scratch_shapes=scratch,
+                     cost_estimate=gpu_cost(matmul_cost(k, m, n, x, rhs, out_struct)))
     computed = call(starts, ends, x, rhs)
     return existing_out.astype(out_dtype) + computed
 

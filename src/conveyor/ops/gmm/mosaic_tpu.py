@@ -18,6 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from conveyor.cost import matmul_cost
 from conveyor.ops.gmm.metadata import make_group_metadata
 
 _SUPPORTED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -147,6 +148,7 @@ def gmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)]),
         input_output_aliases={7: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        cost_estimate=matmul_cost(m, k, n, lhs, rhs, existing_out),
         interpret=_interpret(interpret),
         name="conveyor_gmm")
     out = call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
@@ -221,6 +223,7 @@ def tgmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)]),
         input_output_aliases={7: 0},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        cost_estimate=matmul_cost(k, m, n, lhs, rhs, existing_out),
         interpret=_interpret(interpret),
         name="conveyor_tgmm")
     out = call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
