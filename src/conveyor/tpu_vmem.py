@@ -38,17 +38,16 @@ def chip_vmem() -> ChipVmem:
     return ChipVmem(name=name, default=default, physical=info.vmem_capacity_bytes)
 
 
-def vmem_limit(kernel: str, *, working: int, peak: int) -> int | None:
+def vmem_limit(kernel: str, *, working: int, peak: int, remedy: str) -> int | None:
     """`vmem_limit_bytes` for a kernel whose buffers take `working` bytes of VMEM and at most
     `peak` with its temporaries: None when the chip's default covers `peak`, else `peak` capped
-    at the chip's VMEM. A NotImplementedError names the bytes and the chip when `working` does
-    not fit."""
+    at the chip's VMEM. A NotImplementedError names the bytes, the chip and `remedy` when
+    `working` does not fit."""
     chip = chip_vmem()
     if working > chip.physical:
         raise NotImplementedError(
             f"{kernel}: mosaic_tpu needs {working / MiB:.1f} MiB of VMEM at these shapes "
-            f"(its buffers), over the {chip.physical / MiB:.0f} MiB of {chip.name}; use smaller "
-            f"per-device shards, more devices, or backend='xla'"
+            f"(its buffers), over the {chip.physical / MiB:.0f} MiB of {chip.name}; {remedy}"
         )
     if peak <= chip.default:
         return None

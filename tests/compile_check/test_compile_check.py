@@ -1,6 +1,8 @@
 """conveyor.compile_check without the compilers: reading their reports, the verdicts, the CLI's
 errors, the VMEM rule of TPU kernels. The compiles themselves run in `make compile-check`."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -57,7 +59,7 @@ def test_tpu_vmem_is_read_from_the_kernels_own_backend_config():
 
 def test_only_conveyors_own_errors_count_as_refusals():
     with pytest.raises(NotImplementedError) as own:
-        tpu_vmem.vmem_limit("k", working=2**40, peak=2**40)
+        tpu_vmem.vmem_limit("k", working=2**40, peak=2**40, remedy="r")
     with pytest.raises(TypeError) as jax_error:  # raised inside jax
         jnp.zeros((2, 3)).reshape(4)
     assert device.raised_by_conveyor(own.value)
@@ -134,13 +136,14 @@ def _on(kind: str):
 def test_vmem_limit_follows_the_chip():
     MiB = 2**20
     with _on("TPU v5 lite"):
-        assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=12 * MiB) is None
-        assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=20 * MiB) == 20 * MiB
-        assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=900 * MiB) == 128 * MiB
-        with pytest.raises(NotImplementedError, match=r"k: mosaic_tpu needs 256.0 MiB of VMEM .* 128 MiB"):
-            tpu_vmem.vmem_limit("k", working=256 * MiB, peak=300 * MiB)
+        assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=12 * MiB, remedy="r") is None
+        assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=20 * MiB, remedy="r") == 20 * MiB
+        assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=900 * MiB, remedy="r") == 128 * MiB
+        with pytest.raises(NotImplementedError,
+                           match=r"k: mosaic_tpu needs 256.0 MiB of VMEM .* 128 MiB of TPU_V5E; r$"):
+            tpu_vmem.vmem_limit("k", working=256 * MiB, peak=300 * MiB, remedy="r")
     with _on("TPU v6 lite"):  # v6e's default scoped limit is 32 MiB
-        assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=20 * MiB) is None
+        assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=20 * MiB, remedy="r") is None
     # No TPU in view (a plain CPU trace): the least VMEM of the supported chips is assumed.
     assert tpu_vmem.chip_vmem() == tpu_vmem.UNKNOWN_CHIP
 
@@ -165,3 +168,27 @@ def test_gmm_backward_lowers_for_cuda_under_an_explicit_mesh():
         exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))),
                                      platforms=["cuda"])(*args)
     assert exported.mlir_module().count("mosaic_gpu") >= 2  # gmm (d lhs) and tgmm (d rhs)
+
+
+def test_a_gmm_tiling_over_the_chips_vmem_is_refused_and_a_large_one_gets_a_limit():
+    import conveyor as cv
+
+    bf16 = jnp.bfloat16
+    args = (jax.ShapeDtypeStruct((8192, 4096), bf16), jax.ShapeDtypeStruct((8, 4096, 8192), bf16),
+            jax.ShapeDtypeStruct((8,), jnp.int32))
+
+    def export(tiling):
+        fn = jax.jit(lambda x, w, s: cv.gmm(x, w, s, backend="mosaic_tpu", tiling=tiling,
+                                            preferred_element_type=bf16))
+        with _on("TPU v5 lite"):
+            return jax.export.export(fn, platforms=["tpu"])(*args).mlir_module()
+
+    # (2048, 4096, 4096): 2 x (16 + 32 + 16) MiB of input blocks, 2 x 16 of output, 32 of sums.
+    with pytest.raises(NotImplementedError, match=r"gmm: mosaic_tpu needs 192.0 MiB of VMEM .*"
+                                                  r"128 MiB of TPU_V5E; pass a smaller tiling"):
+        export((2048, 4096, 4096))
+    # (1024, 2048, 2048): 48 MiB of buffers, 64 with the products: over v5e's default 16 MiB,
+    # so the kernel asks for 64 MiB of scoped VMEM (the default tiling asks for nothing).
+    limit = re.compile(r"scoped_memory_configs\\22: \[\{[^]]*\\22size\\22: (\d+)")
+    assert limit.findall(export((1024, 2048, 2048))) == [str(64 * 2**20)]
+    assert limit.findall(export((128, 512, 512))) == []

@@ -195,7 +195,8 @@ def _kernel_call(kernel, plan: RingPlan, *, axis, name, args, in_specs, out_shap
             _check_tiles(name, f"operand {i}", spec.block_shape, a.shape)
     _check_tiles(name, "the output", out_spec.block_shape, out_shape)
     working, peak = _vmem_bytes(args, in_specs, out_spec, scratch)
-    limit = vmem_limit(name, working=working, peak=peak)
+    limit = vmem_limit(name, working=working, peak=peak,
+                       remedy="use smaller per-device shards, more devices, or backend='xla'")
     me = lax.axis_index(axis).astype(jnp.int32)[None]
     table = jnp.asarray(plan.step_table(), jnp.int32)
     call = pl.pallas_call(

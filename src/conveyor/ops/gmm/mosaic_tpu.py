@@ -11,6 +11,7 @@ On CPU it runs through the Pallas TPU interpreter (`interpret=True` or a `pltpu.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from conveyor.cost import matmul_cost
+from conveyor.tpu_vmem import vmem_limit
 from conveyor.ops.gmm.metadata import make_group_metadata
 
 _SUPPORTED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -104,6 +106,24 @@ def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, rhs_ref,
         out_ref[...] = jnp.where(mine, acc_ref[...].astype(out_ref.dtype), out_ref[...])
 
 
+def _vmem_limit(op: str, lhs_block, rhs_block, out_block, cdt, out_dtype) -> int | None:
+    """`vmem_limit_bytes` for a gmm/tgmm tiling. Working set: two buffers of each input block
+    (lhs, rhs and the aliased existing output), two of the output block and the float32
+    accumulator; this is the scoped VMEM libtpu reports for the default tilings (2 MiB gmm,
+    3.5 MiB tgmm on v5e). Peak adds two float32 products of the output block's shape (the dot's
+    value and the sum), which larger tilings need (docs/compile-check.md). A tiling whose
+    working set is over the chip's VMEM is refused naming the bytes (`tpu_vmem.vmem_limit`)."""
+    def nbytes(shape, dtype):
+        return math.prod(shape) * jnp.dtype(dtype).itemsize
+
+    inputs = nbytes(lhs_block, cdt) + nbytes(rhs_block, cdt) + nbytes(out_block, out_dtype)
+    product = nbytes(out_block, jnp.float32)
+    working = 2 * inputs + 2 * nbytes(out_block, out_dtype) + product
+    return vmem_limit(f"{op}", working=working, peak=working + 2 * product,
+                      remedy=f"pass a smaller tiling (its blocks: lhs {tuple(lhs_block)}, rhs "
+                             f"{tuple(rhs_block)}, out {tuple(out_block)})")
+
+
 def gmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, tiling,
                    interpret):
     m, k = lhs.shape
@@ -147,7 +167,9 @@ def gmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
             out_specs=pl.BlockSpec((tm, tn), out_map),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)]),
         input_output_aliases={7: 0},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=_vmem_limit("gmm", (tm, tk), rhs_block[1:], (tm, tn), cdt, out_dtype)),
         cost_estimate=matmul_cost(m, k, n, lhs, rhs, existing_out),
         interpret=_interpret(interpret),
         name="conveyor_gmm")
@@ -222,7 +244,9 @@ def tgmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
             out_specs=pl.BlockSpec((None, tk, tn), out_map),
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)]),
         input_output_aliases={7: 0},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=_vmem_limit("tgmm", (tk, tm), (tm, tn), (tk, tn), cdt, out_dtype)),
         cost_estimate=matmul_cost(k, m, n, lhs, rhs, existing_out),
         interpret=_interpret(interpret),
         name="conveyor_tgmm")
