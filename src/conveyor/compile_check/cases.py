@@ -171,12 +171,39 @@ def _moe(ctx, *, tokens, d, f, experts, top_k, grad=False):
     return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 2, 3, 4)), args
 
 
+def _mpmd(ctx, *, rows, cols):
+    """cv.mpmd_map on warpgroups (mosaic_gpu): one program writes x + 1 and signals a
+    semaphore, the other waits on it; a [rows, cols] float32 operand."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    import conveyor as cv
+
+    def signal(x, o, sems):
+        o[...] = x[...] + 1.0
+        cv.fence()
+        cv.semaphore_signal(sems.at[0])
+
+    def wait(x, o, sems):
+        cv.semaphore_wait(sems.at[0])
+
+    x = ctx.array((rows, cols), jnp.float32)
+    call = cv.mpmd_map(
+        [(cv.Mesh(a=1), signal), (cv.Mesh(b=1), wait)],
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        scratch_shapes=[plgpu.SemaphoreType.REGULAR((1,))],
+        compiler_params=plgpu.CompilerParams(),
+        name="signal_wait",
+    )
+    return call, (x,)
+
+
 KINDS: dict[str, Callable] = {
     "gmm": _gmm,
     "tgmm": _tgmm,
     "ring": _ring,
     "example": _example,
     "moe": _moe,
+    "mpmd": _mpmd,
 }
 
 MIXTRAL = dict(m=8192, k=4096, n=14336)
@@ -198,6 +225,7 @@ def production() -> list[Case]:
         case("moe", tokens=8192, d=4096, f=14336, experts=8, top_k=2, grad=True),
         case("example", fn="matmul", m=4096, k=4096, n=4096),
         case("example", fn="matmul_warp_specialized", m=4096, k=4096, n=4096),
+        case("mpmd", rows=64, cols=128),
     ]
     for op in ("all_gather_matmul", "matmul_reduce_scatter"):
         for devices in (4, 8):
@@ -219,10 +247,12 @@ def production() -> list[Case]:
 
 
 def applies(c: Case, platform: str) -> bool:
-    """Whether Conveyor has a kernel for case `c` on `platform` (rings are TPU-only; the
-    warp-specialized pipeline is GPU-style: one memory thread, mosaic_gpu only)."""
+    """Whether Conveyor has a kernel for case `c` on `platform` (rings are TPU-only; mpmd
+    programs and the warp-specialized pipeline run on GPU warpgroups)."""
     if c.kind == "ring":
         return platform == "tpu"
+    if c.kind == "mpmd":  # programs on warpgroups; mpmd_map has no Mosaic TPU lowering yet
+        return platform == "cuda"
     if c.kind == "example" and dict(c.params)["fn"] == "matmul_warp_specialized":
         return platform == "cuda"
     return True
