@@ -5,7 +5,6 @@ Everything else in Conveyor imports these names from here, so a JAX upgrade is m
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import threading
 import time
@@ -15,7 +14,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 __all__ = ["Primitive", "ad", "batching", "mlir", "is_undefined_primal", "Zero",
-           "register_lowering_from_function", "lowering_for_export"]
+           "register_lowering_from_function"]
 
 is_undefined_primal = ad.is_undefined_primal
 Zero = ad.Zero
@@ -34,26 +33,12 @@ def register_lowering_from_function(prim: Primitive, impl, platform: str | None 
                            platform=platform)
 
 
-_FOR_EXPORT = contextvars.ContextVar("conveyor_lowering_for_export", default=False)
-
-
-def lowering_for_export() -> bool:
-    """Whether the primitive being lowered (through `register_lowering_from_function`) is lowered
-    by `jax.export`: a kernel compiled on this host (an FFI target) must not end up in a program
-    meant for another machine."""
-    return _FOR_EXPORT.get()
-
-
 def _lower_per_device(lowered, ctx, *args, **params):
     """Run a `mlir.lower_fun` rule with the avals' varying axes stripped and the checks off."""
     inner = ctx.replace(avals_in=[strip_varying(a) for a in ctx.avals_in],
                         avals_out=[strip_varying(a) for a in ctx.avals_out])
-    exporting = _FOR_EXPORT.set(bool(ctx.module_context.lowering_parameters.for_export))
-    try:
-        with per_device_tracing():
-            out = lowered(inner, *args, **params)
-    finally:
-        _FOR_EXPORT.reset(exporting)
+    with per_device_tracing():
+        out = lowered(inner, *args, **params)
     if inner.tokens_out is not None:  # effectful (interpreted) kernels thread tokens
         ctx.set_tokens_out(inner.tokens_out)
     return out

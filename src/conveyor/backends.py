@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import jax
 
-BACKENDS = ("xla", "native_cpu", "mosaic_tpu", "mosaic_gpu", "reference")
+BACKENDS = ("xla", "mosaic_tpu", "mosaic_gpu", "reference")
 
 
 def default_backend(available: tuple[str, ...]) -> str:

@@ -17,7 +17,6 @@ from jax import lax
 
 import conveyor as cv
 from conveyor.bench.timing import interleaved_medians
-from conveyor.native import build
 from conveyor.progress import bar as progress_bar
 from conveyor.problems import BENCH_GMM, GmmProblem, skewed_group_sizes
 
@@ -232,10 +231,8 @@ def run(reps: int = 5, groups: tuple[int, ...] = (1, 8, 64, 256), dtypes=("float
              f"Machine: {platform.machine()}, {jax.device_count()} JAX CPU device(s), "
              f"jax {jax.__version__}, numpy {np.__version__}. Command: `conveyor bench gmm`.",
              f"Medians of {reps} interleaved runs (slow baselines: 1-2 runs). Times in ms.", ""]
-    native = build.status()
-    lines.append("cv.gmm / cv.tgmm: backend=None, which ran "
-                 + (f"native_cpu (Conveyor's {native.isa} kernels)." if native.available else f"xla ({native.reason}).")
-                 + " cv xla: the same call with backend=\"xla\".")
+    lines.append("cv.gmm / cv.tgmm: backend=None, which runs xla on CPU. cv xla: the same call "
+                 "with backend=\"xla\".")
     bw = copy_bandwidth(reps)
     lines.append(f"Measured copy bandwidth: {bw / 1e9:.1f} GB/s (read+write).")
     lines.append("")

@@ -115,11 +115,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       group_offset: scalar int, first global group of this shard (expert parallelism); may be traced.
       existing_out: [m, n] values for the rows this call does not compute (chain shards through it).
       transpose_rhs: rhs is [G, n, k] and used transposed.
-      backend: "xla", "native_cpu", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the
-        op is lowered, for the platform it is lowered for: for CPU native_cpu where its kernels
-        built for AVX-512 BF16 (with a C++ compiler; the AVX2 build runs only when named), the
-        operands and output are float32/bfloat16 and no tiling is given, xla otherwise and in
-        exported programs; mosaic_tpu for TPU; for CUDA mosaic_gpu where it runs
+      backend: "xla", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the op is
+        lowered, for the platform it is lowered for: xla for CPU; mosaic_tpu for TPU; for CUDA mosaic_gpu where it runs
         the call (Hopper GPUs, or a host without GPUs exporting for cuda; operands within its
         limits below), xla otherwise (f32 operands, k or n off its tile multiples, a `tiling` it
         cannot use, pre-Hopper GPUs, ROCm). mosaic_gpu takes bfloat16/float16
@@ -158,7 +155,6 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         raise ValueError(f"group_sizes: expected at least rhs.shape[0]={num_groups} groups, got {group_sizes.shape[0]}")
     group_offset = _check_group_offset(group_offset, group_sizes.shape[0], num_groups)
     tiling_lib.check_tiling(tiling)
-    existing_out_zero = existing_out is None
     if existing_out is None:
         existing_out = jnp.zeros((m, n), out_dtype)
     else:
@@ -169,7 +165,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     backend = _choose_backend(backend, interpret)
     return bind_gmm(lhs, rhs, group_sizes, group_offset, existing_out, transpose_rhs=bool(transpose_rhs),
                       out_dtype=out_dtype, backend=backend, tiling=_hashable(tiling),
-                      interpret=_interpret_param(interpret, backend), existing_out_zero=existing_out_zero)
+                      interpret=_interpret_param(interpret, backend))
 
 
 def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -220,7 +216,6 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     group_offset = _check_group_offset(group_offset, total, num_actual_groups)
     tiling_lib.check_tiling(tiling)
     shape = (num_actual_groups, k, n)
-    existing_out_zero = existing_out is None
     if existing_out is None:
         existing_out = jnp.zeros(shape, out_dtype)
     else:
@@ -231,7 +226,7 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     backend = _choose_backend(backend, interpret, "tgmm")
     return bind_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, num_groups=num_actual_groups,
                        out_dtype=out_dtype, backend=backend, tiling=_hashable(tiling),
-                       interpret=_interpret_param(interpret, backend), existing_out_zero=existing_out_zero)
+                       interpret=_interpret_param(interpret, backend))
 
 
 def _hashable(tiling):

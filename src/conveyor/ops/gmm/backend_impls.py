@@ -2,37 +2,22 @@
 from __future__ import annotations
 
 from conveyor import backends
-from conveyor._compat import lowering_for_export
-from conveyor.ops.gmm import native_cpu, reference, tiling as tiling_lib, xla
+from conveyor.ops.gmm import reference, tiling as tiling_lib, xla
 
-GMM_BACKENDS = ("xla", "native_cpu", "mosaic_tpu", "mosaic_gpu", "reference")
+GMM_BACKENDS = ("xla", "mosaic_tpu", "mosaic_gpu", "reference")
 TGMM_BACKENDS = GMM_BACKENDS
 
 
-def auto_backend(platform: str, mosaic_gpu_takes, native_cpu_takes=lambda: False) -> str:
+def auto_backend(platform: str, mosaic_gpu_takes) -> str:
     """backend=None, for the platform being lowered for: mosaic_tpu on TPU; on CUDA (Hopper, or a
     host exporting for cuda) mosaic_gpu when `mosaic_gpu_takes()` says the kernel runs these
     operands (16-bit, or float32 beside 16-bit; shapes and tiling within its limits), else xla;
-    on CPU native_cpu when `native_cpu_takes()` (the AVX-512 kernels built here, float32/bfloat16,
-    no tiling) and the program is not being exported, else xla.
-    The fallback is the documented rule of `cv.gmm`'s `backend` argument, not an error: the
-    xla backend computes the same result for every input."""
-    if platform == "cpu":
-        return "native_cpu" if not lowering_for_export() and native_cpu_takes() else "xla"
+    xla on CPU. The fallback is the documented rule of `cv.gmm`'s `backend` argument, not an
+    error: the xla backend computes the same result for every input."""
     backend = backends.for_platform(platform, GMM_BACKENDS)
     if backend == "mosaic_gpu" and not mosaic_gpu_takes():
         return "xla"
     return backend
-
-
-def _check_native_cpu(platform: str) -> None:
-    """backend="native_cpu" runs only in CPU programs of this process (its kernels are compiled
-    for this host and registered at run time)."""
-    if platform != "cpu":
-        raise NotImplementedError(f"backend='native_cpu': runs on CPU only, got a lowering for {platform!r}")
-    if lowering_for_export():
-        raise NotImplementedError("backend='native_cpu': its kernels are compiled on this host and cannot be "
-                                  "exported; use backend=None (xla in an exported CPU program) or 'xla'")
 
 
 def _accepted(check) -> bool:
@@ -59,7 +44,7 @@ def _mosaic_tpu():
 
 
 def run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tiling, interpret,
-            transpose_rhs, out_dtype, existing_out_zero=False, platform="cpu"):
+            transpose_rhs, out_dtype, platform="cpu"):
     m, k = lhs.shape
     n = existing_out.shape[1]
     if backend == backends.AUTO:
@@ -68,18 +53,13 @@ def run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tilin
             return _accepted(lambda: mosaic_gpu.check_gmm_args(
                 *mosaic_gpu.wgmma_operands("gmm", lhs, rhs), _mosaic_gpu_gmm_tile(tiling, m, k, n, transpose_rhs),
                 transpose_rhs))
-        backend = auto_backend(platform, mosaic_gpu_takes,
-                               lambda: native_cpu.chosen_by_default(lhs.dtype, rhs.dtype, out_dtype, tiling))
+        backend = auto_backend(platform, mosaic_gpu_takes)
     kw = dict(transpose_rhs=transpose_rhs, out_dtype=out_dtype)
     if backend == "reference":
         return reference.gmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, **kw)
     if backend == "xla":
         t = tiling_lib.resolve(tiling, m, k, n, (xla.GMM_TM, k, n))
         return xla.gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t, **kw)
-    if backend == "native_cpu":
-        _check_native_cpu(platform)
-        return native_cpu.gmm_native_cpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=tiling,
-                                         existing_out_zero=existing_out_zero, **kw)
     if backend == "mosaic_tpu":
         mod = _mosaic_tpu()
         t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
@@ -94,7 +74,7 @@ def run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tilin
 
 
 def run_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tiling, interpret,
-             num_groups, out_dtype, existing_out_zero=False, platform="cpu"):
+             num_groups, out_dtype, platform="cpu"):
     k, m = lhs.shape
     n = rhs.shape[1]
     if backend == backends.AUTO:
@@ -102,18 +82,13 @@ def run_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, tili
             from conveyor.ops.gmm import mosaic_gpu, mosaic_gpu_tgmm
             return _accepted(lambda: mosaic_gpu_tgmm.check_tgmm_args(
                 *mosaic_gpu.wgmma_operands("tgmm", lhs, rhs), _mosaic_gpu_tgmm_tile(tiling, m, k, n)))
-        backend = auto_backend(platform, mosaic_gpu_takes,
-                               lambda: native_cpu.chosen_by_default(lhs.dtype, rhs.dtype, out_dtype, tiling))
+        backend = auto_backend(platform, mosaic_gpu_takes)
     kw = dict(num_groups=num_groups, out_dtype=out_dtype)
     if backend == "reference":
         return reference.tgmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, **kw)
     if backend == "xla":
         t = tiling_lib.resolve(tiling, m, k, n, (xla.default_tgmm_tm(m, num_groups), k, n))
         return xla.tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t, **kw)
-    if backend == "native_cpu":
-        _check_native_cpu(platform)
-        return native_cpu.tgmm_native_cpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=tiling,
-                                          existing_out_zero=existing_out_zero, **kw)
     if backend == "mosaic_tpu":
         mod = _mosaic_tpu()
         t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)

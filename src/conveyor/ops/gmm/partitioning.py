@@ -136,7 +136,7 @@ def _partitioned_gmm(impl, static: tuple):
             # A sharded contraction: partial products summed over its axes; rows outside the local
             # groups keep existing_out, as the op defines.
             partial_products = impl(lhs, rhs, local, group_offset, jnp.zeros(existing_out.shape, acc),
-                                    **dict(params, out_dtype=acc, existing_out_zero=True))
+                                    **dict(params, out_dtype=acc))
             total = lax.psum(partial_products, lay.summed).astype(params["out_dtype"])
             written = local_row_mask(local, group_offset, rhs.shape[0], local_rows)
             return jnp.where(written[:, None], total, existing_out.astype(params["out_dtype"]))
@@ -175,7 +175,7 @@ def _partitioned_tgmm(impl, static: tuple):
                 return fn(lhs, rhs, group_sizes, group_offset, existing_out)
             local = local_group_sizes(group_sizes, _linear_index(lay.rows, mesh) * local_rows, local_rows, m)
             partial_sums = impl(lhs, rhs, local, group_offset, jnp.zeros(existing_out.shape, acc),
-                                **dict(params, out_dtype=acc, existing_out_zero=True))
+                                **dict(params, out_dtype=acc))
             total = lax.psum(partial_sums, lay.summed)
             return (existing_out.astype(acc) + total).astype(params["out_dtype"])
         return lower

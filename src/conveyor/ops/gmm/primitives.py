@@ -4,9 +4,8 @@ Being bilinear, both ops differentiate into themselves: the tangent of gmm is gm
 tangents, and the transpose of gmm with respect to lhs is gmm, with respect to rhs is tgmm
 (and the other way round). JAX builds reverse mode from JVP + transpose, so first-order,
 second-order and forward-over-reverse derivatives all come from these few rules.
-Params (all static): backend, tiling, interpret, out_dtype, existing_out_zero (a promise that
-existing_out is all zeros, made where the op itself created it, so a backend may write the result
-whole without reading it), plus transpose_rhs (gmm) or num_groups (tgmm).
+Params (all static): backend, tiling, interpret, out_dtype, plus transpose_rhs (gmm) or
+num_groups (tgmm).
 """
 from __future__ import annotations
 
@@ -115,9 +114,9 @@ def _gmm_jvp(primals, tangents, **params):
     zeros = jnp.zeros(ex.shape, params["out_dtype"])
     terms = []
     if type(t_lhs) is not Zero:
-        terms.append(bind_gmm(t_lhs, rhs, gs, go, zeros, **dict(params, existing_out_zero=True)))
+        terms.append(bind_gmm(t_lhs, rhs, gs, go, zeros, **params))
     if type(t_rhs) is not Zero:
-        terms.append(bind_gmm(lhs, t_rhs, gs, go, zeros, **dict(params, existing_out_zero=True)))
+        terms.append(bind_gmm(lhs, t_rhs, gs, go, zeros, **params))
     if type(t_ex) is not Zero:
         keep = ~local_row_mask(gs, go, rhs.shape[0], lhs.shape[0])
         terms.append(jnp.where(keep[:, None], t_ex.astype(params["out_dtype"]), 0))
@@ -131,9 +130,9 @@ def _tgmm_jvp(primals, tangents, **params):
     zeros = jnp.zeros(ex.shape, params["out_dtype"])
     terms = []
     if type(t_lhs) is not Zero:
-        terms.append(bind_tgmm(t_lhs, rhs, gs, go, zeros, **dict(params, existing_out_zero=True)))
+        terms.append(bind_tgmm(t_lhs, rhs, gs, go, zeros, **params))
     if type(t_rhs) is not Zero:
-        terms.append(bind_tgmm(lhs, t_rhs, gs, go, zeros, **dict(params, existing_out_zero=True)))
+        terms.append(bind_tgmm(lhs, t_rhs, gs, go, zeros, **params))
     if type(t_ex) is not Zero:
         terms.append(t_ex.astype(params["out_dtype"]))
     return out, _sum_tangents(terms, out)
@@ -164,11 +163,11 @@ def _gmm_transpose(ct, lhs, rhs, gs, go, ex, *, transpose_rhs, out_dtype, **para
         k = lhs.aval.shape[1]
         # d lhs[rows_i] = ct[rows_i] @ rhs[i]^T; rows outside local groups get exactly 0.
         ct_lhs = bind_gmm(ct, rhs, gs, go, jnp.zeros((m, k), lhs.aval.dtype),
-                            transpose_rhs=not transpose_rhs, out_dtype=lhs.aval.dtype, existing_out_zero=True, **bp)
+                            transpose_rhs=not transpose_rhs, out_dtype=lhs.aval.dtype, **bp)
     if is_undefined_primal(rhs):
         a, b = (ct.T, lhs) if transpose_rhs else (lhs.T, ct)
         ct_rhs = bind_tgmm(a, b, gs, go, jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
-                             num_groups=num_groups, out_dtype=rhs.aval.dtype, existing_out_zero=True, **bp)
+                             num_groups=num_groups, out_dtype=rhs.aval.dtype, **bp)
     if is_undefined_primal(ex):
         keep = ~local_row_mask(gs, go, num_groups, m)
         ct_ex = jnp.where(keep[:, None], ct, 0).astype(ex.aval.dtype)
@@ -184,12 +183,12 @@ def _tgmm_transpose(ct, lhs, rhs, gs, go, ex, *, num_groups, out_dtype, **params
         k, m = lhs.aval.shape
         # d lhs[:, rows_i] = (rhs[rows_i] @ ct[i]^T)^T
         ct_lhs = bind_gmm(rhs, ct, gs, go, jnp.zeros((m, k), lhs.aval.dtype),
-                            transpose_rhs=True, out_dtype=lhs.aval.dtype, existing_out_zero=True, **bp).T
+                            transpose_rhs=True, out_dtype=lhs.aval.dtype, **bp).T
     if is_undefined_primal(rhs):
         m, n = rhs.aval.shape
         # d rhs[rows_i] = lhs[:, rows_i]^T @ ct[i]
         ct_rhs = bind_gmm(lhs.T, ct, gs, go, jnp.zeros((m, n), rhs.aval.dtype),
-                            transpose_rhs=False, out_dtype=rhs.aval.dtype, existing_out_zero=True, **bp)
+                            transpose_rhs=False, out_dtype=rhs.aval.dtype, **bp)
     if is_undefined_primal(ex):
         ct_ex = ct.astype(ex.aval.dtype)
     return [ct_lhs, ct_rhs, None, None, ct_ex]

@@ -1,1 +1,0 @@
-"""Native CPU kernels, compiled on first use (see `build`)."""
