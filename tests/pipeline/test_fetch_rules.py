@@ -182,7 +182,7 @@ def test_a_block_changing_at_every_step_needs_no_test_in_the_kernel():
 
     def conds(pattern):
         f = cv.kernel(_kernel(_spec(pattern), 2, 0, False), jax.ShapeDtypeStruct((32, 384), jnp.float32), grid=(1,))
-        # The step-by-step fast path (the checked one poisons slots in branches; batched steps have none).
-        with cv.pipeline.checked_schedule(False), cv.pipeline.batch_independent_steps(False):
+        # The default executor (the checked one poisons slots in branches).
+        with cv.pipeline.checked_schedule(False):
             return str(jax.make_jaxpr(f)(jnp.zeros((32, 384)), jnp.zeros((96, 128)))).count("cond[")
     assert conds("every step") == 0 < conds("per row")

@@ -1,8 +1,7 @@
 """`conveyor bench pipeline`: the xla pipeline executor against plain jnp and the Mosaic GPU interpreter.
 
 Kernels: a tiled matmul with the K reduction in the resident output block, and an elementwise add.
-The xla executor is timed as it runs by default (independent grid steps batched:
-`conveyor.pipeline.batched_steps`) and step by step (`batch_independent_steps(False)`).
+The xla executor runs the plan step by step (one loop iteration per grid step).
 Ratios come from one interleaved run (see timing.py).
 """
 from __future__ import annotations
@@ -139,7 +138,6 @@ class Case:
     y_shape: tuple[int, ...]
     steps: int
     ours: Callable
-    steps_fn: Callable   # `ours` built again, to be traced step by step
     ref: Callable
     floor: Callable | None
     slab_floor: Callable | None
@@ -158,7 +156,6 @@ def build_case(name: str, size: tuple[int, ...], blocks: tuple[int, ...], with_i
         interp = build(m, k, n, *blocks, backend="mosaic_gpu", interpret=gpu) \
             if with_interp and steps <= INTERPRETER_MAX_STEPS else None
         return Case(x_shape=(m, k), y_shape=(k, n), steps=steps, ours=build(m, k, n, *blocks, backend="xla"),
-                    steps_fn=build(m, k, n, *blocks, backend="xla"),
                     ref=jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)),
                     floor=step_loop_matmul(m, k, n, *blocks), slab_floor=slab_loop_matmul(m, k, n, blocks[1]),
                     thread_slab_floor=None if name == "matmul" else thread_slab_loop_matmul(m, k, n, blocks[0], blocks[1], 2, blocks[2]),
@@ -168,7 +165,6 @@ def build_case(name: str, size: tuple[int, ...], blocks: tuple[int, ...], with_i
     interp = elementwise_add(m, n, blocks[0], backend="mosaic_gpu", interpret=gpu) \
         if with_interp and steps <= INTERPRETER_MAX_STEPS else None
     return Case(x_shape=(m, n), y_shape=(m, n), steps=steps, ours=elementwise_add(m, n, blocks[0], backend="xla"),
-                steps_fn=elementwise_add(m, n, blocks[0], backend="xla"),
                 ref=jax.jit(jnp.add), floor=None, slab_floor=None, interp=interp)
 
 
@@ -177,23 +173,18 @@ def run(reps: int = 5) -> str:
     rows = [f"# pipeline benchmark, {datetime.date.today().isoformat()}", "",
             f"jax {jax.__version__}, {jax.device_count()} CPU device(s). Command: `conveyor bench pipeline`. "
             f"Medians of {reps} interleaved runs, ms.", "",
-            "| kernel | size | blocks | steps | batched axes | jnp | k-slab floor | per-thread k-slab floor | step-loop floor | "
-            "cv xla step by step | cv xla | xla/jnp | slab/jnp | thread-slab/jnp | steps/jnp | floor/jnp | GPU interpreter | "
-            "interp/xla |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| kernel | size | blocks | steps | jnp | k-slab floor | per-thread k-slab floor | step-loop floor | "
+            "cv xla | xla/jnp | slab/jnp | thread-slab/jnp | floor/jnp | GPU interpreter | interp/xla |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     bar = progress_bar(len(CASES), "bench pipeline", "row")
     for name, size, blocks, with_interp in CASES:
         case = build_case(name, size, blocks, with_interp)
         ours, ref, floor, interp, steps = case.ours, case.ref, case.floor, case.interp, case.steps
         x = jnp.asarray(rng.standard_normal(case.x_shape), jnp.float32)
         y = jnp.asarray(rng.standard_normal(case.y_shape), jnp.float32)
-        with cv.pipeline.record_batching() as decided:
-            err = float(jnp.abs(ours(x, y) - ref(x, y)).max())
-        with cv.pipeline.batch_independent_steps(False):
-            by_steps = case.steps_fn.lower(x, y).compile()
+        err = float(jnp.abs(ours(x, y) - ref(x, y)).max())
         assert err < 1e-2, (name, err)
-        assert float(jnp.abs(by_steps(x, y) - ref(x, y)).max()) < 1e-2, (name, "step by step")
-        fns = {"jnp": lambda: ref(x, y), "xla": lambda: ours(x, y), "steps": lambda: by_steps(x, y)}
+        fns = {"jnp": lambda: ref(x, y), "xla": lambda: ours(x, y)}
         if floor is not None:
             assert float(jnp.abs(floor(x, y) - ref(x, y)).max()) < 1e-2, (name, "step-loop floor")
             assert float(jnp.abs(case.slab_floor(x, y) - ref(x, y)).max()) < 1e-2, (name, "k-slab floor")
@@ -206,13 +197,11 @@ def run(reps: int = 5) -> str:
             fns["interp"] = lambda: interp(x, y)
         t = interleaved_medians(fns, reps, {"interp": 2})
         it, fl, sl, ts = t.get("interp"), t.get("floor"), t.get("slab"), t.get("thread_slab")
-        axes = ", ".join(str(a) for _, a in decided) or "-"
-        rows.append(f"| {name} | {size} | {blocks} | {steps} | {axes} | {t['jnp'] * 1e3:.1f} | "
+        rows.append(f"| {name} | {size} | {blocks} | {steps} | {t['jnp'] * 1e3:.1f} | "
                     f"{'-' if sl is None else f'{sl * 1e3:.1f}'} | {'-' if ts is None else f'{ts * 1e3:.1f}'} | "
-                    f"{'-' if fl is None else f'{fl * 1e3:.1f}'} | {t['steps'] * 1e3:.1f} | {t['xla'] * 1e3:.1f} | "
+                    f"{'-' if fl is None else f'{fl * 1e3:.1f}'} | {t['xla'] * 1e3:.1f} | "
                     f"{t['xla'] / t['jnp']:.2f}x | {'-' if sl is None else f'{sl / t['jnp']:.2f}x'} | "
                     f"{'-' if ts is None else f'{ts / t['jnp']:.2f}x'} | "
-                    f"{t['steps'] / t['jnp']:.2f}x | "
                     f"{'-' if fl is None else f'{fl / t['jnp']:.2f}x'} | "
                     f"{'-' if it is None else f'{it * 1e3:.0f}'} | "
                     f"{'-' if it is None else f'{it / t['xla']:.0f}x'} |")
@@ -220,9 +209,7 @@ def run(reps: int = 5) -> str:
         bar.update()
     bar.close()
     rows += ["", f"The GPU interpreter runs only where the grid has at most {INTERPRETER_MAX_STEPS} steps (a few ms per step).",
-             "batched axes: the leading grid axes the xla executor ran together (0: step by step); the "
-             "step-by-step column is the same kernel traced under `cv.pipeline.batch_independent_steps(False)`. "
-             "k-slab floor: the batched steps' floor for this body, one (m, bk) x (bk, n) dot and add per k "
+             "k-slab floor: a floor for this body, one (m, bk) x (bk, n) dot and add per k "
              "(`slab_loop_matmul`); per-thread k-slab floor (warp-specialized rows): the same with each compute "
              "thread's rows of every block as their own dot (`thread_slab_loop_matmul`); step-loop floor: a "
              "per-step executor's (`step_loop_matmul`)."]

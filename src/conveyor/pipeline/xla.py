@@ -8,8 +8,6 @@ There is no real asynchrony on this backend (XLA:CPU runs ops in order), so this
 the plan's slots and fetch-ahead; the values a body sees are exactly those of the schedule: an
 input block is read only at the steps its fetch rule fetches (`conveyor.plans.fetch`), so a body
 that writes into an input block sees its writes until the block changes, as on the other backends.
-When the plan and the body show that the steps along leading grid axes are independent, the fast
-path runs those steps together, with the same values (`conveyor.pipeline.batched_steps`).
 
 The checked mode (`checked_schedule()`, used by the tests) runs the plan's schedule instead:
 - every slot is a real buffer;
@@ -31,7 +29,7 @@ from jax.experimental import pallas as pl
 
 from conveyor._compat import call_as_thread, is_jax_ref
 from conveyor.kernel import poison
-from conveyor.pipeline import batched_steps, carry as carry_lib
+from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.lowering import block_in_bounds, bool_setting, call_body, when
 from conveyor.plans import fetch
 from conveyor.plans.pipeline import OperandPlan, PipelinePlan
@@ -71,10 +69,9 @@ def checked_schedule(enabled: bool = True) -> contextlib.AbstractContextManager[
 
 def read_block(p: PipelinePlan, op: OperandPlan, gref, step):
     """`op`'s block at `step` as a value of the body's block shape (zeros when out of bounds). A
-    bounded window fills the start of its dimension; the rest of the slot is poison. `gref` is
-    the operand's ref or its value (the batched steps read values: `batched_steps`)."""
+    bounded window fills the start of its dimension; the rest of the slot is poison."""
     idx = _clamped_index(p, op, step, gref.shape)
-    block = gref[idx] if is_jax_ref(gref) else lax.dynamic_slice(gref, [i.start for i in idx], [i.size for i in idx])
+    block = gref[idx]
     for d, shift, size in _bounded_shifts(p, op, step, gref.shape):
         block = jnp.roll(block, -shift, axis=d)
         block = jnp.where(_in_window(block.shape, d, 0, size), block, poison(block.shape, block.dtype))
@@ -103,10 +100,6 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     p = p.fetching_every_block()
     if _CHECKED.get():
         return _run_checked(p, body, in_refs, out_refs, init_carry, has_carry)
-    batching = batched_steps.plan_batching(p, body, in_refs, out_refs, init_carry, has_carry)
-    if batching is not None:
-        batched_steps.run_batched(p, batching, in_refs, out_refs, read_block, store_block)
-        return init_carry if has_carry else None
     n_in = len(p.inputs)
     # Fresh refs (not pl.run_scoped, whose XLA lowering fails when the body is itself inside a
     # user's run_scoped and touches that buffer).
