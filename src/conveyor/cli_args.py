@@ -92,16 +92,21 @@ def tiling(text: str) -> tuple[int, int, int]:
     return values
 
 
+def _names(text: str, known, what: str) -> tuple[str, ...]:
+    """Comma-separated names, each one of `known`."""
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}s, got nothing")
+    for name in names:
+        if name not in known:
+            raise argparse.ArgumentTypeError(f"unknown {what} {name!r}; known: {', '.join(known)}")
+    return names
+
+
 def gmm_backends(text: str) -> tuple[str, ...]:
     """Comma-separated cv.gmm backends."""
     from conveyor.ops.gmm.backend_impls import GMM_BACKENDS
-    names = tuple(t.strip() for t in text.split(",") if t.strip())
-    if not names:
-        raise argparse.ArgumentTypeError("expected comma-separated backends, got nothing")
-    for name in names:
-        if name not in GMM_BACKENDS:
-            raise argparse.ArgumentTypeError(f"unknown backend {name!r}; cv.gmm has {', '.join(GMM_BACKENDS)}")
-    return names
+    return _names(text, GMM_BACKENDS, "backend")
 
 
 def hardware(text: str) -> str:
@@ -118,10 +123,4 @@ def compile_targets(text: str) -> tuple[str, ...]:
     """Comma-separated compile-check targets (h100, v5e, v6e, v5p)."""
     from conveyor.compile_check.targets import TARGETS
 
-    names = tuple(t.strip() for t in text.split(",") if t.strip())
-    if not names:
-        raise argparse.ArgumentTypeError("expected comma-separated targets, got nothing")
-    for name in names:
-        if name not in TARGETS:
-            raise argparse.ArgumentTypeError(f"unknown target {name!r}; known: {', '.join(TARGETS)}")
-    return names
+    return _names(text, TARGETS, "target")
