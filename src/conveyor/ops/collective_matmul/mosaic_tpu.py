@@ -168,11 +168,12 @@ def _check_tiles(kernel: str, what: str, block, shape) -> None:
         )
 
 
-def _vmem_bytes(args, in_specs, out_spec, scratch) -> tuple[int, int]:
+def _vmem_bytes(args, in_specs, out_spec, scratch, product) -> tuple[int, int]:
     """(working set, peak) VMEM of a ring kernel. Working set: its scratch slots, two buffers of
-    every blocked input (Pallas' double buffering) and the output block; above the compiled
-    kernels' scoped VMEM in every case measured on v5e (docs/compile-check.md). Peak adds two float32
-    products the size of the output block (the dot's value before it is stored)."""
+    every blocked input (Pallas' double buffering), the output block and one float32 `product`
+    (the shape of a step's dot); at or above the compiled kernels' scoped VMEM in every case
+    measured on v5e, v6e and v5p (docs/compile-check.md). Peak adds one more output block (the
+    value being stored)."""
     def nbytes(shape, dtype):
         return math.prod(shape) * jnp.dtype(dtype).itemsize
 
@@ -181,12 +182,12 @@ def _vmem_bytes(args, in_specs, out_spec, scratch) -> tuple[int, int]:
     blocks = sum(nbytes(spec.block_shape, a.dtype) for a, spec in zip(args, in_specs)
                  if spec.block_shape is not None)
     out = nbytes(out_spec.block_shape, jnp.float32)
-    working = slots + 2 * blocks + out
-    return working, working + 2 * out
+    working = slots + 2 * blocks + out + nbytes(product, jnp.float32)
+    return working, working + out
 
 
 def _kernel_call(kernel, plan: RingPlan, *, axis, name, args, in_specs, out_shape, out_spec, scratch, interpret,
-                 cost):
+                 cost, product):
     """The pallas_call of a ring kernel: one grid step per plan step, the device's ring position and
     the plan's table scalar-prefetched. Its VMEM limit is raised when the chip's default is too
     small, and a kernel that cannot fit the chip's VMEM is refused (`tpu_vmem.vmem_limit`)."""
@@ -194,7 +195,7 @@ def _kernel_call(kernel, plan: RingPlan, *, axis, name, args, in_specs, out_shap
         if spec.block_shape is not None:
             _check_tiles(name, f"operand {i}", spec.block_shape, a.shape)
     _check_tiles(name, "the output", out_spec.block_shape, out_shape)
-    working, peak = _vmem_bytes(args, in_specs, out_spec, scratch)
+    working, peak = _vmem_bytes(args, in_specs, out_spec, scratch, product)
     limit = vmem_limit(name, working=working, peak=peak,
                        remedy="use smaller per-device shards, more devices, or backend='xla'")
     me = lax.axis_index(axis).astype(jnp.int32)[None]
@@ -261,7 +262,8 @@ def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, plan: RingPlan, out_dty
         args=(lhs,) + (rhs,) * streams, in_specs=[pl.BlockSpec(memory_space=pl.ANY)] + rhs_specs,
         out_shape=out_shape, out_spec=out_spec,
         scratch=_stream_scratch(plan, (n, kd), lhs.dtype) + [pltpu.SemaphoreType.DMA],
-        interpret=interpret, cost=_ring_cost(plan, n, kd, m, lhs, rhs, out_shape)).astype(out_dtype)
+        interpret=interpret, cost=_ring_cost(plan, n, kd, m, lhs, rhs, out_shape),
+        product=(n, m)).astype(out_dtype)
 
 
 def _scatter_kernel(me_ref, tab_ref, *refs, plan: RingPlan, axis, columns: tuple[slice, ...],
@@ -370,4 +372,5 @@ def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, plan: RingPlan, out
         in_specs=lhs_specs + rhs_specs, out_shape=out_shape, out_spec=pl.BlockSpec(out_shape, whole),
         scratch=_stream_scratch(plan, acc_shape, jnp.float32), interpret=interpret,
         cost=_ring_cost(plan, m // size if scatter_dim == 0 else m, k,
-                        n if scatter_dim == 0 else n // size, lhs, rhs, out_shape)).astype(out_dtype)
+                        n if scatter_dim == 0 else n // size, lhs, rhs, out_shape),
+        product=acc_shape).astype(out_dtype)
