@@ -127,6 +127,9 @@ def _compile_check_parser(sub, subs) -> None:
                    help="exit 0 when Conveyor itself refuses a case (its error is printed)")
     c.add_argument("--timeout", type=t.positive_float, default=600.0,
                    help="seconds one compile may take")
+    c.add_argument("--jobs", type=t.positive_int, default=2,
+                   help="compiles at a time (each in its own process; a TPU compile peaks at "
+                        "about 1.3 GB)")
     c.add_argument("--out", type=pathlib.Path, help="also write the markdown table here")
 
 
@@ -169,7 +172,7 @@ def _compile_check(args, fail) -> int:
             require_toolchain(target)
         except MissingToolchain as e:
             fail(str(e))
-    rows = cc.run(cases, targets, timeout_s=args.timeout)
+    rows = cc.run(cases, targets, timeout_s=args.timeout, jobs=args.jobs)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(cc.markdown(rows) + "\n")
@@ -348,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
             "compile-check": lambda: _COMPILE_CHECK_USES[args.which]}[args.command]()
     always = {"simulate": {"json", "png", "trace", "tile"}, "check": {"max_states", "max_seconds", "progress"},
               "bench": {"reps", "out"},
-              "compile-check": {"target", "allow_refused", "timeout", "out"}}[args.command]
+              "compile-check": {"target", "allow_refused", "timeout", "jobs", "out"}}[args.command]
     if (unused := _unused(sub, args, uses, always)):
         variant = args.which + (f" --platform {args.platform}" if args.command == "bench" and args.which == "gmm" else "")
         sub.error(f"{unused} not used by '{args.command} {variant}'")

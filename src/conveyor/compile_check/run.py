@@ -44,20 +44,25 @@ def run_one(case: Case, target: Target, *, timeout_s: float) -> dict:
 
 
 def run(cases: Iterable[Case], targets: Iterable[Target], *, timeout_s: float = 600,
-        progress=print) -> list[dict]:
-    """Every case on every target it applies to; one row dict per (case, target)."""
+        jobs: int = 2, progress=print) -> list[dict]:
+    """Every case on every target it applies to, `jobs` compiles at a time; one row dict per
+    (case, target), in the order of `targets`, then `cases`."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from conveyor.compile_check.cases import applies
 
-    rows = []
-    for target in targets:
-        for case in cases:
-            if not applies(case, target.platform):
-                continue
-            report = run_one(case, target, timeout_s=timeout_s)
-            row = {"target": target.name, "case": case.name, **report}
-            rows.append(row)
-            progress(line(row))
-    return rows
+    cases = list(cases)
+    work = [(c, t) for t in targets for c in cases if applies(c, t.platform)]
+
+    def one(pair):
+        case, target = pair
+        row = {"target": target.name, "case": case.name,
+               **run_one(case, target, timeout_s=timeout_s)}
+        progress(line(row))
+        return row
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return list(pool.map(one, work))
 
 
 def verdict(row: dict) -> str:
