@@ -387,6 +387,20 @@ def requires_devices_during_lowering(prim: Primitive) -> None:
     dispatch.prim_requires_devices_during_lowering.add(prim)
 
 
+# ---- where the CUDA toolkit wheel lives (compile-check's standalone ptxas) ----------------------
+
+def cuda_toolkit_path() -> str | None:
+    """The folder of the nvidia-cuda-nvcc wheel jaxlib found (bin/ptxas), or None."""
+    try:
+        from jax._src.lib import cuda_path
+    except ImportError:
+        return None
+    return cuda_path
+
+
+__all__ += ["cuda_toolkit_path"]
+
+
 # ---- differences between the supported jax versions (0.11.2 .. 0.12.0.1) -----------------------
 
 def _accepts(fn, name: str) -> bool:

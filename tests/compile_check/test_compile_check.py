@@ -107,7 +107,7 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, args, message):
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
-@pytest.mark.skipif(device.importlib_spec("jax_cuda12_plugin"), reason="the CUDA compiler is here")
+@pytest.mark.skipif(device.installed("jax_cuda12_plugin"), reason="the CUDA compiler is here")
 def test_cli_names_the_missing_toolchain(capsys):
     code, _, err = _main(capsys, "compile-check", "gmm", "--target", "h100",
                          "--m", "64", "--k", "64", "--n", "64")

@@ -29,7 +29,7 @@ TOOLCHAINS = {
 }
 
 
-def importlib_spec(module: str) -> bool:
+def installed(module: str) -> bool:
     """Whether `module` can be imported here (without importing it)."""
     import importlib.util
 
@@ -39,7 +39,7 @@ def importlib_spec(module: str) -> bool:
 def require_toolchain(target: Target) -> None:
     """A MissingToolchain naming what to install unless `target`'s compiler is importable."""
     module, packages, script = TOOLCHAINS[target.platform]
-    if not importlib_spec(module):
+    if not installed(module):
         raise MissingToolchain(
             f"target {target.name} needs {packages} at this jax's version, not installed in "
             f"this Python; `{script}` makes that environment (make compile-check uses it)"
@@ -193,11 +193,10 @@ def dynamic_smem(resources: str) -> int:
 
 
 def _standalone_ptxas() -> str | None:
-    try:
-        from jax._src.lib import cuda_path  # the nvidia-cuda-nvcc wheel's folder
-    except ImportError:
-        cuda_path = None
-    return shutil.which("ptxas", path=os.path.join(cuda_path or "", "bin")) or shutil.which("ptxas")
+    from conveyor._compat import cuda_toolkit_path
+
+    toolkit = cuda_toolkit_path() or ""
+    return shutil.which("ptxas", path=os.path.join(toolkit, "bin")) or shutil.which("ptxas")
 
 
 def _assemble(ptxas: str, ptx_path: str) -> dict:

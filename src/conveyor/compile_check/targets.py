@@ -56,7 +56,7 @@ class Target:
 
 
 # TPU VMEM: default scoped limits and physical sizes as libtpu 0.0.50 enforces them (measured by
-# compiling over them; ../docs/compile-check.md). GPU: the H100's per-block shared-memory opt-in.
+# compiling over them; docs/compile-check.md). GPU: the H100's per-block shared-memory opt-in.
 TARGETS = {
     t.name: t
     for t in (
