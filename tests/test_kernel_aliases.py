@@ -29,7 +29,7 @@ def _doubled_head(rows_written):
 
 @pytest.mark.parametrize("backend", list(INTERPRET))
 def test_unwritten_rows_keep_the_aliased_input(backend):
-    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    rng = np.random.default_rng(4733)
     x = jnp.asarray(rng.standard_normal((32, 128)), jnp.float32)
     start_values = rng.standard_normal((32, 128)).astype(np.float32)
     start = jnp.asarray(start_values)

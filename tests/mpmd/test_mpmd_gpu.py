@@ -27,7 +27,7 @@ def test_barrier_producer_consumer_agrees_with_the_cpu_executor():
 def test_aliased_outputs_keep_the_input_where_no_program_writes():
     """input_output_aliases on warpgroups: the output starts as the input (a jax Ref the kernel
     updates in place); each instance rewrites one row, the other rows keep the input's values."""
-    x = jnp.asarray(np.random.default_rng(np.random.SeedSequence().entropy).standard_normal((4, 128)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(4702).standard_normal((4, 128)), jnp.float32)
 
     def scale(x_ref, o_ref):
         i = lax.axis_index("c")

@@ -61,7 +61,7 @@ def _kernel(lookahead):
 @pytest.mark.parametrize("lookahead", [False, True])
 def test_ragged_groups_on_every_backend(backend, lookahead):
     # Small integers in float32: x + 2 w is exact, so the comparison is exact.
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(4713)
     x = jnp.asarray(rng.integers(-8, 8, (ROWS, COLS * 128)), jnp.float32)
     w = jnp.asarray(rng.integers(-8, 8, (ROWS, 128)), jnp.float32)
     name = backend.split()[0]

@@ -82,7 +82,7 @@ def _matmul_kernel(grid, semantics, **core):
 
 
 def _operands(grid):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(4720)
     gi, gj, gk = grid
     x = rng.integers(-4, 5, (gi * BM, gk * BK)).astype(np.float32)
     y = rng.integers(-4, 5, (gk * BK, gj * BN)).astype(np.float32)

@@ -76,7 +76,7 @@ def _reference(x, y, case):
 
 def _inputs():
     # Small integers in float32: every sum is exact, so the comparison is exact.
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(4723)
     return [jnp.asarray(rng.integers(-8, 8, (STEPS * 8, 128)), jnp.float32) for _ in range(2)]
 
 

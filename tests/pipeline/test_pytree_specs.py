@@ -21,7 +21,7 @@ def _interpret(backend):
 
 @pytest.mark.parametrize("backend", ["xla", "mosaic_tpu", "mosaic_gpu"])
 def test_dict_and_nested_tuple_operands(backend):
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(4724)
     x, y, b = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((32, 128), (32, 128), (8, 128)))
 
     def kernel(x_ref, y_ref, b_ref, sum_ref, diff_ref):
@@ -74,7 +74,7 @@ def test_refs_must_match_the_spec_structure():
 def test_unwindowed_operand_reaches_the_body_as_its_whole_ref(backend, unwindowed):
     """The body gets the whole global ref of an unwindowed operand and copies the block it wants
     from it itself (here: row block i of x, so out = x + y again)."""
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(4725)
     x, y = (jnp.asarray(rng.standard_normal((32, 128)), jnp.float32) for _ in range(2))
     seen_shapes = []
 
@@ -120,7 +120,7 @@ def _nested(x_ref, o_ref):
 
 @pytest.mark.parametrize("backend", ["xla", "mosaic_tpu", "mosaic_gpu"])
 def test_pipeline_nested_in_a_pipeline(backend):
-    x = jnp.asarray(np.random.default_rng().standard_normal((32, 128)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(4726).standard_normal((32, 128)), jnp.float32)
     f = cv.kernel(_nested, jax.ShapeDtypeStruct(x.shape, x.dtype), backend=backend, interpret=_interpret(backend))
     want = np.asarray(x) + np.repeat(np.float32([0.0, 1.0]), 16)[:, None]
     np.testing.assert_array_equal(jax.jit(f)(x), want)

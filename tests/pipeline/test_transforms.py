@@ -37,7 +37,7 @@ def _matmul(x, y, *, spelling, backend, interpret=False, seen=None):
 
 
 def _inputs():
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(4727)
     return (jnp.asarray(rng.standard_normal((128, 192)), jnp.bfloat16),
             jnp.asarray(rng.standard_normal((192, 128)), jnp.bfloat16))
 

@@ -122,7 +122,7 @@ def test_gmm_tile_count_is_the_metadata_schedule():
     tm=16: 4 visits, the middle group straddling a tile boundary), on random sizes too."""
     import jax.numpy as jnp
     from conveyor.ops.gmm.metadata import count_visits
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(4731)
     cases = [[10, 10, 12], [0, 16, 0, 5, 0], list(rng.integers(0, 40, size=9))]
     for sizes in cases:
         for tm in (8, 16, 64):
@@ -156,7 +156,7 @@ def test_tgmm_row_blocks_are_the_kernel_schedule():
     kernel loops over (row_block_span, also on traced scalars): every block a group's rows touch."""
     import jax.numpy as jnp
     from conveyor.ops.gmm.metadata import count_row_blocks, row_block_span
-    rng = np.random.default_rng()
+    rng = np.random.default_rng(4732)
     for sizes in ([10, 10, 12], [0, 64, 0, 1, 63], list(rng.integers(0, 100, size=11))):
         for tm in (8, 64):
             want = _brute_force_row_blocks(sizes, tm)

@@ -76,7 +76,7 @@ def _gmm(*args, **kw):
 @pytest.mark.parametrize("sizes", [[0, 70, 0, 100], [60, 90, 0], [150, 20, 30]],
                          ids=["empty-first-and-middle", "empty-last", "all-rows"])
 def test_matches_the_reference_with_existing_out_kept_exactly(sizes):
-    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    rng = np.random.default_rng(4703)
     lhs, rhs = operands(rng, M, K, N, len(sizes), jnp.bfloat16)
     used = sum(sizes)
     lhs = lhs.at[used:].set(jnp.nan)                        # rows no group owns must not leak
@@ -145,7 +145,7 @@ def test_default_tiles_halve_until_they_divide_the_weight(k, n, transpose_rhs, t
 def test_default_tiles_that_halve_match_the_reference(k, n, transpose_rhs):
     """k=48 and n=96 run with tk=16 and tn=32 (32- and 64-byte swizzled rows); a transposed
     n=40 with tn=8. Poisoned existing_out rows outside the groups are kept."""
-    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    rng = np.random.default_rng(4704)
     sizes = skewed_sizes(rng, M, 3, total=M - 5)
     lhs, rhs = operands(rng, M, k, n, 3, jnp.bfloat16, transpose_rhs=transpose_rhs)
     out = _gmm(lhs, rhs, jnp.asarray(sizes), transpose_rhs=transpose_rhs,
@@ -160,7 +160,7 @@ def test_column_split_tiles_match_the_reference(transpose_rhs):
     128 of its columns, and stores its rows in two 64-row parts; two column tiles, walked as one
     band. Empty groups first and in the middle, poisoned rows past the groups kept."""
     n = 512
-    rng = np.random.default_rng(np.random.SeedSequence().entropy)
+    rng = np.random.default_rng(4705)
     sizes = np.asarray([0, 70, 0, M - 5 - 70], np.int32)
     lhs, rhs = operands(rng, M, K, n, 4, jnp.bfloat16, transpose_rhs=transpose_rhs)
     out = _gmm(lhs, rhs, jnp.asarray(sizes), transpose_rhs=transpose_rhs,
