@@ -137,6 +137,14 @@ def test_simulate_png_without_matplotlib_keeps_the_json(capsys, monkeypatch, tmp
     assert not (tmp_path / "t.png").exists()
 
 
+@pytest.mark.parametrize("option", ["--png", "--trace"])
+def test_simulate_output_in_a_missing_folder_is_one_line(capsys, tmp_path, option):
+    target = tmp_path / "missing" / "t.out"
+    code, _, err = _main(capsys, "simulate", "copy", option, str(target))
+    assert code == 2 and f"argument {option}: folder" in err and "does not exist" in err
+    assert err.count("\n") == 1 and not target.parent.exists()
+
+
 def test_simulate_png_and_trace(capsys, tmp_path):
     code, out, _ = _main(capsys, "simulate", "matmul", "--m", "8192", "--k", "8192", "--n", "8192",
                          "--png", str(tmp_path / "t.png"), "--trace", str(tmp_path / "t.json"))

@@ -343,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     sub = subs[args.command]
     if args.command == "demo":
         return _run(lambda: __import__("conveyor.demo", fromlist=["run"]).run(), sub)
+    if args.command == "simulate":
+        for name in ("png", "trace"):
+            path = getattr(args, name)
+            if path is not None and not path.parent.is_dir():
+                sub.error(f"argument --{name}: folder {str(path.parent)!r} does not exist (for {str(path)!r})")
     if args.command == "simulate" and args.tile is not None:
         sub.error(f"argument --tile: renamed --tiling, in cv.gmm's order tm,tk,tn (--tile was bm,bn,bk); "
                   f"got {args.tile!r}")
