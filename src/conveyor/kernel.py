@@ -142,8 +142,9 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         pipelines copy blocks into SMEM with TMA).
       interpret: run a mosaic backend through its Pallas interpreter (True or InterpretParams).
       scratch_shapes: ShapeDtypeStructs of extra on-chip buffers passed after the outputs (VMEM on
-        TPU, SMEM on GPU). Mosaic backends also take their native scratch types as they are
-        (e.g. `pltpu.SemaphoreType.DMA((2,))`, `plgpu.Barrier(...)`).
+        TPU, SMEM on GPU). Mosaic backends also take `cv.SemaphoreType(shape)` (Pallas' REGULAR
+        semaphores, used with `pl.semaphore_signal` / `pl.semaphore_wait`) and their native
+        scratch types as they are (e.g. `pltpu.SemaphoreType.DMA((2,))`, `plgpu.Barrier(...)`).
       num_threads, thread_name: run the body on `num_threads` concurrent threads (GPU warpgroups),
         each seeing its index as `lax.axis_index(thread_name)`; needed by
         `cv.emit_pipeline_warp_specialized`. On xla the threads run one after the other on the
