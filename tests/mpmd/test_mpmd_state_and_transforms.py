@@ -190,6 +190,8 @@ def test_refs_passed_twice_or_aliased_are_refused():
     r = jax.new_ref(jnp.zeros(4))
     with pytest.raises(ValueError, match="inputs 0 and 1 are the same jax Ref"):
         _one(lambda a, b, o: None)(r, r)
+    with pytest.raises(NotImplementedError, match="inputs 0 and 1 are the same jax Ref"):
+        _one(lambda a, b, o: None)(r, r)   # what code written for upstream Pallas catches
     with pytest.raises(ValueError, match="inputs 0 and 1 are the same jax Ref"):
         # Two views of one Ref (under jit: jax 0.11 has no eager Ref.at).
         jax.jit(lambda: _one(lambda a, b, o: None, out=jax.ShapeDtypeStruct((2,), F32))(

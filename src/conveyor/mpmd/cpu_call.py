@@ -56,6 +56,11 @@ def _trace(i, fn, avals, n_fixed, layout, axes, print_jaxpr):
     return jaxpr
 
 
+class RefPassedTwice(ValueError, NotImplementedError):
+    """One jax Ref passed as two inputs. A ValueError (bad input) that `except NotImplementedError`
+    also catches, as upstream Pallas raises NotImplementedError for it."""
+
+
 def check_ref_inputs(in_leaves, aliases) -> list[int]:
     """Positions of the inputs that are jax Refs; each Ref may be passed once and is never aliased."""
     ref_inputs = [i for i, x in enumerate(in_leaves) if is_jax_ref(x)]
@@ -63,7 +68,7 @@ def check_ref_inputs(in_leaves, aliases) -> list[int]:
     for i in ref_inputs:
         base = id(underlying_ref(in_leaves[i]))
         if base in seen:
-            raise ValueError(f"mpmd_map: inputs {seen[base]} and {i} are the same jax Ref (or views of it); pass "
+            raise RefPassedTwice(f"mpmd_map: inputs {seen[base]} and {i} are the same jax Ref (or views of it); pass "
                              f"it once: the programs read and write a Ref in place")
         seen[base] = i
         if i in aliases:
