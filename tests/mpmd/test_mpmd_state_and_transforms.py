@@ -184,6 +184,10 @@ def test_a_program_error_keeps_its_type_and_names_the_instance():
     with pytest.raises(IndexError, match="out of bounds"):
         with cv.mpmd_errors():
             jax.jit(_one(writes_past_the_end))(jnp.zeros(4))
+    # Without mpmd_errors, the runtime error XLA raises names the instance in its text too.
+    with pytest.raises(jax.errors.JaxRuntimeError,
+                       match=r"out of bounds[\s\S]*raised by program 0 \('writes_past_the_end'\) at c=0"):
+        jax.jit(_one(writes_past_the_end))(jnp.zeros(4))
 
 
 def test_refs_passed_twice_or_aliased_are_refused():

@@ -33,7 +33,8 @@ def marked(e: BaseException) -> ProgramsFailed:
         while len(_failures) > _KEPT:
             _failures.popitem(last=False)
         token = _counter
-    return ProgramsFailed(f"[{MARK}{token}] {type(e).__name__}: {e}\n(wrap the jitted call in "
+    notes = "".join(f"\n{note}" for note in getattr(e, "__notes__", ()))  # who raised it
+    return ProgramsFailed(f"[{MARK}{token}] {type(e).__name__}: {e}{notes}\n(wrap the jitted call in "
                           f"`with cv.mpmd_errors():` to receive this error as {type(e).__name__})")
 
 
