@@ -136,6 +136,18 @@ def _with_scratches(body: Callable[..., Any], scratches: Sequence[Any], n_operan
     return with_scratches
 
 
+def _check_onchip_spaces(in_specs, out_specs, backend: str) -> None:
+    """A spec's `memory_space` naming one Mosaic backend's on-chip memory is refused on the other
+    (xla, which emulates both, takes either)."""
+    for side, specs in (("in", in_specs), ("out", out_specs)):
+        flat, names, _ = plan_lib.flatten_specs(specs, side)
+        for spec, name in zip(flat, names):
+            wanted = plan_lib.onchip_backend(getattr(spec, "memory_space", None))
+            if wanted not in (None, backend) and backend != "xla":
+                raise ValueError(f"{name}: memory_space={spec.memory_space!r} is {wanted}'s on-chip memory; "
+                                 f"this pipeline runs on {backend}: name its space or leave it unset")
+
+
 def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Sequence[Any] = (),
                   out_specs: Sequence[Any] = (), max_concurrent_steps: int = 1, delay_release: int = 0,
                   init_carry: Any = None, no_pipelining: bool = False,
@@ -192,6 +204,7 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
 
     def prepare(refs, api: str):
         ctx = current_context(api)
+        _check_onchip_spaces(in_specs, out_specs, ctx.backend)
         cores = _core_info(core_axis, core_axis_name, ctx)
         p = whole if cores is None else whole.for_core(cores[1], cores[0])
         p, ins, outs, passthrough = _split_refs(p, refs, "pipeline")
@@ -369,6 +382,7 @@ def emit_pipeline_warp_specialized(
 
     def prepare(refs, api: str):
         ctx = current_context(api)
+        _check_onchip_spaces(in_specs, out_specs, ctx.backend)
         if ctx.backend == "mosaic_tpu":
             raise NotImplementedError("emit_pipeline_warp_specialized: not available on mosaic_tpu (a TPU core has "
                                       "no warpgroups; its DMA engine already overlaps copies with compute): use "

@@ -144,8 +144,10 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
     (the operand's slot count, see `plan`; an input's lookahead and the blocks its caller already
     put in its slots, see `conveyor.plans.fetch`),
     `oob_fill_mode` ZEROS (the out-of-bounds rule every backend follows), `transforms` (see
-    `OperandPlan`). Refused: `memory_space` (blocks always go to the backend's on-chip memory),
-    `collective_axes`, other Buffered options, and any field this version does not know."""
+    `OperandPlan`), `memory_space` naming a backend's on-chip memory (`pltpu.VMEM`, `plgpu.SMEM`:
+    where blocks go anyway; the pipeline refuses the other backend's space). Refused: any other
+    `memory_space`, `collective_axes`, other Buffered options, and any field this version does not
+    know."""
     if isinstance(spec, BlockSpec):
         return PallasOptions(transforms=tuple(spec.transforms))
     if not dataclasses.is_dataclass(spec):
@@ -170,13 +172,27 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
         elif field.name == "transforms":
             transforms = tuple(value)
         elif field.name == "memory_space":
-            raise ValueError(f"{where} is not supported: Conveyor pipelines copy every block into the backend's "
-                             f"on-chip memory (VMEM on TPU, SMEM on GPU); leave memory_space unset")
+            if onchip_backend(value) is None:
+                raise ValueError(f"{where} is not supported: Conveyor pipelines copy every block into the "
+                                 f"backend's on-chip memory (pltpu.VMEM on TPU, plgpu.SMEM on GPU); name that "
+                                 f"space or leave memory_space unset")
         else:
             raise ValueError(f"{where} is not supported by Conveyor pipelines (it would be ignored); "
                              f"leave it unset")
     return PallasOptions(delay_release=delay, buffer_count=count, use_lookahead=lookahead,
                          prefetched_count=prefetched, transforms=transforms)
+
+
+def onchip_backend(memory_space: Any) -> str | None:
+    """The Mosaic backend whose on-chip memory `memory_space` names (`pltpu.VMEM`: mosaic_tpu,
+    `plgpu.SMEM`: mosaic_gpu), or None."""
+    from jax.experimental.pallas import tpu as pltpu
+    if memory_space is pltpu.VMEM:
+        return "mosaic_tpu"
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    if memory_space is plgpu.SMEM:
+        return "mosaic_gpu"
+    return None
 
 
 def _buffering(mode: Any, where: str, is_input: bool) -> tuple[int, bool, int]:
