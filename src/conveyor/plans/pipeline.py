@@ -143,7 +143,8 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
     is never less safe), `pipeline_mode=pl.Buffered(n, use_lookahead=..., prefetched_count=...)`
     (the operand's slot count, see `plan`; an input's lookahead and the blocks its caller already
     put in its slots, see `conveyor.plans.fetch`),
-    `oob_fill_mode` ZEROS (the out-of-bounds rule every backend follows), `transforms` (see
+    `oob_fill_mode` ZEROS (the out-of-bounds rule every backend follows; PROMISE_IN_BOUNDS and
+    UNDEFINED leave out-of-bounds values to Conveyor, whose zeros satisfy both), `transforms` (see
     `OperandPlan`), `memory_space` naming a backend's on-chip memory (`pltpu.VMEM`, `plgpu.SMEM`:
     where blocks go anyway; the pipeline refuses the other backend's space). Refused: any other
     `memory_space`, `collective_axes`, other Buffered options, and any field this version does not
@@ -167,7 +168,7 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
             delay = value
         elif field.name == "pipeline_mode":
             count, lookahead, prefetched = _buffering(value, where, is_input)
-        elif field.name == "oob_fill_mode" and getattr(value, "name", None) == "ZEROS":
+        elif field.name == "oob_fill_mode" and getattr(value, "name", None) in _OOB_MODES:
             continue
         elif field.name == "transforms":
             transforms = tuple(value)
@@ -181,6 +182,11 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
                              f"leave it unset")
     return PallasOptions(delay_release=delay, buffer_count=count, use_lookahead=lookahead,
                          prefetched_count=prefetched, transforms=transforms)
+
+
+# plgpu.OOBFillMode values the zero rule honours: ZEROS is it, PROMISE_IN_BOUNDS promises no
+# out-of-bounds block, UNDEFINED leaves the padding unspecified.
+_OOB_MODES = ("ZEROS", "PROMISE_IN_BOUNDS", "UNDEFINED")
 
 
 def onchip_backend(memory_space: Any) -> str | None:
