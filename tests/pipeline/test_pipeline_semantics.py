@@ -72,9 +72,7 @@ def _imap(i):
 
 
 @pytest.mark.parametrize("spec, match", [
-    (pl.BlockSpec(BLOCK, _imap, memory_space=pltpu.VMEM), "memory_space"),
-    (pl.BlockSpec(BLOCK, lambda i: (0, 0), pipeline_mode=pl.Buffered(2)),
-     r"in\[0\]: pipeline_mode=Buffered\(2\) is not supported for this index-invariant input"),
+    (pl.BlockSpec(BLOCK, _imap, memory_space=pltpu.SMEM), "memory_space"),  # TPU scalar memory
     (plgpu.BlockSpec(BLOCK, _imap, collective_axes=("x",)), "collective_axes"),
 ])
 def test_unsupported_blockspec_fields_are_refused_by_name(spec, match):
@@ -94,6 +92,14 @@ def test_honoured_blockspec_fields():
     assert (p.delay_release, p.lookahead) == (1, 2)
     with pytest.raises(ValueError, match="greater than delay_release=2"):
         cv.pipeline.plan(grid=(4,), in_specs=[plgpu.BlockSpec(BLOCK, _imap, delay_release=2)], max_concurrent_steps=2)
+    # An invariant input is fetched once: Buffered(2) asks for a slot it would never use, and gets 1.
+    p = cv.pipeline.plan(grid=(4,), in_specs=[pl.BlockSpec(BLOCK, lambda i: (0, 0), pipeline_mode=pl.Buffered(2))],
+                         max_concurrent_steps=2)
+    assert p.inputs[0].num_slots == 1
+    with pytest.raises(ValueError, match=r"in\[0\]: prefetched_count=2 but this index-invariant input is "
+                                         r"fetched once into 1 slot"):
+        cv.pipeline.plan(grid=(4,), in_specs=[pl.BlockSpec(BLOCK, lambda i: (0, 0),
+                                                            pipeline_mode=pl.Buffered(2, prefetched_count=2))])
     # Buffered(n) matching the plan's slots: n = max_concurrent_steps, 1 for an invariant operand.
     p = cv.pipeline.plan(grid=(4,), in_specs=[pl.BlockSpec(BLOCK, _imap, pipeline_mode=pl.Buffered(2)),
                                               pl.BlockSpec(BLOCK, lambda i: (0, 0), pipeline_mode=pl.Buffered(1))],

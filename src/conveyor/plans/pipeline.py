@@ -709,12 +709,15 @@ def _is_invariant(index_map: Callable, grid: tuple[int, ...], name: str, rank: i
 
 def _slot_count(name: str, is_input: bool, invariant: bool, count: int | None, max_concurrent_steps: int,
                 delay_release: int, no_pipelining: bool) -> int:
-    """An operand's slots: 1 when index-invariant or under no_pipelining; else its own
+    """An operand's slots: 1 when index-invariant (fetched once: a `pl.Buffered(n)` asks for slots
+    it would never use, as upstream accepts) or under no_pipelining; else its own
     `pl.Buffered(count)` when given and workable (an input needs count > delay_release, an output
     takes 1 or 2); else max_concurrent_steps for an input, 2 for an output. A count the plan
     cannot give is a ValueError naming the operand and the rule."""
-    if invariant or no_pipelining:
-        slots, rule = 1, "invariant operands are fetched once" if invariant else "no_pipelining gives every operand one slot"
+    if invariant:
+        return 1
+    if no_pipelining:
+        slots, rule = 1, "no_pipelining gives every operand one slot"
     elif count is None:
         return max_concurrent_steps if is_input else 2
     elif count > delay_release if is_input else count in (1, 2):
@@ -725,7 +728,7 @@ def _slot_count(name: str, is_input: bool, invariant: bool, count: int | None, m
                 if is_input else "an output takes 1 or 2")
     if count is not None and count != slots:
         raise ValueError(f"{name}: pipeline_mode=Buffered({count}) is not supported for this "
-                         f"{'index-invariant ' if invariant else ''}{'input' if is_input else 'output'} ({rule}); "
+                         f"{'input' if is_input else 'output'} ({rule}); "
                          f"it gets {slots} slot(s): drop pipeline_mode or change the count")
     return slots
 
@@ -828,6 +831,9 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
             inv = whole or _is_invariant(bs.index_map, grid, name, len(bs.block_shape), bounded, sizes)
             slots = _slot_count(name, is_input, inv, opts.buffer_count, max_concurrent_steps, delay_release,
                                 no_pipelining)
+            if opts.prefetched_count > slots:  # an invariant input's single slot
+                raise ValueError(f"{name}: prefetched_count={opts.prefetched_count} but this index-invariant "
+                                 f"input is fetched once into {slots} slot: at most {slots} can be prefetched")
             ops.append(OperandPlan(name, is_input, sizes, bs.index_map, inv, slots, opts.transforms,
                                    element_dims=elements, bounded_dims=bounded, whole_array=whole,
                                    fetch_rule=_fetch_rule(name, opts, reuse_unchanged_blocks),
