@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conveyor._compat import gpu_interpreter_multi_device_fix, gpu_kernel_options
 from conveyor.aliasing import check_alias_operands, gpu_call_with_aliases
-from conveyor.sync import SemaphoreType
+from conveyor.sync import mosaic_scratch
 
 
 def _interpret(interpret):
@@ -37,16 +36,6 @@ def smem_bytes(buffers) -> int:
     return total
 
 
-def _gpu_scratch(s):
-    """A cv.kernel scratch entry as Mosaic GPU takes it: arrays in SMEM, Conveyor's counting
-    semaphores as Pallas' REGULAR ones, native Pallas types as they are."""
-    if isinstance(s, jax.ShapeDtypeStruct):
-        return plgpu.SMEM(s.shape, s.dtype)
-    if isinstance(s, SemaphoreType):
-        return plgpu.SemaphoreType.REGULAR(tuple(s.shape))
-    return s
-
-
 def launch(body, outs, scratch, single, interpret, enter_context, num_threads=1, thread_name=None, grid=(),
            grid_names=(), aliases=None, cost_estimate=None):
     aliases = aliases or {}
@@ -57,7 +46,7 @@ def launch(body, outs, scratch, single, interpret, enter_context, num_threads=1,
 
     def make_kernel(kernel_body, out_type):
         return plgpu.kernel(kernel_body, out_type=out_type,
-                            scratch_types=[_gpu_scratch(s)
+                            scratch_types=[mosaic_scratch(s, plgpu.SMEM, plgpu.SemaphoreType.REGULAR)
                                            for s in scratch],
                             interpret=_interpret(interpret),
                             **gpu_kernel_options(cost_estimate=cost_estimate),

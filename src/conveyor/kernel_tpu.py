@@ -17,7 +17,7 @@ from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from conveyor._compat import out_struct
 from conveyor.aliasing import check_alias_operands
-from conveyor.sync import SemaphoreType
+from conveyor.sync import mosaic_scratch
 
 
 def _interpret(interpret):
@@ -40,16 +40,6 @@ def _tpu_mesh():
                                                        abstract_device=tpu))
 
 
-def _tpu_scratch(s):
-    """A cv.kernel scratch entry as Pallas TPU takes it: arrays in VMEM, Conveyor's counting
-    semaphores as Pallas' REGULAR ones, native Pallas types as they are."""
-    if isinstance(s, jax.ShapeDtypeStruct):
-        return pltpu.VMEM(s.shape, s.dtype)
-    if isinstance(s, SemaphoreType):
-        return pltpu.SemaphoreType.REGULAR(tuple(s.shape))
-    return s
-
-
 def launch(body, outs, scratch, single, interpret, enter_context, grid=(), dimension_semantics=None, aliases=None,
            cost_estimate=None):
     def run(*inputs):
@@ -67,7 +57,7 @@ def launch(body, outs, scratch, single, interpret, enter_context, grid=(), dimen
             out_shape=tuple(out_struct(s.shape, s.dtype, *inputs) for s in outs),
             in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * n_in,
             out_specs=tuple(pl.BlockSpec(memory_space=pl.ANY) for _ in outs),
-            scratch_shapes=[_tpu_scratch(s) for s in scratch],
+            scratch_shapes=[mosaic_scratch(s, pltpu.VMEM, pltpu.SemaphoreType.REGULAR) for s in scratch],
             interpret=_interpret(interpret),
             grid=grid,
             compiler_params=(pltpu.CompilerParams(dimension_semantics=dimension_semantics)

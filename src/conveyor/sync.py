@@ -56,6 +56,17 @@ class SemaphoreType:
     shape: tuple[int, ...] = ()
 
 
+def mosaic_scratch(s, onchip, regular_semaphore):
+    """A kernel scratch entry as a Mosaic backend takes it: a ShapeDtypeStruct as
+    `onchip(shape, dtype)` (VMEM, SMEM), a `SemaphoreType` as `regular_semaphore(shape)`, native
+    Pallas types as they are."""
+    if isinstance(s, jax.ShapeDtypeStruct):
+        return onchip(s.shape, s.dtype)
+    if isinstance(s, SemaphoreType):
+        return regular_semaphore(tuple(s.shape))
+    return s
+
+
 @dataclasses.dataclass(frozen=True)
 class BarrierType:
     """Scratch shape for a barrier across every instance of every program of one mpmd_map call."""
