@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from jax.experimental import pallas as pl
+
+
+def shape_bytes(shape, dtype) -> int:
+    """Bytes of an array of `shape` and `dtype`."""
+    return math.prod(shape) * np.dtype(dtype).itemsize
 
 
 def nbytes(*arrays) -> int:
     """Bytes of arrays (anything with .shape and .dtype)."""
-    return sum(math.prod(a.shape) * a.dtype.itemsize for a in arrays)
+    return sum(shape_bytes(a.shape, a.dtype) for a in arrays)
 
 
 def matmul_cost(m: int, k: int, n: int, *arrays) -> pl.CostEstimate:

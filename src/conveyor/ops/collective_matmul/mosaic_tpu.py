@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Callable
 
 import jax
@@ -29,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from conveyor._compat import out_struct
-from conveyor.cost import matmul_cost, nbytes
+from conveyor.cost import matmul_cost, nbytes, shape_bytes
 from conveyor.pipeline.lowering import issued
 from conveyor.plans.ring import ENABLED_BY, RingPlan
 from conveyor.tpu_vmem import vmem_limit
@@ -174,15 +173,12 @@ def _vmem_bytes(args, in_specs, out_spec, scratch, product) -> tuple[int, int]:
     (the shape of a step's dot); at or above the compiled kernels' scoped VMEM in every case
     measured on v5e, v6e and v5p (docs/compile-check.md). Peak adds one more output block (the
     value being stored)."""
-    def nbytes(shape, dtype):
-        return math.prod(shape) * jnp.dtype(dtype).itemsize
-
-    slots = sum(nbytes(s.shape, s.dtype) for s in scratch
+    slots = sum(shape_bytes(s.shape, s.dtype) for s in scratch
                 if isinstance(s.dtype, np.dtype))  # semaphores have no numpy dtype
-    blocks = sum(nbytes(spec.block_shape, a.dtype) for a, spec in zip(args, in_specs)
+    blocks = sum(shape_bytes(spec.block_shape, a.dtype) for a, spec in zip(args, in_specs)
                  if spec.block_shape is not None)
-    out = nbytes(out_spec.block_shape, jnp.float32)
-    working = slots + 2 * blocks + out + nbytes(product, jnp.float32)
+    out = shape_bytes(out_spec.block_shape, jnp.float32)
+    working = slots + 2 * blocks + out + shape_bytes(product, jnp.float32)
     return working, working + out
 
 

@@ -11,7 +11,6 @@ On CPU it runs through the Pallas TPU interpreter (`interpret=True` or a `pltpu.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +18,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from conveyor.cost import matmul_cost
+from conveyor.cost import matmul_cost, shape_bytes
 from conveyor.tpu_vmem import vmem_limit
 from conveyor.ops.gmm.metadata import make_group_metadata
 
@@ -113,12 +112,9 @@ def _vmem_limit(op: str, lhs_block, rhs_block, out_block, cdt, out_dtype) -> int
     3.5 MiB tgmm on v5e). Peak adds two float32 products of the output block's shape (the dot's
     value and the sum), which larger tilings need (docs/compile-check.md). A tiling whose
     working set is over the chip's VMEM is refused naming the bytes (`tpu_vmem.vmem_limit`)."""
-    def nbytes(shape, dtype):
-        return math.prod(shape) * jnp.dtype(dtype).itemsize
-
-    inputs = nbytes(lhs_block, cdt) + nbytes(rhs_block, cdt) + nbytes(out_block, out_dtype)
-    product = nbytes(out_block, jnp.float32)
-    working = 2 * inputs + 2 * nbytes(out_block, out_dtype) + product
+    inputs = shape_bytes(lhs_block, cdt) + shape_bytes(rhs_block, cdt) + shape_bytes(out_block, out_dtype)
+    product = shape_bytes(out_block, jnp.float32)
+    working = 2 * inputs + 2 * shape_bytes(out_block, out_dtype) + product
     return vmem_limit(f"{op}", working=working, peak=working + 2 * product,
                       remedy=f"pass a smaller tiling (its blocks: lhs {tuple(lhs_block)}, rhs "
                              f"{tuple(rhs_block)}, out {tuple(out_block)})")
