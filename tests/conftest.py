@@ -11,18 +11,13 @@ if os.environ.get("CONVEYOR_TEST_PLATFORM", "cpu") == "cpu":  # `make gpu-check`
 import hypothesis  # noqa: E402
 import pytest  # noqa: E402
 
-from conveyor import _compat  # noqa: E402
+from conveyor import testing  # noqa: E402
 
-# A race found by a Pallas interpreter fails the run on every supported jax (jax 0.11 only prints it).
-_compat.interpreter_races_raise()
-# A DMA semaphore left non-zero at a TPU kernel's exit (a copy never awaited) fails the test.
-_compat.record_interpreter_semaphore_leaks()
-# An interpreter wait that nothing will satisfy fails its test with the semaphore (TPU) or barrier
-# (GPU) it waits on, instead of hanging until the test timeout aborts the whole run (legitimate
-# waits take seconds).
-_compat.interpreter_wait_deadline(60)
-# jax 0.11 only: the TPU interpreter's callbacks can deadlock against async dispatch (see _compat).
-_compat.avoid_interpreter_dispatch_deadlock()
+# A race found by a Pallas interpreter fails the run on every supported jax (jax 0.11 only prints
+# it); a semaphore left non-zero at a TPU kernel's exit (a copy never awaited) is recorded.
+# Every interpreted kernel Conveyor launches already has a wait deadline (60 s by default), so a
+# deadlocked kernel fails its test instead of hanging the run.
+testing.enable_interpreter_checks()
 
 # Derandomized so CI is repeatable; small example counts keep the suite fast.
 hypothesis.settings.register_profile("ci", derandomize=True, max_examples=12, deadline=None,
@@ -33,10 +28,9 @@ hypothesis.settings.load_profile("ci")
 @pytest.fixture(autouse=True)
 def _fresh_interpreter_state():
     """Each test starts with fresh Pallas interpreter state (a kernel that raised leaves its own)."""
-    _compat.take_interpreter_semaphore_leaks()
+    testing.take_semaphore_leaks()
     yield
-    _compat.reset_interpreter_state()
-    leaks = _compat.take_interpreter_semaphore_leaks()
+    leaks = testing.finish_test()
     if leaks:
         pytest.fail("the TPU interpreter found semaphores left non-zero at kernel exit (a DMA started and never "
                     "awaited fails on a TPU): " + "; ".join(leaks[:3]))

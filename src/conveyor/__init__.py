@@ -5,6 +5,8 @@
 """
 from conveyor import moe, pipeline, sim
 from conveyor.dot import dot
+from conveyor.interpreters import InterpreterDeadlock
+from conveyor.interpreters import set_wait_deadline as set_interpreter_wait_deadline
 from conveyor.kernel import kernel, program_id
 from conveyor.ops.collective_matmul import all_gather_matmul, matmul_reduce_scatter
 from conveyor.ops.gmm import GroupMetadata, gmm, make_group_metadata, ragged_dot, tgmm
@@ -17,4 +19,5 @@ __version__ = "0.1.0"
 __all__ = ["dot", "gmm", "tgmm", "ragged_dot", "make_group_metadata", "GroupMetadata", "kernel", "program_id", "emit_pipeline",
            "emit_pipeline_warp_specialized", "BlockSpec", "pipeline", "sim", "moe", "all_gather_matmul",
            "matmul_reduce_scatter", "mpmd_map", "Mesh", "MpmdDeadlock", "mpmd_errors", "SemaphoreType", "BarrierType",
-           "semaphore_signal", "semaphore_wait", "barrier_wait", "barrier_arrive", "wait_produced", "fence", "__version__"]
+           "semaphore_signal", "semaphore_wait", "barrier_wait", "barrier_arrive", "wait_produced", "fence",
+           "InterpreterDeadlock", "set_interpreter_wait_deadline", "__version__"]

@@ -22,9 +22,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from conveyor import backends
-from conveyor._compat import call_as_thread, per_device_call, run_state
 from conveyor.aliasing import check_alias_operands, check_aliases
+from conveyor.jaxprs import call_as_thread, run_state
 from conveyor.plans.grid import normalize_semantics, unravel
+from conveyor.spmd import per_device_call
 
 AVAILABLE = ("xla", "mosaic_tpu", "mosaic_gpu")
 

@@ -10,16 +10,10 @@ import math
 import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from conveyor._compat import gpu_interpreter_multi_device_fix, gpu_kernel_options
+from conveyor._compat import gpu_kernel_options
 from conveyor.aliasing import check_alias_operands, gpu_call_with_aliases
+from conveyor.interpreters import gpu_params
 from conveyor.sync import mosaic_scratch
-
-
-def _interpret(interpret):
-    if not interpret:
-        return None
-    gpu_interpreter_multi_device_fix()  # a kernel inside shard_map runs on several devices at once
-    return plgpu.InterpretGPUParams() if interpret is True else interpret
 
 
 BARRIER_BYTES = 8
@@ -48,7 +42,7 @@ def launch(body, outs, scratch, single, interpret, enter_context, num_threads=1,
         return plgpu.kernel(kernel_body, out_type=out_type,
                             scratch_types=[mosaic_scratch(s, plgpu.SMEM, plgpu.SemaphoreType.REGULAR)
                                            for s in scratch],
-                            interpret=_interpret(interpret),
+                            interpret=gpu_params(interpret),
                             **gpu_kernel_options(cost_estimate=cost_estimate),
                             **({"num_threads": num_threads, "thread_name": thread_name} if thread_name is not None
                                else {}),

@@ -15,15 +15,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from conveyor._compat import out_struct
 from conveyor.aliasing import check_alias_operands
+from conveyor.interpreters import tpu_params
+from conveyor.spmd import out_struct
 from conveyor.sync import mosaic_scratch
-
-
-def _interpret(interpret):
-    if not interpret:
-        return False
-    return pltpu.InterpretParams() if interpret is True else interpret
 
 
 def _tpu_mesh():
@@ -58,7 +53,7 @@ def launch(body, outs, scratch, single, interpret, enter_context, grid=(), dimen
             in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * n_in,
             out_specs=tuple(pl.BlockSpec(memory_space=pl.ANY) for _ in outs),
             scratch_shapes=[mosaic_scratch(s, pltpu.VMEM, pltpu.SemaphoreType.REGULAR) for s in scratch],
-            interpret=_interpret(interpret),
+            interpret=tpu_params(interpret),
             grid=grid,
             compiler_params=(pltpu.CompilerParams(dimension_semantics=dimension_semantics)
                              if dimension_semantics else None),

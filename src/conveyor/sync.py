@@ -77,7 +77,8 @@ SYNC_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("conve
 
 
 def _primitive(name):
-    from conveyor._compat import Primitive, write_effect
+    from conveyor._compat import Primitive
+    from conveyor.jaxprs import write_effect
     p = Primitive(name)
     p.multiple_results = True
     p.def_effectful_abstract_eval(lambda *avals, **params: ([], {write_effect(0)}))
@@ -102,7 +103,7 @@ def semaphore_signal(sem, inc: int | jax.Array = 1) -> None:
     if backend != "cpu":
         from jax.experimental import pallas as pl
         return pl.semaphore_signal(sem, inc)
-    from conveyor._compat import ref_and_transforms
+    from conveyor.jaxprs import ref_and_transforms
     ref, leaves, tree = ref_and_transforms(sem, "cv.semaphore_signal")
     semaphore_signal_p.bind(ref, jnp.asarray(inc, jnp.int32), *leaves, tree=tree)
 
@@ -114,7 +115,7 @@ def semaphore_wait(sem, value: int | jax.Array = 1) -> None:
     if backend != "cpu":
         from jax.experimental import pallas as pl
         return pl.semaphore_wait(sem, value)
-    from conveyor._compat import ref_and_transforms
+    from conveyor.jaxprs import ref_and_transforms
     ref, leaves, tree = ref_and_transforms(sem, "cv.semaphore_wait")
     semaphore_wait_p.bind(ref, jnp.asarray(value, jnp.int32), *leaves, tree=tree)
 

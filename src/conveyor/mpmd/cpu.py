@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from conveyor._compat import ndindexer_parts, state_primitives
+from conveyor.jaxprs import ndindexer_parts, state_primitives
 from conveyor.kernel import poison_numpy
 from conveyor.sync import barrier_p, semaphore_signal_p, semaphore_wait_p
 

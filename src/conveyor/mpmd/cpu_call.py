@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conveyor._compat import is_jax_ref, trace_ref_program, underlying_ref
+from conveyor.jaxprs import is_jax_ref, trace_ref_program, underlying_ref
 from conveyor.kernel import poison_numpy
 from conveyor.mpmd import cpu, errors
 from conveyor.mpmd.programs import call_program, program_label

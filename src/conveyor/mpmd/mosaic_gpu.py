@@ -18,7 +18,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from conveyor._compat import call_with_axis_values, gpu_kernel_options, is_jax_ref
+from conveyor._compat import gpu_kernel_options
+from conveyor.interpreters import gpu_params
+
+from conveyor.jaxprs import call_with_axis_values, is_jax_ref
 from conveyor.aliasing import gpu_call_with_aliases
 from conveyor.mpmd.programs import call_program
 from conveyor.mpmd.scratch import ScratchLayout
@@ -74,7 +77,7 @@ def build(programs, axes, out_leaves, layout: ScratchLayout, aliases, interpret,
         def make_kernel(kernel_body, out_type):
             return plgpu.kernel(kernel_body, out_type=out_type, scratch_types=scratch_types, num_threads=total,
                                 thread_name=THREAD_AXIS, **gpu_kernel_options(cost_estimate=cost_estimate, kernel_name=name),
-                                interpret=(plgpu.InterpretGPUParams() if interpret is True else interpret) or None)
+                                interpret=gpu_params(interpret))
 
         return gpu_call_with_aliases(make_kernel, body, inputs, out_leaves, aliases)
 

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from conveyor._compat import pallas_scratch_kind
+from conveyor.jaxprs import pallas_scratch_kind
 from conveyor.sync import BarrierType, SemaphoreType
 
 Scratch = jax.ShapeDtypeStruct | SemaphoreType | BarrierType

@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from conveyor._compat import is_jax_ref
+from conveyor.jaxprs import is_jax_ref
 from conveyor.kernel import current_context
 from conveyor.kernel_gpu import BARRIER_BYTES, smem_bytes
 from conveyor.pipeline import carry as carry_lib

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from conveyor._compat import call_as_thread, is_jax_ref
+from conveyor.jaxprs import call_as_thread, is_jax_ref
 from conveyor.kernel import poison
 from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.lowering import block_in_bounds, bool_setting, call_body, when

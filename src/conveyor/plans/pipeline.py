@@ -30,7 +30,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from conveyor._compat import args_reaching_outputs
+from conveyor.jaxprs import args_reaching_outputs
 from conveyor.plans import fetch as fetch_lib
 from conveyor.plans.grid import ARBITRARY, Int, normalize_semantics, partition_grid, unravel
 from conveyor.plans.program import Action, check_in_flight_steps, Compute, Copy, Program, Read, Wait, Write, program

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from conveyor import backends
-from conveyor._compat import varying_axes
+from conveyor.spmd import varying_axes
 from conveyor.ops.collective_matmul import reference, xla
 from conveyor.plans.ring import RingPlan, ring_plan
 

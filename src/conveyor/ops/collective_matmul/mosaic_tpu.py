@@ -27,7 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from conveyor._compat import out_struct
+from conveyor.interpreters import tpu_params
+from conveyor.spmd import out_struct
 from conveyor.cost import matmul_cost, nbytes, shape_bytes
 from conveyor.pipeline.lowering import issued
 from conveyor.plans.ring import ENABLED_BY, RingPlan
@@ -205,7 +206,7 @@ def _kernel_call(kernel, plan: RingPlan, *, axis, name, args, in_specs, out_shap
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), has_side_effects=True,
                                              vmem_limit_bytes=limit),
         cost_estimate=cost,
-        interpret=(pltpu.InterpretParams() if interpret is True else interpret) if interpret else False,
+        interpret=tpu_params(interpret),
         name=name)
     return call(me, table, *args)
 

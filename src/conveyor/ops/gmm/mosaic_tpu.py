@@ -19,6 +19,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from conveyor.cost import matmul_cost, shape_bytes
+from conveyor.interpreters import tpu_params
 from conveyor.tpu_vmem import vmem_limit
 from conveyor.ops.gmm.metadata import make_group_metadata
 
@@ -47,12 +48,6 @@ def check_tiles(sizes: dict[str, int], tiles: dict[str, int], sublane: str, dtyp
                              f"{jnp.dtype(dtype).name} (or >= {name}={full}), got t{name}={t}")
         out[name] = t
     return out
-
-
-def _interpret(interpret):
-    if interpret is None or interpret is False:
-        return False
-    return pltpu.InterpretParams() if interpret is True else interpret
 
 
 def _compute_dtype(*dts):
@@ -167,7 +162,7 @@ def gmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=_vmem_limit("gmm", (tm, tk), rhs_block[1:], (tm, tn), cdt, out_dtype)),
         cost_estimate=matmul_cost(m, k, n, lhs, rhs, existing_out),
-        interpret=_interpret(interpret),
+        interpret=tpu_params(interpret),
         name="conveyor_gmm")
     out = call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
                lhs, rhs, existing_out)
@@ -244,7 +239,7 @@ def tgmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=_vmem_limit("tgmm", (tk, tm), (tm, tn), (tk, tn), cdt, out_dtype)),
         cost_estimate=matmul_cost(k, m, n, lhs, rhs, existing_out),
-        interpret=_interpret(interpret),
+        interpret=tpu_params(interpret),
         name="conveyor_tgmm")
     out = call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
                lhs, rhs, existing_out)

@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from conveyor._compat import Primitive, Zero, ad, batching, is_undefined_primal, match_varying, per_device_tracing, \
-    register_lowering_from_function, requires_devices_during_lowering, with_explicit_spec, \
-    explicit_axes_spec, without_internal_ref_effects
+from conveyor._compat import Primitive, Zero, ad, batching, is_undefined_primal
+
+from conveyor.spmd import (explicit_axes_spec, match_varying, per_device_tracing, register_lowering_from_function,
+                           requires_devices_during_lowering, with_explicit_spec, without_internal_ref_effects)
 from conveyor.ops.gmm import backend_impls, partitioning
 from conveyor.ops.gmm.metadata import local_row_mask
 
@@ -65,7 +66,7 @@ requires_devices_during_lowering(tgmm_p)
 def _effects(impl, avals, params):
     """Effects of the backend's implementation (the Pallas interpreter's callbacks are ordered IO)."""
     fn = functools.partial(impl, **dict(params))
-    with per_device_tracing():  # as the lowering traces it (see _compat.register_lowering_from_function)
+    with per_device_tracing():  # as the lowering traces it (see spmd.register_lowering_from_function)
         effects = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]).effects
     return without_internal_ref_effects(effects)
 
@@ -89,7 +90,7 @@ tgmm_p.def_effectful_abstract_eval(_abstract(_tgmm_impl, partitioning.tgmm_out_s
 
 
 def bind_gmm(lhs, rhs, group_sizes, group_offset, existing_out, **params):
-    """gmm_p on operands cast to vary over the same mesh axes (see `_compat.match_varying`)."""
+    """gmm_p on operands cast to vary over the same mesh axes (see `spmd.match_varying`)."""
     return gmm_p.bind(*match_varying(lhs, rhs, group_sizes, group_offset, existing_out), **params)
 
 
