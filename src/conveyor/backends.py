@@ -1,46 +1,103 @@
-"""Backend names and the per-platform default choice."""
+"""Which implementation runs an op: one registry per op, and each platform's default order.
+
+An op's `backend=` names an implementation ("xla", "mosaic_tpu", "mosaic_gpu", "reference").
+`backend=None` takes the first implementation in the platform's default order whose `check`
+accepts the arguments; ops with a primitive (gmm, tgmm) decide when they are lowered, for the
+platform they are lowered for, so `jax.export(..., platforms=["tpu"])` on a CPU host gets the TPU
+kernel. A kernel is in a platform's default order only when its verification covers what can go
+wrong on that hardware:
+
+- tpu: mosaic_tpu (the Pallas TPU interpreter with race detection in both DMA modes, and the real
+  Mosaic TPU compile for v5e/v6e/v5p in `make compile-check`), then xla.
+- cuda: xla. The mosaic_gpu kernels pass the Mosaic GPU interpreter and the real compile for H100,
+  but the interpreter runs wgmma synchronously and cannot see a refill racing a wgmma still in
+  flight. They join CUDA's default order once `make gpu-check` passes on a real GPU with its log
+  committed; until then pass `backend="mosaic_gpu"` to run them.
+- cpu, rocm: xla.
+"""
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
 
 import jax
 
 BACKENDS = ("xla", "mosaic_tpu", "mosaic_gpu", "reference")
 
+PLATFORM_DEFAULTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "tpu": ("mosaic_tpu", "xla"),
+    "cuda": ("xla",),
+    "rocm": ("xla",),
+    "cpu": ("xla",),
+})
 
-def default_backend(available: tuple[str, ...]) -> str:
-    """The backend `backend=None` picks on this process's default platform (see `for_platform`)."""
-    platform = jax.default_backend()
-    return for_platform("cuda" if platform == "gpu" else platform, available)
-
-
-# `backend=None` on ops that choose per lowering platform: the choice is made when the op is
-# lowered, for the platform it is lowered for (so `jax.export(..., platforms=["tpu"])` from a CPU
-# host gets the TPU kernel), not for the process's default device.
+# `backend=None` on ops that choose per lowering platform (a primitive parameter).
 AUTO = "auto"
 
 
-def for_platform(platform: str, available: tuple[str, ...]) -> str:
-    """The backend an op lowered for `platform` ("cpu", "cuda", "rocm", "tpu") runs when none was named.
-
-    TPU runs the Mosaic TPU kernel when the op has one, CUDA the Mosaic GPU kernel when it has one
-    and the GPUs are Hopper (`local_gpus_run_wgmma`); everything else the XLA backend, which is
-    exact and runs everywhere. ROCm has no Mosaic GPU: xla.
-    """
-    if platform == "tpu" and "mosaic_tpu" in available:
-        return "mosaic_tpu"
-    if platform == "cuda" and "mosaic_gpu" in available and local_gpus_run_wgmma():
-        return "mosaic_gpu"
-    return "xla"
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Implementation:
+    """One backend of one op: `run(*args, **params)` computes it; `check(*args, **params)`, when
+    given, raises NotImplementedError naming why these arguments are beyond it (so `backend=None`
+    passes it by); `interprets`: it has a Pallas interpreter (takes `interpret=`)."""
+    name: str
+    run: Callable[..., Any]
+    check: Callable[..., None] | None = None
+    interprets: bool = False
 
 
-def local_gpus_run_wgmma() -> bool:
-    """Whether Mosaic GPU kernels built on wgmma and TMA can run here: every CUDA GPU this process
-    sees is a Hopper (compute capability 9.x; Ampere lacks both, Blackwell has no wgmma). True on a
-    host without GPUs, where a lowering for cuda is an export for the H100s the kernels target."""
-    try:
-        gpus = jax.devices("gpu")
-    except RuntimeError:   # no GPU platform in this process
-        return True
-    return all(str(getattr(d, "compute_capability", "9.0")).startswith("9.") for d in gpus)
+@dataclasses.dataclass(frozen=True)
+class Registry:
+    """An op's implementations, by name."""
+    op: str
+    implementations: tuple[Implementation, ...]
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(i.name for i in self.implementations)
+
+    def get(self, backend: str) -> Implementation:
+        """The implementation a user named; a clear error for a name this op lacks."""
+        for impl in self.implementations:
+            if impl.name == backend:
+                return impl
+        if backend in BACKENDS:
+            raise NotImplementedError(f"backend={backend!r}: {self.op} has no {backend} implementation; "
+                                      f"available: {self.names}")
+        raise ValueError(f"backend: expected one of {self.names} or None, got {backend!r}")
+
+    def for_platform(self, platform: str, *args, **params) -> Implementation:
+        """The first implementation in `platform`'s default order that accepts these arguments;
+        NotImplementedError listing every implementation's reason when none does."""
+        reasons = []
+        for name in PLATFORM_DEFAULTS.get(platform, ("xla",)):
+            impl = next((i for i in self.implementations if i.name == name), None)
+            if impl is None:
+                reasons.append(f"{name}: {self.op} has none")
+                continue
+            try:
+                if impl.check is not None:
+                    impl.check(*args, **params)
+            except NotImplementedError as e:
+                reasons.append(f"{name}: {e}")
+                continue
+            return impl
+        raise NotImplementedError(f"{self.op} lowered for {platform}: no implementation in its default order runs "
+                                  f"these arguments ({'; '.join(reasons)}); name one with backend=")
+
+
+def process_platform() -> str:
+    """The platform of this process's default device, as lowering names it ("cpu", "cuda", "rocm", "tpu")."""
+    platform = jax.default_backend()
+    return "cuda" if platform == "gpu" else platform
+
+
+def default_backend(available: tuple[str, ...]) -> str:
+    """The backend `backend=None` picks, for ops that choose when called (cv.kernel, the collective
+    matmuls): the first of the process platform's default order that the op has."""
+    return next((b for b in PLATFORM_DEFAULTS.get(process_platform(), ("xla",)) if b in available), "xla")
 
 
 def check_backend(backend: str | None, available: tuple[str, ...], op: str) -> str:

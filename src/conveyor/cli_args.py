@@ -105,8 +105,8 @@ def _names(text: str, known, what: str) -> tuple[str, ...]:
 
 def gmm_backends(text: str) -> tuple[str, ...]:
     """Comma-separated cv.gmm backends."""
-    from conveyor.ops.gmm.backend_impls import GMM_BACKENDS
-    return _names(text, GMM_BACKENDS, "backend")
+    from conveyor.ops.gmm.backend_impls import GMM
+    return _names(text, GMM.names, "backend")
 
 
 def hardware(text: str) -> str:

@@ -6,12 +6,13 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
 from tests.platform import ON_GPU, gpu_interpret
 from tests.mpmd.programs import NB, R, barrier_lockstep, producer_consumer
 
-GPU = dict(compiler_params=plgpu.CompilerParams())
+GPU = dict(backend="mosaic_gpu", compiler_params=plgpu.CompilerParams())
 
 
 @pytest.mark.timeout(300)
@@ -105,4 +106,22 @@ def test_what_the_gpu_and_tpu_paths_cannot_do_is_a_clear_error():
         producer_consumer(interpret=plgpu.InterpretGPUParams(), **GPU)(jnp.zeros((NB * R, 128), jnp.float32))
     with pytest.raises(NotImplementedError, match="only on SparseCore"):
         cv.mpmd_map([(cv.Mesh(c=1), lambda o: None)], jax.ShapeDtypeStruct((4,), jnp.float32),
-                    compiler_params={"backend": "mosaic_tpu"})()
+                    backend="mosaic_tpu")()
+
+
+def test_the_backend_is_named_not_guessed_from_argument_types():
+    one = lambda **kw: cv.mpmd_map([(cv.Mesh(c=1), lambda o: None)], jax.ShapeDtypeStruct((4,), jnp.float32), **kw)
+    with pytest.raises(ValueError, match=r"backend must be one of \('cpu', 'mosaic_gpu', 'mosaic_tpu'\) or None, "
+                                         r"got 'gpu'"):
+        one(backend="gpu")
+    with pytest.raises(TypeError, match=r"compiler_params has no 'backend' key; pass backend='mosaic_gpu' instead"):
+        one(compiler_params={"backend": "mosaic_gpu"})
+    with pytest.raises(ValueError, match=r"compiler_params is a plgpu.CompilerParams, for backend='mosaic_gpu'; "
+                                         r"got backend='cpu'"):
+        one(compiler_params=plgpu.CompilerParams())
+    with pytest.raises(NotImplementedError, match="compiler_params fields are not passed to the kernel yet"):
+        one(backend="mosaic_gpu", compiler_params=plgpu.CompilerParams(unsafe_no_auto_barriers=True))
+    with pytest.raises(TypeError, match=r"compiler_params must be a dict"):
+        one(compiler_params=pltpu.CompilerParams())
+    with pytest.raises(ValueError, match="the cpu backend has none"):
+        one(interpret=plgpu.InterpretGPUParams())

@@ -192,6 +192,7 @@ def _mpmd(ctx, *, rows, cols):
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         scratch_shapes=[plgpu.SemaphoreType.REGULAR((1,))],
         compiler_params=plgpu.CompilerParams(),
+        backend="mosaic_gpu",
         name="signal_wait",
     )
     return call, (x,)

@@ -71,7 +71,7 @@ def _validate(meshes_and_fns):
 def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_shapes: Any, *,
              scratch_shapes: Sequence[Any] | Mapping[str, Any] = (), input_output_aliases: Mapping[int, int] = {},
              compiler_params: Any = None, interpret: Any = False, debug: Any = False, cost_estimate: Any = None,
-             name: str | None = None, metadata: Any = None) -> Callable[..., Any]:
+             name: str | None = None, metadata: Any = None, backend: str | None = None) -> Callable[..., Any]:
     """Run several kernels over refs, each on every point of its own mesh, all at once, on shared memory.
 
     Each `fn(*in_refs, *out_refs, *scratch_refs)` returns None and runs once per point of its
@@ -95,13 +95,16 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
       input_output_aliases: {input index: output index}: the output starts as that input, in place;
         one input per output.
       compiler_params: {"timeout_s": seconds} bounds every wait on the CPU executor (default 30 s);
-        `{"backend": "mosaic_gpu" | "mosaic_tpu"}` selects a Mosaic lowering.
+        a `plgpu.CompilerParams` is accepted with backend="mosaic_gpu".
       debug: True prints each program's jaxpr; {"timeout_s": ...} works as in compiler_params.
       interpret: run a Mosaic backend through its Pallas interpreter.
       cost_estimate: a `pl.CostEstimate`, handed to the Mosaic GPU kernel for XLA's scheduler
         (jax >= 0.12; refused on jax 0.11, whose plgpu.kernel has none); the CPU executor runs the
         call when XLA reaches it and has no use for it.
       metadata: a dict of str, accepted for Pallas compatibility and used by no backend.
+      backend: "cpu" (the default on every platform: the concurrent CPU executor, in a host
+        callback), "mosaic_gpu" (the programs as warpgroups of one Mosaic GPU kernel; Hopper, or
+        its interpreter with `interpret=`) or "mosaic_tpu" (refused: see the error).
     Under jit, an error of a program (a deadlock included) reaches the caller as XLA's
     JaxRuntimeError; `with cv.mpmd_errors():` around the call re-raises it as its own type.
     """
@@ -114,8 +117,8 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
     layout = ScratchLayout.of(scratch_shapes, sum(mesh.size for mesh, _ in programs))
     check_aliases("mpmd_map", input_output_aliases)
     _check_annotations(cost_estimate, metadata)
+    backend = _check_backend(backend, compiler_params, interpret)
     params = _options(compiler_params, debug)
-    backend = params.get("backend") or _default_backend(interpret)
 
     def call(*args):
         in_leaves, _ = jax.tree_util.tree_flatten(args)
@@ -153,27 +156,43 @@ def _check_annotations(cost_estimate, metadata) -> None:
         raise TypeError(f"mpmd_map: metadata must be a dict of str to str or None, got {metadata!r}")
 
 
+BACKENDS = ("cpu", "mosaic_gpu", "mosaic_tpu")
+
+
+def _check_backend(backend, compiler_params, interpret) -> str:
+    """The backend named by `backend=` (None: "cpu"), checked against the other arguments."""
+    if backend is None:
+        backend = "cpu"
+    if backend not in BACKENDS:
+        raise ValueError(f"mpmd_map: backend must be one of {BACKENDS} or None, got {backend!r}")
+    if isinstance(compiler_params, Mapping) and "backend" in compiler_params:
+        raise TypeError(f"mpmd_map: compiler_params has no 'backend' key; pass "
+                        f"backend={compiler_params['backend']!r} instead")
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    if isinstance(compiler_params, plgpu.CompilerParams):
+        if backend != "mosaic_gpu":
+            raise ValueError(f"mpmd_map: compiler_params is a plgpu.CompilerParams, for backend='mosaic_gpu'; "
+                             f"got backend={backend!r}")
+        if compiler_params != plgpu.CompilerParams():
+            raise NotImplementedError(f"mpmd_map on mosaic_gpu: compiler_params fields are not passed to the kernel "
+                                      f"yet; leave them at their defaults, got {compiler_params!r}")
+    elif compiler_params is not None and not isinstance(compiler_params, Mapping):
+        raise TypeError(f"mpmd_map: compiler_params must be a dict ({{'timeout_s': seconds}}), or a "
+                        f"plgpu.CompilerParams with backend='mosaic_gpu'; got {compiler_params!r}")
+    if interpret and backend == "cpu":
+        raise ValueError("mpmd_map: interpret runs a Mosaic backend through its Pallas interpreter; the cpu "
+                         "backend has none (pass backend='mosaic_gpu' with it, or leave interpret out)")
+    return backend
+
+
 def _options(compiler_params, debug) -> dict:
     out = {"timeout_s": DEFAULT_TIMEOUT_S, "print_jaxpr": debug is True}
     for src in (compiler_params, debug):
         if isinstance(src, Mapping):
             out.update(src)
-        elif src not in (None, False, True):
-            kind = type(src).__module__
-            if "mosaic_gpu" in kind:
-                out["backend"] = "mosaic_gpu"
-            elif "mosaic" in kind or "tpu" in kind:
-                out["backend"] = "mosaic_tpu"
     if not isinstance(out["timeout_s"], (int, float)) or out["timeout_s"] <= 0:
         raise ValueError(f"mpmd_map: timeout_s must be a positive number of seconds, got {out['timeout_s']!r}")
     return out
-
-
-def _default_backend(interpret) -> str:
-    if interpret:
-        return "mosaic_gpu" if "GPU" in type(interpret).__name__ else "mosaic_tpu"
-    platform = jax.default_backend()
-    return {"gpu": "mosaic_gpu", "cuda": "mosaic_gpu", "tpu": "mosaic_tpu"}.get(platform, "cpu")
 
 
 __all__ = ["Mesh", "mpmd_map", "super_mesh"]

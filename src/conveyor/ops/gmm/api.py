@@ -77,15 +77,14 @@ def _choose_backend(backend, interpret, op="gmm"):
     if backend is None and interpret:
         backend = "mosaic_tpu"  # interpret without a backend: the TPU kernel, as before mosaic_gpu existed
     if backend is None:
-        return backends.AUTO  # chosen per platform when lowered (see backends.for_platform)
-    available = backend_impls.GMM_BACKENDS if op == "gmm" else backend_impls.TGMM_BACKENDS
-    return backends.check_backend(backend, available, op)
+        return backends.AUTO  # chosen per platform when lowered (see conveyor.backends)
+    return (backend_impls.GMM if op == "gmm" else backend_impls.TGMM).get(backend).name
 
 
-def _interpret_param(interpret, backend):
+def _interpret_param(interpret, backend, op="gmm"):
     if not interpret:
         return None
-    if backend not in ("mosaic_tpu", "mosaic_gpu"):
+    if not (backend_impls.GMM if op == "gmm" else backend_impls.TGMM).get(backend).interprets:
         raise ValueError(f"interpret: only the mosaic_tpu and mosaic_gpu backends have an interpreter, "
                          f"got backend={backend!r}")
     return interpret
@@ -116,10 +115,9 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       existing_out: [m, n] values for the rows this call does not compute (chain shards through it).
       transpose_rhs: rhs is [G, n, k] and used transposed.
       backend: "xla", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the op is
-        lowered, for the platform it is lowered for: xla for CPU; mosaic_tpu for TPU; for CUDA mosaic_gpu where it runs
-        the call (Hopper GPUs, or a host without GPUs exporting for cuda; operands within its
-        limits below), xla otherwise (f32 operands, k or n off its tile multiples, a `tiling` it
-        cannot use, pre-Hopper GPUs, ROCm). mosaic_gpu takes bfloat16/float16
+        lowered, for the platform it is lowered for: mosaic_tpu for TPU, xla for CPU, CUDA and
+        ROCm (mosaic_gpu joins CUDA's default once it has run on a GPU: `conveyor.backends`;
+        until then name it). mosaic_gpu runs on Hopper GPUs and takes bfloat16/float16
         operands (a float32 operand beside a 16-bit one, such as a backward pass's float32
         cotangent, is rounded to the 16-bit dtype: pass backend="xla" to keep it float32), k a
         multiple of 16, n of 16 (gmm; 8 with transpose_rhs) or 64 (tgmm), and tiling
@@ -226,7 +224,7 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     backend = _choose_backend(backend, interpret, "tgmm")
     return bind_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, num_groups=num_actual_groups,
                        out_dtype=out_dtype, backend=backend, tiling=_hashable(tiling),
-                       interpret=_interpret_param(interpret, backend))
+                       interpret=_interpret_param(interpret, backend, "tgmm"))
 
 
 def _hashable(tiling):
