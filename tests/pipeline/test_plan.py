@@ -40,9 +40,12 @@ def test_fetch_schedule_and_slot_reuse_respect_delay_release():
     assert p.slot(op, 5) == 2
 
 
-def test_max_concurrent_steps_shrinks_to_the_grid():
-    p = plan(grid=(2,), in_specs=[cv.BlockSpec((4,), lambda i: (i,))], max_concurrent_steps=5, delay_release=1)
-    assert (p.max_concurrent_steps, p.delay_release) == (2, 0)
+@pytest.mark.parametrize("delay, slots", [(0, 2), (1, 2), (2, 3), (3, 4)])
+def test_max_concurrent_steps_shrinks_to_the_grid_keeping_delay_release(delay, slots):
+    """No more slots than steps, but one more than delay_release; the delay itself is kept (a
+    body's manual releases follow it)."""
+    p = plan(grid=(2,), in_specs=[cv.BlockSpec((4,), lambda i: (i,))], max_concurrent_steps=5, delay_release=delay)
+    assert (p.max_concurrent_steps, p.delay_release) == (slots, delay)
 
 
 def test_grid_indices_row_major():

@@ -76,6 +76,30 @@ def test_elementwise_scale_shift(backend, num_compute, mcs, delay, memory_idx, m
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("steps, mcs, delay", [(2, 3, 1), (2, 4, 1), (1, 3, 1), (2, 4, 2), (3, 4, 2)])
+def test_fewer_steps_than_slots_keeps_delay_release(backend, steps, mcs, delay):
+    """A static grid shorter than max_concurrent_steps shrinks the slots but keeps delay_release:
+    the body's manual releases (step s - delay, from step delay on) are the ones the memory thread
+    waits for. Dropping the delay made it wait for a step-0 release nobody makes (a hang)."""
+    x, y = arr(steps + mcs, 16 * steps, 128), arr(delay, 16 * steps, 128)
+
+    def k(x_ref, y_ref, o_ref):
+        def body(idx, xb, yb, ob, *barriers):
+            ob[...] = 2.0 * xb[...] - yb[...]
+            release(barriers, idx[0], delay)
+        spec = cv.BlockSpec((16, 128), lambda i: (i, 0))
+        pipe = cv.emit_pipeline_warp_specialized(
+            body, grid=(steps,), memory_registers=40, in_specs=[spec, spec], out_specs=[spec],
+            max_concurrent_steps=mcs, delay_release=delay, wg_axis="wg", num_compute_wgs=1,
+            manual_consumed_barriers=True)
+        assert pipe.plan.pipeline.delay_release == delay
+        pipe(x_ref, y_ref, o_ref)
+
+    out = run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, y, threads=2, backend=backend)
+    np.testing.assert_array_equal(out, 2.0 * x - y)
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("num_compute", [1, 2])
 def test_matmul_accumulates_in_resident_output_shared_by_compute_threads(backend, num_compute):
     x, w = arr(1, 32, 256), arr(2, 256, 128)

@@ -817,8 +817,10 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
             f"a slot is held for delay_release steps after its use, so with max_concurrent_steps <= "
             f"delay_release no slot is ever free to prefetch into")
     steps = math.prod(grid)
-    if isinstance(steps, int) and max_concurrent_steps > steps:  # documented: shrink to the number of steps
-        max_concurrent_steps, delay_release = steps, 0
+    if isinstance(steps, int) and max_concurrent_steps > steps:
+        # Documented: no more slots than steps (as upstream), but at least delay_release + 1 so a
+        # slot stays free to fetch into. delay_release is kept: a body's manual releases follow it.
+        max_concurrent_steps = max(steps, delay_release + 1)
 
     def build(specs, names, options, is_input):
         ops = []
