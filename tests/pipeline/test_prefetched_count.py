@@ -183,3 +183,18 @@ def test_exports_for_tpu():
     for dynamic in (False, True):
         f = jax.jit(cv.kernel(_kernel("lookahead", 2, dynamic=dynamic), x, backend="mosaic_tpu", grid=(1,)))
         assert jax.export.export(f, platforms=["tpu"])(x, x).platforms == ("tpu",)
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic_tpu"])
+def test_prefetched_slots_must_be_bound(backend):
+    """Without the caller's allocations the pipeline would read slots nobody filled: refused on
+    every backend that takes prefetched_count."""
+    x, y = _inputs()
+
+    def kernel(x_ref, y_ref, o_ref):
+        _pipeline("every step", 1)(x_ref, y_ref, o_ref)   # no allocations=
+
+    with pytest.raises(ValueError, match=r"in\[0\]: pl.Buffered\(prefetched_count=...\) says the caller has put "
+                                         r"the first blocks in the input's slots, so the pipeline must run on the "
+                                         r"caller's allocations"):
+        _call(kernel, backend, x, y)

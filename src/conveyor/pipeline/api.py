@@ -255,6 +255,12 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
                 f"Conveyor's plain pipeline, which takes allocations=, scratches= and prefetched= (see "
                 f"run.get_allocations and run.prefetch)")
         ctx, p, ins, outs, passthrough = prepare(refs, "emit_pipeline(...)(refs)")
+        if p.prefetched_inputs and allocations is None:   # every backend: code runs the same on each
+            raise ValueError(f"{', '.join(p.prefetched_inputs)}: pl.Buffered(prefetched_count=...) says the caller "
+                             f"has put the first blocks in the input's slots, so the pipeline must run on the "
+                             f"caller's allocations: run(*refs, allocations=a), with a from "
+                             f"run.get_allocations(*refs) (or run.with_allocations) and a['slots'][i][j] holding "
+                             f"the input's j-th block (none was given)")
         if prefetched is not None:
             claim(prefetched, run, allocations)
         if allocations is not None:

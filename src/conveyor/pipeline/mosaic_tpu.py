@@ -150,11 +150,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     last write-backs. On its own scoped VMEM, or on the caller's `given` allocations."""
     n = p.num_steps
     needed = allocations(p, in_refs, out_refs)
-    if p.prefetched_inputs and given is None:
-        raise ValueError(f"{', '.join(p.prefetched_inputs)}: pl.Buffered(prefetched_count=...) says the caller has "
-                         f"put the first blocks in the input's slots, so the pipeline must run on the caller's "
-                         f"allocations: run(*refs, allocations=a), with a from run.get_allocations(*refs) (or "
-                         f"run.with_allocations) and a['slots'][i][j] holding the input's j-th block")
+    assert not (p.prefetched_inputs and given is None)   # refused by the API
 
     def scoped(a):
         c = _copies(p, in_refs, out_refs, a)
