@@ -231,7 +231,7 @@ def _buffering(mode: Any, where: str, is_input: bool) -> tuple[int, bool, int]:
     return count, lookahead, prefetched
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class OperandPlan:
     """One pipelined operand: an input or an output, with its buffering decided.
 
@@ -241,7 +241,6 @@ class OperandPlan:
     block (the same values); mosaic_tpu refuses them by name (VMEM has its own tiling).
     """
     name: str
-    is_input: bool
     block_shape: tuple[int | None, ...]
     index_map: Callable[..., tuple[Int, ...]]
     invariant: bool       # the index map ignores the grid: fetched / written exactly once
@@ -337,7 +336,7 @@ def flatten_specs(specs: Any, side: str) -> tuple[tuple[Any, ...], tuple[str, ..
     return tuple(flat), tuple(names), tuple(trees)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class PipelinePlan:
     """The schedule of one pipeline. `grid` holds Python ints and, for a dynamic grid, traced int32
     scalars (known only inside the kernel); then `num_steps` is traced too, and the executors run
@@ -836,12 +835,14 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
             if opts.prefetched_count > slots:  # an invariant input's single slot
                 raise ValueError(f"{name}: prefetched_count={opts.prefetched_count} but this index-invariant "
                                  f"input is fetched once into {slots} slot: at most {slots} can be prefetched")
-            ops.append(OperandPlan(name, is_input, sizes, bs.index_map, inv, slots, opts.transforms,
-                                   element_dims=elements, bounded_dims=bounded, whole_array=whole,
+            ops.append(OperandPlan(name=name, block_shape=sizes, index_map=bs.index_map, invariant=inv,
+                                   num_slots=slots, transforms=opts.transforms, element_dims=elements, bounded_dims=bounded, whole_array=whole,
                                    fetch_rule=_fetch_rule(name, opts, reuse_unchanged_blocks),
                                    prefetched=opts.prefetched_count))
         return tuple(ops)
 
-    return PipelinePlan(grid, build(in_specs, in_names, in_options, True),
-                        build(out_specs, out_names, out_options, False), max_concurrent_steps, delay_release,
-                        in_trees, out_trees, in_windowed, out_windowed, semantics)
+    return PipelinePlan(grid=grid, inputs=build(in_specs, in_names, in_options, True),
+                        outputs=build(out_specs, out_names, out_options, False),
+                        max_concurrent_steps=max_concurrent_steps, delay_release=delay_release,
+                        in_trees=in_trees, out_trees=out_trees, in_windowed=in_windowed,
+                        out_windowed=out_windowed, dimension_semantics=semantics)
