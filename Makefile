@@ -4,7 +4,7 @@ VENV ?= .venv
 JAX_END ?= newest
 PY := $(VENV)/bin/python
 
-.PHONY: demo test test-oldest-jax wheel-test lint dist ci bench bootstrap clean gpu-check gpu-bench \
+.PHONY: demo test test-fast test-oldest-jax wheel-test lint dist ci bench bootstrap clean gpu-check gpu-bench \
 	compile-env compile-check
 
 bootstrap:
@@ -13,8 +13,14 @@ bootstrap:
 demo: bootstrap
 	$(PY) -m conveyor demo
 
+# The suite in tiers (tests/conftest.py): the fast tier first (plans, checker, simulator, the xla
+# executors, references, errors), then the interpreter and subprocess tiers.
 test: bootstrap
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -m fast tests
+	$(PY) -m pytest -q -m "not fast" tests
+
+test-fast: bootstrap
+	$(PY) -m pytest -q -m fast tests
 
 # The suite at the oldest supported jax/jaxlib, in its own environment.
 test-oldest-jax:

@@ -34,3 +34,60 @@ def _fresh_interpreter_state():
     if leaks:
         pytest.fail("the TPU interpreter found semaphores left non-zero at kernel exit (a DMA started and never "
                     "awaited fails on a TPU): " + "; ".join(leaks[:3]))
+
+
+# ---- tiers -----------------------------------------------------------------------------------------
+# fast: plans, the checker and simulator on small programs, the xla executors (default and
+#   checked), references, errors; the schedule tests first (SCHEDULE_FIRST). `make test-fast`.
+# slow: pure-Python or xla work too long for the fast tier (the simulator's validation table,
+#   exhaustive checks of 4-device rings, the MoE layers against their dense references).
+# interpreter: kernels run through the Pallas TPU / Mosaic GPU interpreters, exports and compiles
+#   of Mosaic kernels.
+# subprocess: tests that start Python processes (the CLI, the multi-process launcher).
+# A test's tier follows from what it runs: its module, an explicit `pytest.mark.slow`, or its
+# parameters and name naming a Mosaic backend or an interpreter. Tiers run in this order.
+TIERS = ("fast", "slow", "interpreter", "subprocess")
+SCHEDULE_FIRST = ("test_plan.py", "test_check.py", "test_ring_plan.py", "test_checked_schedule.py",
+                  "test_fetch_rules.py", "test_sequence.py")
+SUBPROCESS_MODULES = {"test_cli.py", "test_cli_collective.py", "test_bench_setup.py", "test_multiprocess.py",
+                      "test_examples.py", "test_docs.py"}
+SLOW_MODULES = {"test_expert_parallel.py", "test_moe_layer.py"}
+INTERPRETER_MODULES = {"test_mosaic_tpu_ring.py", "test_mosaic_gpu.py", "test_mosaic_gpu_tgmm.py",
+                       "test_mosaic_tpu.py", "test_delay_release_tpu.py", "test_conformance.py",
+                       "test_ring_conformance.py", "test_interpreter_deadline.py", "test_mpmd_gpu.py",
+                       "test_compile_check.py", "test_cost_estimates.py"}
+MOSAIC_WORDS = ("mosaic", "tpu", "gpu", "interpret")
+
+
+def _tier(item) -> str:
+    module = item.path.name
+    if module in SUBPROCESS_MODULES:
+        return "subprocess"
+    if module in INTERPRETER_MODULES:
+        return "interpreter"
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    words = [item.originalname.lower(), *(str(v).lower() for v in params.values())]
+    if any(w in text for text in words for w in MOSAIC_WORDS):
+        return "interpreter"
+    if module in SLOW_MODULES or item.get_closest_marker("slow") is not None:
+        return "slow"
+    return "fast"
+
+
+def _order(item) -> tuple[int, int]:
+    tier = _tier(item)
+    first = tier == "fast" and item.path.name in SCHEDULE_FIRST
+    return TIERS.index(tier), (SCHEDULE_FIRST.index(item.path.name) if first else len(SCHEDULE_FIRST))
+
+
+def pytest_configure(config):
+    for tier in TIERS:
+        config.addinivalue_line("markers", f"{tier}: the {tier} tier of the suite (tests/conftest.py)")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = _tier(item)
+        if item.get_closest_marker(tier) is None:
+            item.add_marker(tier)
+    items.sort(key=_order)   # stable: file order within a tier

@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import conveyor as cv
+from tests.tolerance import sum_tolerance
 
 TOKENS, D, F, E = 48, 16, 24, 6
 
@@ -21,8 +22,8 @@ def params(seed, experts=E, dtype=jnp.float32):
 
 def tol(reference, depth):
     """f32 chains of three dots (lengths D, F and the k gates), both sides f32 with different
-    summation orders: a few ulps per accumulated term, relative to the largest value."""
-    return 16 * np.finfo(np.float32).eps * np.sqrt(depth) * max(1.0, float(np.abs(reference).max()))
+    summation orders (tests/tolerance.py), scaled by the largest value (at least 1)."""
+    return sum_tolerance(depth, max(1.0, float(np.abs(reference).max())))
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 6])

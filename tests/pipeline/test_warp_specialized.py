@@ -308,7 +308,10 @@ def test_manual_produced_barriers_export_for_cuda():
 @pytest.mark.timeout(240)
 def test_manual_produced_barrier_skipped_is_a_race_on_the_gpu_interpreter():
     """The compute threads leave the waits to the body: one that skips them reads a slot the
-    memory thread's copy is writing, which the interpreter's race detector reports."""
+    memory thread's copy is writing. The GPU interpreter reports it one of two ways, depending on
+    how its threads interleave: its race detector ("RACE DETECTED"), or, when the copy's barrier
+    completes a phase before any thread waited on it, its barrier check ("no threads observed
+    phase 0"; seen on a loaded machine). Both are this bug; a correct body gets neither."""
     x = arr(30, 96, 128)
 
     def k(x_ref, o_ref):
@@ -318,7 +321,8 @@ def test_manual_produced_barrier_skipped_is_a_race_on_the_gpu_interpreter():
         cv.emit_pipeline_warp_specialized(body, grid=(6,), memory_registers=40, wg_axis="wg", num_compute_wgs=1,
                                           manual_produced_barriers=True, in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
 
-    with pytest.raises(Exception, match="RACE DETECTED"):
+    with pytest.raises(Exception, match=r"RACE DETECTED|Barrier completed phase \d+, but no threads observed "
+                                        r"phase \d+"):
         run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, threads=2, backend="mosaic_gpu")
 
 

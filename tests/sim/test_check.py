@@ -53,8 +53,12 @@ def test_warp_specialized_plans_are_clean_and_in_flight_bodies_race(compute, mcs
         assert not check(wp, in_flight_steps=1).ok
 
 
-@pytest.mark.parametrize("d, buffering, bidi", [(2, 2, False), (3, 2, False), (4, 2, False), (4, 3, False),
-                                                (4, 2, True), (3, 3, True)])
+SLOW = pytest.mark.slow   # exhaustive interleavings of 4-device rings: seconds each
+
+
+@pytest.mark.parametrize("d, buffering, bidi", [(2, 2, False), (3, 2, False), pytest.param(4, 2, False, marks=SLOW),
+                                                pytest.param(4, 3, False, marks=SLOW),
+                                                pytest.param(4, 2, True, marks=SLOW), (3, 3, True)])
 def test_ring_plans_with_credits_are_clean(d, buffering, bidi):
     for collective in ("gather", "scatter"):
         plan = RingPlan(num_devices=d, bidirectional=bidi, buffering=buffering, collective=collective)

@@ -31,6 +31,7 @@ def test_peaks_and_achievable_rates_are_distinct():
     assert h100.matrix_rate("bfloat16") == h100.matrix_rate("bf16")
 
 
+@pytest.mark.slow
 def test_predictions_match_published_measurements_or_explain_the_miss():
     rows = validation.compare()
     checked = [r for r in rows if r["role"] == "validation"]
@@ -80,6 +81,7 @@ def test_warp_specialized_and_plan_replay():
     assert sum(b.kind == "copy" for b in r.boxes) == len([e for e in p.events() if e.kind in ("fetch", "writeback")])
 
 
+@pytest.mark.slow
 def test_ring_overlaps_what_unfused_serializes():
     kw = dict(dtype="f16", hardware="h800", bidirectional=False)
     ring = cv.sim.simulate_collective_matmul("all_gather_matmul", 512, 12288, 6144, 8, **kw)
@@ -98,6 +100,7 @@ def test_gmm_pays_for_partial_tiles():
     assert ragged.time_s > even.time_s
 
 
+@pytest.mark.slow
 def test_cli_json_png_trace(tmp_path, capsys):
     png, trace = tmp_path / "t.png", tmp_path / "t.json"
     assert main(["simulate", "matmul", "--m", "2048", "--k", "2048", "--n", "2048", "--hardware", "h100", "--json",
@@ -117,6 +120,7 @@ def test_cli_json_png_trace(tmp_path, capsys):
     assert exit_.value.code == 2 and "unknown 'a100'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_gmm_tile_count_is_the_metadata_schedule():
     """The simulator counts the visits make_group_metadata schedules (sizes [10, 10, 12] with
     tm=16: 4 visits, the middle group straddling a tile boundary), on random sizes too."""

@@ -13,16 +13,17 @@ import pytest
 from hypothesis import given, strategies as st
 
 import conveyor as cv
+from tests.tolerance import sum_tolerance
 from tests.ops.gmm.problems import numpy_gmm, numpy_tgmm, operands, skewed_sizes
 
 
 def tolerance(expected, k: int, out_dtype, acc_dtype=jnp.float32):
-    """Elementwise bound on |actual - expected| for a k-long f32-accumulated dot rounded to out_dtype."""
+    """Elementwise bound on |actual - expected| for a k-long f32-accumulated dot rounded to out_dtype
+    (tests/tolerance.py; the partial sums of these random operands stay within the largest output
+    magnitude, at least 1)."""
     expected = np.asarray(expected, np.float64)
     scale = max(1.0, float(np.abs(expected).max(initial=0.0)))
-    acc_eps = float(jnp.finfo(acc_dtype).eps)
-    out_eps = float(jnp.finfo(out_dtype).eps)
-    return 8 * acc_eps * np.sqrt(k) * scale + 2 * out_eps * np.abs(expected)
+    return sum_tolerance(k, scale, acc_dtype=acc_dtype, expected=expected, out_dtype=out_dtype)
 
 
 def assert_close(actual, expected, k, out_dtype):
