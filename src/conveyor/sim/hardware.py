@@ -24,7 +24,6 @@ SOURCES = {
     "hopper-wp": "NVIDIA H100 (Hopper) architecture whitepaper / tuning guide: 132 SMs (SXM5), 228 KB shared "
                  "memory per SM (227 KB usable per block), 50 MB L2",
     "blackwell-guide": "NVIDIA Blackwell tuning guide: 228 KB shared memory per SM; 148 SMs on B200",
-    "smem-bw": "CUDA programming guide: 32 banks x 4 B per clock per SM = 128 B/clk/SM, times the boost clock",
     "facts-h100": "shared FACTS (one H100 SXM machine, PyTorch, 2026): 8192^3 bf16 matmul 798 TFLOP/s; "
                   "device-to-device copy 3.0 TB/s (read + write)",
     "scaling-book": "How To Scale Your Model (jax-ml.github.io/scaling-book), 'How to think about TPUs': TPU v5e "
@@ -41,15 +40,12 @@ SOURCES = {
     "est-l2": "estimate: L2 serves the re-read matmul tiles on GPUs; taken as 64 B/clk per SM x SMs x boost "
               "clock (H100: 15.5 TB/s). Microbenchmarks of H100 PCIe report 5.5-7 TB/s, but the FACTS 798 TFLOP/s "
               "matmul needs at least 7.8 TB/s of tile loads with 128x256 tiles, so the SXM part delivers more",
-    "est-vmem": "estimate: VMEM feeds the MXUs at several times HBM bandwidth; 10x HBM taken",
     "calib-matmul": "calibrated: the sustained tensor-core rate (0.902 of peak) at which the simulator's own "
                     "replay of an 8192^3 bf16 matmul on H100 (its waves, fill, per-step sync) gives the FACTS "
                     "measurement, 798 TFLOP/s; that measurement is therefore not used to validate. Reused for "
                     "the other Hopper and Blackwell parts",
     "calib-copy": "calibrated: 3.0 / 3.35 = 0.896 of HBM peak on the FACTS H100 copy (not used to validate)",
     "est-v5p-vmem": "estimate: VMEM per TPU v5p core is not in the public docs; 64 MiB taken",
-    "est-b200-vector": "estimate: B200 non-tensor FP32 rate is not in the DGX datasheet; 80 TFLOP/s taken "
-                       "(148 SMs x 128 FP32 lanes x 2 x ~2.1 GHz)",
     "calib-v5e-int32": "calibrated: the int32 matmul rate (emulated on the MXU) at which the simulator's replay of "
                        "the Scaling Book's unsharded per-chip matmul ([512, 2048] x [2048, 2048] int32 on TPU v5e) "
                        "takes the measured 224 us; 23.2e12 is close to the int8 peak / 16 (24.6e12), as if an "
@@ -80,10 +76,8 @@ class Hardware:
     kind: str                              # "gpu" | "tpu"
     cores: Value                           # SMs or TensorCores per chip
     matrix_peak: dict[str, Value]          # FLOP/s per chip by operand dtype (dense)
-    vector_peak: Value                     # FLOP/s per chip (non-matrix)
     hbm_bandwidth: Value                   # B/s per chip
     onchip_bytes: Value                    # shared memory per SM / VMEM per core
-    onchip_bandwidth: Value                # B/s per core (SMEM / VMEM)
     reuse_bandwidth: Value                 # B/s per chip for re-read blocks (GPU L2; TPU: HBM)
     copy_latency: Value                    # s from a copy's issue to its first bytes
     link_bandwidth: Value                  # B/s per direction per neighbour in a ring
@@ -127,8 +121,8 @@ def _hopper(name, hbm, hbm_src, link, link_src):
         name=name, kind="gpu", cores=Value(132, "hopper-wp"),
         matrix_peak={"bf16": Value(989.4e12, "h100-ds"), "f16": Value(989.4e12, "h100-ds"),
                      "fp8": Value(1978.9e12, "h100-ds"), "f32": Value(494.7e12, "h100-ds")},
-        vector_peak=Value(66.9e12, "h100-ds"), hbm_bandwidth=Value(hbm, hbm_src),
-        onchip_bytes=Value(227 * KiB, "hopper-wp"), onchip_bandwidth=Value(128 * 1.83e9, "smem-bw"),
+        hbm_bandwidth=Value(hbm, hbm_src),
+        onchip_bytes=Value(227 * KiB, "hopper-wp"),
         reuse_bandwidth=Value(64 * 132 * 1.83e9, "est-l2"), copy_latency=Value(0.7e-6, "est-latency"),
         link_bandwidth=Value(link, link_src), link_latency=Value(1e-6, "est-latency"),
         sync_latency=Value(0.05e-6, "est-sync"), matrix_efficiency=Value(0.902, "calib-matmul"),
@@ -144,8 +138,8 @@ HARDWARE: dict[str, Hardware] = {
         name="B200", kind="gpu", cores=Value(148, "blackwell-guide"),
         matrix_peak={"bf16": Value(2.25e15, "b200-ds"), "f16": Value(2.25e15, "b200-ds"),
                      "fp8": Value(4.5e15, "b200-ds"), "f32": Value(1.125e15, "b200-ds")},
-        vector_peak=Value(80e12, "est-b200-vector"), hbm_bandwidth=Value(8 * TB, "b200-ds"),
-        onchip_bytes=Value(227 * KiB, "blackwell-guide"), onchip_bandwidth=Value(128 * 1.9e9, "smem-bw"),
+        hbm_bandwidth=Value(8 * TB, "b200-ds"),
+        onchip_bytes=Value(227 * KiB, "blackwell-guide"),
         reuse_bandwidth=Value(64 * 148 * 1.9e9, "est-l2"), copy_latency=Value(0.7e-6, "est-latency"),
         link_bandwidth=Value(900 * GB, "b200-ds"), link_latency=Value(1e-6, "est-latency"),
         sync_latency=Value(0.05e-6, "est-sync"), matrix_efficiency=Value(0.902, "calib-matmul"),
@@ -155,8 +149,8 @@ HARDWARE: dict[str, Hardware] = {
         name="TPU v5e", kind="tpu", cores=Value(1, "scaling-book"),
         matrix_peak={"bf16": Value(1.97e14, "tpu-v5e-ds"), "int8": Value(3.94e14, "tpu-v5e-ds"),
                      "int32": Value(2.32e13, "calib-v5e-int32")},
-        vector_peak=Value(1.97e14 / 8, "scaling-book"), hbm_bandwidth=Value(8.19e11, "tpu-v5e-ds"),
-        onchip_bytes=Value(128 * MiB, "scaling-book"), onchip_bandwidth=Value(8.19e12, "est-vmem"),
+        hbm_bandwidth=Value(8.19e11, "tpu-v5e-ds"),
+        onchip_bytes=Value(128 * MiB, "scaling-book"),
         reuse_bandwidth=Value(8.19e11, "tpu-v5e-ds"), copy_latency=Value(0.7e-6, "est-latency"),
         link_bandwidth=Value(4.5e10, "scaling-book"), link_latency=Value(1e-6, "tpu-lab"),
         sync_latency=Value(0.05e-6, "est-sync"), matrix_efficiency=Value(0.85, "est-tpu-matmul"),
@@ -165,8 +159,8 @@ HARDWARE: dict[str, Hardware] = {
     "v5p": Hardware(
         name="TPU v5p", kind="tpu", cores=Value(2, "tpu-lab"),
         matrix_peak={"bf16": Value(4.59e14, "tpu-v5p-ds"), "int8": Value(9.18e14, "tpu-v5p-ds")},
-        vector_peak=Value(4.59e14 / 8, "scaling-book"), hbm_bandwidth=Value(2.765e12, "tpu-v5p-ds"),
-        onchip_bytes=Value(64 * MiB, "est-v5p-vmem"), onchip_bandwidth=Value(2.765e13, "est-vmem"),
+        hbm_bandwidth=Value(2.765e12, "tpu-v5p-ds"),
+        onchip_bytes=Value(64 * MiB, "est-v5p-vmem"),
         reuse_bandwidth=Value(2.765e12, "tpu-v5p-ds"), copy_latency=Value(0.7e-6, "est-latency"),
         link_bandwidth=Value(9.2e10, "tpu-lab"), link_latency=Value(1e-6, "tpu-lab"),
         sync_latency=Value(0.05e-6, "est-sync"), matrix_efficiency=Value(0.85, "est-tpu-matmul"),

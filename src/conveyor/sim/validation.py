@@ -1,8 +1,8 @@
 """Published measurements on real hardware, and the simulator's prediction of each.
 
-`MEASUREMENTS` is test data (tests/sim/test_validation.py): every validation entry must be
-predicted within `TOLERANCE`, or carry an explanation of the miss (`miss_explained`), which the
-docs print. Calibration entries fitted a model constant and are listed but not counted.
+`MEASUREMENTS` is test data (tests/sim/test_simulate.py): every validation entry must be
+predicted within `TOLERANCE`. Calibration entries fitted a model constant and are listed but not
+counted.
 Regenerate the docs table: `python -m conveyor.sim.validation`.
 """
 from __future__ import annotations
@@ -24,7 +24,6 @@ class Measurement:
     source: str
     predict: Callable[[], float]
     role: str = "validation"  # or "calibration"
-    miss_explained: str = ""
 
 
 def _matmul_tflops(hw):
@@ -97,7 +96,7 @@ def compare() -> list[dict]:
         err = predicted / m.measured - 1.0
         rows.append({"name": m.name, "hardware": m.hardware, "measured": m.measured, "predicted": predicted,
                      "unit": m.unit, "error": err, "role": m.role, "within": abs(err) <= TOLERANCE,
-                     "source": m.source, "miss_explained": m.miss_explained})
+                     "source": m.source})
     return rows
 
 
@@ -110,10 +109,6 @@ def markdown(rows: list[dict] | None = None) -> str:
         flag = "" if r["within"] or r["role"] == "calibration" else " **miss**"
         lines.append(f"| {r['name']} | {r['hardware']} | {r['measured']:g} {r['unit']} | {r['predicted']:.4g} "
                      f"{r['unit']} | {r['error']:+.1%}{flag} | {r['role']} | {r['source']} |")
-    misses = [r for r in rows if not r["within"] and r["role"] == "validation"]
-    if misses:
-        lines += ["", "Misses, explained:"]
-        lines += [f"- {r['name']} ({r['error']:+.1%}): {r['miss_explained']}" for r in misses]
     return "\n".join(lines) + "\n"
 
 
