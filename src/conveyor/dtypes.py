@@ -1,9 +1,21 @@
-"""One dtype vocabulary for the simulator, the benchmarks and the command line.
+"""One dtype vocabulary for the simulator, the benchmarks and the command line, and the one
+accumulation rule of Conveyor's matmuls.
 
 Each dtype has a long (NumPy / JAX) name and a short one; both are accepted everywhere, and
 `canonical` maps either to the long name. Anything else is a ValueError listing what is known.
 """
 from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def accumulation_dtype(*dtypes):
+    """The dtype a matmul of these operand dtypes accumulates in: their promoted type, widened to
+    float32 for floats narrower than 32 bits (bf16, f16, fp8) and to int32 for narrower ints."""
+    dt = jnp.dtype(jnp.result_type(*dtypes))
+    if dt.itemsize >= 4:
+        return dt
+    return jnp.dtype(jnp.float32) if jnp.issubdtype(dt, jnp.floating) else jnp.dtype(jnp.int32)
 
 # long name -> (short name, bytes per element)
 _KNOWN = {

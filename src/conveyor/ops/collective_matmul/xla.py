@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from conveyor.dtypes import accumulation_dtype
 from conveyor.plans.ring import RingPlan
 
 
@@ -22,7 +23,7 @@ def _shift(x, axis_name, size, direction):
 
 
 def _dot(a, b, out_dtype):
-    acc = jnp.float32 if jnp.dtype(out_dtype).itemsize < 4 else out_dtype
+    acc = accumulation_dtype(out_dtype)
     return jnp.dot(a, b, preferred_element_type=acc)
 
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from conveyor.ints import floordiv
+from conveyor.ints import cdiv, floordiv
 
 
 def group_bounds(group_sizes: jax.Array, m: int) -> tuple[jax.Array, jax.Array]:
@@ -92,7 +92,7 @@ class GroupMetadata:
 
 def max_visits(m: int, tm: int, num_groups: int) -> int:
     """Static upper bound on the number of (tile, group) visits."""
-    return -(-m // tm) + max(num_groups - 1, 0)
+    return cdiv(m, tm) + max(num_groups - 1, 0)
 
 
 def count_visits(group_sizes, tm: int, m: int | None = None) -> int:

@@ -38,7 +38,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import conveyor as cv
 from conveyor._compat import gpu_kernel_takes_cost_estimate
 from conveyor.cost import matmul_cost
-from conveyor.ints import floordiv, mod
+from conveyor.ints import cdiv, floordiv, mod
 from conveyor.ops.gmm.metadata import make_group_metadata
 from conveyor.kernel_gpu import smem_bytes
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
@@ -228,7 +228,7 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
                                        transforms=layout)],
             )(lhs_ref, rhs_ref.at[g])
 
-    m_pad = -(-m // tm) * tm      # pipeline blocks divide their arrays: whole row tiles (zero rows, never stored)
+    m_pad = cdiv(m, tm) * tm      # pipeline blocks divide their arrays: whole row tiles (zero rows, never stored)
     if m_pad != m:
         lhs = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))
     # The output starts as existing_out (or zeros) and the kernel writes only its groups' rows.

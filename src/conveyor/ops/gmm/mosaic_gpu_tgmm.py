@@ -46,6 +46,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 import conveyor as cv
 from conveyor.ops.gmm.metadata import local_group_bounds, row_block_span
 from conveyor.cost import matmul_cost
+from conveyor.ints import cdiv
 from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, gpu_cost, DELAY_RELEASE, ROWS_PER_THREAD, accumulate_then_store, \
     smem_layout, stages_that_fit, store_rows, wgmma_operands, wgmma_step
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
@@ -95,7 +96,7 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
     n = rhs.shape[1]
     lhs, rhs = wgmma_operands("tgmm", lhs, rhs)
     tm, tk, tn = check_tgmm_args(lhs, rhs, tiling)
-    k_pad = -(-k // tk) * tk      # whole output row tiles: x gets zero columns, only rows < k are stored
+    k_pad = cdiv(k, tk) * tk      # whole output row tiles: x gets zero columns, only rows < k are stored
     # The kernel reads lhs as x = lhs.T [m, k] (the tokens, as the caller holds them): a gmm backward
     # passes x.T, and XLA folds the two transposes, so no [k, m] copy of the tokens is made.
     x = lhs.T
@@ -159,7 +160,7 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
                       cv.BlockSpec((tm, tn), lambda r: (first_block + r, nb), transforms=layout)],
         )(x_ref, rhs_ref)
 
-    m_pad = -(-m // tm) * tm      # whole row blocks: the padding rows belong to no group
+    m_pad = cdiv(m, tm) * tm      # whole row blocks: the padding rows belong to no group
     if m_pad != m or k_pad != k:
         x = jnp.pad(x, ((0, m_pad - m), (0, k_pad - k)))
     if m_pad != m:

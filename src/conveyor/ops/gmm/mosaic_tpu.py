@@ -19,15 +19,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from conveyor.cost import matmul_cost, shape_bytes
+from conveyor.ints import cdiv
 from conveyor.interpreters import tpu_params
 from conveyor.tpu_vmem import vmem_limit
 from conveyor.ops.gmm.metadata import make_group_metadata
 
 _SUPPORTED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-def _cdiv(a, b):
-    return -(-a // b)
 
 
 def check_tiles(sizes: dict[str, int], tiles: dict[str, int], sublane: str, dtype, op: str) -> dict[str, int]:
@@ -127,7 +124,7 @@ def gmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     tm, tk, tn = t["m"], t["k"], t["n"]
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     visits = meta.group_ids.shape[0]
-    grid = (_cdiv(n, tn), visits, _cdiv(k, tk))
+    grid = (cdiv(n, tn), visits, cdiv(k, tk))
 
     def lhs_map(j, v, kk, gids, tids, *_):
         return tids[v], kk
@@ -208,7 +205,7 @@ def tgmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
     tm, tk, tn = t["m"], t["k"], t["n"]
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     visits = meta.group_ids.shape[0]
-    grid = (_cdiv(k, tk), _cdiv(n, tn), visits)
+    grid = (cdiv(k, tk), cdiv(n, tn), visits)
 
     lhs, rhs, existing_out = lhs.astype(cdt), rhs.astype(cdt), existing_out.astype(out_dtype)
     if interpret:  # see gmm_mosaic_tpu: pad the edges the interpreter mishandles

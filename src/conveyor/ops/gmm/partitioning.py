@@ -32,7 +32,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conveyor.ops.gmm.metadata import group_bounds, local_row_mask
-from conveyor.ops.gmm.xla import accum_dtype
+from conveyor.dtypes import accumulation_dtype
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -123,7 +123,7 @@ def _gmm_layout(transpose_rhs: bool, arg_shardings) -> Layout:
 def _partitioned_gmm(impl, static: tuple):
     params = dict(static)
     fn = jax.jit(functools.partial(impl, **params))  # (its constants stay inside: custom_partitioning takes none)
-    acc = accum_dtype(jnp.dtype(params["out_dtype"]))
+    acc = accumulation_dtype(jnp.dtype(params["out_dtype"]))
 
     def make_lower(lay: Layout, mesh, arg_shapes):
         m = arg_shapes[0].shape[0]
@@ -164,7 +164,7 @@ def _tgmm_layout(arg_shardings) -> Layout:
 def _partitioned_tgmm(impl, static: tuple):
     params = dict(static)
     fn = jax.jit(functools.partial(impl, **params))  # (its constants stay inside: custom_partitioning takes none)
-    acc = accum_dtype(jnp.dtype(params["out_dtype"]))
+    acc = accumulation_dtype(jnp.dtype(params["out_dtype"]))
 
     def make_lower(lay: Layout, mesh, arg_shapes):
         m = arg_shapes[1].shape[0]

@@ -1,12 +1,15 @@
 """The definition of gmm and tgmm: a plain loop over groups, written independently of the kernels.
 
 Slow on purpose (one dense product per group, masked); every other backend is tested against it.
-Works in float64 when x64 is enabled. Shares no code with the tiled backends.
+Works in float64 when x64 is enabled. Shares no code with the tiled backends but the
+accumulation dtype rule (`conveyor.dtypes.accumulation_dtype`).
 """
 from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+
+from conveyor.dtypes import accumulation_dtype
 
 
 def _row_ranges(group_sizes, m):
@@ -15,11 +18,6 @@ def _row_ranges(group_sizes, m):
     ends = jnp.minimum(jnp.cumsum(sizes), m)
     starts = jnp.minimum(jnp.cumsum(sizes) - sizes, m)
     return starts, ends
-
-
-def _accum_dtype(*dtypes):
-    dt = jnp.result_type(*dtypes)
-    return jnp.float32 if dt in (jnp.bfloat16, jnp.float16) else dt
 
 
 def _local_masks(group_sizes, group_offset, num_groups, m):
@@ -36,7 +34,7 @@ def _local_masks(group_sizes, group_offset, num_groups, m):
 
 def gmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, **_):
     m = lhs.shape[0]
-    acc = _accum_dtype(lhs.dtype, rhs.dtype)
+    acc = accumulation_dtype(lhs.dtype, rhs.dtype)
     out = existing_out.astype(out_dtype)
     for i, mask in enumerate(_local_masks(group_sizes, group_offset, rhs.shape[0], m)):
         w = rhs[i].T if transpose_rhs else rhs[i]
@@ -47,7 +45,7 @@ def gmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, *, transpos
 
 def tgmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, **_):
     m = lhs.shape[1]
-    acc = _accum_dtype(lhs.dtype, rhs.dtype)
+    acc = accumulation_dtype(lhs.dtype, rhs.dtype)
     outs = []
     for i, mask in enumerate(_local_masks(group_sizes, group_offset, num_groups, m)):
         # Zero both operands outside the group so non-finite values elsewhere cannot leak in.

@@ -35,6 +35,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from conveyor.dtypes import accumulation_dtype
+from conveyor.ints import cdiv
 from conveyor.ops.gmm.metadata import local_group_boundaries
 
 # The smallest row window (a sublane tile); tgmm covers what its full windows leave of a group with
@@ -64,11 +66,6 @@ def default_tgmm_tm(m: int, num_groups: int) -> int:
 def compute_dtype(*dtypes):
     """Operand dtype for the dots: the promoted input type."""
     return jnp.result_type(*dtypes)
-
-
-def accum_dtype(dtype):
-    """float32 accumulation for 16-bit floats, the input type otherwise."""
-    return jnp.float32 if dtype in (jnp.bfloat16, jnp.float16) else dtype
 
 
 def _dot(a, b, contract, acc):
@@ -182,7 +179,7 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs,
     num_groups = rhs.shape[0]
     tm = min(tiling.tm, m)
     cdt = compute_dtype(lhs.dtype, rhs.dtype)
-    acc = accum_dtype(cdt)
+    acc = accumulation_dtype(cdt)
     lhs = lhs.astype(cdt)
     rhs = rhs.astype(cdt)
     bounds = local_group_boundaries(group_sizes, group_offset, num_groups, m)
@@ -220,7 +217,7 @@ def tgmm_capacity(m: int, num_groups: int) -> int:
     avg = m / max(num_groups, 1)
     if avg > CAPACITY_MAX_AVG:
         return 0
-    return min(m, max(MIN_WINDOW, -(-int(avg) // MIN_WINDOW) * MIN_WINDOW))
+    return min(m, max(MIN_WINDOW, cdiv(int(avg), MIN_WINDOW) * MIN_WINDOW))
 
 
 def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling,
@@ -237,7 +234,7 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
     k, m = lhs.shape
     tm = min(tiling.tm, m)
     cdt = compute_dtype(lhs.dtype, rhs.dtype)
-    acc_t = accum_dtype(cdt)
+    acc_t = accumulation_dtype(cdt)
     lhs = lhs.astype(cdt)
     rhs = rhs.astype(cdt)
     bounds = local_group_boundaries(group_sizes, group_offset, num_groups, m)
