@@ -21,9 +21,14 @@ def skewed_group_sizes(m: int, groups: int, *, seed: int = 0, alpha: float = 1.0
 
     An even split flatters every kernel; real routers give some experts many tokens and some none.
     """
-    rng = np.random.default_rng(seed)
-    sizes = np.floor(rng.dirichlet(np.full(groups, alpha)) * m).astype(np.int32)
-    sizes[np.argmax(sizes)] += m - int(sizes.sum())
+    return dirichlet_split(np.random.default_rng(seed), m, groups, alpha)
+
+
+def dirichlet_split(rng: np.random.Generator, total: int, groups: int, alpha: float) -> np.ndarray:
+    """int32[groups] summing to `total`: a Dirichlet(alpha) split drawn from `rng`, floored, the
+    remainder given to the largest group (some groups may be empty)."""
+    sizes = np.floor(rng.dirichlet(np.full(groups, alpha)) * total).astype(np.int32)
+    sizes[np.argmax(sizes)] += total - int(sizes.sum())
     return sizes
 
 

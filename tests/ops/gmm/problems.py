@@ -4,14 +4,12 @@ from __future__ import annotations
 import numpy as np
 import jax.numpy as jnp
 
+from conveyor.problems import dirichlet_split
+
 
 def skewed_sizes(rng: np.random.Generator, m: int, groups: int, alpha: float = 0.5, total: int | None = None):
     """Dirichlet-skewed split of `total` (default m) rows into `groups` groups (some may be empty)."""
-    total = m if total is None else total
-    p = rng.dirichlet(np.full(groups, alpha))
-    sizes = np.floor(p * total).astype(np.int32)
-    sizes[np.argmax(sizes)] += total - sizes.sum()
-    return sizes
+    return dirichlet_split(rng, m if total is None else total, groups, alpha)
 
 
 def operands(rng: np.random.Generator, m: int, k: int, n: int, groups: int, dtype, transpose_rhs=False):
