@@ -55,8 +55,7 @@ def equal_split_tgmm(lhs_t, rhs, groups: int):
 def equal_split_loop_gmm(lhs, rhs):
     """The floor of any one-dot-per-group formulation on XLA:CPU: the batched floor's equal split,
     one dot per group in a `lax.fori_loop` (no skew, no tiles, no masks). Its ratio to the batched
-    floor is what XLA:CPU charges for running the groups' dots one after another (2026-11-25 on the
-    2-core VM, f32: the loop's dots ran 1.1-1.6x faster on two cores than on one, the batched dot 1.8x)."""
+    floor is what XLA:CPU charges for running the groups' dots one after another (docs/xla-backend-notes.md)."""
     g, k, n = rhs.shape
     rows = lhs.shape[0] // g
 

@@ -1,28 +1,12 @@
 """Timing helpers: interleaved repetitions and medians, so ratios within one run are fair.
 
-This machine's speed drifts by tens of percent over seconds (other tenants); running candidates
-round-robin and taking medians keeps the ratios between them stable even when absolute times move.
-Each timed call is prepared (`run_once`) by:
-- a pause, so the spinning worker threads of the previous candidate (OpenBLAS, XLA's Eigen pool) go
-  idle instead of stealing one of the two cores (without it, a NumPy call right before an XLA call
-  slowed it by up to 1.5x on the 2026-11-25 VM; on the 2026-11-27 VM, bf16 cv.gmm G=64 ran 30.4 ms
-  right after the NumPy group loop against 22.3 after nothing);
-- an untimed call of the candidate itself, so the timed call starts on a machine that is working,
-  as a layer's op does inside a training step: on the 2026-11-27 VM an idle pause slowed the next
-  memory-bound call (bf16 batched floor at G=64, medians of 7: 18.6 ms right after another call,
-  20.2 after 0.3 s idle, 23.9 after 1 s), and the warm call tightened the spread (16.2-17.0 ms in 8
-  of 9 calls against 16.9-27.2 without it, `conveyor bench gmm` shapes);
-- a 64 MiB write, so the timed call finds its operands out of the caches the warm call filled (as
-  weights come from DRAM in a real layer). The 2026-11-27 VM reports a 480 MiB L3 shared with
-  other tenants, yet there the batched floor's 128 MiB of bf16 weights did not stay in it: after the
-  warm call, 17.1 ms with no write, 17.4 after 64 MiB, 17.8 after 960 MiB (medians of 9).
-Candidates slower than WARM_CALL_MAX_S get no warm call (an idle pause costs a few ms at most).
-
-Even so, single calls on the 2-core VMs are bimodal: the same jitted f32 dot on the same buffers ran
-11.1-11.8 ms or 14.6-21.0 ms (2026-11-25, `gmm-2026-11-25-2.md`), and on the 2026-11-27 VM calls
-that run on AMX (bf16 cv.gmm and XLA's bf16 dot) take about twice as long in some calls, back to
-back on the same buffers (cv.gmm G=8: 5.1-6.7 ms in 17 of 20 calls, 11.3-11.8 in 3). So a median
-of a few runs can land in either mode and a ratio of two medians can move by up to 1.5x between runs.
+Machine speed drifts over seconds (other tenants); running candidates round-robin and taking
+medians keeps the ratios between them stable. Each timed call (`run_once`) follows a pause (the
+previous candidate's worker threads go idle), an untimed call of the candidate itself (the timed
+call starts on a working machine, as inside a training step; candidates slower than
+WARM_CALL_MAX_S skip it) and a 64 MiB write (operands come from DRAM, as a layer's weights do).
+Single calls on 2-core VMs are bimodal, so a ratio of two medians can move by up to 1.5x between
+runs. The measurements behind each step: docs/xla-backend-notes.md.
 
 `CONVEYOR_BENCH_SETTLE_S` sets the pause (seconds, default 0.3); the test suite sets 0, since it
 checks that the benchmarks run and agree, not their times.
@@ -37,7 +21,7 @@ import jax
 import numpy as np
 
 
-_EVICT = np.zeros(64 * 1024 * 1024 // 8)  # 64 MiB: twice the L3 of the 2026-11-25 VM (see above)
+_EVICT = np.zeros(64 * 1024 * 1024 // 8)  # 64 MiB written before each timed call (see above)
 
 
 def _settle_seconds() -> float:

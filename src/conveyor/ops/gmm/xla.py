@@ -7,28 +7,11 @@ the group's [k, n] block, so its last window is masked (zeros on both sides); wh
 it first computes every group's first rows in one batched dot (`tgmm_capacity`), so most blocks are
 written once. Unlike `lax.ragged_dot` on CPU, there is no G-times dense expansion.
 
-Compile time against speed (2-core CPU, 2026-11-24, same machine and hour; fwd+bwd compile at
-m=512, k=256, n=512, G=8; runtime `conveyor bench gmm --groups 8,64,256 --dtypes float32`, m=4096,
-k=n=1024, gmm / dense): one masked window per group picked from 32 static sizes by `lax.switch`
-compiled in 3.5 s (367k chars of StableHLO) and ran 1.02x / 1.49x / 2.57x at G=8/64/256; from 8
-sizes, 1.3 s (121k) and 1.05x / 1.78x / 2.58x; two tile shapes, 0.5 s (47k) and
-1.21x / 1.99x / 2.83x. Models with many unscanned MoE layers pay the compile per layer, so the
-program stays small: a few window sizes, slices without lax's negative-index handling (`_slice`),
-selects without jnp.where's wrapper, group bounds from one clamped slice, and a row loop that
-carries only its position. gmm's four window sizes (2026-11-25, see `gmm_xla`) cost about 8k
-characters and 0.02-0.035 s of lower+compile for a forward+backward over the two sizes before.
-
-Where the rest of the gap to one dense dot goes (2026-11-25, `benchmarks/results/gmm-2026-11-25-2.md`):
-on one core this backend's gmm at G=8 is 1.08x (f32) / 1.25x (bf16) one dense dot, on two cores
-1.45x / 1.75x: XLA:CPU gives the dots inside a while loop little of the second core. The bench's
-"loop floor" (one dot per group in a fori loop, equal split) measures that cost without this code.
-After the window changes of 2026-11-25 (`gmm-2026-11-25-3.md`), in one process with the bench's
-cold caches, cv.gmm at G=8 ran 49.1 ms (f32) / 42.4 (bf16) against the loop floor's 46.4 / 38.8
-and one dense dot's 44.0 / 21.3: the rest of the gap is the loop floor's.
-
-Measured pitfall: a sequence of small while loops per group (one per power-of-two remainder) made
-G=256 up to 25x slower than dense, because XLA copies the [m, n] carry into each loop; one loop
-per group (with a cond choosing the tile shape) keeps the carry in place.
+The program stays small (models with many unscanned MoE layers pay its compile per layer): a
+few window sizes, slices without lax's negative-index handling (`_slice`), selects without
+jnp.where's wrapper, group bounds from one clamped slice, one loop per group carrying only its
+position (a loop per remainder size made XLA copy the [m, n] carry into each). Measurements:
+docs/xla-backend-notes.md.
 """
 from __future__ import annotations
 
@@ -52,10 +35,7 @@ CAPACITY_MAX_AVG = 128
 def default_tgmm_tm(m: int, num_groups: int) -> int:
     """tgmm's largest row window for the XLA backend, from the average group size m / G.
 
-    Measured for the gmm forward on the 2-core CPU with cold caches (m=4096, k=n=1024, f32;
-    ratios to one dense dot), when gmm used it too: G=1: tm=256 1.10x, tm=512 0.91x, tm=2048
-    1.16x; G=8: 1.18x / 1.10x / 1.35x. At G=256 (16 rows per group) tm=128 was 1.73x against
-    2.03x for tm=256.
+    Chosen by measurement (docs/xla-backend-notes.md).
     """
     avg = m // max(num_groups, 1)
     if avg >= 256:
@@ -158,22 +138,8 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs,
     One loop over groups; each covers its rows with windows of `gmm_windows` sizes (8, 32, 128
     and 512 rows by default), the largest the rows left fill, and a last smallest window that may
     run into the next groups' rows (they are rewritten when those groups run; only a window past
-    the last local row is masked). Measured 2026-11-25 on the 2-core CPU (m=4096, k=n=1024,
-    Dirichlet(1) sizes; this function against its previous version in one process, interleaved,
-    p25 of 15; one-off script, not committed), ms; "before" is windows of tm / 8 and tm rows, the
-    last one masked, with tm = 512 / 256 / 128 at G = 8 / 64 / 256:
-
-    | G | dtype | dense | batched floor | before | these windows |
-    |---|---|---|---|---|---|
-    | 8 | f32 | 43.7 | 41.7 | 48.8 | 48.8 |
-    | 8 | bf16 | 21.5 | 21.7 | 27.4 | 24.6 |
-    | 64 | f32 | 43.6 | 51.6 | 75.0 | 60.6 |
-    | 64 | bf16 | 21.7 | 29.9 | 41.6 | 37.2 |
-    | 256 | f32 | 41.4 | 81.0 | 105.7 | 96.1 |
-    | 256 | bf16 | 21.5 | 52.8 | 64.8 | 63.1 |
-
-    The small windows pay at G >= 64, where a group averages 64 rows or fewer and its last window
-    computes rows the next group computes again; the 512-row one at G = 8.
+    the last local row is masked). Measurements:
+    docs/xla-backend-notes.md.
     """
     m, _k = lhs.shape
     num_groups = rhs.shape[0]
@@ -208,11 +174,7 @@ def tgmm_capacity(m: int, num_groups: int) -> int:
     Small groups make tgmm output-bound (every group writes a [k, n] block however few its rows),
     and a loop that adds each tile's [k, n] product into its accumulator moves that block several
     times. One batched dot over [G, capacity] gathered rows writes every block once; the rows a
-    group has beyond its capacity are added by the tile loop. Measured on the 2-core CPU
-    (2026-11-24, m=4096, k=n=1024, f32, Dirichlet(1) sizes; the equal-split batched floor in the
-    same run, three runs): the previous tile-only tgmm took 1.9-2.4x / 2.6x the floor at
-    G=64 / 256, with this pass 1.3-1.5x / 1.0-1.1x; at G=8 (512 rows per group) the pass pays for
-    the padding of the small groups of a skewed split: 2.0x the floor against 1.6x tile-only.
+    group has beyond its capacity are added by the tile loop. Measurements: docs/xla-backend-notes.md.
     """
     avg = m / max(num_groups, 1)
     if avg > CAPACITY_MAX_AVG:
@@ -240,17 +202,12 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
     bounds = local_group_boundaries(group_sizes, group_offset, num_groups, m)
     # `base[g]` is where group g's accumulation starts; the loop carries the [G, k, n] result in
     # out_dtype and rounds each group's block once, when its rows are done (the same rounding as
-    # an f32 carry cast at the end: bit-identical outputs). The f32 carry cost 16-bit outputs two
-    # passes over all G blocks: measured 2026-11-25 on the 2-core CPU (bf16, m=4096, k=n=1024,
-    # Dirichlet(1) sizes, a random existing_out; this function against its previous version in
-    # one process, interleaved after a cache eviction and pause (bench.timing then), p25 of 9 / 9 / 5; one-off script),
-    # G=8: 54.2 -> 48.5 ms, G=64: 247.3 -> 193.7, G=256: 1151.5 -> 605.3 (batched floor 38.5 /
-    # 120.3 / 401.0); f32 unchanged (63.6 / 63.7 at G=8).
+    # an f32 carry cast at the end: bit-identical outputs). (An f32 carry cost 16-bit
+    # outputs two passes over all G blocks: docs/xla-backend-notes.md.)
     # When base is in out_dtype, the carry's own block g holds base[g] (only group g writes it),
     # and the loop reads that: reading base would keep a second [G, k, n] buffer alive (zeros
-    # materialised when existing_out is implicit: 1 GiB at G=256 f32; in the same kind of A/B,
-    # implicit zeros, f32 G=256: 454.5 ms before this change, 377.1 after, against 1004 in a bench
-    # run that read base). Only a base the carry holds rounded (f32 sums, 16-bit out) is read.
+    # materialised when existing_out is implicit: 1 GiB at G=256 f32; docs/xla-backend-notes.md).
+    # Only a base the carry holds rounded (f32 sums, 16-bit out) is read.
     base = existing_out
     capacity = tgmm_capacity(m, num_groups)
     if capacity:
@@ -263,15 +220,8 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
             x, y = _where_rows(mask, x, 0, (1,)), _where_rows(mask, y, 0, (0,))
         return a + _dot(x, y, ((1,), (0,)), acc_t)
 
-    # Windows of tm, tm / 4 and tm / 8 rows, filled exactly but for the last (masked). Measured
-    # 2026-11-25 on the 2-core CPU (f32, Dirichlet(1) sizes, interleaved medians of 7, one run
-    # each; lhs given transposed, as the gmm backward passes it): at the MoE FFN's shapes (m=2048,
-    # (k, n) = (512, 1024) / (1024, 512), G=8) 49.3 / 49.6 ms with the previous covering (sizes
-    # tm and tm / 8, the smallest window holding what is left: a 139-row group got one 512-row
-    # window), 31.0 / 38.1 with this one (batched floor 19.5 / 21.8); at m=4096, k=n=1024:
-    # G=8 104.2 -> 85.8, G=64 173.7 -> 178.7 (floor 129.0), G=256 577.4 -> 444.3 (floor 381.5).
-    # The four sizes tm / 8 .. tm (powers of two) were faster at G=8 / 256 (79.7 / 373.5 ms) but
-    # each size costs about 2.9k characters of program (compile time, issue 10's budget).
+    # Windows of tm, tm / 4 and tm / 8 rows, filled exactly but for the last (masked). Four power-of-two
+    # sizes were a little faster but cost program size (docs/xla-backend-notes.md).
     windows = tgmm_windows(tm, m)
 
     def group(g, out):
