@@ -66,6 +66,8 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
     s.add_argument("--groups", type=t.positive_int, help="gmm, tgmm: number of groups (default 8, or len(--sizes))")
     s.add_argument("--sizes", type=t.int_list(minimum=0), help="gmm, tgmm: comma-separated group sizes "
                                                                "(default: --m split evenly)")
+    s.add_argument("--hypothetical", action="store_true", help="gmm, tgmm: price an operand dtype no cv.gmm "
+                                                               "kernel takes on the hardware, labelled hypothetical")
     s.add_argument("--devices", type=t.positive_int, default=8)
     s.add_argument("--unidirectional", action="store_true")
     s.add_argument("--unfused", action="store_true", help="the collective, then the matmul")
@@ -187,8 +189,8 @@ def _compile_check(args, fail) -> int:
 _SIMULATE_USES = {
     "matmul": {"m", "k", "n", "dtype", "hardware", "tiling", "stages", "delay_release", "warp_specialized",
                "compute_threads"},
-    "gmm": {"m", "k", "n", "dtype", "hardware", "tiling", "stages", "groups", "sizes"},
-    "tgmm": {"m", "k", "n", "dtype", "hardware", "tiling", "stages", "groups", "sizes"},
+    "gmm": {"m", "k", "n", "dtype", "hardware", "tiling", "stages", "groups", "sizes", "hypothetical"},
+    "tgmm": {"m", "k", "n", "dtype", "hardware", "tiling", "stages", "groups", "sizes", "hypothetical"},
     "copy": {"bytes", "hardware"},
     "all-gather-matmul": {"m", "k", "n", "devices", "dtype", "hardware", "unidirectional", "unfused", "buffering"},
 }
@@ -227,7 +229,8 @@ def _simulate(args, fail) -> int:
     elif args.which in ("gmm", "tgmm"):
         simulate = sim.simulate_gmm if args.which == "gmm" else sim.simulate_tgmm
         report = simulate(_group_sizes(args, fail), args.k, args.n, dtype=args.dtype,
-                          hardware=args.hardware, tiling=args.tiling, stages=args.stages)
+                          hardware=args.hardware, tiling=args.tiling, stages=args.stages,
+                          hypothetical=args.hypothetical)
     elif args.which == "copy":
         report = sim.simulate_copy(args.bytes, hardware=args.hardware)
     else:

@@ -233,6 +233,24 @@ def _grouped_kernel(hw: Hardware, tiling, stages, kernel_tiling, *, block_elems:
                 staging_bytes=None, kernel="searched" if tiling is None or stages is None else "given")
 
 
+# The operand dtypes the cv.gmm / cv.tgmm kernels take, per hardware kind: mosaic_gpu multiplies
+# with wgmma's 16-bit floats, mosaic_tpu takes float32 and bfloat16.
+GROUPED_KERNEL_DTYPES = {"gpu": ("bfloat16", "float16"), "tpu": ("float32", "bfloat16")}
+
+
+def _grouped_dtype(where: str, dtype: str, hw: Hardware, hypothetical: bool) -> bool:
+    """Whether the simulation prices a kernel that does not exist (an operand dtype no cv.gmm kernel
+    takes on this hardware): refused by name unless `hypothetical`."""
+    name = dtypes.canonical(dtype)
+    if name in GROUPED_KERNEL_DTYPES[hw.kind]:
+        return False
+    if not hypothetical:
+        raise ValueError(f"{where}: no cv.gmm/cv.tgmm kernel takes {name} operands on {hw.name} (its kernels take "
+                         f"{', '.join(GROUPED_KERNEL_DTYPES[hw.kind])}); pass hypothetical=True (the CLI's "
+                         f"--hypothetical) to price a kernel that does not exist, labelled as one")
+    return True
+
+
 def _check_sizes(where: str, group_sizes: Sequence[int]) -> int:
     if any(int(g) < 0 for g in group_sizes) or not sum(int(g) for g in group_sizes) > 0:
         raise ValueError(f"{where}: group_sizes must be non-negative with a positive sum, got {list(group_sizes)}")
@@ -263,22 +281,27 @@ def _grouped(where: str, m: int, k: int, n: int, *, dtype: str, hw: Hardware, cf
 
 def simulate_gmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf16",
                  hardware: str | Hardware = "h100", tiling: Sequence[int] | None = None,
-                 stages: int | None = None) -> Report:
+                 stages: int | None = None, hypothetical: bool = False) -> Report:
     """Grouped matmul over the tile schedule every Conveyor backend runs (`make_group_metadata`):
     one visit per (row tile, group) pair that intersect, so a tile shared by two groups is computed
     twice and a partial tile costs a whole one; visits times column tiles spread over the cores;
     each group's [k, n] weights cross HBM once. `tiling` is cv.gmm's (tm, tk, tn). On GPU
     hardware without `tiling`/`stages` it is the mosaic_gpu kernel (`config["kernel"]`): its
-    tiles, 4 slots, two compute warpgroups and delay_release=1; otherwise tiles are searched."""
+    tiles, 4 slots, two compute warpgroups and delay_release=1; otherwise tiles are searched.
+    An operand dtype no cv.gmm kernel takes on the hardware is refused unless `hypothetical`
+    (then `config["kernel"]` says "hypothetical")."""
     hw = get_hardware(hardware)
     m = _check_sizes("simulate_gmm", group_sizes)
     _check_positive("simulate_gmm", k=k, n=n, stages=stages)
+    imagined = _grouped_dtype("simulate_gmm", dtype, hw, hypothetical)
     b = dtypes.itemsize(dtype)
     tm, tk, tn = MOSAIC_GPU.gmm_tiles_for(k, n)
     cfg = _grouped_kernel(hw, tiling, stages, (tm, tk, tn), block_elems=tm * tk + tk * tn,
                           staging_elems=math.prod(MOSAIC_GPU.staging_shape(tm, tn)), itemsize=b)
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b
+    if imagined:
+        cfg["kernel"] = f"hypothetical ({cfg['kernel']} with {dtypes.canonical(dtype)} operands)"
     return _grouped("simulate_gmm", m, k, n, dtype=dtype, hw=hw, cfg=cfg, hbm_bytes=hbm, workload="gmm",
                     tiles_for=lambda bm, bn: count_visits(group_sizes, bm) * math.ceil(n / bn),
                     extra=dict(groups=len(group_sizes), m=m))
@@ -286,20 +309,23 @@ def simulate_gmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf
 
 def simulate_tgmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf16",
                   hardware: str | Hardware = "h100", tiling: Sequence[int] | None = None,
-                  stages: int | None = None) -> Report:
+                  stages: int | None = None, hypothetical: bool = False) -> Report:
     """Transposed grouped matmul ([k, m] x [m, n] -> [G, k, n], the weight gradient): one output
     tile per (group, k-tile, n-tile), whose pipeline reduces over the tm-row blocks its group's
     rows touch (`metadata.count_row_blocks`: a block shared by two groups is read by both). The
     groups' block counts are averaged over the non-empty groups' tiles (the cores share them out);
     every group's [k, n] output crosses HBM once. `tiling` is cv.tgmm's (tm, tk, tn); on GPU
     hardware without `tiling`/`stages`, the mosaic_gpu kernel's configuration (as in
-    `simulate_gmm`)."""
+    `simulate_gmm`, with its dtype rule and `hypothetical`)."""
     hw = get_hardware(hardware)
     m = _check_sizes("simulate_tgmm", group_sizes)
     _check_positive("simulate_tgmm", k=k, n=n, stages=stages)
+    imagined = _grouped_dtype("simulate_tgmm", dtype, hw, hypothetical)
     tm, tk, tn = MOSAIC_GPU.tgmm_tiles_for(n)
     cfg = _grouped_kernel(hw, tiling, stages, (tm, tk, tn), block_elems=tk * tm + tm * tn,
                           staging_elems=math.prod(MOSAIC_GPU.staging_shape(tk, tn)), itemsize=dtypes.itemsize(dtype))
+    if imagined:
+        cfg["kernel"] = f"hypothetical ({cfg['kernel']} with {dtypes.canonical(dtype)} operands)"
     if cfg["tiling"] is None:
         cfg["tiling"] = (128, 128, 128)   # the tgmm reduction block is tm: no search over it
     tm = int(cfg["tiling"][0])
