@@ -24,10 +24,18 @@ from jax.experimental import pallas as pl
 from conveyor import backends
 from conveyor.aliasing import check_alias_operands, check_aliases
 from conveyor.jaxprs import call_as_thread, run_state
+from conveyor.lowering_guard import only_for
 from conveyor.plans.grid import normalize_semantics, unravel
 from conveyor.spmd import per_device_call
 
 AVAILABLE = ("xla", "mosaic_tpu", "mosaic_gpu")
+# Where backend=None means the xla loop (conveyor.backends.PLATFORM_DEFAULTS); lowered elsewhere,
+# such a kernel is refused with DEFAULT_ELSEWHERE rather than silently holding the loop.
+XLA_DEFAULT_PLATFORMS = tuple(p for p, order in backends.PLATFORM_DEFAULTS.items()
+                              if next((b for b in order if b in AVAILABLE), "xla") == "xla")
+DEFAULT_ELSEWHERE = ("cv.kernel(backend=None) chose the xla loop for this process's platform; lowered for "
+                     "{platform}, it would run that loop, not a Pallas kernel. Pass backend='mosaic_tpu' (TPU) "
+                     "or 'mosaic_gpu' (GPU) for the kernel, or backend='xla' to export the loop on purpose")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +175,7 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         the kernel updates in place; xla: the output's initial value). Without it an output
         starts uninitialized (poisoned on xla).
     """
+    chosen_by_platform = backend is None
     backend = backends.check_backend(backend, AVAILABLE, "cv.kernel")
     if cost_estimate is not None and not isinstance(cost_estimate, pl.CostEstimate):
         raise TypeError(f"cv.kernel: cost_estimate must be a pl.CostEstimate or None, got {cost_estimate!r}")
@@ -233,6 +242,8 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
 
         # Inside shard_map the kernel runs per device (outputs vary as its inputs do).
         results = tuple(per_device_call(execute, outs, *[jnp.asarray(x) for x in inputs]))
+        if chosen_by_platform:   # the xla loop was chosen for this process's platform: not for others
+            results = tuple(only_for(r, XLA_DEFAULT_PLATFORMS, DEFAULT_ELSEWHERE) for r in results)
         return results[0] if single else results
 
     return run

@@ -211,8 +211,8 @@ def test_a_dtype_no_grouped_kernel_takes_is_priced_only_as_hypothetical(fn):
     """cv.gmm refuses fp8 and int8 everywhere, float32 on mosaic_gpu, float16 on mosaic_tpu: the
     simulator prices them only when asked to, and says the kernel is imagined."""
     for dtype, hw in (("fp8", "h100"), ("int8", "h100"), ("f32", "h100"), ("f16", "v5e")):
-        with pytest.raises(ValueError, match=rf"no cv.gmm/cv.tgmm kernel takes \w+ operands on .*pass "
-                                             rf"hypothetical=True"):
+        with pytest.raises(ValueError, match=r"no cv.gmm/cv.tgmm kernel takes \w+ operands on .*pass "
+                                             r"hypothetical=True"):
             fn([512] * 8, 1024, 1024, dtype=dtype, hardware=hw)
     imagined = fn([512] * 8, 1024, 1024, dtype="fp8", hardware="h100", hypothetical=True)
     assert imagined.config["kernel"] == "hypothetical (cv mosaic_gpu with float8_e4m3fn operands)"

@@ -138,3 +138,18 @@ def test_default_backend_runs_on_the_host():
     s = jnp.asarray([10, 20, 30, 40], jnp.int32)
     out = cv.gmm(x, w, s)
     assert float(out[:100].min()) == 128.0 and float(jnp.abs(out[100:]).max()) == 0.0
+
+
+def test_cv_kernel_default_is_not_exported_as_a_loop_where_a_kernel_is_the_default():
+    """cv.kernel(backend=None) decides when called, on this CPU process: the xla loop. Exported for
+    tpu (whose default is the Pallas kernel) it is refused with the fix; cpu and cuda (xla by
+    default) take it, and a named backend='xla' exports the loop anywhere."""
+    def body(x_ref, o_ref):
+        o_ref[...] = 2.0 * x_ref[...]
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    default = jax.jit(cv.kernel(body, x))
+    assert "stablehlo" in _module(default, ["cpu", "cuda"], (x,))
+    with pytest.raises(NotImplementedError, match=r"cv.kernel\(backend=None\) chose the xla loop for this "
+                                                  r"process's platform; lowered for tpu.*Pass backend='mosaic_tpu'"):
+        _module(default, ["tpu"], (x,))
+    assert "tpu_custom_call" not in _module(jax.jit(cv.kernel(body, x, backend="xla")), ["tpu"], (x,))

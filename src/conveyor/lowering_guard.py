@@ -1,0 +1,34 @@
+"""Values that may only be lowered for the platforms their producer was chosen for.
+
+`cv.kernel(backend=None)` picks its backend when it is called, from this process's platform (a
+kernel body cannot be traced for every backend in advance). Lowered for another platform, as
+`jax.export(..., platforms=["tpu"])` from a CPU host does, it would hold the xla loop where the
+user expects a Pallas kernel. `only_for` marks the kernel's outputs so that such a lowering fails
+with a message naming the backend to pass instead.
+"""
+from __future__ import annotations
+
+from conveyor._compat import Primitive, ad, batching, mlir
+
+lowered_for_p = Primitive("conveyor_lowered_for")
+lowered_for_p.def_impl(lambda x, *, platforms, message: x)   # run eagerly: on this process's platform
+lowered_for_p.def_abstract_eval(lambda aval, *, platforms, message: aval)
+
+
+def _lowering(ctx, x, *, platforms, message):
+    others = [p for p in ctx.module_context.platforms if p not in platforms]
+    if others:
+        raise NotImplementedError(message.format(platform=others[0]))
+    return [x]
+
+
+mlir.register_lowering(lowered_for_p, _lowering)
+batching.primitive_batchers[lowered_for_p] = lambda args, dims, **params: (lowered_for_p.bind(*args, **params), dims[0])
+ad.primitive_jvps[lowered_for_p] = lambda primals, tangents, **params: (lowered_for_p.bind(*primals, **params),
+                                                                       tangents[0])
+
+
+def only_for(x, platforms: tuple[str, ...], message: str):
+    """`x`, refusing to be lowered for a platform outside `platforms` with `message` (which may
+    name `{platform}`)."""
+    return lowered_for_p.bind(x, platforms=tuple(platforms), message=message)
