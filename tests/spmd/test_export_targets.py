@@ -153,3 +153,23 @@ def test_cv_kernel_default_is_not_exported_as_a_loop_where_a_kernel_is_the_defau
                                                   r"process's platform; lowered for tpu.*Pass backend='mosaic_tpu'"):
         _module(default, ["tpu"], (x,))
     assert "tpu_custom_call" not in _module(jax.jit(cv.kernel(body, x, backend="xla")), ["tpu"], (x,))
+
+
+def test_collective_default_is_not_exported_as_the_xla_ring_for_tpu():
+    """The collective matmuls also choose when called: on this CPU process the xla ring, refused
+    when exported for tpu (default: the Mosaic ring kernel); backend='xla' exports it on purpose."""
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+
+    def ring(backend):
+        def local(a, b):
+            return cv.all_gather_matmul(a, b, axis_name="x", gather_dim=0, backend=backend)
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
+
+    args = (jax.ShapeDtypeStruct((32, 128), jnp.float32), jax.ShapeDtypeStruct((128, 128), jnp.float32))
+    assert "stablehlo" in _module(ring(None), ["cpu"], args)
+    with pytest.raises(NotImplementedError, match=r"backend=None chose the xla ring for this process's "
+                                                  r"platform; lowered for tpu.*Pass backend='mosaic_tpu'"):
+        _module(ring(None), ["tpu"], args)
+    assert "tpu_custom_call" not in _module(ring("xla"), ["tpu"], args)

@@ -14,11 +14,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from conveyor import backends
-from conveyor.spmd import varying_axes
+from conveyor.backends import Implementation, Registry
+from conveyor.lowering_guard import only_for
 from conveyor.ops.collective_matmul import reference, xla
 from conveyor.plans.ring import RingPlan, ring_plan
-
-AVAILABLE = ("xla", "mosaic_tpu", "reference")
+from conveyor.spmd import varying_axes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -52,15 +52,30 @@ def _axis_size(axis_name) -> int:
         raise ValueError(f"axis_name: {axis_name!r} is not a mesh axis of the enclosing shard_map ({e})") from e
 
 
-def _choose(backend, interpret, op):
-    """Backend choice: `interpret` implies mosaic_tpu; otherwise the platform's default. Every
-    gather/scatter dimension and direction runs on every backend."""
+def _choose(backend, interpret, registry: Registry) -> str:
+    """Backend choice: `interpret` implies mosaic_tpu; otherwise the default of this process's
+    platform (decided when called: see `_lowered_as_chosen`). Every gather/scatter dimension and
+    direction runs on every backend."""
     if backend is None and interpret:
         backend = "mosaic_tpu"
-    backend = backends.check_backend(backend, AVAILABLE, op)
-    if backend != "mosaic_tpu" and interpret:
-        raise ValueError(f"interpret: only the mosaic_tpu backend has an interpreter, got backend={backend!r}")
-    return backend
+    impl = registry.get(backend) if backend is not None else registry.get(
+        backends.default_backend(registry.names))
+    if interpret and not impl.interprets:
+        raise ValueError(f"interpret: only the mosaic_tpu backend has an interpreter, got backend={impl.name!r}")
+    return impl.name
+
+
+def _lowered_as_chosen(out, backend_arg, backend: str):
+    """backend=None chose `backend` for this process's platform; the xla ring lowered for a platform
+    whose default is a kernel (an export for tpu from a CPU host) is refused rather than held."""
+    if backend_arg is not None or backend != "xla":
+        return out
+    platforms = tuple(p for p, order in backends.PLATFORM_DEFAULTS.items()
+                      if next((b for b in order if b in AGM.names), "xla") == "xla")
+    return only_for(out, platforms, "the collective matmul's backend=None chose the xla ring for this process's "
+                                    "platform; lowered for {platform}, it would run that ring, not the Mosaic "
+                                    "kernel. Pass backend='mosaic_tpu', or backend='xla' to export the ring on "
+                                    "purpose")
 
 
 def _check_common(lhs, rhs, buffering, op):
@@ -90,7 +105,7 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, *, axis_name, gather_dim: 
     _check_common(lhs, rhs, buffering, "all_gather_matmul")
     if gather_dim not in (0, 1):
         raise ValueError(f"gather_dim: expected 0 or 1, got {gather_dim!r}")
-    backend = _choose(backend, interpret, "all_gather_matmul")
+    backend_arg, backend = backend, _choose(backend, interpret, AGM)
     size = _axis_size(axis_name)
     want = size * lhs.shape[1] if gather_dim == 1 else lhs.shape[1]
     if rhs.shape[0] != want:
@@ -99,7 +114,7 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, *, axis_name, gather_dim: 
     cfg = RingConfig(axis_name=axis_name, size=size, dim=gather_dim, bidirectional=bool(bidirectional),
                      buffering=buffering, out_dtype=_out_dtype(lhs, rhs, preferred_element_type), backend=backend,
                      interpret=interpret or None)
-    return _agm(cfg, lhs, rhs)
+    return _lowered_as_chosen(_agm(cfg, lhs, rhs), backend_arg, backend)
 
 
 def matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, *, axis_name, scatter_dim: int = 0,
@@ -114,7 +129,7 @@ def matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, *, axis_name, scatter_
     _check_common(lhs, rhs, buffering, "matmul_reduce_scatter")
     if scatter_dim not in (0, 1):
         raise ValueError(f"scatter_dim: expected 0 or 1, got {scatter_dim!r}")
-    backend = _choose(backend, interpret, "matmul_reduce_scatter")
+    backend_arg, backend = backend, _choose(backend, interpret, MRS)
     if lhs.shape[1] != rhs.shape[0]:
         raise ValueError(f"rhs: contraction size rhs.shape[0] must match lhs.shape[1]={lhs.shape[1]}, "
                          f"got rhs shape {tuple(rhs.shape)}")
@@ -125,35 +140,47 @@ def matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, *, axis_name, scatter_
     cfg = RingConfig(axis_name=axis_name, size=size, dim=scatter_dim, bidirectional=bool(bidirectional),
                      buffering=buffering, out_dtype=_out_dtype(lhs, rhs, preferred_element_type), backend=backend,
                      interpret=interpret or None)
-    return _mrs(cfg, lhs, rhs)
+    return _lowered_as_chosen(_mrs(cfg, lhs, rhs), backend_arg, backend)
+
+
+def _agm_mosaic_tpu(cfg: RingConfig, lhs, rhs):
+    from conveyor.ops.collective_matmul import mosaic_tpu
+    return mosaic_tpu.all_gather_matmul_mosaic_tpu(lhs, rhs, axis_name=cfg.axis_name, plan=cfg.plan("gather"),
+                                                   out_dtype=cfg.out_dtype, interpret=cfg.interpret,
+                                                   gather_dim=cfg.dim)
+
+
+def _mrs_mosaic_tpu(cfg: RingConfig, lhs, rhs):
+    from conveyor.ops.collective_matmul import mosaic_tpu
+    return mosaic_tpu.matmul_reduce_scatter_mosaic_tpu(lhs, rhs, axis_name=cfg.axis_name, plan=cfg.plan("scatter"),
+                                                       out_dtype=cfg.out_dtype, interpret=cfg.interpret,
+                                                       scatter_dim=cfg.dim)
+
+
+AGM = Registry("all_gather_matmul", (
+    Implementation(name="xla", run=lambda cfg, lhs, rhs: xla.all_gather_matmul_xla(
+        lhs, rhs, axis_name=cfg.axis_name, size=cfg.size, gather_dim=cfg.dim, plan=cfg.plan("gather"),
+        out_dtype=cfg.out_dtype)),
+    Implementation(name="mosaic_tpu", run=_agm_mosaic_tpu, interprets=True),
+    Implementation(name="reference", run=lambda cfg, lhs, rhs: reference.all_gather_matmul_reference(
+        lhs, rhs, axis_name=cfg.axis_name, gather_dim=cfg.dim, out_dtype=cfg.out_dtype)),
+))
+MRS = Registry("matmul_reduce_scatter", (
+    Implementation(name="xla", run=lambda cfg, lhs, rhs: xla.matmul_reduce_scatter_xla(
+        lhs, rhs, axis_name=cfg.axis_name, size=cfg.size, scatter_dim=cfg.dim, plan=cfg.plan("scatter"),
+        out_dtype=cfg.out_dtype)),
+    Implementation(name="mosaic_tpu", run=_mrs_mosaic_tpu, interprets=True),
+    Implementation(name="reference", run=lambda cfg, lhs, rhs: reference.matmul_reduce_scatter_reference(
+        lhs, rhs, axis_name=cfg.axis_name, scatter_dim=cfg.dim, out_dtype=cfg.out_dtype)),
+))
 
 
 def _run_agm(cfg: RingConfig, lhs, rhs):
-    plan = cfg.plan("gather")
-    if cfg.backend == "mosaic_tpu":
-        from conveyor.ops.collective_matmul import mosaic_tpu
-        return mosaic_tpu.all_gather_matmul_mosaic_tpu(lhs, rhs, axis_name=cfg.axis_name, plan=plan,
-                                                       out_dtype=cfg.out_dtype, interpret=cfg.interpret,
-                                                       gather_dim=cfg.dim)
-    if cfg.backend == "reference":
-        return reference.all_gather_matmul_reference(lhs, rhs, axis_name=cfg.axis_name, gather_dim=cfg.dim,
-                                                     out_dtype=cfg.out_dtype)
-    return xla.all_gather_matmul_xla(lhs, rhs, axis_name=cfg.axis_name, size=cfg.size, gather_dim=cfg.dim,
-                                     plan=plan, out_dtype=cfg.out_dtype)
+    return AGM.get(cfg.backend).run(cfg, lhs, rhs)
 
 
 def _run_mrs(cfg: RingConfig, lhs, rhs):
-    plan = cfg.plan("scatter")
-    if cfg.backend == "mosaic_tpu":
-        from conveyor.ops.collective_matmul import mosaic_tpu
-        return mosaic_tpu.matmul_reduce_scatter_mosaic_tpu(lhs, rhs, axis_name=cfg.axis_name, plan=plan,
-                                                           out_dtype=cfg.out_dtype, interpret=cfg.interpret,
-                                                           scatter_dim=cfg.dim)
-    if cfg.backend == "reference":
-        return reference.matmul_reduce_scatter_reference(lhs, rhs, axis_name=cfg.axis_name, scatter_dim=cfg.dim,
-                                                         out_dtype=cfg.out_dtype)
-    return xla.matmul_reduce_scatter_xla(lhs, rhs, axis_name=cfg.axis_name, size=cfg.size, scatter_dim=cfg.dim,
-                                         plan=plan, out_dtype=cfg.out_dtype)
+    return MRS.get(cfg.backend).run(cfg, lhs, rhs)
 
 
 def _match_vma(ct, primal):
