@@ -48,6 +48,7 @@ class KernelContext:
     grid: tuple[int, ...] = ()
     program_ids: tuple[Any, ...] = ()  # xla: the traced grid point being run
     scratch_bytes: int = 0  # mosaic_gpu: shared memory of scratch_shapes, which pipelines count against the budget
+    checked: bool | None = None  # xla: pipelines in checked mode (None: `cv.pipeline.checked_schedule()`)
     # Trace-time record of pipeline prefetches not yet consumed, by the id of each allocation ref
     # they fill (`emit_pipeline(...).prefetch`); shared by every point and thread of one kernel.
     pending_prefetches: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
@@ -140,7 +141,7 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
            scratch_shapes: Sequence[Any] = (), grid: Sequence[int] = (),
            dimension_semantics: Sequence[Any] | None = None,
            input_output_aliases: Mapping[int, int] | None = None,
-           cost_estimate: Any = None) -> Callable[..., Any]:
+           cost_estimate: Any = None, checked: bool | None = None) -> Callable[..., Any]:
     """Wrap `body(*in_refs, *out_refs, *scratch_refs)` into a function of arrays returning `out_shape`.
 
     Args:
@@ -150,6 +151,8 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         pipelines copy blocks into VMEM) or "mosaic_gpu" (a Mosaic GPU kernel, operands in GMEM,
         pipelines copy blocks into SMEM with TMA).
       interpret: run a mosaic backend through its Pallas interpreter (True or InterpretParams).
+      checked: xla only: run the kernel's pipelines in checked mode (True), or not (False); None
+        takes `cv.pipeline.checked_schedule()` where the kernel is traced.
       scratch_shapes: ShapeDtypeStructs of extra on-chip buffers passed after the outputs (VMEM on
         TPU, SMEM on GPU). Mosaic backends also take `cv.SemaphoreType(shape)` (Pallas' REGULAR
         semaphores, used with `pl.semaphore_signal` / `pl.semaphore_wait`) and their native
@@ -176,6 +179,11 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         starts uninitialized (poisoned on xla).
     """
     chosen_by_platform = backend is None
+    if checked is not None and not isinstance(checked, bool):
+        raise TypeError(f"cv.kernel: checked must be True, False or None, got {checked!r}")
+    if checked is not None and backend not in (None, "xla"):
+        raise ValueError(f"cv.kernel: checked is the xla backend's mode, got backend={backend!r} with "
+                         f"checked={checked}")
     backend = backends.check_backend(backend, AVAILABLE, "cv.kernel")
     if cost_estimate is not None and not isinstance(cost_estimate, pl.CostEstimate):
         raise TypeError(f"cv.kernel: cost_estimate must be a pl.CostEstimate or None, got {cost_estimate!r}")
@@ -196,7 +204,7 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         return kernel_tpu.launch(body, outs, scratch, single, interpret,
                                  lambda: _entered(KernelContext(backend, interpret, grid=grid)), grid, semantics,
                                  aliases, cost_estimate)
-    ctx = KernelContext(backend, interpret, threads, thread_name, grid=grid)
+    ctx = KernelContext(backend, interpret, threads, thread_name, grid=grid, checked=checked)
     if backend == "mosaic_gpu":
         from conveyor import kernel_gpu
         ctx = dataclasses.replace(ctx, scratch_bytes=kernel_gpu.smem_bytes(scratch))

@@ -12,7 +12,7 @@ from conveyor.plans.pipeline import PipelinePlan
 B = (8, 128)
 
 
-def _matmul_like(mcs, delay, no_pipelining=False, buffered=None):
+def _matmul_like(mcs, delay, no_pipelining=False, buffered=None, checked=None):
     """out[i] = sum_k x[i, k] * w[k] + bias: a revisited output (reduction over k), a cycling input
     (x), one with its own buffer count (w, when `buffered`) and an index-invariant one (bias)."""
     x_spec = cv.BlockSpec(B, lambda i, k: (i, k))
@@ -30,7 +30,7 @@ def _matmul_like(mcs, delay, no_pipelining=False, buffered=None):
         cv.emit_pipeline(body, grid=(3, 4), in_specs=[x_spec, w_spec, bias_spec],
                          out_specs=[cv.BlockSpec(B, lambda i, k: (i, 0))], max_concurrent_steps=mcs,
                          delay_release=delay, no_pipelining=no_pipelining)(x, w, bias, o)
-    return cv.kernel(kernel, jax.ShapeDtypeStruct((3 * B[0], B[1]), jnp.float32), backend="xla")
+    return cv.kernel(kernel, jax.ShapeDtypeStruct((3 * B[0], B[1]), jnp.float32), backend="xla", checked=checked)
 
 
 def _inputs(seed):
@@ -76,6 +76,24 @@ def test_a_fetch_one_step_off_gives_wrong_values_in_the_checked_mode_only(monkey
     with cv.pipeline.checked_schedule():
         got = np.asarray(jax.jit(_matmul_like(mcs=2, delay=0))(x, w, bias))
     assert not np.allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+def test_the_mode_named_on_the_kernel_wins_over_the_context(monkeypatch):
+    """cv.kernel(checked=...) names the executor: with the same planted bug, checked=True fails
+    outside any context and checked=False runs the fast path inside checked_schedule()."""
+    x, w, bias = _inputs(9)
+    want = _reference(x, w, bias)
+    monkeypatch.setattr(PipelinePlan, "fetch_step", lambda self, op, s: s + self.input_lookahead(op) + 1)
+    with cv.pipeline.checked_schedule(False):
+        got = np.asarray(jax.jit(_matmul_like(mcs=2, delay=0, checked=True))(x, w, bias))
+    assert not np.allclose(got, want, rtol=1e-3, atol=1e-3)
+    with cv.pipeline.checked_schedule():
+        np.testing.assert_allclose(jax.jit(_matmul_like(mcs=2, delay=0, checked=False))(x, w, bias), want,
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="checked is the xla backend's mode, got backend='mosaic_tpu'"):
+        cv.kernel(lambda o: None, jax.ShapeDtypeStruct((8, 128), jnp.float32), backend="mosaic_tpu", checked=True)
+    with pytest.raises(TypeError, match="checked must be True, False or None, got 'yes'"):
+        cv.kernel(lambda o: None, jax.ShapeDtypeStruct((8, 128), jnp.float32), checked="yes")
 
 
 def test_a_prologue_one_fetch_short_reads_poison(monkeypatch):

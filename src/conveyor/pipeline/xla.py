@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from conveyor.jaxprs import call_as_thread, is_jax_ref
-from conveyor.kernel import poison
+from conveyor.kernel import current_context, poison
 from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.lowering import block_in_bounds, bool_setting, call_body, when
 from conveyor.plans import fetch
@@ -63,7 +63,8 @@ _CHECKED = contextvars.ContextVar("conveyor_checked_schedule", default=False)
 def checked_schedule(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
     """Pipelines traced inside this block run the xla backend's checked mode (see the module
     docstring): slower, and a schedule bug shows up as wrong values. It acts when a pipeline is
-    traced, so a function jitted earlier keeps the mode it was traced with."""
+    traced, so a function jitted earlier keeps the mode it was traced with; `cv.kernel(checked=...)`
+    names the mode explicitly instead."""
     return bool_setting(_CHECKED, "checked_schedule", enabled)
 
 
@@ -98,7 +99,8 @@ def store_block(p: PipelinePlan, op: OperandPlan, gref, value, step, when):
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
     """Run `body(indices, *in_block_refs, *out_block_refs[, carry])` over the plan's steps."""
     p = p.fetching_every_block()
-    if _CHECKED.get():
+    checked = current_context("emit_pipeline").checked
+    if _CHECKED.get() if checked is None else checked:
         return _run_checked(p, body, in_refs, out_refs, init_carry, has_carry)
     n_in = len(p.inputs)
     # Fresh refs (not pl.run_scoped, whose XLA lowering fails when the body is itself inside a
