@@ -29,7 +29,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
+from conveyor import _compat
 from conveyor.jaxprs import args_reaching_outputs
 from conveyor.plans import fetch as fetch_lib
 from conveyor.plans.grid import ARBITRARY, Int, normalize_semantics, partition_grid, unravel
@@ -83,23 +85,22 @@ def block_dimensions(shape: Sequence[Any], name: str) -> tuple[tuple[int | None,
     padding (upstream's TPU pipeline refuses it too) and upstream's other kinds (`pl.Indirect`)."""
     sizes, elements, bounded = [], [], []
     for d, dim in enumerate(shape):
-        kind = type(dim).__name__
-        if dim is None or kind == "Squeezed":
+        if dim is None or isinstance(dim, pl.Squeezed):
             sizes.append(None)
-        elif kind == "Element":
+        elif isinstance(dim, pl.Element):
             if tuple(dim.padding) != (0, 0):
                 raise NotImplementedError(f"{name}: block dimension {d} is {dim}: pl.Element with padding is not "
                                           f"supported; pad the array instead")
             sizes.append(int(dim.block_size))
             elements.append(d)
-        elif kind == "Blocked":
+        elif isinstance(dim, pl.Blocked):
             sizes.append(int(dim.block_size))
-        elif kind == "BoundedSlice":
+        elif isinstance(dim, pl.BoundedSlice):
             sizes.append(int(dim.block_size))
             bounded.append(d)
         elif _positive_int(dim):
             sizes.append(int(dim))
-        elif kind == "Indirect":
+        elif isinstance(dim, pl.Indirect):
             raise NotImplementedError(f"{name}: block dimension {d} is {dim}: pl.Indirect (a gather / scatter "
                                       f"window) is not supported; gather the rows into a contiguous array first")
         else:
@@ -298,8 +299,8 @@ def _is_spec(x: Any) -> bool:
 
 
 def _is_no_block_spec(x: Any) -> bool:
-    """Pallas's `pl.no_block_spec` (matched by type name: its class is private)."""
-    return type(x).__name__ == "NoBlockSpec"
+    """Pallas's `pl.no_block_spec` (its class is private: read through conveyor._compat)."""
+    return isinstance(x, _compat.pallas_core.NoBlockSpec)
 
 
 def _unwindowed(spec: Any, name: str) -> bool:
@@ -659,7 +660,7 @@ class PipelinePlan:
 
 def _is_slice(entry: Any) -> bool:
     """An index-map entry that is a `pl.ds(start, size)` (Pallas's Slice)."""
-    return type(entry).__name__ == "Slice" and hasattr(entry, "start") and hasattr(entry, "size")
+    return isinstance(entry, _compat.Slice)
 
 
 def _check_entry(name: str, d: int, entry: Any, bounded_dims: tuple[int, ...], block: int | None) -> None:
