@@ -100,6 +100,13 @@ def default_backend(available: tuple[str, ...]) -> str:
     return next((b for b in PLATFORM_DEFAULTS.get(process_platform(), ("xla",)) if b in available), "xla")
 
 
+def platforms_defaulting_to(backend: str, available: tuple[str, ...]) -> tuple[str, ...]:
+    """The platforms whose default order, among `available`, starts with `backend`: where a
+    `backend=None` choice of it is also what lowering for that platform would choose."""
+    return tuple(p for p, order in PLATFORM_DEFAULTS.items()
+                 if next((b for b in order if b in available), "xla") == backend)
+
+
 def check_backend(backend: str | None, available: tuple[str, ...], op: str) -> str:
     """Validate a user's `backend` argument for `op`; None picks the platform default."""
     if backend is None:

@@ -31,8 +31,7 @@ from conveyor.spmd import per_device_call
 AVAILABLE = ("xla", "mosaic_tpu", "mosaic_gpu")
 # Where backend=None means the xla loop (conveyor.backends.PLATFORM_DEFAULTS); lowered elsewhere,
 # such a kernel is refused with DEFAULT_ELSEWHERE rather than silently holding the loop.
-XLA_DEFAULT_PLATFORMS = tuple(p for p, order in backends.PLATFORM_DEFAULTS.items()
-                              if next((b for b in order if b in AVAILABLE), "xla") == "xla")
+XLA_DEFAULT_PLATFORMS = backends.platforms_defaulting_to("xla", AVAILABLE)
 DEFAULT_ELSEWHERE = ("cv.kernel(backend=None) chose the xla loop for this process's platform; lowered for "
                      "{platform}, it would run that loop, not a Pallas kernel. Pass backend='mosaic_tpu' (TPU) "
                      "or 'mosaic_gpu' (GPU) for the kernel, or backend='xla' to export the loop on purpose")

@@ -70,8 +70,7 @@ def _lowered_as_chosen(out, backend_arg, backend: str):
     whose default is a kernel (an export for tpu from a CPU host) is refused rather than held."""
     if backend_arg is not None or backend != "xla":
         return out
-    platforms = tuple(p for p, order in backends.PLATFORM_DEFAULTS.items()
-                      if next((b for b in order if b in AGM.names), "xla") == "xla")
+    platforms = backends.platforms_defaulting_to("xla", AGM.names)
     return only_for(out, platforms, "the collective matmul's backend=None chose the xla ring for this process's "
                                     "platform; lowered for {platform}, it would run that ring, not the Mosaic "
                                     "kernel. Pass backend='mosaic_tpu', or backend='xla' to export the ring on "
