@@ -81,7 +81,9 @@ def current_context(api: str) -> KernelContext:
 
 
 @contextlib.contextmanager
-def _entered(ctx: KernelContext):
+def entered_kernel(ctx: KernelContext):
+    """Trace what follows as the body of a kernel `ctx` describes (so `cv.emit_pipeline` and
+    friends know their backend): cv.kernel's launches, and Conveyor's own pallas_calls."""
     token = _CONTEXT.set(ctx)
     try:
         yield
@@ -201,13 +203,13 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
     if backend == "mosaic_tpu":
         from conveyor import kernel_tpu
         return kernel_tpu.launch(body, outs, scratch, single, interpret,
-                                 lambda: _entered(KernelContext(backend, interpret, grid=grid)), grid, semantics,
+                                 lambda: entered_kernel(KernelContext(backend, interpret, grid=grid)), grid, semantics,
                                  aliases, cost_estimate)
     ctx = KernelContext(backend, interpret, threads, thread_name, grid=grid, checked=checked)
     if backend == "mosaic_gpu":
         from conveyor import kernel_gpu
         ctx = dataclasses.replace(ctx, scratch_bytes=kernel_gpu.smem_bytes(scratch))
-        return kernel_gpu.launch(body, outs, scratch, single, interpret, lambda: _entered(ctx), threads, thread_name,
+        return kernel_gpu.launch(body, outs, scratch, single, interpret, lambda: entered_kernel(ctx), threads, thread_name,
                                  grid, GRID_NAMES[:len(grid)], aliases, cost_estimate)
 
     def run(*inputs):
@@ -232,11 +234,11 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         def one_point(refs, program_ids):
             point = dataclasses.replace(ctx, program_ids=program_ids)
             if thread_name is None:
-                with _entered(point):
+                with entered_kernel(point):
                     stateful(refs)
                 return
             for t in range(threads):  # threads one after the other, each with its own axis index
-                with _entered(dataclasses.replace(point, thread_index=t)):
+                with entered_kernel(dataclasses.replace(point, thread_index=t)):
                     call_as_thread(lambda: stateful(refs), thread_name, threads, t)
 
         def every_point(refs):

@@ -3,6 +3,8 @@
 A race makes the interpreter raise; both DMA execution modes are run because a race can hide in
 one of them (the upstream ring example is wrong in on_wait mode only).
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -71,11 +73,16 @@ def test_unsupported_configurations_are_refused_when_named():
                          mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P(None, "x"), check_vma=False)
     with pytest.raises(NotImplementedError, match="splits each device's 3 output columns in halves"):
         jax.jit(bad1)(x, jax.device_put(jnp.ones((256, 6)), NamedSharding(mesh, P("x", None))))
-    # 32 columns per device: a block the real Mosaic TPU lowering rejects (the interpreter would
-    # run it), so it is refused before lowering, in interpret mode too.
-    with pytest.raises(NotImplementedError, match=r"blocks of \(128, 32\) out of \(128, 64\);.*"
-                                                  r"multiples of \(8, 128\)"):
-        jax.jit(bad1)(x, jax.device_put(jnp.ones((256, 64)), NamedSharding(mesh, P("x", None))))
+    # 32 columns per device, halves of 16: windows of the rhs in HBM that the inner pipelines copy
+    # whole (compiled for v5e by `make compile-check`), so the kernel runs them.
+    w = jnp.asarray(RNG.standard_normal((256, 64)), jnp.float32)
+    ok = jax.shard_map(lambda a, b: cv.matmul_reduce_scatter(a, b, axis_name="x", scatter_dim=1,
+                                                              backend="mosaic_tpu", interpret=True),
+                       mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P(None, "x"), check_vma=False)
+    xs = jnp.asarray(RNG.standard_normal((8, 256)), jnp.float32)
+    out = jax.jit(ok)(jax.device_put(xs, NamedSharding(mesh, P(None, "x"))),
+                      jax.device_put(w, NamedSharding(mesh, P("x", None))))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(xs @ w), rtol=1e-5, atol=1e-4)
 
 
 def test_exports_for_tpu():
@@ -143,3 +150,41 @@ def test_row_gather_and_column_scatter_rings(ring, bidirectional, mode):
     got = rs(jax.device_put(a, NamedSharding(mesh, P(None, "x"))), jax.device_put(b, NamedSharding(mesh, P("x", None))))
     # f32 sums of up to 1024 products of unit normals (|values| ~ 32): 4 * eps * sqrt(1024) * 32 ~ 5e-4
     np.testing.assert_allclose(np.asarray(got), np.asarray(a @ b), rtol=1e-5, atol=1e-3)
+
+
+@pytest.mark.parametrize("op, dim", [("gather", 1), ("gather", 0), ("scatter", 0), ("scatter", 1)])
+def test_inner_pipelines_of_several_blocks(op, dim):
+    """Small RingBlocks: every compute and accumulate is a pipeline of several VMEM blocks in each
+    dimension (the production shape of the kernel, at interpreter size), race detector on."""
+    from conveyor.ops.collective_matmul.mosaic_tpu import (RingBlocks, all_gather_matmul_mosaic_tpu,
+                                                           matmul_reduce_scatter_mosaic_tpu)
+    from conveyor.plans.ring import ring_plan
+    ring, blocks = 3, RingBlocks(rows=8, cols=128, depth=128)
+    mesh = Mesh(np.array(jax.devices()[:ring]), ("x",))
+    plan = ring_plan(collective=op, num_devices=ring, bidirectional=True, buffering=2)
+    ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
+    if op == "gather":
+        x = jnp.asarray(RNG.standard_normal((16, 256 * ring) if dim == 1 else (16 * ring, 256)), jnp.float32)
+        w = jnp.asarray(RNG.standard_normal((256 * ring if dim == 1 else 256, 256)), jnp.float32)
+        specs, out_spec = ((P(None, "x") if dim == 1 else P("x")), P()), P()
+        f = functools.partial(all_gather_matmul_mosaic_tpu, gather_dim=dim)
+    else:
+        x = jnp.asarray(RNG.standard_normal((16 * ring, 256 * ring)), jnp.float32)
+        w = jnp.asarray(RNG.standard_normal((256 * ring, 512 * ring if dim == 1 else 512)), jnp.float32)
+        specs, out_spec = (P(None, "x"), P("x", None)), (P("x", None) if dim == 0 else P(None, "x"))
+        f = functools.partial(matmul_reduce_scatter_mosaic_tpu, scatter_dim=dim)
+    local = functools.partial(f, axis_name="x", plan=plan, out_dtype=jnp.float32, interpret=ip, blocks=blocks)
+    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False))
+    out = fn(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)))
+    want = np.asarray(x @ w)
+    # float32 sums of up to 768 products in a different order: eps * sqrt(terms) * magnitude
+    atol = 4 * np.finfo(np.float32).eps * np.sqrt(768) * np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=atol)
+
+
+def test_ring_blocks_are_validated():
+    from conveyor.ops.collective_matmul.mosaic_tpu import RingBlocks
+    with pytest.raises(ValueError, match="RingBlocks: depth must be an int >= 1, got 0"):
+        RingBlocks(depth=0)
+    with pytest.raises(TypeError):
+        RingBlocks(512, 512, 512)   # keyword-only
