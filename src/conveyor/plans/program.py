@@ -81,10 +81,12 @@ class Write:
 class Compute:
     """The body's work at grid step `step` (ring: the chunk matmul of a ring step). It costs time in
     the simulator. The checker skips it: the Reads and Writes around it are what it checks.
-    `stream` names which of a step's computations it is (a ring direction), for the timing."""
+    `stream` names which of a step's computations it is (a ring direction), and `work` what it does
+    ("body"; a ring: "matmul" or a reduce-scatter's "accumulate"), for the timing."""
     step: int
     tag: str
     stream: str = ""
+    work: str = "body"
 
 
 Action = Copy | Wait | Signal | Read | Write | Compute

@@ -52,11 +52,56 @@ class RingStep:
     stores: bool            # scatter: the accumulator is complete; store it as the output
 
 
+LANES = 128
+
+
+def sublanes(itemsize: int) -> int:
+    """Rows of one native TPU VMEM tile of elements of `itemsize` bytes (8 for 32-bit, 16 for 16-bit, ...)."""
+    return 8 * max(1, 4 // itemsize)
+
+
+def _block(dim: int, at_most: int, align: int) -> int:
+    """The largest divisor of `dim` that is a multiple of `align` and at most `at_most`; `dim`
+    itself when there is none (a whole dimension is always a valid block)."""
+    for size in range(min(dim, at_most) // align * align, 0, -align):
+        if dim % size == 0:
+            return size
+    return dim
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RingBlocks:
+    """The largest VMEM blocks of a ring kernel's inner pipelines (the ring's operands, output
+    and slots stay in HBM; each step's matmul and each reduce-scatter accumulate is a pipeline over
+    blocks): `rows` x `depth` of the lhs, `depth` x `cols` of the rhs, `rows` x `cols` of the
+    float32 output. Each dimension takes the largest divisor of the array's that is at most this
+    and a whole number of (sublane, lane) tiles; the whole dimension when none is."""
+    rows: int = 512
+    cols: int = 512
+    depth: int = 512
+
+    def __post_init__(self):
+        for name in ("rows", "cols", "depth"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"RingBlocks: {name} must be an int >= 1, got {v!r}")
+
+    def for_matmul(self, rows: int, depth: int, cols: int, itemsize: int) -> tuple[int, int, int]:
+        """(rows, cols, depth) blocks of a [rows, depth] @ [depth, cols] product whose lhs elements
+        take `itemsize` bytes."""
+        return (_block(rows, self.rows, sublanes(itemsize)), _block(cols, self.cols, LANES),
+                _block(depth, self.depth, LANES))
+
+    def for_sum(self, rows: int, cols: int) -> tuple[int, int]:
+        """Blocks of a float32 [rows, cols] accumulator (a reduce-scatter's accumulate)."""
+        return _block(rows, self.rows, sublanes(4)), _block(cols, self.cols, LANES)
+
+
 # A step's operations, in order (the same at every step; a record says which ones happen):
 #   receive: wait for the slot's shard / accumulator to land;
 #   send: wait for a credit, start the copy into the downstream neighbour's slot;
 #   compute: gather: the chunk matmul on the slot; scatter: the partial product (no slot access);
-#   accumulate: scatter: slot += partial;
+#   accumulate: scatter: slot += partial (on TPU a pass over the slot and the partial in HBM);
 #   finish_send: wait for the send named by `awaits_send_of`;
 #   grant: a credit upstream for the freed slot;
 #   store: scatter: the output block from the slot.
@@ -221,10 +266,10 @@ class RingPlan:
                                  signals=(("recv", r.direction, down), ("sent", r.direction, dev, r.step)),
                                  queue=f"link {r.direction} dev{dev}")]
         if op == "compute":
-            work = [Compute(r.step, tag, stream=r.direction)]
+            work = [Compute(r.step, tag, stream=r.direction, work="matmul")]
             return [Read(slot, tag), *work, Read(slot, tag, end=True)] if self.collective == "gather" else work
         if op == "accumulate":
-            return [Write(slot, tag)]
+            return [Compute(r.step, tag, stream=r.direction, work="accumulate"), Write(slot, tag)]
         if op == "finish_send":
             return [Wait(("sent", r.direction, dev, r.awaits_send_of), what=f"its send of step {r.awaits_send_of}")]
         if op == "grant":

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from conveyor import dtypes
-from conveyor.plans.ring import RingPlan, ring_plan
+from conveyor.plans.ring import RingBlocks, RingPlan, ring_plan
 from conveyor.ops.gmm.metadata import count_row_blocks, count_visits
 from conveyor.ops.gmm.tiling import MOSAIC_GPU
 from conveyor.plans.pipeline import BlockSpec, PipelinePlan, plan as make_plan
@@ -360,12 +360,19 @@ def simulate_collective_matmul(kind: str, m: int, k: int, n: int, devices: int, 
     link_bw = hw.link_bandwidth.value * hw.link_efficiency.value
     hop = shard / link_bw + hw.link_latency.value
     full = simulate_matmul(m * devices, k, n, dtype=dtype, hardware=hw)
+    accumulate_s = 0.0
     if hw.kind == "gpu":
         # A GPU ring kernel is one persistent matmul whose tiles wait for their shard: no wave
         # barrier between steps, so a step costs its share of the whole matmul.
         chunk = dataclasses.replace(full, time_s=full.time_s / devices)
     else:
-        chunk = simulate_matmul(m, k, n, dtype=dtype, hardware=hw)   # one step's matmul on the core(s)
+        # The TPU kernels: one step's matmul is a double-buffered pipeline over the kernel's own
+        # blocks (`RingBlocks`); a reduce-scatter then adds its float32 partial into the arrived
+        # accumulator in a pass over HBM (read both, write one).
+        bm, bn, bk = RingBlocks().for_matmul(m, k, n, b)
+        chunk = simulate_matmul(m, k, n, dtype=dtype, hardware=hw, tiling=(bm, bk, bn), stages=2)
+        if kind == "matmul_reduce_scatter":
+            accumulate_s = 3 * m * n * 4 / (hw.hbm_bandwidth.value * hw.hbm_efficiency.value)
     boxes: list[Box] = []
     flops = 2.0 * m * devices * k * n
     bidi = bidirectional and devices > 2
@@ -386,30 +393,34 @@ def simulate_collective_matmul(kind: str, m: int, k: int, n: int, devices: int, 
         plan = ring_plan(collective="gather" if kind == "all_gather_matmul" else "scatter", num_devices=devices,
                          bidirectional=bidirectional, buffering=buffering)
         bidi = plan.bidirectional
-        time, boxes = _run_ring(plan, chunk.time_s, hop, hw.overlap_slowdown.value)
+        time, boxes = _run_ring(plan, chunk.time_s, hop, hw.overlap_slowdown.value, accumulate_s)
     config = {"kind": kind, "m": m, "k": k, "n": n, "devices": devices, "dtype": dtype, "bidirectional": bidi,
               "buffering": buffering, "unfused": unfused, "chunk_tiling": chunk.config["tiling"],
-              "chunk_us": chunk.time_s * 1e6, "hop_us": hop * 1e6}
+              "chunk_us": chunk.time_s * 1e6, "hop_us": hop * 1e6, "accumulate_us": accumulate_s * 1e6}
     hbm = (m * devices * k + k * n + m * devices * n) * b
     return Report(kind, hw, time, flops, hbm, shard * (devices - 1), chunk.onchip_bytes, config, tuple(boxes))
 
 
-def _run_ring(plan: RingPlan, chunk_s: float, hop_s: float, slowdown: float = 0.0) -> tuple[float, list[Box]]:
+def _run_ring(plan: RingPlan, chunk_s: float, hop_s: float, slowdown: float = 0.0,
+              accumulate_s: float = 0.0) -> tuple[float, list[Box]]:
     """Run the ring's event program (every device; the TPU kernels run the same records) and keep
     device 0's timeline: its matmuls on a "compute" row and its sends on one row per link.
 
     A chunk matmul takes `chunk_s` (half of it per stream when a bidirectional reduce-scatter
     splits the columns), `slowdown` longer when a send of the same stream runs meanwhile
-    (transfers share HBM / SMs); a hop takes `hop_s` (halved likewise) on the sender's link."""
+    (transfers share HBM / SMs); a reduce-scatter's accumulate takes `accumulate_s` (halved
+    likewise); a hop takes `hop_s` (halved likewise) on the sender's link."""
     halves = plan.collective == "scatter" and plan.bidirectional   # each stream carries half the columns
-    dur, hop = (chunk_s / 2, hop_s / 2) if halves else (chunk_s, hop_s)
+    share = 0.5 if halves else 1.0
+    dur, hop, acc = chunk_s * share, hop_s * share, accumulate_s * share
     records = {(r.step, r.direction): r for rs in plan.steps() for r in rs}
     # gather forwards the shard it multiplies; scatter forwards the previous step's sum meanwhile
     overlapped = {key: (r.sends if plan.collective == "gather" else r.awaits_send_of is not None)
                   for key, r in records.items()}
 
     def compute_s(action, actor):
-        return dur * (1.0 + slowdown) if overlapped[(action.step, action.stream)] else dur
+        base = acc if action.work == "accumulate" else dur
+        return base * (1.0 + slowdown) if overlapped[(action.step, action.stream)] else base
 
     time, boxes = timed.run(plan.program(), Timing(copy_s=lambda c: hop, compute_s=compute_s))
     rows = {"dev0": "compute", **{f"link {d} dev0": f"link {d}" for d in plan.directions}}

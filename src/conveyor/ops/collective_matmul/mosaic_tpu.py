@@ -38,7 +38,7 @@ from conveyor.interpreters import tpu_params
 from conveyor.kernel import KernelContext, entered_kernel
 from conveyor.pipeline.api import emit_pipeline
 from conveyor.pipeline.lowering import issued
-from conveyor.plans.ring import ENABLED_BY, RingPlan
+from conveyor.plans.ring import ENABLED_BY, LANES, RingBlocks, RingPlan, sublanes
 from conveyor.spmd import out_struct
 from conveyor.tpu_vmem import vmem_limit
 
@@ -46,52 +46,24 @@ from conveyor.tpu_vmem import vmem_limit
 SLOT_FIELD = {"receive": "slot", "send": "send_slot", "compute": "slot", "accumulate": "slot",
               "finish_send": "awaits_slot", "grant": "slot", "store": "slot"}
 
-LANES = 128
+def _matmul_blocks(n: int, k: int, m: int, itemsize: int, blocks: RingBlocks,
+                   window: int | None) -> tuple[int, int, int]:
+    """(rows, cols, depth) blocks of an [n, k] @ [k, m] product; with a `window`, the rhs is
+    fetched `window` columns at a time (the whole window) and its m columns sliced in VMEM."""
+    bn, bm, bk = blocks.for_matmul(n, k, m, itemsize)
+    return (bn, m, bk) if window is not None else (bn, bm, bk)
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class RingBlocks:
-    """The largest VMEM blocks of a ring kernel's inner pipelines: `rows` x `depth` of the lhs,
-    `depth` x `cols` of the rhs, `rows` x `cols` of the float32 output. Each dimension takes the
-    largest divisor of the array's that is at most this and a whole number of (sublane, lane)
-    tiles; the whole dimension when none is."""
-    rows: int = 512
-    cols: int = 512
-    depth: int = 512
-
-    def __post_init__(self):
-        for name in ("rows", "cols", "depth"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"RingBlocks: {name} must be an int >= 1, got {v!r}")
-
-
-def _sublanes(dtype) -> int:
-    """Rows of one native VMEM tile of `dtype` (8 for 32-bit, 16 for 16-bit, ...)."""
-    return 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
-
-
-def _block(dim: int, at_most: int, align: int) -> int:
-    """The largest divisor of `dim` that is a multiple of `align` and at most `at_most`; `dim`
-    itself when there is none (a whole dimension is always a valid block)."""
-    for size in range(min(dim, at_most) // align * align, 0, -align):
-        if dim % size == 0:
-            return size
-    return dim
-
-
-def _matmul_blocks(a, b, blocks: RingBlocks) -> tuple[int, int, int]:
-    """(rows, cols, depth) of the blocks of `a @ b`."""
-    (n, k), m = a.shape, b.shape[1]
-    return (_block(n, blocks.rows, _sublanes(a.dtype)), _block(m, blocks.cols, LANES),
-            _block(k, blocks.depth, LANES))
-
-
-def _matmul(a_ref, b_ref, out_ref, *, blocks: RingBlocks, add=False) -> None:
+def _matmul(a_ref, b_ref, out_ref, *, blocks: RingBlocks, add=False, b_columns: slice | None = None) -> None:
     """out = a @ b in float32, or out + a @ b where `add` (a traced bool) holds: a pipeline over
-    (row block, column block, depth block), each output block resident over its depth blocks."""
-    bn, bm, bk = _matmul_blocks(a_ref, b_ref, blocks)
-    (n, k), m = a_ref.shape, b_ref.shape[1]
+    (row block, column block, depth block), each output block resident over its depth blocks.
+    `b_columns`: multiply only these (static) columns of b, sliced from each whole-width block in
+    VMEM (for column ranges HBM cannot be sliced at: not whole 128-lane tiles)."""
+    (n, k), width = a_ref.shape, b_ref.shape[1]
+    m = width if b_columns is None else b_columns.stop - b_columns.start
+    bn, bm, bk = _matmul_blocks(n, k, m, jnp.dtype(a_ref.dtype).itemsize, blocks,
+                                None if b_columns is None else width)
+    b_block = (bk, bm) if b_columns is None else (bk, width)
     accumulates = add is not False
     out_spec = pl.BlockSpec((bn, bm), lambda i, j, kk: (i, j))
 
@@ -102,9 +74,10 @@ def _matmul(a_ref, b_ref, out_ref, *, blocks: RingBlocks, add=False) -> None:
         def _():
             out[...] = jnp.where(add, previous[...], 0.0) if accumulates else jnp.zeros_like(out)
 
-        out[...] += jnp.dot(a[...], b[...], preferred_element_type=jnp.float32)
+        rhs = b[...] if b_columns is None else b[:, b_columns]
+        out[...] += jnp.dot(a[...], rhs, preferred_element_type=jnp.float32)
 
-    in_specs = [pl.BlockSpec((bn, bk), lambda i, j, kk: (i, kk)), pl.BlockSpec((bk, bm), lambda i, j, kk: (kk, j))]
+    in_specs = [pl.BlockSpec((bn, bk), lambda i, j, kk: (i, kk)), pl.BlockSpec(b_block, lambda i, j, kk: (kk, j))]
     operands = (a_ref, b_ref) + ((out_ref,) if accumulates else ())
     emit_pipeline(body, grid=(n // bn, m // bm, k // bk), in_specs=in_specs + [out_spec] * accumulates,
                   out_specs=[out_spec])(*operands, out_ref)
@@ -113,7 +86,7 @@ def _matmul(a_ref, b_ref, out_ref, *, blocks: RingBlocks, add=False) -> None:
 def _add_into(acc_ref, partial_ref, *, blocks: RingBlocks, add) -> None:
     """acc = acc + partial where `add` (traced) holds, else acc = partial: a pipeline over blocks."""
     rows, cols = acc_ref.shape
-    spec = pl.BlockSpec((_block(rows, blocks.rows, 8), _block(cols, blocks.cols, LANES)), lambda i, j: (i, j))
+    spec = pl.BlockSpec(blocks.for_sum(rows, cols), lambda i, j: (i, j))
 
     def body(indices, acc, partial, out):
         out[...] = jnp.where(add, acc[...], 0.0) + partial[...]
@@ -122,19 +95,20 @@ def _add_into(acc_ref, partial_ref, *, blocks: RingBlocks, add) -> None:
                   out_specs=[spec])(acc_ref, partial_ref, acc_ref)
 
 
-def _matmul_vmem(a_shape, a_dtype, b_shape, b_dtype, blocks: RingBlocks, accumulates: bool) -> int:
-    """VMEM of `_matmul`'s pipeline: two slots per operand block, the float32 output block (and
-    the previous output's when accumulating), and one float32 product."""
-    a = jax.ShapeDtypeStruct(a_shape, a_dtype)
-    bn, bm, bk = _matmul_blocks(a, jax.ShapeDtypeStruct(b_shape, b_dtype), blocks)
+def _matmul_vmem(n: int, k: int, m: int, a_dtype, b_dtype, blocks: RingBlocks, accumulates: bool,
+                 window: int | None = None) -> int:
+    """VMEM of `_matmul`'s pipeline for an [n, k] @ [k, m] product: two slots per operand block,
+    the float32 output block (and the previous output's when accumulating), one float32 product."""
+    bn, bm, bk = _matmul_blocks(n, k, m, jnp.dtype(a_dtype).itemsize, blocks, window)
     out = shape_bytes((bn, bm), jnp.float32)
-    return 2 * (shape_bytes((bn, bk), a_dtype) + shape_bytes((bk, bm), b_dtype)) + 2 * out * (1 + accumulates) + out
+    b_block = (bk, bm if window is None else window)
+    return (2 * (shape_bytes((bn, bk), a_dtype) + shape_bytes(b_block, b_dtype)) + 2 * out * (1 + accumulates)
+            + out)
 
 
 def _add_vmem(shape, blocks: RingBlocks) -> int:
     """VMEM of `_add_into`'s pipeline: two slots of each of its three float32 blocks, one sum."""
-    block = (_block(shape[0], blocks.rows, 8), _block(shape[1], blocks.cols, LANES))
-    return 7 * shape_bytes(block, jnp.float32)
+    return 7 * shape_bytes(blocks.for_sum(*shape), jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,19 +218,52 @@ def _gather_kernel(me_ref, tab_ref, lhs_hbm, rhs_hbm, out_ref, *refs, plan: Ring
         _run_step(plan, tab_ref, streams, {"compute": compute})
 
 
+@dataclasses.dataclass(frozen=True)
+class _Window:
+    """Where a reduce-scatter stream's rhs columns come from: the HBM window of `size` columns
+    starting at column `per_device * source + offset`, of which the `inner` ones (None: all) are
+    multiplied. HBM is sliced only in whole 128-lane tiles (or not at all)."""
+    per_device: int
+    offset: int
+    size: int
+    inner: slice | None
+
+
+def _windows(scatter_dim: int, n: int, size: int, streams: int) -> tuple[_Window, ...] | None:
+    """Each stream's rhs window (stream i multiplies the i-th of `streams` equal column ranges of
+    the output block), or None when HBM cannot be sliced there."""
+    out_cols = n // size if scatter_dim == 1 else n
+    width, per_device = out_cols // streams, (out_cols if scatter_dim == 1 else 0)
+
+    def sliceable(w: _Window) -> bool:
+        whole = w.size == n and w.per_device == 0 and w.offset == 0
+        return whole or all(v % LANES == 0 for v in (w.size, w.per_device, w.offset))
+
+    out = []
+    for i in range(streams):
+        candidates = [_Window(per_device, i * width, width, None),   # the stream's own columns
+                      _Window(per_device, 0, out_cols, slice(i * width, (i + 1) * width))]   # the block's
+        if scatter_dim == 0:   # all of rhs, its columns sliced in VMEM
+            candidates.append(_Window(0, 0, n, slice(i * width, (i + 1) * width)))
+        chosen = next((w for w in candidates if sliceable(w)), None)
+        if chosen is None:
+            return None
+        out.append(chosen)
+    return tuple(out)
+
+
 def _scatter_kernel(me_ref, tab_ref, lhs_hbm, rhs_hbm, out_ref, *refs, plan: RingPlan, axis, scatter_dim: int,
-                    blocks: RingBlocks, interpret):
+                    windows: tuple[_Window, ...], blocks: RingBlocks, interpret):
     """Accumulators travel, one stream per column range: at each step a stream's partial product
     for the block at its record's `source` goes into its partial buffer (before the transfers are
-    awaited), is added into the accumulator that arrived and sent on; the last step stores it.
+    awaited), is added into the accumulator that arrived and sent on; the last step stores it into
+    the stream's part of the output ([streams, rows, width]).
 
     refs: per stream the slots, then per stream the partial buffer (HBM outputs), then per stream:
     send semaphores, receive semaphores, capacity semaphore; then the semaphore of the store."""
     k = len(plan.directions)
     slots, partials, sems, local_sem = refs[:k], refs[k:2 * k], refs[2 * k:-1], refs[-1]
-    acc_rows, width = partials[0].shape
-    size = plan.num_devices
-    cols_per_device = rhs_hbm.shape[1] // size   # scatter_dim=1
+    acc_rows = partials[0].shape[0]
     assert all(r.computes for records in plan.steps() for r in records), "a scatter step without a partial"
     with entered_kernel(KernelContext(backend="mosaic_tpu", interpret=interpret, grid=(plan.num_steps,))):
         streams = _streams(plan, me_ref, axis, slots, sems)
@@ -270,22 +277,33 @@ def _scatter_kernel(me_ref, tab_ref, lhs_hbm, rhs_hbm, out_ref, *refs, plan: Rin
 
         def compute(s, field):
             src, i = _source(plan, me_ref, field), index[s.direction]
-            if scatter_dim == 0:   # the source's row block of lhs, this stream's columns of rhs
-                lhs = lhs_hbm.at[pl.ds(pl.multiple_of(src * acc_rows, acc_rows), acc_rows)]
-                rhs = rhs_hbm.at[:, pl.ds(i * width, width)]
-            else:                  # lhs whole, this stream's part of the source's column block
-                lhs = lhs_hbm
-                rhs = rhs_hbm.at[:, pl.ds(src * cols_per_device + i * width, width)]
-            _matmul(lhs, rhs, partials[i], blocks=blocks)
+            # scatter_dim=0: the source's row block of lhs; scatter_dim=1: all of lhs
+            lhs = lhs_hbm.at[pl.ds(pl.multiple_of(src * acc_rows, acc_rows), acc_rows)] if scatter_dim == 0 else lhs_hbm
+            w = windows[i]
+            if w.size == rhs_hbm.shape[1]:
+                rhs = rhs_hbm
+            else:
+                rhs = rhs_hbm.at[:, pl.ds(pl.multiple_of(src * w.per_device + w.offset, LANES), w.size)]
+            _matmul(lhs, rhs, partials[i], blocks=blocks, b_columns=w.inner)
 
         def accumulate(s, field):
             _add_into(s.bufs.at[field("slot")], partials[index[s.direction]], blocks=blocks,
                       add=field("receives") == 1)
 
         def store(s, field):
-            _copy(s.bufs.at[field("slot")], out_ref.at[:, pl.ds(index[s.direction] * width, width)], local_sem)
+            _copy(s.bufs.at[field("slot")], out_ref.at[index[s.direction]], local_sem)
 
         _run_step(plan, tab_ref, streams, {"compute": compute, "accumulate": accumulate, "store": store})
+
+
+def _check_rows(kernel: str, what: str, rows: int, dtype, plan: RingPlan) -> None:
+    """A row block sliced out of HBM at a device's offset must be whole (sublane, 128) tiles."""
+    tile = sublanes(jnp.dtype(dtype).itemsize)
+    if plan.num_devices > 1 and rows % tile:
+        raise NotImplementedError(
+            f"{kernel}: mosaic_tpu slices {what} out of HBM in blocks of {rows} rows per device; Mosaic TPU "
+            f"slices HBM of {jnp.dtype(dtype).name} in whole tiles of {tile} rows: use per-device shards "
+            f"whose row count is a multiple of {tile}, or backend='xla'")
 
 
 def _semaphores(plan: RingPlan) -> list:
@@ -344,8 +362,12 @@ def all_gather_matmul_mosaic_tpu(lhs, rhs, *, axis_name, plan: RingPlan, out_dty
     n, kd = lhs.shape
     m = rhs.shape[1]
     out_shape = (n, m) if gather_dim == 1 else (plan.num_devices * n, m)
+    if gather_dim == 1:
+        _check_rows("all_gather_matmul", "rhs (each shard's K-block)", kd, rhs.dtype, plan)
+    else:
+        _check_rows("all_gather_matmul", "the float32 output (each shard's row block)", n, jnp.float32, plan)
     slots = [((plan.buffering, n, kd), lhs.dtype)] * len(plan.directions)
-    vmem = _matmul_vmem((n, kd), lhs.dtype, (kd, m), rhs.dtype, blocks, accumulates=gather_dim == 1)
+    vmem = _matmul_vmem(n, kd, m, lhs.dtype, rhs.dtype, blocks, accumulates=gather_dim == 1)
     return _kernel_call(
         functools.partial(_gather_kernel, gather_dim=gather_dim, blocks=blocks), plan, axis=axis_name,
         name="conveyor_all_gather_matmul", lhs=lhs, rhs=rhs, outs=[(out_shape, jnp.float32)] + slots, vmem=vmem,
@@ -370,16 +392,27 @@ def matmul_reduce_scatter_mosaic_tpu(lhs, rhs, *, axis_name, plan: RingPlan, out
                                   f"columns in halves and needs an even count; pass bidirectional=False")
     _require_double_buffering(plan, "matmul_reduce_scatter")
     if scatter_dim == 0:
-        rows, out_shape = m // size, (m // size, n)
+        rows, out_cols = m // size, n
+        _check_rows("matmul_reduce_scatter", "lhs (each device's row block)", rows, lhs.dtype, plan)
     else:
-        rows, out_shape = m, (m, n // size)
-    width = out_shape[1] // streams
+        rows, out_cols = m, n // size
+    windows = _windows(scatter_dim, n, size, streams)
+    if windows is None:
+        raise NotImplementedError(
+            f"matmul_reduce_scatter: mosaic_tpu would slice rhs [{k}, {n}] in HBM at {out_cols // streams}-column "
+            f"ranges (each device's {out_cols} output columns{' in halves' if streams == 2 else ''}); Mosaic TPU "
+            f"slices HBM in whole 128-lane tiles: use per-device column counts that are multiples of 128, or "
+            f"backend='xla'")
+    width = out_cols // streams
     acc = (rows, width)
     buffers = [((plan.buffering, *acc), jnp.float32)] * streams + [(acc, jnp.float32)] * streams
-    vmem = max(_matmul_vmem((rows, k), lhs.dtype, (k, width), rhs.dtype, blocks, accumulates=False),
+    vmem = max(max(_matmul_vmem(rows, k, width, lhs.dtype, rhs.dtype, blocks, accumulates=False,
+                                window=None if w.inner is None else w.size) for w in windows),
                _add_vmem(acc, blocks))
-    return _kernel_call(
-        functools.partial(_scatter_kernel, scatter_dim=scatter_dim, blocks=blocks), plan, axis=axis_name,
-        name="conveyor_matmul_reduce_scatter", lhs=lhs, rhs=rhs, outs=[(out_shape, jnp.float32)] + buffers,
-        vmem=vmem, interpret=interpret,
-        cost=_ring_cost(plan, rows, k, out_shape[1], lhs, rhs, out_shape)).astype(out_dtype)
+    parts = _kernel_call(
+        functools.partial(_scatter_kernel, scatter_dim=scatter_dim, windows=windows, blocks=blocks), plan,
+        axis=axis_name, name="conveyor_matmul_reduce_scatter", lhs=lhs, rhs=rhs,
+        outs=[((streams, *acc), jnp.float32)] + buffers, vmem=vmem, interpret=interpret,
+        cost=_ring_cost(plan, rows, k, out_cols, lhs, rhs, (rows, out_cols)))
+    # [streams, rows, width] -> [rows, streams * width], fused with the cast by XLA
+    return jnp.concatenate(list(parts), axis=1).astype(out_dtype)
