@@ -154,26 +154,22 @@ def test_row_gather_and_column_scatter_rings(ring, bidirectional, mode):
 
 @pytest.mark.parametrize("op, dim", [("gather", 1), ("gather", 0), ("scatter", 0), ("scatter", 1)])
 def test_inner_pipelines_of_several_blocks(op, dim):
-    """Small RingBlocks: every compute and accumulate is a pipeline of several VMEM blocks in each
-    dimension (the production shape of the kernel, at interpreter size), race detector on."""
-    from conveyor.ops.collective_matmul.mosaic_tpu import (RingBlocks, all_gather_matmul_mosaic_tpu,
-                                                           matmul_reduce_scatter_mosaic_tpu)
-    from conveyor.plans.ring import ring_plan
-    ring, blocks = 3, RingBlocks(rows=8, cols=128, depth=128)
+    """Small cv.RingBlocks: every compute and accumulate is a pipeline of several VMEM blocks in
+    each dimension (the production shape of the kernel, at interpreter size), race detector on."""
+    ring, blocks = 3, cv.RingBlocks(rows=8, cols=128, depth=128)
     mesh = Mesh(np.array(jax.devices()[:ring]), ("x",))
-    plan = ring_plan(collective=op, num_devices=ring, bidirectional=True, buffering=2)
     ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
     if op == "gather":
         x = jnp.asarray(RNG.standard_normal((16, 256 * ring) if dim == 1 else (16 * ring, 256)), jnp.float32)
         w = jnp.asarray(RNG.standard_normal((256 * ring if dim == 1 else 256, 256)), jnp.float32)
         specs, out_spec = ((P(None, "x") if dim == 1 else P("x")), P()), P()
-        f = functools.partial(all_gather_matmul_mosaic_tpu, gather_dim=dim)
+        f = functools.partial(cv.all_gather_matmul, gather_dim=dim)
     else:
         x = jnp.asarray(RNG.standard_normal((16 * ring, 256 * ring)), jnp.float32)
         w = jnp.asarray(RNG.standard_normal((256 * ring, 512 * ring if dim == 1 else 512)), jnp.float32)
         specs, out_spec = (P(None, "x"), P("x", None)), (P("x", None) if dim == 0 else P(None, "x"))
-        f = functools.partial(matmul_reduce_scatter_mosaic_tpu, scatter_dim=dim)
-    local = functools.partial(f, axis_name="x", plan=plan, out_dtype=jnp.float32, interpret=ip, blocks=blocks)
+        f = functools.partial(cv.matmul_reduce_scatter, scatter_dim=dim)
+    local = functools.partial(f, axis_name="x", backend="mosaic_tpu", interpret=ip, blocks=blocks)
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False))
     out = fn(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)))
     want = np.asarray(x @ w)
@@ -182,9 +178,22 @@ def test_inner_pipelines_of_several_blocks(op, dim):
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=atol)
 
 
-def test_ring_blocks_are_validated():
-    from conveyor.ops.collective_matmul.mosaic_tpu import RingBlocks
+def test_ring_blocks_are_validated_and_refused_where_ignored():
     with pytest.raises(ValueError, match="RingBlocks: depth must be an int >= 1, got 0"):
-        RingBlocks(depth=0)
+        cv.RingBlocks(depth=0)
     with pytest.raises(TypeError):
-        RingBlocks(512, 512, 512)   # keyword-only
+        cv.RingBlocks(512, 512, 512)   # keyword-only
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    x = jax.device_put(jnp.ones((8, 256)), NamedSharding(mesh, P(None, "x")))
+    w = jax.device_put(jnp.ones((256, 128)), NamedSharding(mesh, P()))
+    for backend in ("xla", "reference"):
+        f = jax.shard_map(lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", backend=backend,  # noqa: B023
+                                                            blocks=cv.RingBlocks(rows=8)),
+                          mesh=mesh, in_specs=(P(None, "x"), P()), out_specs=P(), check_vma=False)
+        with pytest.raises(ValueError, match=f"blocks: only the mosaic_tpu ring kernels have VMEM blocks; "
+                                             f"backend='{backend}' would ignore"):
+            jax.jit(f)(x, w)
+    g = jax.shard_map(lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", backend="mosaic_tpu", blocks=(8, 8, 8)),
+                      mesh=mesh, in_specs=(P(None, "x"), P()), out_specs=P(), check_vma=False)
+    with pytest.raises(TypeError, match=r"blocks: expected a cv.RingBlocks or None, got \(8, 8, 8\)"):
+        jax.jit(g)(x, w)

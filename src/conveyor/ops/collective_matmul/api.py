@@ -17,7 +17,7 @@ from conveyor import backends
 from conveyor.backends import Implementation, Registry
 from conveyor.lowering_guard import only_for
 from conveyor.ops.collective_matmul import reference, xla
-from conveyor.plans.ring import RingPlan, ring_plan
+from conveyor.plans.ring import RingBlocks, RingPlan, ring_plan
 from conveyor.spmd import varying_axes
 
 
@@ -34,6 +34,7 @@ class RingConfig:
     out_dtype: Any
     backend: str
     interpret: Any = None  # mosaic_tpu: None, or the interpreter's parameters
+    blocks: RingBlocks = RingBlocks()   # mosaic_tpu: the VMEM blocks of each step's pipelines
 
     def plan(self, collective: str) -> RingPlan:
         """The ring plan every backend of this call follows."""
@@ -77,6 +78,18 @@ def _lowered_as_chosen(out, backend_arg, backend: str):
                                     "purpose")
 
 
+def _check_blocks(blocks, backend: str) -> RingBlocks:
+    """`blocks` (None: the default) for the backend that honours it, mosaic_tpu."""
+    if blocks is None:
+        return RingBlocks()
+    if not isinstance(blocks, RingBlocks):
+        raise TypeError(f"blocks: expected a cv.RingBlocks or None, got {blocks!r}")
+    if backend != "mosaic_tpu":
+        raise ValueError(f"blocks: only the mosaic_tpu ring kernels have VMEM blocks; backend={backend!r} "
+                         f"would ignore blocks={blocks!r}")
+    return blocks
+
+
 def _check_common(lhs, rhs, buffering, op):
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if not hasattr(x, "ndim") or x.ndim != 2:
@@ -91,7 +104,7 @@ def _out_dtype(lhs, rhs, preferred_element_type):
 
 def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, *, axis_name, gather_dim: int = 1, bidirectional: bool = True,
                       buffering: int = 2, preferred_element_type=None, backend: str | None = None,
-                      interpret=False) -> jax.Array:
+                      interpret=False, blocks: RingBlocks | None = None) -> jax.Array:
     """`jnp.dot(lax.all_gather(lhs, axis_name, axis=gather_dim, tiled=True), rhs)` as a ring.
 
     Call inside `shard_map` over `axis_name` (other mesh axes give independent rings).
@@ -100,6 +113,8 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, *, axis_name, gather_dim: 
     `bidirectional` sends shards both ways (floor(D/2) steps; any ring size, odd included).
     `buffering` (>= 1) is the receive-buffer depth of kernel backends; the xla ring holds one
     shard in flight per direction whatever its value.
+    `blocks` (mosaic_tpu only): the largest VMEM blocks of each step's matmul pipeline
+    (`cv.RingBlocks`, 512 x 512 x 512 by default); operands, output and slots stay in HBM.
     """
     _check_common(lhs, rhs, buffering, "all_gather_matmul")
     if gather_dim not in (0, 1):
@@ -112,18 +127,19 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, *, axis_name, gather_dim: 
         raise ValueError(f"rhs: contraction size rhs.shape[0] must be {want} ({what}), got rhs shape {tuple(rhs.shape)}")
     cfg = RingConfig(axis_name=axis_name, size=size, dim=gather_dim, bidirectional=bool(bidirectional),
                      buffering=buffering, out_dtype=_out_dtype(lhs, rhs, preferred_element_type), backend=backend,
-                     interpret=interpret or None)
+                     interpret=interpret or None, blocks=_check_blocks(blocks, backend))
     return _lowered_as_chosen(_agm(cfg, lhs, rhs), backend_arg, backend)
 
 
 def matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, *, axis_name, scatter_dim: int = 0,
                           bidirectional: bool = True, buffering: int = 2, preferred_element_type=None,
-                          backend: str | None = None, interpret=False) -> jax.Array:
+                          backend: str | None = None, interpret=False, blocks: RingBlocks | None = None) -> jax.Array:
     """`lax.psum_scatter(lhs @ rhs, axis_name, scatter_dimension=scatter_dim, tiled=True)` as a ring.
 
     Partial sums travel the ring: each device adds its partial for the block passing by. With
     `bidirectional`, the other output dimension is split in two halves travelling opposite ways
-    (one direction when that dimension has a single element).
+    (one direction when that dimension has a single element). `buffering` and `blocks`: as
+    `all_gather_matmul`'s.
     """
     _check_common(lhs, rhs, buffering, "matmul_reduce_scatter")
     if scatter_dim not in (0, 1):
@@ -138,7 +154,7 @@ def matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, *, axis_name, scatter_
         raise ValueError(f"scatter_dim: the scattered dimension ({dim}) must be divisible by the ring size {size}")
     cfg = RingConfig(axis_name=axis_name, size=size, dim=scatter_dim, bidirectional=bool(bidirectional),
                      buffering=buffering, out_dtype=_out_dtype(lhs, rhs, preferred_element_type), backend=backend,
-                     interpret=interpret or None)
+                     interpret=interpret or None, blocks=_check_blocks(blocks, backend))
     return _lowered_as_chosen(_mrs(cfg, lhs, rhs), backend_arg, backend)
 
 
@@ -146,14 +162,14 @@ def _agm_mosaic_tpu(cfg: RingConfig, lhs, rhs):
     from conveyor.ops.collective_matmul import mosaic_tpu
     return mosaic_tpu.all_gather_matmul_mosaic_tpu(lhs, rhs, axis_name=cfg.axis_name, plan=cfg.plan("gather"),
                                                    out_dtype=cfg.out_dtype, interpret=cfg.interpret,
-                                                   gather_dim=cfg.dim)
+                                                   gather_dim=cfg.dim, blocks=cfg.blocks)
 
 
 def _mrs_mosaic_tpu(cfg: RingConfig, lhs, rhs):
     from conveyor.ops.collective_matmul import mosaic_tpu
     return mosaic_tpu.matmul_reduce_scatter_mosaic_tpu(lhs, rhs, axis_name=cfg.axis_name, plan=cfg.plan("scatter"),
                                                        out_dtype=cfg.out_dtype, interpret=cfg.interpret,
-                                                       scatter_dim=cfg.dim)
+                                                       scatter_dim=cfg.dim, blocks=cfg.blocks)
 
 
 AGM = Registry("all_gather_matmul", (
