@@ -46,10 +46,12 @@ def test_forward_and_loss_match_the_dense_reference_of_the_whole_batch(top_k):
     np.testing.assert_allclose(aux, aux_ref, rtol=1e-5)
 
 
-def test_gradients_match_the_dense_reference():
+@pytest.mark.parametrize("capacity_factor", [None, MESH_SHAPE[1]])
+def test_gradients_match_the_dense_reference(capacity_factor):
+    """Both exchanges: the exact one (dropless) and the capacity one with room for every row."""
     p = params(7)
     ct = jnp.asarray(np.random.default_rng(8).standard_normal((TOKENS, D)), jnp.float32)
-    layer = sharded(2)
+    layer = sharded(2, capacity_factor)
 
     def ep_loss(p):
         y, aux, _ = layer(p)

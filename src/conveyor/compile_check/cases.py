@@ -171,6 +171,29 @@ def _moe(ctx, *, tokens, d, f, experts, top_k, grad=False):
     return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 2, 3, 4)), args
 
 
+def _moe_ep(ctx, *, devices, tokens, d, f, experts, top_k, grad=False):
+    """cv.moe.moe_ffn_expert_parallel (bf16) on a 2 x devices/2 data x expert mesh: the exact
+    exchange (ragged_all_to_all) and three gmm kernels per device; grad adds tgmm. `tokens` is
+    the whole batch, sharded over both axes."""
+    import conveyor as cv
+
+    bf16 = jnp.bfloat16
+    mesh = ctx.mesh((2, devices // 2), ("data", "expert"))
+    specs = (P(("data", "expert")), P(), P("expert"), P("expert"), P("expert"))
+    shapes = ((tokens, d), (d, experts), (experts, d, f), (experts, d, f), (experts, f, d))
+    args = tuple(ctx.array(shape, bf16, spec, mesh) for shape, spec in zip(shapes, specs))
+
+    def layer(*a):
+        return cv.moe.moe_ffn_expert_parallel(*a, top_k=top_k, axis_name="expert",
+                                              loss_axes=("data", "expert"), backend=ctx.backend)[0]
+
+    fwd = jax.shard_map(layer, mesh=mesh, in_specs=specs, out_specs=P(("data", "expert")),
+                        check_vma=False)
+    if not grad:
+        return fwd, args
+    return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 2, 3, 4)), args
+
+
 def _mpmd(ctx, *, rows, cols):
     """cv.mpmd_map on warpgroups (mosaic_gpu): one program writes x + 1 and signals a
     semaphore, the other waits on it; a [rows, cols] float32 operand."""
@@ -204,6 +227,7 @@ KINDS: dict[str, Callable] = {
     "ring": _ring,
     "example": _example,
     "moe": _moe,
+    "moe_ep": _moe_ep,
     "mpmd": _mpmd,
 }
 
@@ -224,6 +248,10 @@ def production() -> list[Case]:
         case("gmm", **MIXTRAL, groups=8, grad=True),
         case("gmm", **MIXTRAL, groups=8, grad=True, sharded=True),
         case("moe", tokens=8192, d=4096, f=14336, experts=8, top_k=2, grad=True),
+        # expert parallelism on 8 chips: Mixtral-like (8 experts, top-2) and DeepSeek-like
+        # (narrow experts, top-8; 64 of them, not 256, to keep the compile short)
+        case("moe_ep", devices=8, tokens=8192, d=4096, f=14336, experts=8, top_k=2, grad=True),
+        case("moe_ep", devices=8, tokens=8192, d=7168, f=2048, experts=64, top_k=8, grad=True),
         case("example", fn="matmul", m=4096, k=4096, n=4096),
         case("example", fn="matmul_warp_specialized", m=4096, k=4096, n=4096),
         case("mpmd", rows=64, cols=128),

@@ -116,12 +116,24 @@ def compile_case(case: Case, target: Target, dump_dir: str) -> dict[str, Any]:
             result.update(status="failed", error=f"{type(e).__name__}: {e}")
         else:
             result["status"] = "compiled"
+            if case.devices > 1:
+                result["collectives"] = collectives(compiled.as_text())
             if target.platform == "tpu":
                 result["kernels"] = tpu_kernels(compiled.as_text(), target)
     if target.platform == "cuda":
         result["kernels"] = gpu_kernels(dump_dir, target)
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
+
+
+COLLECTIVES = {"ragged-all-to-all": r"\bragged-all-to-all(?:-start)?\(",
+               "all-to-all": r"(?<!ragged-)\ball-to-all(?:-start)?\("}
+
+
+def collectives(hlo: str) -> dict[str, int]:
+    """How many exchanges of each kind the compiled program holds (the exact MoE exchange is
+    ragged-all-to-all; all-to-all is a dense one)."""
+    return {name: n for name, pattern in COLLECTIVES.items() if (n := len(re.findall(pattern, hlo)))}
 
 
 def raised_by_conveyor(error: BaseException) -> bool:

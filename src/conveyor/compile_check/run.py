@@ -83,7 +83,13 @@ def line(row: dict) -> str:
     head = f"{row['target']:5s} {row['case']:80s} {verdict(row):8s} {row['seconds']:6.1f}s"
     if row["status"] != "compiled":
         return f"{head}  {row['error'].splitlines()[0][:200]}"
-    return f"{head}  " + "; ".join(kernel_summary(k) for k in row["kernels"])
+    return f"{head}  " + "; ".join([kernel_summary(k) for k in row["kernels"]] + exchanges(row))
+
+
+def exchanges(row: dict) -> list[str]:
+    """The compiled program's all-to-all exchanges, when the case runs on several chips."""
+    found = row.get("collectives")
+    return [", ".join(f"{name} x{n}" for name, n in sorted(found.items()))] if found else []
 
 
 def kernel_summary(k: dict) -> str:
@@ -104,7 +110,7 @@ def markdown(rows: list[dict]) -> str:
     out = ["| target | case | verdict | s | kernels or error |", "|---|---|---|---|---|"]
     for r in rows:
         if r["status"] == "compiled":
-            what = "<br>".join(kernel_summary(k) for k in r["kernels"]) or "no Mosaic kernel"
+            what = "<br>".join([kernel_summary(k) for k in r["kernels"]] + exchanges(r)) or "no Mosaic kernel"
         else:
             what = r["error"].splitlines()[0][:160].replace("|", "/")
         out.append(f"| {r['target']} | {r['case']} | {verdict(r)} | {r['seconds']:.1f} | {what} |")

@@ -61,7 +61,7 @@ TARGETS = {
     t.name: t
     for t in (
         Target(
-            name="h100", platform="cuda", topologies={1: "1x1x1"},
+            name="h100", platform="cuda", topologies={1: "1x1x1", 8: "1x1x8"},
             onchip_default=232448, onchip_physical=232448,
         ),
         Target(

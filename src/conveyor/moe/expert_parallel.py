@@ -4,18 +4,18 @@ Each device holds its own tokens and `E / D` of the experts (D = size of `axis_n
 assignment travels to the device that owns its expert and back:
   1. route the local tokens over all E experts; sort the (token, slot) assignments by expert, so
      those bound for each device are contiguous;
-  2. pack them into a send buffer [D, capacity, d] (one row block per destination) with their
-     local expert ids, and `all_to_all` it over `axis_name`;
+  2. send each owner its rows with their local expert ids;
   3. the owner sorts what it received by local expert and runs the SwiGLU experts through
-     `cv.gmm` (padding slots sort last, past the groups, and come out as zeros);
-  4. the results go back by the inverse `all_to_all` and are added into their tokens' rows,
-     weighted by the gates.
-`jax.lax.ragged_all_to_all` would send exactly the rows needed, but XLA:CPU does not implement it
-(jax 0.12: "HLO opcode ragged-all-to-all is not supported by XLA:CPU"), so the exchange uses a
-fixed capacity per destination. With `capacity_factor=None` the capacity is the worst case (every
-local assignment to one device): dropless, at D times the minimal traffic and buffer memory.
-With a factor c the capacity is ceil(c * tokens * top_k / D) rows and assignments beyond it are
-dropped (they contribute 0); the count of dropped assignments is returned, never hidden.
+     `cv.gmm` (padding rows sort last, past the groups, and come out as zeros);
+  4. the results go back the same way and are added into their tokens' rows, weighted by the gates.
+Two exchanges:
+- dropless (`capacity_factor=None`, the default): `conveyor.moe.exchange.ragged_all_to_all`, exact
+  rows each way (on TPU and GPU `jax.lax.ragged_all_to_all`, the minimal traffic; a CPU lowering
+  emulates it with the same numbers). The receive buffer has the worst case's rows (D x tokens x
+  top_k), since how many arrive is known only at run time;
+- with a capacity factor c: a dense `all_to_all` of [D, capacity, d] buffers, capacity
+  ceil(c * tokens * top_k / D) rows per destination; assignments beyond it are dropped (they
+  contribute 0), and the count of dropped assignments is returned, never hidden.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from conveyor.moe.exchange import ragged_all_to_all
 from conveyor.moe.layer import check_layer_args, combine, swiglu_experts
 from conveyor.moe.routing import load_balancing_loss, route
 
@@ -51,7 +52,8 @@ def moe_ffn_expert_parallel(x: jax.Array, router_w: jax.Array, w_gate: jax.Array
         experts i * E / D ... (i + 1) * E / D - 1 (shard the expert dimension over axis_name).
       top_k: experts per token, in [1, E].
       axis_name: the mesh axis the experts are sharded over (tokens travel along it).
-      capacity_factor: None (dropless, worst-case buffers) or c > 0 (see the module docstring).
+      capacity_factor: None (dropless: the exact ragged exchange) or c > 0 (a fixed capacity; see
+        the module docstring).
       loss_axes: mesh axes over which the tokens are sharded, for the load-balancing loss's global
         averages (default: (axis_name,)); on a data x expert mesh pass both.
 
@@ -86,23 +88,62 @@ def moe_ffn_expert_parallel(x: jax.Array, router_w: jax.Array, w_gate: jax.Array
     dest = sorted_experts // local_experts
     per_dest = jnp.zeros((devices,), jnp.int32).at[dest].add(1)
     first_of_dest = jnp.cumsum(per_dest) - per_dest
-    rank = jnp.arange(order.shape[0], dtype=jnp.int32) - first_of_dest[dest]
+    experts = lambda rows, ids: _experts(rows, ids, local_experts, w_gate, w_up, w_down, backend)  # noqa: E731
+    if capacity_factor is None:
+        results = _exact_exchange(x[order // top_k], sorted_experts % local_experts, per_dest, first_of_dest,
+                                  experts, axis_name=axis_name, devices=devices, local_experts=local_experts)
+        dropped = jnp.zeros((), jnp.int32)
+    else:
+        results, dropped = _capacity_exchange(x[order // top_k], sorted_experts, dest, first_of_dest, experts,
+                                              axis_name=axis_name, devices=devices, cap=cap,
+                                              local_experts=local_experts)
+    aux = load_balancing_loss(routing, axis_names=tuple(loss_axes) if loss_axes is not None else (axis_name,))
+    return combine(results, order, routing, x), aux, dropped
+
+
+def _experts(rows, ids, local_experts, w_gate, w_up, w_down, backend):
+    """The SwiGLU experts on received `rows` whose local expert is `ids` (padding: `local_experts`),
+    results in the rows' order."""
+    by_expert = jnp.argsort(ids, stable=True)  # padding sorts last
+    group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[ids].add(1)[:local_experts]
+    out_sorted = swiglu_experts(rows[by_expert], group_sizes, w_gate, w_up, w_down, backend)
+    return jnp.zeros_like(out_sorted).at[by_expert].set(out_sorted)
+
+
+def _exact_exchange(rows, ids, per_dest, first_of_dest, experts, *, axis_name, devices, local_experts):
+    """Dropless: each device's rows (sorted by destination, `per_dest` each from `first_of_dest`)
+    go to their owners as ragged slices, and the results come back to the same rows."""
+    assignments, d = rows.shape
+    sizes = lax.all_gather(per_dest, axis_name)                      # [sender, destination]
+    me = lax.axis_index(axis_name)
+    recv_sizes = sizes[:, me]
+    # where my slice lands at each destination: after the slices of the senders before me
+    at_destination = (jnp.cumsum(sizes, axis=0) - sizes)[me]
+    received_at = jnp.cumsum(recv_sizes) - recv_sizes                # sender i's slice in my buffer
+    buffer = devices * assignments                                   # the worst case: every row to me
+    send = lambda a, out: ragged_all_to_all(a, out, first_of_dest, per_dest, at_destination, recv_sizes,  # noqa: E731
+                                            axis_name=axis_name)
+    recv_rows = send(rows, jnp.zeros((buffer, d), rows.dtype))
+    recv_ids = send(ids, jnp.full((buffer,), local_experts, ids.dtype))
+    out = experts(recv_rows, recv_ids)
+    # back: sender i's rows return to where they left it (its first_of_dest[me])
+    home = (jnp.cumsum(sizes, axis=1) - sizes)[:, me]
+    return ragged_all_to_all(out, jnp.zeros((assignments, d), out.dtype), received_at, recv_sizes, home, per_dest,
+                             axis_name=axis_name)
+
+
+def _capacity_exchange(rows, sorted_experts, dest, first_of_dest, experts, *, axis_name, devices, cap,
+                       local_experts):
+    """Fixed capacity: [D, cap, d] buffers through a dense all_to_all; rows past a destination's
+    capacity are dropped (they read 0) and counted."""
+    d = rows.shape[1]
+    rank = jnp.arange(rows.shape[0], dtype=jnp.int32) - first_of_dest[dest]
     kept = rank < cap
     dropped = jnp.sum(~kept).astype(jnp.int32)
     slot = jnp.where(kept, dest * cap + rank, devices * cap)  # dropped: an extra row, cut below
-
-    rows = jnp.zeros((devices * cap + 1, d), x.dtype).at[slot].set(x[order // top_k])[:-1]
+    packed = jnp.zeros((devices * cap + 1, d), rows.dtype).at[slot].set(rows)[:-1]
     ids = jnp.full((devices * cap + 1,), local_experts, jnp.int32).at[slot].set(sorted_experts % local_experts)[:-1]
-    exchange = lambda a: lax.all_to_all(a.reshape(devices, cap, *a.shape[1:]), axis_name, 0, 0,
+    exchange = lambda a: lax.all_to_all(a.reshape(devices, cap, *a.shape[1:]), axis_name, 0, 0,  # noqa: E731
                                         tiled=False).reshape(a.shape)
-    recv_rows, recv_ids = exchange(rows), exchange(ids)
-
-    by_expert = jnp.argsort(recv_ids, stable=True)  # padding (id = local_experts) sorts last
-    group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[recv_ids].add(1)[:local_experts]
-    out_sorted = swiglu_experts(recv_rows[by_expert], group_sizes, w_gate, w_up, w_down, backend)
-    out = jnp.zeros_like(out_sorted).at[by_expert].set(out_sorted)
-    back = exchange(out)
-
-    results = jnp.concatenate([back, jnp.zeros((1, d), back.dtype)])[slot]  # dropped rows read 0
-    aux = load_balancing_loss(routing, axis_names=tuple(loss_axes) if loss_axes is not None else (axis_name,))
-    return combine(results, order, routing, x), aux, dropped
+    back = exchange(experts(exchange(packed), exchange(ids)))
+    return jnp.concatenate([back, jnp.zeros((1, d), back.dtype)])[slot], dropped  # dropped rows read 0
