@@ -46,6 +46,7 @@ from conveyor.tpu_vmem import vmem_limit
 SLOT_FIELD = {"receive": "slot", "send": "send_slot", "compute": "slot", "accumulate": "slot",
               "finish_send": "awaits_slot", "grant": "slot", "store": "slot"}
 
+
 def _matmul_blocks(n: int, k: int, m: int, itemsize: int, blocks: RingBlocks,
                    window: int | None) -> tuple[int, int, int]:
     """(rows, cols, depth) blocks of an [n, k] @ [k, m] product; with a `window`, the rhs is
