@@ -17,6 +17,13 @@ import conveyor as cv
 RNG = np.random.default_rng(11)
 
 
+def _with_modes(configs):
+    """Each config in both DMA modes, except on 8 devices: the same protocol as on 4 with more
+    steps, run in on_wait mode only (the mode where the upstream ring example's race shows), to
+    keep the suite's time in budget."""
+    return [(*c, mode) for c in configs for mode in (("on_wait",) if c[0] == 8 else ("on_wait", "eager"))]
+
+
 def _run(ring, mode, buffering=2, grad=False, bidirectional=False):
     mesh = Mesh(np.array(jax.devices()[:ring]), ("x",))
     x = jnp.asarray(RNG.standard_normal((8, 128 * ring)), jnp.float32)
@@ -35,9 +42,7 @@ def _run(ring, mode, buffering=2, grad=False, bidirectional=False):
     return out, x, w
 
 
-@pytest.mark.parametrize("ring", [2, 4, 8])
-@pytest.mark.parametrize("mode", ["on_wait", "eager"])
-@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("ring, bidirectional, mode", _with_modes([(r, b) for r in (2, 4, 8) for b in (False, True)]))
 def test_ring_is_correct_and_race_free(ring, mode, bidirectional):
     out, x, w = _run(ring, mode, bidirectional=bidirectional)
     for d in range(ring):
@@ -97,9 +102,8 @@ def test_exports_for_tpu():
     assert "tpu_custom_call" in exported.mlir_module()
 
 
-@pytest.mark.parametrize("ring", [2, 3, 4, 8])
-@pytest.mark.parametrize("mode", ["on_wait", "eager"])
-@pytest.mark.parametrize("bidirectional", [False, True])
+@pytest.mark.parametrize("ring, bidirectional, mode",
+                         _with_modes([(r, b) for r in (2, 3, 4, 8) for b in (False, True)]))
 def test_reduce_scatter_ring_is_correct_and_race_free(ring, mode, bidirectional):
     mesh = Mesh(np.array(jax.devices()[:ring]), ("x",))
     a = jnp.asarray(RNG.standard_normal((8 * ring, 128 * ring)), jnp.float32)
@@ -124,11 +128,11 @@ def test_reduce_scatter_exports_for_tpu():
     assert "tpu_custom_call" in exported.mlir_module()
 
 
-@pytest.mark.parametrize("ring, bidirectional", [(2, False), (4, False), (8, False), (3, True), (4, True), (8, True)])
-@pytest.mark.parametrize("mode", ["on_wait", "eager"])
+@pytest.mark.parametrize("ring, bidirectional, mode",
+                         _with_modes([(2, False), (4, False), (8, False), (3, True), (4, True), (8, True)]))
 def test_row_gather_and_column_scatter_rings(ring, bidirectional, mode):
-    """gather_dim=0 (uni: an output row block per step; bidi: the output resident, rows filled by
-    both streams) and scatter_dim=1 (rhs column blocks per step; bidi: column halves per direction)."""
+    """gather_dim=0 (each computing record writes the output row block of its shard's source)
+    and scatter_dim=1 (rhs column windows per step; bidi: column halves per direction)."""
     mesh = Mesh(np.array(jax.devices()[:ring]), ("x",))
     ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
     x = jnp.asarray(RNG.standard_normal((8 * ring, 128)), jnp.float32)
