@@ -18,6 +18,12 @@ def test_moe_dispatch_example(capsys):
     assert "max |error| vs unfused float64" in capsys.readouterr().out
 
 
+def test_moe_nnx_example(capsys):
+    runpy.run_path(str(EXAMPLES / "moe_nnx.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "nnx MoE block: loss" in out and "max |error| vs the dense reference" in out
+
+
 def test_moe_equinox_example(capsys):
     runpy.run_path(str(EXAMPLES / "moe_equinox.py"), run_name="__main__")
     out = capsys.readouterr().out

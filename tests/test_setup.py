@@ -33,11 +33,11 @@ def test_import_loads_no_backend_interpreter_nor_tool():
 
 def test_the_library_imports_and_checks_without_tqdm_or_extras():
     # The GPU machines run Conveyor from src/ on preinstalled packages without tqdm; a plain
-    # install has no matplotlib/optax/equinox. Importing and using the library needs none of them.
+    # install has no matplotlib/optax/equinox/flax. Importing and using the library needs none of them.
     import subprocess
     import sys
     code = ("import sys\n"
-            "for name in ('tqdm', 'matplotlib', 'optax', 'equinox'): sys.modules[name] = None\n"
+            "for name in ('tqdm', 'matplotlib', 'optax', 'equinox', 'flax'): sys.modules[name] = None\n"
             "import conveyor as cv\n"
             "spec = cv.BlockSpec((8, 128), lambda i: (i, 0))\n"
             "plan = cv.pipeline.plan(grid=(4,), in_specs=[spec], out_specs=[spec], max_concurrent_steps=2)\n"
