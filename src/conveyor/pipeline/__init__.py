@@ -2,7 +2,8 @@
 from conveyor.pipeline.api import (PrefetchedBlocks, emit_pipeline, emit_pipeline_warp_specialized,
                                    emit_pipeline_with_allocations)
 from conveyor.pipeline.xla import checked_schedule
-from conveyor.plans.pipeline import BlockSpec, Event, OperandPlan, PipelinePlan, plan
+from conveyor.plans.pipeline import Event, OperandPlan, PipelinePlan, plan
+from conveyor.plans.specs import BlockSpec
 from conveyor.plans.warp import PipelineState, WarpSpecializedPlan
 
 __all__ = ["emit_pipeline", "emit_pipeline_with_allocations", "PrefetchedBlocks", "checked_schedule",

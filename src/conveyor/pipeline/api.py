@@ -13,7 +13,7 @@ from conveyor.kernel import current_context, program_id
 from conveyor.pipeline import xla as xla_exec
 from conveyor.pipeline.caller_allocations import (PrefetchedBlocks, check_caller_allocations, claim, note_pending,
                                                  refuse_gpu_allocations)
-from conveyor.plans import pipeline as plan_lib, warp
+from conveyor.plans import pipeline as plan_lib, specs as specs_lib, warp
 
 
 def _check_shapes(p: plan_lib.PipelinePlan, refs):
@@ -140,9 +140,9 @@ def _check_onchip_spaces(in_specs, out_specs, backend: str) -> None:
     """A spec's `memory_space` naming one Mosaic backend's on-chip memory is refused on the other
     (xla, which emulates both, takes either)."""
     for side, specs in (("in", in_specs), ("out", out_specs)):
-        flat, names, _ = plan_lib.flatten_specs(specs, side)
+        flat, names, _ = specs_lib.flatten_specs(specs, side)
         for spec, name in zip(flat, names):
-            wanted = plan_lib.onchip_backend(getattr(spec, "memory_space", None))
+            wanted = specs_lib.onchip_backend(getattr(spec, "memory_space", None))
             if wanted not in (None, backend) and backend != "xla":
                 raise ValueError(f"{name}: memory_space={spec.memory_space!r} is {wanted}'s on-chip memory; "
                                  f"this pipeline runs on {backend}: name its space or leave it unset")

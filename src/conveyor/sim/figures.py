@@ -9,7 +9,8 @@ import sys
 
 from jax.experimental import pallas as pl
 
-from conveyor.plans.pipeline import BlockSpec, plan
+from conveyor.plans.pipeline import plan
+from conveyor.plans.specs import BlockSpec
 from conveyor.plans.warp import WarpSpecializedPlan
 from conveyor.sim.simulate import simulate, simulate_collective_matmul
 

@@ -21,8 +21,9 @@ from conveyor import dtypes
 from conveyor.plans.ring import RingBlocks, RingPlan, ring_plan
 from conveyor.ops.gmm.metadata import count_row_blocks, count_visits
 from conveyor.ops.gmm.tiling import MOSAIC_GPU
-from conveyor.plans.pipeline import BlockSpec, PipelinePlan, plan as make_plan
+from conveyor.plans.pipeline import PipelinePlan, plan as make_plan
 from conveyor.plans.sequence import as_sequence, operand_sizes, Prefetched, sequence_program
+from conveyor.plans.specs import BlockSpec
 from conveyor.plans.warp import as_chain, chain_program, WarpSpecializedPlan
 from conveyor.sim.hardware import Hardware, get as get_hardware
 from conveyor.sim import timed
