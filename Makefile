@@ -13,11 +13,14 @@ bootstrap:
 demo: bootstrap
 	$(PY) -m conveyor demo
 
-# The suite in tiers (tests/conftest.py): the fast tier first (plans, checker, simulator, the xla
-# executors, references, errors), then the interpreter and subprocess tiers.
+# The suite in tiers (tests/conftest.py): the fast tier first, in one process and in order
+# (plans, checker, simulator, the xla executors, references, errors), then the slow, interpreter
+# and subprocess tiers spread over TEST_WORKERS processes (pytest-xdist; each test is independent,
+# each process has its own 8 simulated devices). TEST_WORKERS=0 runs them in this process.
+TEST_WORKERS ?= 2
 test: bootstrap
 	$(PY) -m pytest -q -m fast tests
-	$(PY) -m pytest -q -m "not fast" tests
+	$(PY) -m pytest -q -m "not fast" -n $(TEST_WORKERS) tests
 
 test-fast: bootstrap
 	$(PY) -m pytest -q -m fast tests
