@@ -35,6 +35,7 @@ wheel-test: bootstrap
 
 lint: bootstrap
 	$(VENV)/bin/ruff check src tests examples scripts
+	$(VENV)/bin/ruff format --check src tests examples scripts
 
 dist: bootstrap
 	$(PY) -m build --sdist --wheel --outdir dist .

@@ -8,6 +8,7 @@ Checked against the unfused computation: every token times its expert's weight m
 
     python examples/moe_dispatch.py
 """
+
 import time
 
 import jax
@@ -37,9 +38,10 @@ def route(x_ref, ids_ref, w_ref, out_ref, order_ref, routed, ready):
 
     def body(b, c):
         rows = lax.dynamic_slice_in_dim(order, b * BLOCK, BLOCK)
-        routed[pl.ds(b * BLOCK, BLOCK), :] = x_ref[...][rows]        # gather this block's tokens
+        routed[pl.ds(b * BLOCK, BLOCK), :] = x_ref[...][rows]  # gather this block's tokens
         cv.semaphore_signal(ready.at[b])
         return c
+
     lax.fori_loop(0, BLOCKS, body, 0)
 
 
@@ -47,19 +49,28 @@ def experts(x_ref, ids_ref, w_ref, out_ref, order_ref, routed, ready):
     me = lax.axis_index("core")
 
     def body(i, c):
-        b = 2 * i + me                                                 # blocks alternate between the cores
+        b = 2 * i + me  # blocks alternate between the cores
         cv.semaphore_wait(ready.at[b])
         block = routed[pl.ds(b * BLOCK, BLOCK), :]
         sizes = block_group_sizes(ids_ref[...], b)
         out_ref[pl.ds(b * BLOCK, BLOCK), :] = cv.gmm(block, w_ref[...], sizes)
         return c
+
     lax.fori_loop(0, BLOCKS // 2, body, 0)
 
 
 def moe_dispatch(x, expert_ids, w):
-    call = cv.mpmd_map([(cv.Mesh(router=1), route), (cv.Mesh(core=2), experts)],
-                       (jax.ShapeDtypeStruct((TOKENS, F), jnp.float32), jax.ShapeDtypeStruct((TOKENS,), jnp.int32)),
-                       scratch_shapes=[jax.ShapeDtypeStruct((TOKENS, D), jnp.float32), cv.SemaphoreType((BLOCKS,))])
+    call = cv.mpmd_map(
+        [(cv.Mesh(router=1), route), (cv.Mesh(core=2), experts)],
+        (
+            jax.ShapeDtypeStruct((TOKENS, F), jnp.float32),
+            jax.ShapeDtypeStruct((TOKENS,), jnp.int32),
+        ),
+        scratch_shapes=[
+            jax.ShapeDtypeStruct((TOKENS, D), jnp.float32),
+            cv.SemaphoreType((BLOCKS,)),
+        ],
+    )
     return call(x, expert_ids, w)
 
 
@@ -71,11 +82,15 @@ def main():
     start = time.perf_counter()
     out_sorted, order = jax.jit(moe_dispatch)(x, ids, w)
     elapsed = time.perf_counter() - start
-    expect = np.einsum("td,tdf->tf", np.asarray(x, np.float64), np.asarray(w, np.float64)[np.asarray(ids)])
+    expect = np.einsum(
+        "td,tdf->tf", np.asarray(x, np.float64), np.asarray(w, np.float64)[np.asarray(ids)]
+    )
     np.testing.assert_array_equal(np.asarray(order), np.argsort(np.asarray(ids), kind="stable"))
     err = float(np.abs(np.asarray(out_sorted, np.float64) - expect[np.asarray(order)]).max())
-    print(f"moe_dispatch: {TOKENS} tokens, {EXPERTS} experts, {BLOCKS} blocks routed and multiplied concurrently "
-          f"in {elapsed:.2f} s; max |error| vs unfused float64: {err:.1e}")
+    print(
+        f"moe_dispatch: {TOKENS} tokens, {EXPERTS} experts, {BLOCKS} blocks routed and multiplied "
+        f"concurrently in {elapsed:.2f} s; max |error| vs unfused float64: {err:.1e}"
+    )
     assert err < 1e-3
 
 

@@ -5,6 +5,7 @@ MoE layer is Conveyor's plain functions of arrays. Here an `nnx.Module` with a r
 is trained for a few optax steps through `nnx.Optimizer`, and its output is checked against the
 dense reference with the same parameters.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +19,10 @@ class MoEBlock(nnx.Module):
     """x + MoE(x), top-k routing over `experts` SwiGLU experts."""
 
     def __init__(self, d: int, f: int, experts: int, top_k: int, *, rngs: nnx.Rngs):
-        normal = lambda shape, fan_in: nnx.Param(jax.random.normal(rngs.params(), shape) / fan_in ** 0.5)  # noqa: E731
+        # noqa: E731
+        normal = lambda shape, fan_in: nnx.Param(
+            jax.random.normal(rngs.params(), shape) / fan_in**0.5
+        )
         self.router_w = normal((d, experts), d)
         self.w_gate = normal((experts, d, f), d)
         self.w_up = normal((experts, d, f), d)
@@ -26,8 +30,14 @@ class MoEBlock(nnx.Module):
         self.top_k = top_k
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        y, aux = cv.moe.moe_ffn(x, self.router_w[...], self.w_gate[...], self.w_up[...], self.w_down[...],
-                                top_k=self.top_k)
+        y, aux = cv.moe.moe_ffn(
+            x,
+            self.router_w[...],
+            self.w_gate[...],
+            self.w_up[...],
+            self.w_down[...],
+            top_k=self.top_k,
+        )
         return x + y, aux
 
 
@@ -35,7 +45,9 @@ def main() -> None:
     tokens, d, f, experts = 256, 32, 64, 4
     model = MoEBlock(d, f, experts, top_k=2, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.default_rng(0).standard_normal((tokens, d)), jnp.float32)
-    target = jnp.tanh(x @ jnp.asarray(np.random.default_rng(1).standard_normal((d, d)) / d ** 0.5, jnp.float32))
+    target = jnp.tanh(
+        x @ jnp.asarray(np.random.default_rng(1).standard_normal((d, d)) / d**0.5, jnp.float32)
+    )
 
     def loss(model, x, target):
         y, aux = model(x)
@@ -54,8 +66,9 @@ def main() -> None:
     assert losses[-1] < 0.8 * losses[0], losses
 
     y, _ = model(x)
-    y_ref, _ = cv.moe.moe_ffn_reference(x, model.router_w[...], model.w_gate[...], model.w_up[...],
-                                        model.w_down[...], top_k=2)
+    y_ref, _ = cv.moe.moe_ffn_reference(
+        x, model.router_w[...], model.w_gate[...], model.w_up[...], model.w_down[...], top_k=2
+    )
     err = float(jnp.abs(y - (x + y_ref)).max())
     print(f"max |error| vs the dense reference: {err:.1e}")
     assert err < 1e-4

@@ -8,6 +8,7 @@ and tpu (bfloat16 inputs, float32 accumulation: wgmma takes 16-bit operands).
 
     python examples/pipelined_matmul.py
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,19 +27,27 @@ def matmul(x, y, *, bm=64, bk=128, bn=128, backend=None, interpret=False):
     def kernel(x_ref, y_ref, o_ref):
         def body(indices, x_blk, y_blk, o_blk):
             _, _, kk = indices
-            cv.dot(x_blk, y_blk, o_blk, accumulate=kk > 0)    # o = (o if kk > 0 else 0) + x @ y
+            cv.dot(x_blk, y_blk, o_blk, accumulate=kk > 0)  # o = (o if kk > 0 else 0) + x @ y
 
         cv.emit_pipeline(
-            body, grid=(m // bm, n // bn, k // bk),
-            in_specs=[cv.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-                      cv.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
+            body,
+            grid=(m // bm, n // bn, k // bk),
+            in_specs=[
+                cv.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+                cv.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)),
+            ],
             out_specs=[cv.BlockSpec((bm, bn), lambda i, j, kk: (i, j))],
-            max_concurrent_steps=2)(x_ref, y_ref, o_ref)
+            max_concurrent_steps=2,
+        )(x_ref, y_ref, o_ref)
 
-    return cv.kernel(kernel, jax.ShapeDtypeStruct((m, n), jnp.float32), backend=backend, interpret=interpret)(x, y)
+    return cv.kernel(
+        kernel, jax.ShapeDtypeStruct((m, n), jnp.float32), backend=backend, interpret=interpret
+    )(x, y)
 
 
-def matmul_warp_specialized(x, y, *, bm=128, bk=64, bn=128, compute_threads=2, backend=None, interpret=False):
+def matmul_warp_specialized(
+    x, y, *, bm=128, bk=64, bn=128, compute_threads=2, backend=None, interpret=False
+):
     """The same matmul with a memory thread feeding `compute_threads` compute threads (GPU style);
     each compute thread owns bm / compute_threads rows of the shared output block."""
     m, k = x.shape
@@ -52,14 +61,26 @@ def matmul_warp_specialized(x, y, *, bm=128, bk=64, bn=128, compute_threads=2, b
             cv.dot(x_blk.at[mine, :], y_blk, o_blk.at[mine, :], accumulate=kk > 0)
 
         cv.emit_pipeline_warp_specialized(
-            body, grid=(m // bm, n // bn, k // bk), memory_registers=40, wg_axis="wg",
+            body,
+            grid=(m // bm, n // bn, k // bk),
+            memory_registers=40,
+            wg_axis="wg",
             num_compute_wgs=compute_threads,
-            in_specs=[cv.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-                      cv.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
-            out_specs=[cv.BlockSpec((bm, bn), lambda i, j, kk: (i, j))])(x_ref, y_ref, o_ref)
+            in_specs=[
+                cv.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+                cv.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)),
+            ],
+            out_specs=[cv.BlockSpec((bm, bn), lambda i, j, kk: (i, j))],
+        )(x_ref, y_ref, o_ref)
 
-    return cv.kernel(kernel, jax.ShapeDtypeStruct((m, n), jnp.float32), backend=backend, interpret=interpret,
-                     num_threads=compute_threads + 1, thread_name="wg")(x, y)
+    return cv.kernel(
+        kernel,
+        jax.ShapeDtypeStruct((m, n), jnp.float32),
+        backend=backend,
+        interpret=interpret,
+        num_threads=compute_threads + 1,
+        thread_name="wg",
+    )(x, y)
 
 
 def main():
@@ -72,28 +93,42 @@ def main():
     runs = {
         "xla": dict(backend="xla"),
         "mosaic_tpu (interpreter, race detection)": dict(
-            backend="mosaic_tpu", interpret=pltpu.InterpretParams(detect_races=True)),
+            backend="mosaic_tpu", interpret=pltpu.InterpretParams(detect_races=True)
+        ),
         "mosaic_gpu (interpreter, race detection)": dict(
-            backend="mosaic_gpu", interpret=plgpu.InterpretGPUParams(detect_races=True)),
+            backend="mosaic_gpu", interpret=plgpu.InterpretGPUParams(detect_races=True)
+        ),
     }
     for name, kw in runs.items():
         out = jax.jit(lambda a, b, kw=kw: matmul(a, b, **kw))(x, y)
         err = float(np.abs(np.asarray(out) - expect).max())
         print(f"{name:45s} max |error| vs float64: {err:.2e}")
         assert err < 1e-3, name
-    for name, kw in [("warp-specialized xla", dict(backend="xla")),
-                     ("warp-specialized mosaic_gpu (interpreter, race detection)",
-                      dict(backend="mosaic_gpu", interpret=plgpu.InterpretGPUParams(detect_races=True)))]:
+    for name, kw in [
+        ("warp-specialized xla", dict(backend="xla")),
+        (
+            "warp-specialized mosaic_gpu (interpreter, race detection)",
+            dict(backend="mosaic_gpu", interpret=plgpu.InterpretGPUParams(detect_races=True)),
+        ),
+    ]:
         out = jax.jit(lambda a, b, kw=kw: matmul_warp_specialized(a, b, **kw))(x, y)
         err = float(np.abs(np.asarray(out) - expect).max())
         print(f"{name:45s} max |error| vs float64: {err:.2e}")
         assert err < 1e-3, name
     # The same kernels compile for a real TPU and a real GPU (sm_90) without either being present.
-    for platform, backend, fn in [("tpu", "mosaic_tpu", matmul), ("cuda", "mosaic_gpu", matmul),
-                                  ("cuda", "mosaic_gpu", matmul_warp_specialized)]:
-        exported = jax.export.export(jax.jit(lambda a, b, fn=fn, backend=backend: fn(a, b, backend=backend)),
-                                     platforms=[platform])(x, y)
-        print(f"{fn.__name__} exported for {exported.platforms}: {len(exported.mlir_module())} characters")
+    for platform, backend, fn in [
+        ("tpu", "mosaic_tpu", matmul),
+        ("cuda", "mosaic_gpu", matmul),
+        ("cuda", "mosaic_gpu", matmul_warp_specialized),
+    ]:
+        exported = jax.export.export(
+            jax.jit(lambda a, b, fn=fn, backend=backend: fn(a, b, backend=backend)),
+            platforms=[platform],
+        )(x, y)
+        print(
+            f"{fn.__name__} exported for {exported.platforms}: {len(exported.mlir_module())} "
+            "characters"
+        )
 
 
 if __name__ == "__main__":

@@ -1,8 +1,12 @@
 """Test session setup: 8 simulated CPU devices (must happen before jax is imported)."""
+
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
-# The benchmarks' pause before each timed call (bench/timing.py) only steadies their times, which the
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+# The benchmarks' pause before each timed call (bench/timing.py) only steadies their times, which
+# the
 # tests do not judge; subprocesses (the CLI's bench and demo) inherit it.
 os.environ.setdefault("CONVEYOR_BENCH_SETTLE_S", "0")
 if os.environ.get("CONVEYOR_TEST_PLATFORM", "cpu") == "cpu":  # `make gpu-check` runs on the GPU
@@ -20,23 +24,28 @@ from conveyor import testing  # noqa: E402
 testing.enable_interpreter_checks()
 
 # Derandomized so CI is repeatable; small example counts keep the suite fast.
-hypothesis.settings.register_profile("ci", derandomize=True, max_examples=12, deadline=None,
-                                     print_blob=True)
+hypothesis.settings.register_profile(
+    "ci", derandomize=True, max_examples=12, deadline=None, print_blob=True
+)
 hypothesis.settings.load_profile("ci")
 
 
 @pytest.fixture(autouse=True)
 def _fresh_interpreter_state():
-    """Each test starts with fresh Pallas interpreter state (a kernel that raised leaves its own)."""
+    """Each test starts with fresh Pallas interpreter state (a kernel that raised leaves its
+    own)."""
     testing.take_semaphore_leaks()
     yield
     leaks = testing.finish_test()
     if leaks:
-        pytest.fail("the TPU interpreter found semaphores left non-zero at kernel exit (a DMA started and never "
-                    "awaited fails on a TPU): " + "; ".join(leaks[:3]))
+        pytest.fail(
+            "the TPU interpreter found semaphores left non-zero at kernel exit (a DMA started and "
+            "never "
+            "awaited fails on a TPU): " + "; ".join(leaks[:3])
+        )
 
 
-# ---- tiers -----------------------------------------------------------------------------------------
+# ---- tiers ---------------------------------------------------------------------------------------
 # fast: plans, the checker and simulator on small programs, the xla executors (default and
 #   checked), references, errors; the schedule tests first (SCHEDULE_FIRST). `make test-fast`.
 # slow: pure-Python or xla work too long for the fast tier (the simulator's validation table,
@@ -47,15 +56,36 @@ def _fresh_interpreter_state():
 # A test's tier follows from what it runs: its module, an explicit `pytest.mark.slow`, or its
 # parameters and name naming a Mosaic backend or an interpreter. Tiers run in this order.
 TIERS = ("fast", "slow", "interpreter", "subprocess")
-SCHEDULE_FIRST = ("test_plan.py", "test_check.py", "test_ring_plan.py", "test_checked_schedule.py",
-                  "test_fetch_rules.py", "test_sequence.py")
-SUBPROCESS_MODULES = {"test_cli.py", "test_cli_collective.py", "test_bench_setup.py", "test_multiprocess.py",
-                      "test_examples.py", "test_docs.py"}
+SCHEDULE_FIRST = (
+    "test_plan.py",
+    "test_check.py",
+    "test_ring_plan.py",
+    "test_checked_schedule.py",
+    "test_fetch_rules.py",
+    "test_sequence.py",
+)
+SUBPROCESS_MODULES = {
+    "test_cli.py",
+    "test_cli_collective.py",
+    "test_bench_setup.py",
+    "test_multiprocess.py",
+    "test_examples.py",
+    "test_docs.py",
+}
 SLOW_MODULES = {"test_expert_parallel.py", "test_moe_layer.py"}
-INTERPRETER_MODULES = {"test_mosaic_tpu_ring.py", "test_mosaic_gpu.py", "test_mosaic_gpu_tgmm.py",
-                       "test_mosaic_tpu.py", "test_delay_release_tpu.py", "test_conformance.py",
-                       "test_ring_conformance.py", "test_interpreter_deadline.py", "test_mpmd_gpu.py",
-                       "test_compile_check.py", "test_cost_estimates.py"}
+INTERPRETER_MODULES = {
+    "test_mosaic_tpu_ring.py",
+    "test_mosaic_gpu.py",
+    "test_mosaic_gpu_tgmm.py",
+    "test_mosaic_tpu.py",
+    "test_delay_release_tpu.py",
+    "test_conformance.py",
+    "test_ring_conformance.py",
+    "test_interpreter_deadline.py",
+    "test_mpmd_gpu.py",
+    "test_compile_check.py",
+    "test_cost_estimates.py",
+}
 MOSAIC_WORDS = ("mosaic", "tpu", "gpu", "interpret")
 
 
@@ -77,12 +107,16 @@ def _tier(item) -> str:
 def _order(item) -> tuple[int, int]:
     tier = _tier(item)
     first = tier == "fast" and item.path.name in SCHEDULE_FIRST
-    return TIERS.index(tier), (SCHEDULE_FIRST.index(item.path.name) if first else len(SCHEDULE_FIRST))
+    return TIERS.index(tier), (
+        SCHEDULE_FIRST.index(item.path.name) if first else len(SCHEDULE_FIRST)
+    )
 
 
 def pytest_configure(config):
     for tier in TIERS:
-        config.addinivalue_line("markers", f"{tier}: the {tier} tier of the suite (tests/conftest.py)")
+        config.addinivalue_line(
+            "markers", f"{tier}: the {tier} tier of the suite (tests/conftest.py)"
+        )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -90,4 +124,4 @@ def pytest_collection_modifyitems(config, items):
         tier = _tier(item)
         if item.get_closest_marker(tier) is None:
             item.add_marker(tier)
-    items.sort(key=_order)   # stable: file order within a tier
+    items.sort(key=_order)  # stable: file order within a tier

@@ -1,18 +1,30 @@
 """The benchmarks' own set-up: floors compute what they claim (a wrong floor would flatter every
 ratio), and every kernel a benchmark builds is one the backend accepts (checked by tracing only)."""
+
 import jax
 import numpy as np
 import jax.numpy as jnp
 import pytest
 
 from conveyor.bench import pipeline as bench_pipeline
-from conveyor.bench.gmm import equal_split_gmm, equal_split_loop_gmm, equal_split_loop_tgmm, equal_split_tgmm
+from conveyor.bench.gmm import (
+    equal_split_gmm,
+    equal_split_loop_gmm,
+    equal_split_loop_tgmm,
+    equal_split_tgmm,
+)
 from conveyor.bench.pipeline import slab_loop_matmul, step_loop_matmul, thread_slab_loop_matmul
 
 
-@pytest.mark.parametrize("floor", [lambda: step_loop_matmul(64, 32, 48, 16, 8, 16), lambda: slab_loop_matmul(64, 32, 48, 8),
-                                   lambda: thread_slab_loop_matmul(64, 32, 48, 16, 8, 2)],
-                         ids=["step loop", "k slabs", "per-thread k slabs"])
+@pytest.mark.parametrize(
+    "floor",
+    [
+        lambda: step_loop_matmul(64, 32, 48, 16, 8, 16),
+        lambda: slab_loop_matmul(64, 32, 48, 8),
+        lambda: thread_slab_loop_matmul(64, 32, 48, 16, 8, 2),
+    ],
+    ids=["step loop", "k slabs", "per-thread k slabs"],
+)
 def test_matmul_floors_are_matmuls(floor):
     rng = np.random.default_rng(0)
     x, y = rng.standard_normal((64, 32)), rng.standard_normal((32, 48))
@@ -21,20 +33,24 @@ def test_matmul_floors_are_matmuls(floor):
     np.testing.assert_allclose(got, x @ y, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("gmm_floor, tgmm_floor", [(equal_split_gmm, equal_split_tgmm),
-                                                   (equal_split_loop_gmm, equal_split_loop_tgmm)],
-                         ids=["batched", "loop"])
+@pytest.mark.parametrize(
+    "gmm_floor, tgmm_floor",
+    [(equal_split_gmm, equal_split_tgmm), (equal_split_loop_gmm, equal_split_loop_tgmm)],
+    ids=["batched", "loop"],
+)
 def test_equal_split_floors_are_grouped_matmuls(gmm_floor, tgmm_floor):
     rng = np.random.default_rng(1)
     g, rows, k, n = 4, 6, 5, 7
     x, w = rng.standard_normal((g * rows, k)), rng.standard_normal((g, k, n))
     out = gmm_floor(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
-    want = np.concatenate([x[i * rows:(i + 1) * rows] @ w[i] for i in range(g)])
+    want = np.concatenate([x[i * rows : (i + 1) * rows] @ w[i] for i in range(g)])
     # f32 sums of 5 (or 6) products of unit normals: well inside 1e-5.
     np.testing.assert_allclose(out, want, rtol=0, atol=1e-5)
     y = rng.standard_normal((g * rows, n))
     t = tgmm_floor(jnp.asarray(x.T, jnp.float32), jnp.asarray(y, jnp.float32), g)
-    want_t = np.stack([x[i * rows:(i + 1) * rows].T @ y[i * rows:(i + 1) * rows] for i in range(g)])
+    want_t = np.stack(
+        [x[i * rows : (i + 1) * rows].T @ y[i * rows : (i + 1) * rows] for i in range(g)]
+    )
     np.testing.assert_allclose(t, want_t, rtol=0, atol=1e-5)
 
 
@@ -54,12 +70,15 @@ def test_pipeline_bench_kernels_trace_on_every_backend_they_time(case):
 def test_gpu_table_puts_the_simulator_next_to_the_measured_kernel():
     from conveyor.bench import gmm_gpu
     from conveyor.problems import GmmProblem
+
     assert gmm_gpu.hardware_model("NVIDIA H100 80GB HBM3") == "h100"
     assert gmm_gpu.hardware_model("NVIDIA H200") == "h200"
     assert gmm_gpu.hardware_model("cpu") is None
     p = GmmProblem(name="t", m=8192, k=4096, n=14336, groups=8)
-    rows = [dict(name="dense jnp.dot", t=1.0e-3, err=None, config=""),
-            dict(name="cv.gmm mosaic_gpu", t=2.0e-3, err=1e-3, config="", sim=1.6e-3)]
+    rows = [
+        dict(name="dense jnp.dot", t=1.0e-3, err=None, config=""),
+        dict(name="cv.gmm mosaic_gpu", t=2.0e-3, err=1e-3, config="", sim=1.6e-3),
+    ]
     lines = gmm_gpu._table("gmm", p, rows, 1.0e-3, "floor")
     assert lines[-3].startswith("| dense jnp.dot | 1.000 |") and "| - | - |" in lines[-3]
     assert "| 2.000 | 481 | 2.00x | 1.600 | 1.25 | 1.0e-03 |" in lines[-2]
@@ -69,17 +88,26 @@ def test_gpu_benchmark_runs_end_to_end_on_cpu_through_the_interpreter(monkeypatc
     """`make gpu-bench` has never had a GPU: run its whole table on CPU at a tiny shape, the Mosaic
     GPU rows through the interpreter, so the first run on an H100 does not die in the harness."""
     from conveyor.bench import gmm_gpu
-    monkeypatch.setattr(gmm_gpu, "hardware_model", lambda kind: "h100")   # the simulator's column too
+
+    # the simulator's column too
+    monkeypatch.setattr(gmm_gpu, "hardware_model", lambda kind: "h100")
     table = gmm_gpu.run(reps=1, groups=(2,), shape=(256, 128, 128), interpret=True)
-    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in table.splitlines()
-            if line.startswith("| ") and not line.startswith("| candidate")}
+    rows = {
+        line.split(" | ")[0].lstrip("| "): line.split(" | ")
+        for line in table.splitlines()
+        if line.startswith("| ") and not line.startswith("| candidate")
+    }
     for op in ("gmm", "tgmm"):
         default = rows[f"cv.{op} mosaic_gpu"]
-        assert float(default[1]) > 0 and float(default[4]) > 0, default     # measured and simulated ms
+        assert float(default[1]) > 0 and float(default[4]) > 0, default  # measured and simulated ms
         # bf16 output of a k=128 (or m=256) f32-accumulated dot: rounding to bf16 dominates (2^-9).
         assert float(default[6]) < 5e-3, default
         assert float(rows[f"cv.{op} xla"][1]) > 0
-    for upstream in ("ragged_dot_mgpu", "transposed_ragged_dot_mgpu"):   # GPU-only kernels: said, not blank
+    # GPU-only kernels: said, not blank
+    for upstream in (
+        "ragged_dot_mgpu",
+        "transposed_ragged_dot_mgpu",
+    ):
         assert "failed" in rows[upstream][7], rows[upstream]
 
 
@@ -89,6 +117,7 @@ def test_moe_ffn_bench_candidates_agree(dtype):
     at a tiny shape and cv.gmm's gradients match ragged_dot's: float32 to ~1e-6; bfloat16 to the
     rounding of the hidden activation to bf16 (relative 2^-8 per element, a few of them summed)."""
     from conveyor.bench.gmm import bench_moe_ffn
+
     r = bench_moe_ffn(3, 1, m=48, d=16, f=32, dtype=dtype)
     assert set(r["t"]) == {"batched", "loop", "gmm", "xla", "ragged_dot"}
     assert r["rel"] < (1e-5 if dtype == jnp.float32 else 2e-2)
@@ -97,11 +126,14 @@ def test_moe_ffn_bench_candidates_agree(dtype):
 def test_settle_pause_setting_is_checked(monkeypatch):
     """CONVEYOR_BENCH_SETTLE_S takes seconds >= 0; anything else is refused by name."""
     from conveyor.bench import timing
+
     monkeypatch.setenv("CONVEYOR_BENCH_SETTLE_S", "0.05")
     assert timing._settle_seconds() == 0.05
     for bad in ("abc", "-1", "nan"):
         monkeypatch.setenv("CONVEYOR_BENCH_SETTLE_S", bad)
-        with pytest.raises(ValueError, match=f"CONVEYOR_BENCH_SETTLE_S: expected seconds >= 0, got '{bad}'"):
+        with pytest.raises(
+            ValueError, match=f"CONVEYOR_BENCH_SETTLE_S: expected seconds >= 0, got '{bad}'"
+        ):
             timing._settle_seconds()
 
 
@@ -109,12 +141,14 @@ def test_each_timed_call_follows_an_untimed_one_unless_the_candidate_is_slow(mon
     """interleaved_medians: one warm-up call per candidate, then per repetition a warm call and the
     timed call; a candidate whose last timed call took over WARM_CALL_MAX_S gets no warm call."""
     from conveyor.bench import timing
+
     calls = {"fast": 0, "slow": 0}
 
     def counting(name):
         def fn():
             calls[name] += 1
             return jnp.zeros(())
+
         return fn
 
     monkeypatch.setattr(timing, "WARM_CALL_MAX_S", 60.0)

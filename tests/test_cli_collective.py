@@ -1,11 +1,16 @@
 """`conveyor bench collective` re-launches itself on 8 simulated devices and checks its rings."""
+
 import subprocess
 import sys
 
 
 def test_bench_collective_runs():
-    r = subprocess.run([sys.executable, "-m", "conveyor", "bench", "collective", "--reps", "1"],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "conveyor", "bench", "collective", "--reps", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert "| all_gather_matmul |" in r.stdout and "| matmul_reduce_scatter |" in r.stdout
 
@@ -14,20 +19,29 @@ def test_bench_moe_table_on_8_devices():
     """The MoE exchange benchmark at a toy shape: every capacity row is there, dropless drops
     nothing, and a capacity factor of 1.0 reports its drops as a count of all assignments."""
     import os
-    code = ("import sys; from conveyor.bench import moe; "
-            "sys.stdout.write(moe.run(reps=1, shape=moe.Shape(tokens=64, d=32, f=64, experts=8, top_k=2)))")
+
+    code = (
+        "import sys; from conveyor.bench import moe; sys.stdout.write(moe.run(reps=1, "
+        "shape=moe.Shape(tokens=64, d=32, f=64, experts=8, top_k=2)))"
+    )
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr
-    rows = {line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")}
+    rows = {
+        line.split("|")[1].strip(): line for line in r.stdout.splitlines() if line.startswith("| ")
+    }
     assert set(rows) >= {"dropless (worst case)", "factor 2.0", "factor 1.25", "factor 1.0"}
-    assert rows["dropless (worst case)"].rstrip(" |").endswith("| 0 of 1024")  # 8 devices x 64 tokens x top-2
+    # 8 devices x 64 tokens x top-2
+    assert rows["dropless (worst case)"].rstrip(" |").endswith("| 0 of 1024")
     assert rows["factor 1.0"].rstrip(" |").endswith(" of 1024")
 
 
 def test_bench_moe_refuses_gmm_options():
     from conveyor.cli import main
     import pytest
+
     with pytest.raises(SystemExit) as e:
         main(["bench", "moe", "--m", "64"])
     assert e.value.code == 2

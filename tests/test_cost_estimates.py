@@ -34,24 +34,51 @@ def backend(request):
 def test_gmm_and_tgmm(backend):
     m, k, n, groups = 256, 128, 256, 4
     sizes = _struct(groups, dtype=jnp.int32)
-    gmm = _flops(lambda x, w, s: cv.gmm(x, w, s, backend=backend),
-                 _struct(m, k), _struct(groups, k, n), sizes, platform=PLATFORM[backend])
-    tgmm = _flops(lambda xt, dy, s: cv.tgmm(xt, dy, s, backend=backend),
-                  _struct(k, m), _struct(m, n), sizes, platform=PLATFORM[backend])
+    gmm = _flops(
+        lambda x, w, s: cv.gmm(x, w, s, backend=backend),
+        _struct(m, k),
+        _struct(groups, k, n),
+        sizes,
+        platform=PLATFORM[backend],
+    )
+    tgmm = _flops(
+        lambda xt, dy, s: cv.tgmm(xt, dy, s, backend=backend),
+        _struct(k, m),
+        _struct(m, n),
+        sizes,
+        platform=PLATFORM[backend],
+    )
     assert gmm == [2 * m * k * n] and tgmm == [2 * k * m * n]
 
 
-@pytest.mark.parametrize("op, dim", [("all_gather_matmul", 1), ("all_gather_matmul", 0),
-                                     ("matmul_reduce_scatter", 0), ("matmul_reduce_scatter", 1)])
+@pytest.mark.parametrize(
+    "op, dim",
+    [
+        ("all_gather_matmul", 1),
+        ("all_gather_matmul", 0),
+        ("matmul_reduce_scatter", 0),
+        ("matmul_reduce_scatter", 1),
+    ],
+)
 def test_rings_count_one_devices_work(op, dim):
     devices = 4
     s = 512 if (op, dim) == ("matmul_reduce_scatter", 1) else 256  # 128-lane column blocks
-    mesh = AbstractMesh((devices,), ("x",), (AxisType.Auto,),
-                        abstract_device=AbstractDevice("TPU v5 lite", devices, "tpu"))
+    mesh = AbstractMesh(
+        (devices,),
+        ("x",),
+        (AxisType.Auto,),
+        abstract_device=AbstractDevice("TPU v5 lite", devices, "tpu"),
+    )
     dim_arg = "gather_dim" if op == "all_gather_matmul" else "scatter_dim"
-    local = lambda a, b: getattr(cv, op)(a, b, axis_name="x", backend="mosaic_tpu", **{dim_arg: dim})
+    local = lambda a, b: getattr(cv, op)(
+        a, b, axis_name="x", backend="mosaic_tpu", **{dim_arg: dim}
+    )
     if op == "all_gather_matmul":
-        lhs = (_struct(s, s * devices), P(None, "x")) if dim == 1 else (_struct(s * devices, s), P("x"))
+        lhs = (
+            (_struct(s, s * devices), P(None, "x"))
+            if dim == 1
+            else (_struct(s * devices, s), P("x"))
+        )
         rhs = (_struct(s * devices if dim == 1 else s, s), P())
         out = P()
     else:

@@ -1,4 +1,5 @@
 """The README's and the guides' Python examples run as written."""
+
 import pathlib
 import re
 

@@ -23,9 +23,13 @@ def _body(x_ref, o_ref, sems):
 
 def test_conveyor_semaphores_as_tpu_kernel_scratch():
     x = jnp.asarray(np.random.default_rng(4801).standard_normal((16, 128)), jnp.float32)
-    call = cv.kernel(_body, jax.ShapeDtypeStruct(x.shape, x.dtype), backend="mosaic_tpu",
-                     interpret=pltpu.InterpretParams(detect_races=True),
-                     scratch_shapes=[cv.SemaphoreType((2,))])
+    call = cv.kernel(
+        _body,
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        backend="mosaic_tpu",
+        interpret=pltpu.InterpretParams(detect_races=True),
+        scratch_shapes=[cv.SemaphoreType((2,))],
+    )
     np.testing.assert_array_equal(call(x), x + 1.0)
 
 

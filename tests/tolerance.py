@@ -9,6 +9,7 @@ partial sums reach (Higham, Accuracy and Stability of Numerical Algorithms, 2nd 
 deviations of margin, with eps/2 rounded up to eps). A result rounded to a narrower `out_dtype`
 adds its own rounding, up to eps_out relative to the value, per side.
 """
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -18,7 +19,14 @@ FACTOR = 16
 def sum_tolerance(n: int, scale, acc_dtype=np.float32, expected=None, out_dtype=None):
     """Bound on |a - b| for two evaluations of n-term sums accumulated in `acc_dtype`; with
     `expected` and `out_dtype`, plus both sides' rounding of the result to `out_dtype`."""
-    bound = FACTOR * float(jnp.finfo(acc_dtype).eps) * np.sqrt(max(n, 1)) * np.asarray(scale, np.float64)
+    bound = (
+        FACTOR
+        * float(jnp.finfo(acc_dtype).eps)
+        * np.sqrt(max(n, 1))
+        * np.asarray(scale, np.float64)
+    )
     if out_dtype is not None:
-        bound = bound + 2 * float(jnp.finfo(out_dtype).eps) * np.abs(np.asarray(expected, np.float64))
+        bound = bound + 2 * float(jnp.finfo(out_dtype).eps) * np.abs(
+            np.asarray(expected, np.float64)
+        )
     return bound

@@ -1,8 +1,9 @@
 """Conveyor: software-pipelined accelerator kernels on JAX, verified and fast on CPU.
 
-    import conveyor as cv
-    out = cv.gmm(lhs, rhs, group_sizes)
+import conveyor as cv
+out = cv.gmm(lhs, rhs, group_sizes)
 """
+
 from conveyor import moe, pipeline, sim
 from conveyor.dot import dot
 from conveyor.interpreters import InterpreterDeadlock
@@ -12,12 +13,49 @@ from conveyor.ops.collective_matmul import RingBlocks, all_gather_matmul, matmul
 from conveyor.ops.gmm import GroupMetadata, gmm, make_group_metadata, ragged_dot, tgmm
 from conveyor.pipeline import BlockSpec, emit_pipeline, emit_pipeline_warp_specialized
 from conveyor.mpmd import Mesh, MpmdDeadlock, mpmd_errors, mpmd_map
-from conveyor.sync import (BarrierType, SemaphoreType, barrier_arrive, barrier_wait, fence, semaphore_signal,
-                           semaphore_wait, wait_produced)
+from conveyor.sync import (
+    BarrierType,
+    SemaphoreType,
+    barrier_arrive,
+    barrier_wait,
+    fence,
+    semaphore_signal,
+    semaphore_wait,
+    wait_produced,
+)
 
 __version__ = "0.1.0"
-__all__ = ["dot", "gmm", "tgmm", "ragged_dot", "make_group_metadata", "GroupMetadata", "kernel", "program_id", "emit_pipeline",
-           "emit_pipeline_warp_specialized", "BlockSpec", "pipeline", "sim", "moe", "RingBlocks", "all_gather_matmul",
-           "matmul_reduce_scatter", "mpmd_map", "Mesh", "MpmdDeadlock", "mpmd_errors", "SemaphoreType", "BarrierType",
-           "semaphore_signal", "semaphore_wait", "barrier_wait", "barrier_arrive", "wait_produced", "fence",
-           "InterpreterDeadlock", "set_interpreter_wait_deadline", "__version__"]
+__all__ = [
+    "dot",
+    "gmm",
+    "tgmm",
+    "ragged_dot",
+    "make_group_metadata",
+    "GroupMetadata",
+    "kernel",
+    "program_id",
+    "emit_pipeline",
+    "emit_pipeline_warp_specialized",
+    "BlockSpec",
+    "pipeline",
+    "sim",
+    "moe",
+    "RingBlocks",
+    "all_gather_matmul",
+    "matmul_reduce_scatter",
+    "mpmd_map",
+    "Mesh",
+    "MpmdDeadlock",
+    "mpmd_errors",
+    "SemaphoreType",
+    "BarrierType",
+    "semaphore_signal",
+    "semaphore_wait",
+    "barrier_wait",
+    "barrier_arrive",
+    "wait_produced",
+    "fence",
+    "InterpreterDeadlock",
+    "set_interpreter_wait_deadline",
+    "__version__",
+]

@@ -1,4 +1,5 @@
 """python -m conveyor ... (same as the `conveyor` command)."""
+
 import sys
 
 from conveyor.cli import main

@@ -6,6 +6,7 @@ tracing inside shard_map), `jaxprs` (tracing and rewriting functions over refs),
 (opt-in interpreter checks). A JAX upgrade that moves a name is mended in this file.
 Supported: jax 0.11.2 .. 0.12.0.1.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -18,7 +19,9 @@ from jax._src.pallas import primitives as pallas_primitives  # noqa: F401
 from jax._src.pjit import jit_p  # noqa: F401
 from jax._src.state import primitives as state_primitives  # noqa: F401
 from jax._src.state.discharge import initial_style_jaxpr  # noqa: F401
-from jax._src.state.discharge import run_state_reference as run_state  # noqa: F401  (no public alias)
+
+# (no public alias)
+from jax._src.state.discharge import run_state_reference as run_state  # noqa: F401
 from jax._src.state.indexing import NDIndexer, Slice  # noqa: F401
 from jax._src.state.types import AbstractRef, TransformedRef, WriteEffect  # noqa: F401
 from jax.extend.core import Primitive  # noqa: F401
@@ -26,38 +29,44 @@ from jax.interpreters import ad, batching, mlir  # noqa: F401
 
 is_undefined_primal = ad.is_undefined_primal
 Zero = ad.Zero
-check_vma = _config._check_vma   # the switch of shard_map's varying-axes checks
+check_vma = _config._check_vma  # the switch of shard_map's varying-axes checks
 
 
-# ---- loaded on first use: `import conveyor` does not load Mosaic GPU nor the interpreters ----------
+# ---- loaded on first use: `import conveyor` does not load Mosaic GPU nor the interpreters --------
+
 
 def pallas_gpu_core():
     """jax._src.pallas.mosaic_gpu.core (plgpu.Barrier's class)."""
     from jax._src.pallas.mosaic_gpu import core as gpu_core
+
     return gpu_core
 
 
 def tpu_interpreter_shared_memory():
     """The Pallas TPU interpreter's shared state (semaphores, their waits and its failure check)."""
     from jax._src.pallas.mosaic.interpret import shared_memory
+
     return shared_memory
 
 
 def tpu_interpreter_race_state():
     """The Pallas TPU (and GPU) interpreters' race-detection state."""
     from jax._src.pallas.mosaic.interpret import race_detection_state
+
     return race_detection_state
 
 
 def gpu_interpreter_shared_memory():
     """The Mosaic GPU interpreter's shared state (barriers)."""
     from jax._src.pallas.mosaic_gpu.interpret import shared_memory
+
     return shared_memory
 
 
 def gpu_interpreter_callbacks():
     """The Mosaic GPU interpreter's callbacks (its end-of-kernel barrier check, its state reset)."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
     return gpu_callbacks
 
 
@@ -72,6 +81,7 @@ def cuda_toolkit_path() -> str | None:
 
 # ---- what the installed jax can do ---------------------------------------------------------------
 
+
 def _accepts(fn, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
@@ -79,12 +89,14 @@ def _accepts(fn, name: str) -> bool:
 def gpu_kernel_takes_cost_estimate() -> bool:
     """plgpu.kernel has `cost_estimate` (jax >= 0.12)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
     return _accepts(plgpu.kernel, "cost_estimate")
 
 
 def interpreter_raises_on_race() -> bool:
     """The Pallas interpreters raise on a detected race by themselves (jax >= 0.12: `on_race`)."""
     import dataclasses
+
     cls = tpu_interpreter_race_state().RaceDetectionState
     return "on_race" in {f.name for f in dataclasses.fields(cls)}
 
@@ -93,10 +105,13 @@ def gpu_kernel_options(*, cost_estimate=None, kernel_name: str | None = None) ->
     """Keyword arguments for `plgpu.kernel`: `cost_estimate` exists from jax 0.12 on; on older jax
     a given one is refused by name rather than dropped."""
     import jax
+
     options = {"kernel_name": kernel_name} if kernel_name else {}
     if cost_estimate is not None:
         if not gpu_kernel_takes_cost_estimate():
-            raise NotImplementedError(f"cost_estimate on mosaic_gpu needs jax >= 0.12 (plgpu.kernel of jax "
-                                      f"{jax.__version__} has no cost_estimate); leave it out on this jax")
+            raise NotImplementedError(
+                "cost_estimate on mosaic_gpu needs jax >= 0.12 (plgpu.kernel of jax "
+                f"{jax.__version__} has no cost_estimate); leave it out on this jax"
+            )
         options["cost_estimate"] = cost_estimate
     return options

@@ -6,6 +6,7 @@ argument; `gpu_call_with_aliases` gives it the same effect with a jax Ref: the a
 `jax.new_ref(input)`, passed to the kernel as an extra operand (which the kernel updates in place,
 and `jax.export` records as an output-operand alias), and read back with `jax.freeze`.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
@@ -19,55 +20,76 @@ def check_aliases(where: str, aliases: Any) -> dict[int, int]:
     """`aliases` as a dict {input index: output index}, one input per output (a second input
     aliased to the same output would be silently dropped)."""
     if not isinstance(aliases, Mapping):
-        raise TypeError(f"{where}: input_output_aliases must be a dict {{input index: output index}}, got {aliases!r}")
+        raise TypeError(
+            f"{where}: input_output_aliases must be a dict {{input index: output index}}, got "
+            f"{aliases!r}"
+        )
     by_output: dict[int, int] = {}
     for src, dst in aliases.items():
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in (src, dst)):
-            raise TypeError(f"{where}: input_output_aliases must map int input indices to int output indices, "
-                            f"got {{{src!r}: {dst!r}}}")
+            raise TypeError(
+                f"{where}: input_output_aliases must map int input indices to int output indices, "
+                f"got {{{src!r}: {dst!r}}}"
+            )
         if dst in by_output:
-            raise ValueError(f"{where}: input_output_aliases maps inputs {by_output[dst]} and {src} to output "
-                             f"{dst}; an output can start as one input only")
+            raise ValueError(
+                f"{where}: input_output_aliases maps inputs {by_output[dst]} and {src} to output "
+                f"{dst}; an output can start as one input only"
+            )
         by_output[dst] = src
     return dict(aliases)
 
 
-def check_alias_operands(where: str, aliases: Mapping[int, int], inputs: Sequence[Any],
-                         outputs: Sequence[Any]) -> None:
+def check_alias_operands(
+    where: str, aliases: Mapping[int, int], inputs: Sequence[Any], outputs: Sequence[Any]
+) -> None:
     """Each alias names an existing input and output of the same shape and dtype."""
     for src, dst in aliases.items():
         if not (0 <= src < len(inputs) and 0 <= dst < len(outputs)):
-            raise ValueError(f"{where}: input_output_aliases {{{src}: {dst}}} is out of range "
-                             f"({len(inputs)} inputs, {len(outputs)} outputs)")
+            raise ValueError(
+                f"{where}: input_output_aliases {{{src}: {dst}}} is out of range ({len(inputs)} "
+                f"inputs, {len(outputs)} outputs)"
+            )
         a, o = inputs[src], outputs[dst]
         if tuple(a.shape) != tuple(o.shape) or jnp.dtype(a.dtype) != jnp.dtype(o.dtype):
-            raise ValueError(f"{where}: input {src} ({jnp.dtype(a.dtype)}{list(a.shape)}) cannot alias output {dst} "
-                             f"({jnp.dtype(o.dtype)}{list(o.shape)}): shapes and dtypes must match")
+            raise ValueError(
+                f"{where}: input {src} ({jnp.dtype(a.dtype)}{list(a.shape)}) cannot alias output "
+                f"{dst} ({jnp.dtype(o.dtype)}{list(o.shape)}): shapes and dtypes must match"
+            )
 
 
-def gpu_call_with_aliases(make_kernel: Callable[[Callable[..., None], tuple], Callable[..., Any]],
-                          body: Callable[..., None], inputs: Sequence[Any], outs: Sequence[Any],
-                          aliases: Mapping[int, int]) -> list[Any]:
+def gpu_call_with_aliases(
+    make_kernel: Callable[[Callable[..., None], tuple], Callable[..., Any]],
+    body: Callable[..., None],
+    inputs: Sequence[Any],
+    outs: Sequence[Any],
+    aliases: Mapping[int, int],
+) -> list[Any]:
     """Run `body(*in_refs, *out_refs, *scratch_refs)` as the kernel `make_kernel(wrapped_body,
     out_type)` builds (a `plgpu.kernel`), with the aliased outputs held in jax Refs that start as
     their inputs. Returns the outputs in order."""
     n_in = len(inputs)
-    aliased = sorted(aliases.items(), key=lambda kv: kv[1])        # (input, output), by output
+    aliased = sorted(aliases.items(), key=lambda kv: kv[1])  # (input, output), by output
     refs = [jax.new_ref(jnp.asarray(inputs[i])) for i, _ in aliased]
     ref_outputs = [o for _, o in aliased]
     free = [j for j in range(len(outs)) if j not in ref_outputs]
 
     def wrapped(*all_refs):
-        ins, mine, rest = all_refs[:n_in], all_refs[n_in:n_in + len(refs)], all_refs[n_in + len(refs):]
+        ins, mine, rest = (
+            all_refs[:n_in],
+            all_refs[n_in : n_in + len(refs)],
+            all_refs[n_in + len(refs) :],
+        )
         out_refs: list[Any] = [None] * len(outs)
         for o, r in zip(ref_outputs, mine):
             out_refs[o] = r
-        for o, r in zip(free, rest[:len(free)]):
+        for o, r in zip(free, rest[: len(free)]):
             out_refs[o] = r
-        return body(*ins, *out_refs, *rest[len(free):])
+        return body(*ins, *out_refs, *rest[len(free) :])
 
-    results = make_kernel(wrapped, tuple(jax.ShapeDtypeStruct(tuple(outs[j].shape), outs[j].dtype) for j in free))(
-        *inputs, *refs)
+    results = make_kernel(
+        wrapped, tuple(jax.ShapeDtypeStruct(tuple(outs[j].shape), outs[j].dtype) for j in free)
+    )(*inputs, *refs)
     results = list(results) if isinstance(results, (tuple, list)) else [results]
     out: list[Any] = [None] * len(outs)
     for o, r in zip(ref_outputs, refs):

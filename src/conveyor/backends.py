@@ -15,6 +15,7 @@ wrong on that hardware:
   committed; until then pass `backend="mosaic_gpu"` to run them.
 - cpu, rocm: xla.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,12 +27,14 @@ import jax
 
 BACKENDS = ("xla", "mosaic_tpu", "mosaic_gpu", "reference")
 
-PLATFORM_DEFAULTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "tpu": ("mosaic_tpu", "xla"),
-    "cuda": ("xla",),
-    "rocm": ("xla",),
-    "cpu": ("xla",),
-})
+PLATFORM_DEFAULTS: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "tpu": ("mosaic_tpu", "xla"),
+        "cuda": ("xla",),
+        "rocm": ("xla",),
+        "cpu": ("xla",),
+    }
+)
 
 # `backend=None` on ops that choose per lowering platform (a primitive parameter).
 AUTO = "auto"
@@ -42,6 +45,7 @@ class Implementation:
     """One backend of one op: `run(*args, **params)` computes it; `check(*args, **params)`, when
     given, raises NotImplementedError naming why these arguments are beyond it (so `backend=None`
     passes it by); `interprets`: it has a Pallas interpreter (takes `interpret=`)."""
+
     name: str
     run: Callable[..., Any]
     check: Callable[..., None] | None = None
@@ -51,6 +55,7 @@ class Implementation:
 @dataclasses.dataclass(frozen=True)
 class Registry:
     """An op's implementations, by name."""
+
     op: str
     implementations: tuple[Implementation, ...]
 
@@ -64,8 +69,10 @@ class Registry:
             if impl.name == backend:
                 return impl
         if backend in BACKENDS:
-            raise NotImplementedError(f"backend={backend!r}: {self.op} has no {backend} implementation; "
-                                      f"available: {self.names}")
+            raise NotImplementedError(
+                f"backend={backend!r}: {self.op} has no {backend} implementation; available: "
+                f"{self.names}"
+            )
         raise ValueError(f"backend: expected one of {self.names} or None, got {backend!r}")
 
     def for_platform(self, platform: str, *args, **params) -> Implementation:
@@ -84,12 +91,15 @@ class Registry:
                 reasons.append(f"{name}: {e}")
                 continue
             return impl
-        raise NotImplementedError(f"{self.op} lowered for {platform}: no implementation in its default order runs "
-                                  f"these arguments ({'; '.join(reasons)}); name one with backend=")
+        raise NotImplementedError(
+            f"{self.op} lowered for {platform}: no implementation in its default order runs these "
+            f"arguments ({'; '.join(reasons)}); name one with backend="
+        )
 
 
 def process_platform() -> str:
-    """The platform of this process's default device, as lowering names it ("cpu", "cuda", "rocm", "tpu")."""
+    """The platform of this process's default device, as lowering names it ("cpu", "cuda", "rocm",
+    "tpu")."""
     platform = jax.default_backend()
     return "cuda" if platform == "gpu" else platform
 
@@ -97,14 +107,19 @@ def process_platform() -> str:
 def default_backend(available: tuple[str, ...]) -> str:
     """The backend `backend=None` picks, for ops that choose when called (cv.kernel, the collective
     matmuls): the first of the process platform's default order that the op has."""
-    return next((b for b in PLATFORM_DEFAULTS.get(process_platform(), ("xla",)) if b in available), "xla")
+    return next(
+        (b for b in PLATFORM_DEFAULTS.get(process_platform(), ("xla",)) if b in available), "xla"
+    )
 
 
 def platforms_defaulting_to(backend: str, available: tuple[str, ...]) -> tuple[str, ...]:
     """The platforms whose default order, among `available`, starts with `backend`: where a
     `backend=None` choice of it is also what lowering for that platform would choose."""
-    return tuple(p for p, order in PLATFORM_DEFAULTS.items()
-                 if next((b for b in order if b in available), "xla") == backend)
+    return tuple(
+        p
+        for p, order in PLATFORM_DEFAULTS.items()
+        if next((b for b in order if b in available), "xla") == backend
+    )
 
 
 def check_backend(backend: str | None, available: tuple[str, ...], op: str) -> str:
@@ -114,6 +129,7 @@ def check_backend(backend: str | None, available: tuple[str, ...], op: str) -> s
     if backend not in available:
         if backend in BACKENDS:
             raise NotImplementedError(
-                f"backend={backend!r}: {op} has no {backend} implementation; available: {available}")
+                f"backend={backend!r}: {op} has no {backend} implementation; available: {available}"
+            )
         raise ValueError(f"backend: expected one of {available} or None, got {backend!r}")
     return backend

@@ -3,6 +3,7 @@
 argparse turns the ArgumentTypeError raised here into `conveyor <cmd>: error: argument --x: <why>`
 and exit status 2, so no bad value reaches the library as a traceback.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,6 +45,7 @@ def positive_float(text: str) -> float:
 
 def int_list(*, minimum: int, allow_empty: bool = False) -> Callable[[str], tuple[int, ...]]:
     """Comma-separated integers, each >= `minimum` ('' is the empty list only if `allow_empty`)."""
+
     def parse(text: str) -> tuple[int, ...]:
         items = [t.strip() for t in text.split(",")] if text.strip() else []
         if not items and not allow_empty:
@@ -52,22 +54,29 @@ def int_list(*, minimum: int, allow_empty: bool = False) -> Callable[[str], tupl
         for item in items:
             value = _int(item)
             if value < minimum:
-                raise argparse.ArgumentTypeError(f"every value must be >= {minimum}, got {value} in {text!r}")
+                raise argparse.ArgumentTypeError(
+                    f"every value must be >= {minimum}, got {value} in {text!r}"
+                )
             values.append(value)
         return tuple(values)
+
     return parse
 
 
 def dtype(text: str) -> str:
-    """A dtype in the one vocabulary (bf16/bfloat16, f16/float16, f32/float32, ...): its long name."""
+    """A dtype in the one vocabulary (bf16/bfloat16, f16/float16, f32/float32, ...): its long
+    name."""
     try:
         return dtypes.canonical(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"unknown dtype {text!r}; known: {dtypes.known()}") from None
+        raise argparse.ArgumentTypeError(
+            f"unknown dtype {text!r}; known: {dtypes.known()}"
+        ) from None
 
 
 def measured_dtypes(text: str) -> tuple[str, ...]:
-    """Comma-separated dtypes the benchmarks can measure (float32, bfloat16, float16, short names too)."""
+    """Comma-separated dtypes the benchmarks can measure (float32, bfloat16, float16, short names
+    too)."""
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
         raise argparse.ArgumentTypeError("expected comma-separated dtypes, got nothing")
@@ -78,8 +87,10 @@ def measured_dtypes(text: str) -> tuple[str, ...]:
         except ValueError:
             name = None
         if name not in dtypes.MEASURED:
-            raise argparse.ArgumentTypeError(f"{item!r} is not benchmarked; Conveyor's matmuls take "
-                                             f"{', '.join(dtypes.MEASURED)} (or bf16, f16, f32)")
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not benchmarked; Conveyor's matmuls take "
+                f"{', '.join(dtypes.MEASURED)} (or bf16, f16, f32)"
+            )
         names.append(name)
     return tuple(names)
 
@@ -106,12 +117,15 @@ def _names(text: str, known, what: str) -> tuple[str, ...]:
 def gmm_backends(text: str) -> tuple[str, ...]:
     """Comma-separated cv.gmm backends."""
     from conveyor.ops.gmm.backend_impls import GMM
+
     return _names(text, GMM.names, "backend")
 
 
 def hardware(text: str) -> str:
-    """A hardware model's name (h100, h200, h800, b200, v5e, v5p; 'H100 SXM' and 'tpu-v5e' work too)."""
+    """A hardware model's name (h100, h200, h800, b200, v5e, v5p; 'H100 SXM' and 'tpu-v5e' work
+    too)."""
     from conveyor.sim.hardware import get
+
     try:
         get(text)
     except ValueError as e:

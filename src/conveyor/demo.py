@@ -5,6 +5,7 @@ times it next to the same block built on `jax.lax.ragged_dot`. Part 2 (`demo_moe
 `cv.moe`'s expert-parallel layer with optax on 8 simulated CPU devices and asks the simulator for
 H100 and TPU v5e times. The demo re-executes itself with 8 CPU devices when it has fewer.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,6 +37,7 @@ def run() -> int:
         os.execve(sys.executable, [sys.executable, "-m", "conveyor", "demo"], env)
     ok = grouped_matmul_demo()
     from conveyor import demo_moe
+
     return 0 if demo_moe.train() and ok else 1
 
 
@@ -46,8 +48,10 @@ def grouped_matmul_demo() -> bool:
     x = jnp.asarray(rng.standard_normal((p.m, p.k)), jnp.float32)
     w_in = jnp.asarray(rng.standard_normal((p.groups, p.k, p.n)) / np.sqrt(p.k), jnp.float32)
     w_out = jnp.asarray(rng.standard_normal((p.groups, p.n, p.k)) / np.sqrt(p.n), jnp.float32)
-    print(f"MoE FFN: {p.m} tokens, d={p.k}, hidden={p.n}, {p.groups} experts, "
-          f"tokens per expert {np.asarray(sizes).tolist()}")
+    print(
+        f"MoE FFN: {p.m} tokens, d={p.k}, hidden={p.n}, {p.groups} experts, tokens per expert "
+        f"{np.asarray(sizes).tolist()}"
+    )
 
     def step(matmul):
         loss = lambda x, a, b: jnp.mean(moe_layer(x, a, b, sizes, matmul) ** 2)
@@ -60,10 +64,17 @@ def grouped_matmul_demo() -> bool:
     (l1, g1), (l2, g2) = ours(x, w_in, w_out), ref(x, w_in, w_out)
     errs = [float(jnp.abs(a - b).max() / jnp.abs(b).max()) for a, b in zip(g1, g2)]
     ok = abs(float(l1 - l2)) <= 1e-5 * abs(float(l2)) and max(errs) < 1e-5
-    print(f"loss {float(l1):.6f} (reference {float(l2):.6f}); max relative gradient error {max(errs):.1e}: "
-          f"{'OK' if ok else 'MISMATCH'}")
-    t = interleaved_medians({"cv.gmm": lambda: ours(x, w_in, w_out),
-                             "lax.ragged_dot": lambda: ragged(x, w_in, w_out)}, reps=5)
-    print(f"forward+backward: cv.gmm {t['cv.gmm'] * 1e3:.1f} ms, lax.ragged_dot {t['lax.ragged_dot'] * 1e3:.1f} ms "
-          f"({t['lax.ragged_dot'] / t['cv.gmm']:.1f}x faster) on {jax.default_backend()}")
+    print(
+        f"loss {float(l1):.6f} (reference {float(l2):.6f}); max relative gradient error "
+        f"{max(errs):.1e}: {'OK' if ok else 'MISMATCH'}"
+    )
+    t = interleaved_medians(
+        {"cv.gmm": lambda: ours(x, w_in, w_out), "lax.ragged_dot": lambda: ragged(x, w_in, w_out)},
+        reps=5,
+    )
+    print(
+        f"forward+backward: cv.gmm {t['cv.gmm'] * 1e3:.1f} ms, lax.ragged_dot "
+        f"{t['lax.ragged_dot'] * 1e3:.1f} ms ({t['lax.ragged_dot'] / t['cv.gmm']:.1f}x faster) on "
+        f"{jax.default_backend()}"
+    )
     return ok

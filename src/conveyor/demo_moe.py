@@ -1,6 +1,7 @@
 """The MoE part of `conveyor demo`: train cv.moe's expert-parallel layer with optax on 8 simulated
 CPU devices (a 2 x 4 data x expert mesh), check its gradients against the dense reference, and
 ask the simulator what the layer's expert matmuls would take on an H100 and a TPU v5e."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,13 +35,19 @@ SPECS = dict(router_w=P(), w_gate=P("expert"), w_up=P("expert"), w_down=P("exper
 
 def _init(c: Layer, rng):
     n = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-2]), jnp.float32)
-    return dict(router_w=n(c.d, c.experts), w_gate=n(c.experts, c.d, c.f), w_up=n(c.experts, c.d, c.f),
-                w_down=n(c.experts, c.f, c.d))
+    return dict(
+        router_w=n(c.d, c.experts),
+        w_gate=n(c.experts, c.d, c.f),
+        w_up=n(c.experts, c.d, c.f),
+        w_down=n(c.experts, c.f, c.d),
+    )
 
 
 def _loss_fn(c: Layer, mesh):
     def local(params, x, target):
-        y, aux, _ = cv.moe.moe_ffn_expert_parallel(x, **params, top_k=c.top_k, axis_name="expert", loss_axes=AXES)
+        y, aux, _ = cv.moe.moe_ffn_expert_parallel(
+            x, **params, top_k=c.top_k, axis_name="expert", loss_axes=AXES
+        )
         return jax.lax.pmean(jnp.mean((y - target) ** 2), AXES) + c.aux_weight * aux
 
     return jax.shard_map(local, mesh=mesh, in_specs=(SPECS, P(AXES), P(AXES)), out_specs=P())
@@ -50,14 +57,18 @@ def _reference_loss(c: Layer):
     def loss(params, x, target):
         y, aux = cv.moe.moe_ffn_reference(x, **params, top_k=c.top_k)
         return jnp.mean((y - target) ** 2) + c.aux_weight * aux
+
     return loss
 
 
 def train(c: Layer = Layer()) -> bool:
     import optax
+
     if jax.device_count() < DEVICES:
-        raise RuntimeError(f"the MoE demo needs {DEVICES} devices; run it as `conveyor demo` (which sets "
-                           f"XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES})")
+        raise RuntimeError(
+            f"the MoE demo needs {DEVICES} devices; run it as `conveyor demo` (which sets "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES})"
+        )
     mesh = Mesh(np.array(jax.devices()[:DEVICES]).reshape(MESH_SHAPE), AXES)
     rng = np.random.default_rng(1)
     params = _init(c, rng)
@@ -67,16 +78,23 @@ def train(c: Layer = Layer()) -> bool:
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))
     params = {k: put(v, SPECS[k]) for k, v in params.items()}
     x, target = put(x, P(AXES)), put(target, P(AXES))
-    print(f"\nMoE layer: {c.tokens} tokens, d={c.d}, SwiGLU hidden {c.f}, {c.experts} experts, top-{c.top_k}; "
-          f"{DEVICES} CPU devices as data {MESH_SHAPE[0]} x expert {MESH_SHAPE[1]} (2 experts per device)")
+    print(
+        f"\nMoE layer: {c.tokens} tokens, d={c.d}, SwiGLU hidden {c.f}, {c.experts} experts, "
+        f"top-{c.top_k}; {DEVICES} CPU devices as data {MESH_SHAPE[0]} x expert {MESH_SHAPE[1]} (2 "
+        "experts per device)"
+    )
 
     loss = _loss_fn(c, mesh)
     grads = jax.jit(jax.grad(loss))(params, x, target)
-    ref = jax.jit(jax.grad(_reference_loss(c)))({k: jnp.asarray(v) for k, v in params.items()}, x, target)
+    ref = jax.jit(jax.grad(_reference_loss(c)))(
+        {k: jnp.asarray(v) for k, v in params.items()}, x, target
+    )
     grad_err = max(float(jnp.abs(grads[k] - ref[k]).max() / jnp.abs(ref[k]).max()) for k in params)
     grad_ok = grad_err < 1e-4
-    print(f"gradients vs the dense reference (every token through every expert): max relative error "
-          f"{grad_err:.1e}: {'OK' if grad_ok else 'MISMATCH'}")
+    print(
+        "gradients vs the dense reference (every token through every expert): max relative error "
+        f"{grad_err:.1e}: {'OK' if grad_ok else 'MISMATCH'}"
+    )
 
     optimizer = optax.adam(c.learning_rate)
 
@@ -97,9 +115,16 @@ def train(c: Layer = Layer()) -> bool:
             print(f"  step {i:3d}  loss {losses[-1]:.4f}")
     per_step = (time.perf_counter() - t0) / max(1, c.steps - 1)
     falling = losses[-1] < 0.7 * losses[0]
-    print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {c.steps} adam steps ({per_step * 1e3:.1f} ms/step on CPU): "
-          f"{'OK' if falling else 'NOT FALLING'}")
-    _predict(c, np.asarray(jax.jit(lambda p, x: cv.moe.route(x, p['router_w'], top_k=c.top_k).experts)(params, x)))
+    print(
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} in {c.steps} adam steps ({per_step * 1e3:.1f} "
+        f"ms/step on CPU): {'OK' if falling else 'NOT FALLING'}"
+    )
+    _predict(
+        c,
+        np.asarray(
+            jax.jit(lambda p, x: cv.moe.route(x, p["router_w"], top_k=c.top_k).experts)(params, x)
+        ),
+    )
     return grad_ok and falling
 
 
@@ -112,5 +137,7 @@ def _predict(c: Layer, experts: np.ndarray) -> None:
         gate = cv.sim.simulate_gmm(sizes.tolist(), c.d, c.f, dtype="bf16", hardware=hw)
         down = cv.sim.simulate_gmm(sizes.tolist(), c.f, c.d, dtype="bf16", hardware=hw)
         total = 2 * gate.time_s + down.time_s
-        print(f"simulated on {gate.hardware.name}: the expert matmuls of one forward (all {c.experts} experts, bf16) "
-              f"{total * 1e6:.1f} us ({gate.bottleneck}-bound)")
+        print(
+            f"simulated on {gate.hardware.name}: the expert matmuls of one forward (all "
+            f"{c.experts} experts, bf16) {total * 1e6:.1f} us ({gate.bottleneck}-bound)"
+        )

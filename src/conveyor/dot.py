@@ -9,6 +9,7 @@ under the GPU interpreter but does not compile for cuda.
 The GPU form keeps the accumulator in shared memory between steps (a load, an add and a store per
 call); kernels that keep it in registers across a whole reduction (gmm) use `plgpu.wgmma` directly.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -18,37 +19,50 @@ import jax.numpy as jnp
 from conveyor.kernel import current_context
 
 GPU_DTYPES = (jnp.bfloat16, jnp.float16)
-WGMMA_M = 64            # a warpgroup's wgmma covers 64 rows
+WGMMA_M = 64  # a warpgroup's wgmma covers 64 rows
 WGMMA_MAX_N = 256
 
 
 def _check(a, b, acc) -> tuple[int, int, int]:
     if len(a.shape) != 2 or len(b.shape) != 2 or len(acc.shape) != 2:
-        raise ValueError(f"cv.dot: a, b and acc must be 2-d refs, got shapes {tuple(a.shape)}, {tuple(b.shape)}, "
-                         f"{tuple(acc.shape)}")
+        raise ValueError(
+            f"cv.dot: a, b and acc must be 2-d refs, got shapes {tuple(a.shape)}, "
+            f"{tuple(b.shape)}, {tuple(acc.shape)}"
+        )
     (m, k), (k2, n) = a.shape, b.shape
     if k != k2 or tuple(acc.shape) != (m, n):
-        raise ValueError(f"cv.dot: shapes do not chain: a {tuple(a.shape)} @ b {tuple(b.shape)} into acc "
-                         f"{tuple(acc.shape)}")
+        raise ValueError(
+            f"cv.dot: shapes do not chain: a {tuple(a.shape)} @ b {tuple(b.shape)} into acc "
+            f"{tuple(acc.shape)}"
+        )
     if jnp.dtype(acc.dtype) != jnp.float32:
-        raise ValueError(f"cv.dot: acc must be float32 (the accumulation dtype), got {jnp.dtype(acc.dtype)}")
+        raise ValueError(
+            f"cv.dot: acc must be float32 (the accumulation dtype), got {jnp.dtype(acc.dtype)}"
+        )
     return m, k, n
 
 
 def _check_gpu(a, b, m: int, k: int, n: int) -> None:
-    if jnp.dtype(a.dtype) != jnp.dtype(b.dtype) or jnp.dtype(a.dtype) not in map(jnp.dtype, GPU_DTYPES):
+    if jnp.dtype(a.dtype) != jnp.dtype(b.dtype) or jnp.dtype(a.dtype) not in map(
+        jnp.dtype, GPU_DTYPES
+    ):
         raise NotImplementedError(
-            f"cv.dot on mosaic_gpu: wgmma takes bfloat16 or float16 operands of one dtype, got a {jnp.dtype(a.dtype)} "
-            f"and b {jnp.dtype(b.dtype)}; cast the inputs (float32 accumulation is kept)")
+            "cv.dot on mosaic_gpu: wgmma takes bfloat16 or float16 operands of one dtype, got a "
+            f"{jnp.dtype(a.dtype)} and b {jnp.dtype(b.dtype)}; cast the inputs (float32 "
+            "accumulation is kept)"
+        )
     itemsize = jnp.dtype(a.dtype).itemsize
     if m % WGMMA_M or n % 8 or n > WGMMA_MAX_N or (k * itemsize) % 32:
-        raise ValueError(f"cv.dot on mosaic_gpu: a wgmma tile needs rows a multiple of {WGMMA_M}, columns a multiple "
-                         f"of 8 up to {WGMMA_MAX_N}, and a contraction of a multiple of 32 bytes; got "
-                         f"(m, k, n) = ({m}, {k}, {n}) in {jnp.dtype(a.dtype)}")
+        raise ValueError(
+            f"cv.dot on mosaic_gpu: a wgmma tile needs rows a multiple of {WGMMA_M}, columns a "
+            f"multiple of 8 up to {WGMMA_MAX_N}, and a contraction of a multiple of 32 bytes; got "
+            f"(m, k, n) = ({m}, {k}, {n}) in {jnp.dtype(a.dtype)}"
+        )
 
 
 def dot(a: Any, b: Any, acc: Any, *, accumulate: Any = True) -> None:
-    """`acc[...] = (acc[...] if accumulate else 0) + a[...] @ b[...]` in float32, inside a kernel body.
+    """`acc[...] = (acc[...] if accumulate else 0) + a[...] @ b[...]` in float32, inside a kernel
+    body.
 
     Args:
       a, b: refs (or views `ref.at[...]`) of shapes (m, k) and (k, n): pipeline blocks.
@@ -68,14 +82,15 @@ def dot(a: Any, b: Any, acc: Any, *, accumulate: Any = True) -> None:
 
     def issue(acc_regs):
         plgpu.wgmma(acc_regs, a, b)
-        return acc_regs[...]            # reading the accumulator waits for the wgmma
+        return acc_regs[...]  # reading the accumulator waits for the wgmma
 
-    product = pl.run_scoped(issue, plgpu.ACC((m, n), jnp.float32))    # starts at zero
+    product = pl.run_scoped(issue, plgpu.ACC((m, n), jnp.float32))  # starts at zero
     if accumulate is True:
         acc[...] = acc[...] + product
     elif accumulate is False:
         acc[...] = product
-    else:                               # traced: branches, since Mosaic GPU has no implicit broadcast
+    else:  # traced: branches, since Mosaic GPU has no implicit broadcast
+
         @pl.when(accumulate)
         def _():
             acc[...] = acc[...] + product

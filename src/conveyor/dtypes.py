@@ -4,6 +4,7 @@ accumulation rule of Conveyor's matmuls.
 Each dtype has a long (NumPy / JAX) name and a short one; both are accepted everywhere, and
 `canonical` maps either to the long name. Anything else is a ValueError listing what is known.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ def accumulation_dtype(*dtypes):
         return dt
     return jnp.dtype(jnp.float32) if jnp.issubdtype(dt, jnp.floating) else jnp.dtype(jnp.int32)
 
+
 # long name -> (short name, bytes per element)
 _KNOWN = {
     "bfloat16": ("bf16", 2),
@@ -26,8 +28,11 @@ _KNOWN = {
     "int8": ("int8", 1),
     "int32": ("int32", 4),
 }
-_ALIASES = {**{long: long for long in _KNOWN}, **{short: long for long, (short, _) in _KNOWN.items()},
-            "fp16": "float16"}
+_ALIASES = {
+    **{long: long for long in _KNOWN},
+    **{short: long for long, (short, _) in _KNOWN.items()},
+    "fp16": "float16",
+}
 
 # The dtypes the benchmarks measure: Conveyor's matmuls take these as inputs (f32 accumulation).
 MEASURED = ("float32", "bfloat16", "float16")
@@ -35,7 +40,9 @@ MEASURED = ("float32", "bfloat16", "float16")
 
 def known() -> str:
     """The accepted spellings, for error messages: 'bf16/bfloat16, f16/float16, ...'."""
-    return ", ".join(long if short == long else f"{short}/{long}" for long, (short, _) in _KNOWN.items())
+    return ", ".join(
+        long if short == long else f"{short}/{long}" for long, (short, _) in _KNOWN.items()
+    )
 
 
 def canonical(name: str) -> str:

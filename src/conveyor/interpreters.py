@@ -14,6 +14,7 @@ matmuls, mpmd_map) goes through `tpu_params` or `gpu_params`, which install, onc
 docs/upstream-gaps.md describes each gap as an upstream report would. Both patches are version-
 guarded: they apply to the interpreter classes of jax 0.11.2 .. 0.12.0.1 and are installed once.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,9 +43,13 @@ def set_wait_deadline(seconds: float | None) -> None:
     `seconds` > 0, or None for no deadline (a deadlocked kernel then hangs). Applies to waits
     that start after the call, on the Pallas TPU and Mosaic GPU interpreters.
     """
-    if seconds is not None and not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"set_interpreter_wait_deadline: seconds must be a finite number > 0 or None, "
-                         f"got {seconds!r}")
+    if seconds is not None and not (
+        isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds > 0
+    ):
+        raise ValueError(
+            "set_interpreter_wait_deadline: seconds must be a finite number > 0 or None, got "
+            f"{seconds!r}"
+        )
     _deadline["seconds"] = None if seconds is None else float(seconds)
 
 
@@ -59,15 +64,18 @@ def tpu_params(interpret: Any):
         return False
     _install("tpu")
     from jax.experimental.pallas import tpu as pltpu
+
     return pltpu.InterpretParams() if interpret is True else interpret
 
 
 def gpu_params(interpret: Any):
-    """The `interpret=` value for a Mosaic GPU kernel: None, or the InterpretGPUParams to run with."""
+    """The `interpret=` value for a Mosaic GPU kernel: None, or the InterpretGPUParams to run
+    with."""
     if interpret is None or interpret is False:
         return None
     _install("gpu")
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
     return plgpu.InterpretGPUParams() if interpret is True else interpret
 
 
@@ -91,7 +99,8 @@ def _install(which: str) -> None:
 
 
 def _tpu_semaphore_deadline() -> None:
-    """TPU: the interpreter's semaphore wait loop polls `SharedMemory.check_failed` every 0.1 s while
+    """TPU: the interpreter's semaphore wait loop polls `SharedMemory.check_failed` every 0.1 s
+    while
     it blocks; the deadline is checked there, in the waiting thread."""
     sm = _compat.tpu_interpreter_shared_memory()
     waiting = threading.local()
@@ -111,16 +120,19 @@ def _tpu_semaphore_deadline() -> None:
             sem, value, core = waiting.what
             waiting.since = None
             raise InterpreterDeadlock(
-                f"Pallas TPU interpreter: core {core} waited {limit:g} s on semaphore {sem} for a count of {value}, "
-                f"and nothing signals it: a DMA never started or a signal never sent (a deadlock; cv.sim.check "
-                f"finds schedule deadlocks with a trace; cv.set_interpreter_wait_deadline changes the {limit:g} s)")
+                f"Pallas TPU interpreter: core {core} waited {limit:g} s on semaphore {sem} for a "
+                f"count of {value}, and nothing signals it: a DMA never started or a signal never "
+                "sent (a deadlock; cv.sim.check finds schedule deadlocks with a trace; "
+                f"cv.set_interpreter_wait_deadline changes the {limit:g} s)"
+            )
 
     sm.Semaphore.wait, sm.SharedMemory.check_failed = wait, check_failed
 
 
 def _gpu_barrier_deadline() -> None:
     """GPU: a barrier wait blocks on the barrier's condition variable; each barrier gets one whose
-    untimed wait raises when nothing arrives at the barrier for the deadline (an arrival notifies it)."""
+    untimed wait raises when nothing arrives at the barrier for the deadline (an arrival notifies
+    it)."""
     barrier_cls = _compat.gpu_interpreter_shared_memory().Barrier
     waiting = threading.local()
 
@@ -137,10 +149,12 @@ def _gpu_barrier_deadline() -> None:
                 return True
             b = self.barrier
             raise InterpreterDeadlock(
-                f"Pallas GPU interpreter: {getattr(waiting, 'thread', 'a thread')} waited {limit:g} s at barrier "
-                f"{id(b)} ({b.num_arrivals} arrival(s) per phase) for phase {b.phase} to complete, and nothing "
-                f"arrived meanwhile: an arrival never made or a copy never issued (a deadlock; cv.sim.check finds "
-                f"schedule deadlocks with a trace; cv.set_interpreter_wait_deadline changes the {limit:g} s)")
+                f"Pallas GPU interpreter: {getattr(waiting, 'thread', 'a thread')} waited "
+                f"{limit:g} s at barrier {id(b)} ({b.num_arrivals} arrival(s) per phase) for phase "
+                f"{b.phase} to complete, and nothing arrived meanwhile: an arrival never made or a "
+                "copy never issued (a deadlock; cv.sim.check finds schedule deadlocks with a "
+                f"trace; cv.set_interpreter_wait_deadline changes the {limit:g} s)"
+            )
 
     original_init, original_wait = barrier_cls.__init__, barrier_cls._wait
 

@@ -4,6 +4,7 @@ Used by the XLA kernel executor (threads traced with a constant `axis_index`, st
 the pipeline front end (which grid indices an index map reads) and the mpmd CPU executor (an
 interpreter of ref programs).
 """
+
 from __future__ import annotations
 
 import jax
@@ -33,8 +34,9 @@ def call_with_axis_values(fn, axes: dict):
     nested jaxprs: loops, conds, pjit) by the literal index, and evaluates the result in the
     current trace, so refs and tracers `fn` closes over are used as they are.
     """
-    closed, out_shape = jax.make_jaxpr(fn, axis_env=[(k, size) for k, (size, _) in axes.items()],
-                                       return_shape=True)()
+    closed, out_shape = jax.make_jaxpr(
+        fn, axis_env=[(k, size) for k, (size, _) in axes.items()], return_shape=True
+    )()
 
     def names(eqn):
         n = eqn.params.get("axis_name")
@@ -48,9 +50,15 @@ def call_with_axis_values(fn, axes: dict):
 
         eqns = []
         for eqn in jaxpr.eqns:
-            if eqn.primitive is _compat.parallel.axis_index_p and len(names(eqn)) == 1 and names(eqn)[0] in axes:
+            if (
+                eqn.primitive is _compat.parallel.axis_index_p
+                and len(names(eqn)) == 1
+                and names(eqn)[0] in axes
+            ):
                 out = eqn.outvars[0]
-                env[out] = core.Literal(np.asarray(axes[names(eqn)[0]][1], out.aval.dtype), out.aval)
+                env[out] = core.Literal(
+                    np.asarray(axes[names(eqn)[0]][1], out.aval.dtype), out.aval
+                )
                 continue
             params = {k: convert(v) for k, v in eqn.params.items()}
             eqns.append(eqn.replace(invars=[read(v) for v in eqn.invars], params=params))
@@ -76,10 +84,14 @@ def args_reaching_outputs(fn, num_args: int) -> tuple[int, frozenset]:
     jaxpr = closed.jaxpr
     origin = {v: frozenset([i]) for i, v in enumerate(jaxpr.invars)}
     for eqn in jaxpr.eqns:
-        reached = frozenset().union(*[origin.get(v, frozenset()) for v in eqn.invars if isinstance(v, Var)])
+        reached = frozenset().union(
+            *[origin.get(v, frozenset()) for v in eqn.invars if isinstance(v, Var)]
+        )
         for v in eqn.outvars:
             origin[v] = reached
-    used = frozenset().union(*[origin.get(v, frozenset()) for v in jaxpr.outvars if isinstance(v, Var)])
+    used = frozenset().union(
+        *[origin.get(v, frozenset()) for v in jaxpr.outvars if isinstance(v, Var)]
+    )
     return len(jaxpr.outvars), used
 
 
@@ -105,10 +117,20 @@ def ref_and_transforms(x, api: str):
 def state_primitives():
     """The primitives an interpreter of ref programs must handle itself."""
     sp, loops = _compat.state_primitives, _compat.control_flow.loops
-    return dict(get=sp.get_p, swap=sp.swap_p, addupdate=sp.addupdate_p, axis_index=_compat.parallel.axis_index_p,
-                while_=loops.while_p, scan=loops.scan_p, cond=_compat.control_flow.conditionals.cond_p,
-                jit=_compat.jit_p, run_scoped=_compat.pallas_primitives.run_scoped_p, AbstractRef=AbstractRef,
-                Literal=core.Literal, Var=core.Var)
+    return dict(
+        get=sp.get_p,
+        swap=sp.swap_p,
+        addupdate=sp.addupdate_p,
+        axis_index=_compat.parallel.axis_index_p,
+        while_=loops.while_p,
+        scan=loops.scan_p,
+        cond=_compat.control_flow.conditionals.cond_p,
+        jit=_compat.jit_p,
+        run_scoped=_compat.pallas_primitives.run_scoped_p,
+        AbstractRef=AbstractRef,
+        Literal=core.Literal,
+        Var=core.Var,
+    )
 
 
 def is_jax_ref(x) -> bool:
@@ -124,7 +146,8 @@ def underlying_ref(x):
 
 
 def pallas_scratch_kind(s) -> str | None:
-    """What a Pallas scratch type is: "semaphore" (REGULAR, any backend's spelling), "dma_semaphore",
+    """What a Pallas scratch type is: "semaphore" (REGULAR, any backend's spelling),
+    "dma_semaphore",
     "barrier" (plgpu.Barrier), "array" (a memory-space shape such as pltpu.VMEM), or None."""
     if isinstance(s, _compat.pallas_gpu_core().Barrier):
         return "barrier"
@@ -140,8 +163,10 @@ def ndindexer_parts(t):
     """(indices, is_slice flags) of a state NDIndexer; None for other transforms."""
     if not isinstance(t, _compat.NDIndexer):
         return None
-    return [(("slice", i.start, i.size, i.stride) if isinstance(i, _compat.Slice) else ("index", i))
-            for i in t.indices]
+    return [
+        (("slice", i.start, i.size, i.stride) if isinstance(i, _compat.Slice) else ("index", i))
+        for i in t.indices
+    ]
 
 
 def write_effect(index: int):

@@ -7,6 +7,7 @@ On the `xla` backend refs are JAX state refs discharged into an ordinary compile
 and scratch memory starts poisoned (NaN for floats, the minimum value for ints), as uninitialized
 memory does on accelerators, so a kernel that forgets to write a block is caught by its tests.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,9 +33,11 @@ AVAILABLE = ("xla", "mosaic_tpu", "mosaic_gpu")
 # Where backend=None means the xla loop (conveyor.backends.PLATFORM_DEFAULTS); lowered elsewhere,
 # such a kernel is refused with DEFAULT_ELSEWHERE rather than silently holding the loop.
 XLA_DEFAULT_PLATFORMS = backends.platforms_defaulting_to("xla", AVAILABLE)
-DEFAULT_ELSEWHERE = ("cv.kernel(backend=None) chose the xla loop for this process's platform; lowered for "
-                     "{platform}, it would run that loop, not a Pallas kernel. Pass backend='mosaic_tpu' (TPU) "
-                     "or 'mosaic_gpu' (GPU) for the kernel, or backend='xla' to export the loop on purpose")
+DEFAULT_ELSEWHERE = (
+    "cv.kernel(backend=None) chose the xla loop for this process's platform; lowered for "
+    "{platform}, it would run that loop, not a Pallas kernel. Pass backend='mosaic_tpu' (TPU) or "
+    "'mosaic_gpu' (GPU) for the kernel, or backend='xla' to export the loop on purpose"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,8 +49,12 @@ class KernelContext:
     thread_index: int | None = None  # xla: the (static) thread being traced; None elsewhere
     grid: tuple[int, ...] = ()
     program_ids: tuple[Any, ...] = ()  # xla: the traced grid point being run
-    scratch_bytes: int = 0  # mosaic_gpu: shared memory of scratch_shapes, which pipelines count against the budget
-    checked: bool | None = None  # xla: pipelines in checked mode (None: `cv.pipeline.checked_schedule()`)
+    scratch_bytes: int = (
+        0  # mosaic_gpu: shared memory of scratch_shapes, which pipelines count against the budget
+    )
+    checked: bool | None = (
+        None  # xla: pipelines in checked mode (None: `cv.pipeline.checked_schedule()`)
+    )
     # Trace-time record of pipeline prefetches not yet consumed, by the id of each allocation ref
     # they fill (`emit_pipeline(...).prefetch`); shared by every point and thread of one kernel.
     pending_prefetches: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
@@ -60,17 +67,22 @@ def program_id(axis: int) -> Any:
     """The index of the current grid point along `axis` of `cv.kernel(..., grid=...)` (int32)."""
     ctx = current_context("cv.program_id")
     if not isinstance(axis, int) or not 0 <= axis < len(ctx.grid):
-        raise ValueError(f"cv.program_id: axis must be in [0, {len(ctx.grid)}) for this kernel's grid "
-                         f"{ctx.grid}, got {axis!r}")
+        raise ValueError(
+            f"cv.program_id: axis must be in [0, {len(ctx.grid)}) for this kernel's grid "
+            f"{ctx.grid}, got {axis!r}"
+        )
     if ctx.backend == "xla":
         return ctx.program_ids[axis]
     if ctx.backend == "mosaic_tpu":
         from jax.experimental import pallas as pl
+
         return pl.program_id(axis)
     return jax.lax.axis_index(GRID_NAMES[axis])
 
 
-_CONTEXT: contextvars.ContextVar[KernelContext | None] = contextvars.ContextVar("conveyor_kernel", default=None)
+_CONTEXT: contextvars.ContextVar[KernelContext | None] = contextvars.ContextVar(
+    "conveyor_kernel", default=None
+)
 
 
 def current_context(api: str) -> KernelContext:
@@ -92,7 +104,8 @@ def entered_kernel(ctx: KernelContext):
 
 
 def _poison_value(dtype):
-    """What never-written memory holds: NaN for floats, the minimum for integers, False for bools."""
+    """What never-written memory holds: NaN for floats, the minimum for integers, False for
+    bools."""
     if jnp.issubdtype(dtype, jnp.floating):
         return np.nan
     if jnp.issubdtype(dtype, jnp.integer):
@@ -128,22 +141,36 @@ def _check_threads(num_threads, thread_name, backend) -> int:
     if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
         raise ValueError(f"cv.kernel: num_threads must be an int >= 1, got {num_threads!r}")
     if not isinstance(thread_name, str):
-        raise ValueError(f"cv.kernel: num_threads={num_threads} needs thread_name (a str naming the axis that "
-                         f"lax.axis_index reads), got {thread_name!r}")
+        raise ValueError(
+            f"cv.kernel: num_threads={num_threads} needs thread_name (a str naming the axis that "
+            f"lax.axis_index reads), got {thread_name!r}"
+        )
     if backend == "mosaic_tpu":
-        raise NotImplementedError("cv.kernel: num_threads is not supported on mosaic_tpu (a TPU core has no "
-                                  "warpgroups; its DMA engine already runs copies asynchronously). Use "
-                                  "cv.emit_pipeline, or backend='mosaic_gpu' / 'xla'")
+        raise NotImplementedError(
+            "cv.kernel: num_threads is not supported on mosaic_tpu (a TPU core has no warpgroups; "
+            "its DMA engine already runs copies asynchronously). Use cv.emit_pipeline, or "
+            "backend='mosaic_gpu' / 'xla'"
+        )
     return num_threads
 
 
-def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = None, interpret: Any = False,
-           num_threads: int | None = None, thread_name: str | None = None,
-           scratch_shapes: Sequence[Any] = (), grid: Sequence[int] = (),
-           dimension_semantics: Sequence[Any] | None = None,
-           input_output_aliases: Mapping[int, int] | None = None,
-           cost_estimate: Any = None, checked: bool | None = None) -> Callable[..., Any]:
-    """Wrap `body(*in_refs, *out_refs, *scratch_refs)` into a function of arrays returning `out_shape`.
+def kernel(
+    body: Callable[..., None],
+    out_shape: Any,
+    *,
+    backend: str | None = None,
+    interpret: Any = False,
+    num_threads: int | None = None,
+    thread_name: str | None = None,
+    scratch_shapes: Sequence[Any] = (),
+    grid: Sequence[int] = (),
+    dimension_semantics: Sequence[Any] | None = None,
+    input_output_aliases: Mapping[int, int] | None = None,
+    cost_estimate: Any = None,
+    checked: bool | None = None,
+) -> Callable[..., Any]:
+    """Wrap `body(*in_refs, *out_refs, *scratch_refs)` into a function of arrays returning
+    `out_shape`.
 
     Args:
       body: writes its outputs through refs and returns None.
@@ -183,34 +210,65 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
     if checked is not None and not isinstance(checked, bool):
         raise TypeError(f"cv.kernel: checked must be True, False or None, got {checked!r}")
     if checked is not None and backend not in (None, "xla"):
-        raise ValueError(f"cv.kernel: checked is the xla backend's mode, got backend={backend!r} with "
-                         f"checked={checked}")
+        raise ValueError(
+            f"cv.kernel: checked is the xla backend's mode, got backend={backend!r} with "
+            f"checked={checked}"
+        )
     backend = backends.check_backend(backend, AVAILABLE, "cv.kernel")
     if cost_estimate is not None and not isinstance(cost_estimate, pl.CostEstimate):
-        raise TypeError(f"cv.kernel: cost_estimate must be a pl.CostEstimate or None, got {cost_estimate!r}")
+        raise TypeError(
+            f"cv.kernel: cost_estimate must be a pl.CostEstimate or None, got {cost_estimate!r}"
+        )
     grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
     if len(grid) > 3 or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in grid):
         raise ValueError(f"cv.kernel: grid must be up to 3 positive ints, got {grid!r}")
     threads = _check_threads(num_threads, thread_name, backend)
-    semantics = normalize_semantics(dimension_semantics, len(grid), "cv.kernel: dimension_semantics")
+    semantics = normalize_semantics(
+        dimension_semantics, len(grid), "cv.kernel: dimension_semantics"
+    )
     single = not isinstance(out_shape, (tuple, list))
     outs = _shapes(out_shape, "out_shape")
-    aliases = check_aliases("cv.kernel", {} if input_output_aliases is None else input_output_aliases)
+    aliases = check_aliases(
+        "cv.kernel", {} if input_output_aliases is None else input_output_aliases
+    )
     scratch = tuple(scratch_shapes)
     if backend == "xla":
         _shapes(scratch, "scratch_shapes")
 
     if backend == "mosaic_tpu":
         from conveyor import kernel_tpu
-        return kernel_tpu.launch(body, outs, scratch, single, interpret,
-                                 lambda: entered_kernel(KernelContext(backend, interpret, grid=grid)), grid, semantics,
-                                 aliases, cost_estimate)
+
+        return kernel_tpu.launch(
+            body,
+            outs,
+            scratch,
+            single,
+            interpret,
+            lambda: entered_kernel(KernelContext(backend, interpret, grid=grid)),
+            grid,
+            semantics,
+            aliases,
+            cost_estimate,
+        )
     ctx = KernelContext(backend, interpret, threads, thread_name, grid=grid, checked=checked)
     if backend == "mosaic_gpu":
         from conveyor import kernel_gpu
+
         ctx = dataclasses.replace(ctx, scratch_bytes=kernel_gpu.smem_bytes(scratch))
-        return kernel_gpu.launch(body, outs, scratch, single, interpret, lambda: entered_kernel(ctx), threads, thread_name,
-                                 grid, GRID_NAMES[:len(grid)], aliases, cost_estimate)
+        return kernel_gpu.launch(
+            body,
+            outs,
+            scratch,
+            single,
+            interpret,
+            lambda: entered_kernel(ctx),
+            threads,
+            thread_name,
+            grid,
+            GRID_NAMES[: len(grid)],
+            aliases,
+            cost_estimate,
+        )
 
     def run(*inputs):
         for i, x in enumerate(inputs):
@@ -223,13 +281,22 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
         def stateful(refs):
             result = body(*refs)
             if result is not None:
-                raise TypeError(f"kernel body must return None (it writes outputs through refs), got {type(result).__name__}")
+                raise TypeError(
+                    "kernel body must return None (it writes outputs through refs), got "
+                    f"{type(result).__name__}"
+                )
 
         def execute(*arrays):
-            init = (*arrays, *[arrays[starts[j]] if j in starts else poison(s.shape, s.dtype) for j, s in enumerate(outs)],
-                    *[poison(s.shape, s.dtype) for s in scratch])
+            init = (
+                *arrays,
+                *[
+                    arrays[starts[j]] if j in starts else poison(s.shape, s.dtype)
+                    for j, s in enumerate(outs)
+                ],
+                *[poison(s.shape, s.dtype) for s in scratch],
+            )
             final = run_state(every_point)(init)
-            return list(final[n_in:n_in + n_out])
+            return list(final[n_in : n_in + n_out])
 
         def one_point(refs, program_ids):
             point = dataclasses.replace(ctx, program_ids=program_ids)
@@ -247,11 +314,13 @@ def kernel(body: Callable[..., None], out_shape: Any, *, backend: str | None = N
 
             def step(i, _):
                 one_point(refs, unravel(i, grid))
+
             jax.lax.fori_loop(0, math.prod(grid), step, None)
 
         # Inside shard_map the kernel runs per device (outputs vary as its inputs do).
         results = tuple(per_device_call(execute, outs, *[jnp.asarray(x) for x in inputs]))
-        if chosen_by_platform:   # the xla loop was chosen for this process's platform: not for others
+        # the xla loop was chosen for this process's platform: not for others
+        if chosen_by_platform:
             results = tuple(only_for(r, XLA_DEFAULT_PLATFORMS, DEFAULT_ELSEWHERE) for r in results)
         return results[0] if single else results
 

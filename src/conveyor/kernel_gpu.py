@@ -3,6 +3,7 @@
 On CPU it runs through the Mosaic GPU interpreter (`interpret=True` or `plgpu.InterpretGPUParams`);
 `jax.export(..., platforms=["cuda"])` compiles it for sm_90 without a GPU.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,29 +25,51 @@ def smem_bytes(buffers) -> int:
     total = 0
     for b in buffers:
         if isinstance(b, plgpu.Barrier):
-            total += (b.num_barriers if isinstance(b.num_barriers, int) else math.prod(b.num_barriers)) * BARRIER_BYTES
+            total += (
+                b.num_barriers if isinstance(b.num_barriers, int) else math.prod(b.num_barriers)
+            ) * BARRIER_BYTES
         elif hasattr(b, "shape") and hasattr(b, "dtype"):
             total += math.prod(b.shape) * jnp.dtype(b.dtype).itemsize
     return total
 
 
-def launch(body, outs, scratch, single, interpret, enter_context, num_threads=1, thread_name=None, grid=(),
-           grid_names=(), aliases=None, cost_estimate=None):
+def launch(
+    body,
+    outs,
+    scratch,
+    single,
+    interpret,
+    enter_context,
+    num_threads=1,
+    thread_name=None,
+    grid=(),
+    grid_names=(),
+    aliases=None,
+    cost_estimate=None,
+):
     aliases = aliases or {}
+
     def wrapped(*refs):
         with enter_context():
             if body(*refs) is not None:
                 raise TypeError("kernel body must return None (it writes outputs through refs)")
 
     def make_kernel(kernel_body, out_type):
-        return plgpu.kernel(kernel_body, out_type=out_type,
-                            scratch_types=[mosaic_scratch(s, plgpu.SMEM, plgpu.SemaphoreType.REGULAR)
-                                           for s in scratch],
-                            interpret=gpu_params(interpret),
-                            **gpu_kernel_options(cost_estimate=cost_estimate),
-                            **({"num_threads": num_threads, "thread_name": thread_name} if thread_name is not None
-                               else {}),
-                            **({"grid": grid, "grid_names": grid_names} if grid else {}))
+        return plgpu.kernel(
+            kernel_body,
+            out_type=out_type,
+            scratch_types=[
+                mosaic_scratch(s, plgpu.SMEM, plgpu.SemaphoreType.REGULAR) for s in scratch
+            ],
+            interpret=gpu_params(interpret),
+            **gpu_kernel_options(cost_estimate=cost_estimate),
+            **(
+                {"num_threads": num_threads, "thread_name": thread_name}
+                if thread_name is not None
+                else {}
+            ),
+            **({"grid": grid, "grid_names": grid_names} if grid else {}),
+        )
 
     def run(*inputs):
         check_alias_operands("cv.kernel", aliases, inputs, outs)

@@ -6,6 +6,7 @@ interpreter. Whenever the process has no TPU (interpreting, or exporting with
 mesh: DMA lowering asks for the TPU generation and refuses device kind 'cpu' otherwise (measured
 with jax 0.12.0.1, see shared FACTS).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,13 +31,26 @@ def _tpu_mesh():
     tpu = AbstractDevice("TPU v5 lite", 1, "tpu")
     cur = jax.sharding.get_abstract_mesh()
     if cur.empty:
-        return jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("_cv_tpu",), (AxisType.Auto,), abstract_device=tpu))
-    return jax.sharding.use_abstract_mesh(AbstractMesh(cur.axis_sizes, cur.axis_names, cur.axis_types,
-                                                       abstract_device=tpu))
+        return jax.sharding.use_abstract_mesh(
+            AbstractMesh((1,), ("_cv_tpu",), (AxisType.Auto,), abstract_device=tpu)
+        )
+    return jax.sharding.use_abstract_mesh(
+        AbstractMesh(cur.axis_sizes, cur.axis_names, cur.axis_types, abstract_device=tpu)
+    )
 
 
-def launch(body, outs, scratch, single, interpret, enter_context, grid=(), dimension_semantics=None, aliases=None,
-           cost_estimate=None):
+def launch(
+    body,
+    outs,
+    scratch,
+    single,
+    interpret,
+    enter_context,
+    grid=(),
+    dimension_semantics=None,
+    aliases=None,
+    cost_estimate=None,
+):
     def run(*inputs):
         n_in = len(inputs)
         if aliases:
@@ -52,15 +66,23 @@ def launch(body, outs, scratch, single, interpret, enter_context, grid=(), dimen
             out_shape=tuple(out_struct(s.shape, s.dtype, *inputs) for s in outs),
             in_specs=[pl.BlockSpec(memory_space=pl.ANY)] * n_in,
             out_specs=tuple(pl.BlockSpec(memory_space=pl.ANY) for _ in outs),
-            scratch_shapes=[mosaic_scratch(s, pltpu.VMEM, pltpu.SemaphoreType.REGULAR) for s in scratch],
+            scratch_shapes=[
+                mosaic_scratch(s, pltpu.VMEM, pltpu.SemaphoreType.REGULAR) for s in scratch
+            ],
             interpret=tpu_params(interpret),
             grid=grid,
-            compiler_params=(pltpu.CompilerParams(dimension_semantics=dimension_semantics)
-                             if dimension_semantics else None),
+            compiler_params=(
+                pltpu.CompilerParams(dimension_semantics=dimension_semantics)
+                if dimension_semantics
+                else None
+            ),
             input_output_aliases=dict(aliases or {}),
             cost_estimate=cost_estimate,
-            name="conveyor_kernel")
-        mesh = _tpu_mesh() if interpret or jax.default_backend() != "tpu" else contextlib.nullcontext()
+            name="conveyor_kernel",
+        )
+        mesh = (
+            _tpu_mesh() if interpret or jax.default_backend() != "tpu" else contextlib.nullcontext()
+        )
         with mesh:
             results = call(*inputs)
         return results[0] if single else tuple(results)
@@ -76,6 +98,7 @@ def _batched_as_a_loop(run):
     not have trivial BlockSpec"). A loop of the unbatched kernel computes the same values; it runs
     the batch elements one after the other.
     """
+
     @jax.custom_batching.custom_vmap
     def call(*inputs):
         return run(*inputs)
@@ -87,6 +110,7 @@ def _batched_as_a_loop(run):
         def one(xs):  # through `call` again, so an outer vmap of this loop is a loop too
             it = iter(xs)
             return call(*[next(it) if b else x for x, b in zip(inputs, in_batched)])
+
         outs = jax.lax.map(one, batched)
         return outs, jax.tree.map(lambda _: True, outs)
 

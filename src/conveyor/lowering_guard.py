@@ -6,12 +6,14 @@ kernel body cannot be traced for every backend in advance). Lowered for another 
 user expects a Pallas kernel. `only_for` marks the kernel's outputs so that such a lowering fails
 with a message naming the backend to pass instead.
 """
+
 from __future__ import annotations
 
 from conveyor._compat import Primitive, ad, batching, mlir
 
 lowered_for_p = Primitive("conveyor_lowered_for")
-lowered_for_p.def_impl(lambda x, *, platforms, message: x)   # run eagerly: on this process's platform
+# run eagerly: on this process's platform
+lowered_for_p.def_impl(lambda x, *, platforms, message: x)
 lowered_for_p.def_abstract_eval(lambda aval, *, platforms, message: aval)
 
 
@@ -23,9 +25,14 @@ def _lowering(ctx, x, *, platforms, message):
 
 
 mlir.register_lowering(lowered_for_p, _lowering)
-batching.primitive_batchers[lowered_for_p] = lambda args, dims, **params: (lowered_for_p.bind(*args, **params), dims[0])
-ad.primitive_jvps[lowered_for_p] = lambda primals, tangents, **params: (lowered_for_p.bind(*primals, **params),
-                                                                       tangents[0])
+batching.primitive_batchers[lowered_for_p] = lambda args, dims, **params: (
+    lowered_for_p.bind(*args, **params),
+    dims[0],
+)
+ad.primitive_jvps[lowered_for_p] = lambda primals, tangents, **params: (
+    lowered_for_p.bind(*primals, **params),
+    tangents[0],
+)
 
 
 def only_for(x, platforms: tuple[str, ...], message: str):

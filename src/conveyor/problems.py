@@ -1,4 +1,6 @@
-"""Named problem shapes and the skewed group-size distribution, shared by demo, benchmarks and docs."""
+"""Named problem shapes and the skewed group-size distribution, shared by demo, benchmarks and
+docs."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,9 +35,13 @@ def dirichlet_split(rng: np.random.Generator, total: int, groups: int, alpha: fl
 
 
 # The benchmark table of issue #2: m=4096, k=n=1024, G in {1, 8, 64, 256}.
-BENCH_GMM = tuple(GmmProblem(name=f"moe-g{g}", m=4096, k=1024, n=1024, groups=g) for g in (1, 8, 64, 256))
+BENCH_GMM = tuple(
+    GmmProblem(name=f"moe-g{g}", m=4096, k=1024, n=1024, groups=g) for g in (1, 8, 64, 256)
+)
 # The demo's MoE feed-forward layer: small enough to run in seconds.
 DEMO_MOE = GmmProblem(name="demo-moe", m=2048, k=512, n=1024, groups=8)
 
 # The GPU benchmark of issue #12: the Mixtral-8x7B expert shape (tokens x d_model x d_ff), bf16.
-BENCH_GMM_GPU = tuple(GmmProblem(name=f"mixtral-g{g}", m=8192, k=4096, n=14336, groups=g) for g in (8, 64, 256))
+BENCH_GMM_GPU = tuple(
+    GmmProblem(name=f"mixtral-g{g}", m=8192, k=4096, n=14336, groups=g) for g in (8, 64, 256)
+)

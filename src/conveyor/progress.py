@@ -3,6 +3,7 @@
 tqdm is imported only when a bar is drawn, so the library imports where only the source tree is
 present (the GPU machines run Conveyor from src/ on their preinstalled packages).
 """
+
 from __future__ import annotations
 
 import sys
@@ -31,4 +32,5 @@ def bar(total: int, desc: str, unit: str, enabled: bool | None = None):
     if not enabled:
         return _Silent()
     from tqdm.auto import tqdm
+
     return tqdm(total=total, desc=desc, unit=unit, leave=False)

@@ -5,6 +5,7 @@ over refs and threads traced with their own `axis_index` cannot carry those type
 traces them per device, where replication is meaningless, and gives their results the union of
 the inputs' varying axes (the rule JAX applies to its own primitives).
 """
+
 from __future__ import annotations
 
 import jax
@@ -13,9 +14,11 @@ from conveyor._compat import Primitive, check_vma, core, dispatch, mlir
 
 
 def varying_axes(x) -> frozenset:
-    """Mesh axes over which `x` varies inside shard_map (jax 0.12: aval.mat.varying; older: aval.vma)."""
+    """Mesh axes over which `x` varies inside shard_map (jax 0.12: aval.mat.varying; older:
+    aval.vma)."""
     aval = jax.typeof(x)
-    return _varying_axes_of_aval(getattr(aval, "inner_aval", aval))  # a ref varies as its contents do
+    # a ref varies as its contents do
+    return _varying_axes_of_aval(getattr(aval, "inner_aval", aval))
 
 
 def _varying_axes_of_aval(aval) -> frozenset:
@@ -51,7 +54,8 @@ def explicit_axes_spec(aval):
 
 
 def with_explicit_spec(aval, like, spec):
-    """`aval` sharded by `spec` over the explicit mesh of the aval `like` (unchanged without one)."""
+    """`aval` sharded by `spec` over the explicit mesh of the aval `like` (unchanged without
+    one)."""
     if explicit_axes_spec(like) is None:
         return aval
     return aval.update(sharding=jax.sharding.NamedSharding(like.sharding.mesh, spec))
@@ -66,8 +70,12 @@ def match_varying(*xs):
     axes = frozenset().union(*(varying_axes(x) for x in xs))
     if not axes:
         return xs
-    return tuple(x if varying_axes(x) == axes else
-                 jax.lax.pcast(x, tuple(sorted(axes - varying_axes(x), key=str)), to="varying") for x in xs)
+    return tuple(
+        x
+        if varying_axes(x) == axes
+        else jax.lax.pcast(x, tuple(sorted(axes - varying_axes(x), key=str)), to="varying")
+        for x in xs
+    )
 
 
 def out_struct(shape, dtype, *like):
@@ -87,14 +95,18 @@ def without_internal_ref_effects(effects):
 
 
 def register_lowering_from_function(prim: Primitive, impl, platform: str | None = None) -> None:
-    """Lower `prim` (on `platform`, or every platform) by tracing `impl(*args, **params)` per device.
+    """Lower `prim` (on `platform`, or every platform) by tracing `impl(*args, **params)` per
+    device.
 
     The primitive's avals carry the mesh axes they vary over (its abstract eval gives the output
     the inputs' common set, see `match_varying`); the implementation is traced without them.
     """
     lowered = mlir.lower_fun(impl, multiple_results=False)
-    mlir.register_lowering(prim, lambda ctx, *args, **params: _lower_per_device(lowered, ctx, *args, **params),
-                           platform=platform)
+    mlir.register_lowering(
+        prim,
+        lambda ctx, *args, **params: _lower_per_device(lowered, ctx, *args, **params),
+        platform=platform,
+    )
 
 
 def requires_devices_during_lowering(prim: Primitive) -> None:
@@ -105,8 +117,10 @@ def requires_devices_during_lowering(prim: Primitive) -> None:
 
 def _lower_per_device(lowered, ctx, *args, **params):
     """Run a `mlir.lower_fun` rule with the avals' varying axes stripped and the checks off."""
-    inner = ctx.replace(avals_in=[strip_varying(a) for a in ctx.avals_in],
-                        avals_out=[strip_varying(a) for a in ctx.avals_out])
+    inner = ctx.replace(
+        avals_in=[strip_varying(a) for a in ctx.avals_in],
+        avals_out=[strip_varying(a) for a in ctx.avals_out],
+    )
     with per_device_tracing():
         out = lowered(inner, *args, **params)
     if inner.tokens_out is not None:  # effectful (interpreted) kernels thread tokens
@@ -116,6 +130,7 @@ def _lower_per_device(lowered, ctx, *args, **params):
 
 class _Hashable:
     """A function as a primitive parameter, compared by identity."""
+
     __slots__ = ("fn",)
 
     def __init__(self, fn):
@@ -125,15 +140,23 @@ class _Hashable:
 def _per_device_abstract(*avals, fn, out_avals):
     axes = frozenset().union(*(_varying_axes_of_aval(a) for a in avals))
     mat = core.ManualAxisType(varying=axes)
-    return [core.ShapedArray(a.shape, a.dtype, sharding=core.get_cur_mesh_sharding(), manual_axis_type=mat)
-            for a in out_avals]
+    return [
+        core.ShapedArray(
+            a.shape, a.dtype, sharding=core.get_cur_mesh_sharding(), manual_axis_type=mat
+        )
+        for a in out_avals
+    ]
 
 
 per_device_p = Primitive("conveyor_per_device")
 per_device_p.multiple_results = True
 per_device_p.def_abstract_eval(_per_device_abstract)
-mlir.register_lowering(per_device_p, lambda ctx, *args, fn, out_avals: _lower_per_device(
-    mlir.lower_fun(fn.fn, multiple_results=True), ctx, *args))
+mlir.register_lowering(
+    per_device_p,
+    lambda ctx, *args, fn, out_avals: _lower_per_device(
+        mlir.lower_fun(fn.fn, multiple_results=True), ctx, *args
+    ),
+)
 
 
 def per_device_call(fn, out_shapes, *args):
@@ -141,7 +164,8 @@ def per_device_call(fn, out_shapes, *args):
 
     With operands that vary over shard_map axes (check_vma=True), `fn` is staged out as one
     primitive whose outputs vary over the union of those axes, and traced at lowering time without
-    varying-axes types. Elsewhere `fn` is simply called. Not differentiable (kernels over refs are not).
+    varying-axes types. Elsewhere `fn` is simply called. Not differentiable (kernels over refs are
+    not).
     """
     if not frozenset().union(*(varying_axes(x) for x in args)):
         return fn(*args)

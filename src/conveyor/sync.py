@@ -1,4 +1,5 @@
 """Synchronization objects a kernel body may receive, usable the same way on every backend."""
+
 from __future__ import annotations
 
 import contextvars
@@ -28,11 +29,13 @@ class TraceTimeBarrier:
 
 
 def barrier_arrive(barrier: Any) -> None:
-    """Arrive on a barrier handed to a kernel body (e.g. a manual consumed barrier of a pipeline)."""
+    """Arrive on a barrier handed to a kernel body (e.g. a manual consumed barrier of a
+    pipeline)."""
     if isinstance(barrier, TraceTimeBarrier):
         barrier.arrivals += 1
         return
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
     plgpu.barrier_arrive(barrier)
 
 
@@ -40,19 +43,24 @@ def wait_produced(barrier: Any) -> None:
     """Wait on a produced barrier handed to a warp-specialized pipeline's body
     (`manual_produced_barriers=True`): returns once the copy of that input's block for this step
     has landed in its slot. On mosaic_gpu it is `plgpu.barrier_wait` (upstream bodies that call
-    that directly run unchanged there); on xla the block is already there and the wait is counted."""
+    that directly run unchanged there); on xla the block is already there and the wait is
+    counted."""
     if isinstance(barrier, TraceTimeBarrier):
         barrier.waits += 1
         return
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
     plgpu.barrier_wait(barrier)
 
 
 # ---- semaphores and barriers shared by the programs of cv.mpmd_map -----------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class SemaphoreType:
-    """Scratch shape for counting semaphores (int32 counters starting at 0), e.g. SemaphoreType((8,))."""
+    """Scratch shape for counting semaphores (int32 counters starting at 0), e.g.
+    SemaphoreType((8,))."""
+
     shape: tuple[int, ...] = ()
 
 
@@ -73,12 +81,15 @@ class BarrierType:
 
 
 # The backend tracing a kernel body that may use these ("cpu", "mosaic_tpu", "mosaic_gpu").
-SYNC_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar("conveyor_sync_backend", default=None)
+SYNC_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "conveyor_sync_backend", default=None
+)
 
 
 def _primitive(name):
     from conveyor._compat import Primitive
     from conveyor.jaxprs import write_effect
+
     p = Primitive(name)
     p.multiple_results = True
     p.def_effectful_abstract_eval(lambda *avals, **params: ([], {write_effect(0)}))
@@ -98,12 +109,15 @@ def _backend(api: str) -> str:
 
 
 def semaphore_signal(sem, inc: int | jax.Array = 1) -> None:
-    """Add `inc` to a semaphore (a scratch ref of `SemaphoreType`, or one element of it: `sems.at[i]`)."""
+    """Add `inc` to a semaphore (a scratch ref of `SemaphoreType`, or one element of it:
+    `sems.at[i]`)."""
     backend = _backend("cv.semaphore_signal")
     if backend != "cpu":
         from jax.experimental import pallas as pl
+
         return pl.semaphore_signal(sem, inc)
     from conveyor.jaxprs import ref_and_transforms
+
     ref, leaves, tree = ref_and_transforms(sem, "cv.semaphore_signal")
     semaphore_signal_p.bind(ref, jnp.asarray(inc, jnp.int32), *leaves, tree=tree)
 
@@ -114,22 +128,28 @@ def semaphore_wait(sem, value: int | jax.Array = 1) -> None:
     backend = _backend("cv.semaphore_wait")
     if backend != "cpu":
         from jax.experimental import pallas as pl
+
         return pl.semaphore_wait(sem, value)
     from conveyor.jaxprs import ref_and_transforms
+
     ref, leaves, tree = ref_and_transforms(sem, "cv.semaphore_wait")
     semaphore_wait_p.bind(ref, jnp.asarray(value, jnp.int32), *leaves, tree=tree)
 
 
 def barrier_wait(barrier) -> None:
-    """Wait until every instance of every program has reached this barrier (a `BarrierType` scratch)."""
+    """Wait until every instance of every program has reached this barrier (a `BarrierType`
+    scratch)."""
     backend = _backend("cv.barrier_wait")
-    if backend == "mosaic_gpu":   # an mbarrier expecting one arrival per warpgroup of the kernel
+    if backend == "mosaic_gpu":  # an mbarrier expecting one arrival per warpgroup of the kernel
         from jax.experimental.pallas import mosaic_gpu as plgpu
+
         plgpu.barrier_arrive(barrier)
         plgpu.barrier_wait(barrier)
         return
     if backend != "cpu":
-        raise NotImplementedError(f"cv.barrier_wait: not available on {backend}; build it from semaphores")
+        raise NotImplementedError(
+            f"cv.barrier_wait: not available on {backend}; build it from semaphores"
+        )
     barrier_p.bind(barrier)
 
 
@@ -138,4 +158,5 @@ def fence() -> None:
     signals another program (Mosaic GPU: `commit_smem`); nothing to do on the CPU executor."""
     if _backend("cv.fence") == "mosaic_gpu":
         from jax.experimental.pallas import mosaic_gpu as plgpu
+
         plgpu.commit_smem()

@@ -26,6 +26,7 @@ What they add to the interpreters of jax 0.11.2 .. 0.12.0.1:
   installed at once, so kernels the suite launches with Pallas directly get them too; kernels
   Conveyor launches always have them.
 """
+
 from __future__ import annotations
 
 import threading
@@ -66,6 +67,7 @@ def reset_interpreter_state() -> None:
     failed check) leaves it behind on purpose, for inspection; the next kernel would then run on
     a stale, ever-growing state."""
     from jax.experimental.pallas import tpu as pltpu
+
     pltpu.reset_tpu_interpret_mode_state()
     _compat.gpu_interpreter_callbacks().reset_gpu_interpret_mode_state()
 
@@ -90,21 +92,23 @@ def _races_raise() -> None:
         if value:
             raise RuntimeError("RACE DETECTED (the interpreter printed both accesses above)")
 
-    cls.races_found = property(get, set_)   # GPURaceDetectionState inherits it
+    cls.races_found = property(get, set_)  # GPURaceDetectionState inherits it
 
 
 def _record_semaphore_leaks() -> None:
     """Wrap the TPU interpreter's end-of-kernel query of non-zero semaphores to keep what it found
     (raising inside the interpreter's callback could hang other devices' clean-up)."""
     cls = _compat.tpu_interpreter_shared_memory().SharedMemory
-    original = cls.get_sempahores_with_nonzero_count   # (sic) jax's spelling
+    original = cls.get_sempahores_with_nonzero_count  # (sic) jax's spelling
 
     def recording(self, device_id, *args, **kwargs):
         found = original(self, device_id, *args, **kwargs)
         with _lock:
             for sem, core in found:
-                _leaks.append(f"semaphore {sem.id} has count {sem.count_by_core[core]} on device {device_id} "
-                              f"(core {core}) at kernel exit")
+                _leaks.append(
+                    f"semaphore {sem.id} has count {sem.count_by_core[core]} on device {device_id} "
+                    f"(core {core}) at kernel exit"
+                )
         return found
 
     cls.get_sempahores_with_nonzero_count = recording

@@ -23,8 +23,9 @@ class ChipVmem:
 
 # Lowering without a TPU in view (an export from a CPU host with no TPU mesh): assume the least
 # VMEM of the chips Conveyor compiles for (v5p: 64 MiB physical, 16 MiB scoped).
-UNKNOWN_CHIP = ChipVmem(name="an unnamed TPU (v5p's limits assumed)", default=16 * MiB,
-                        physical=64 * MiB)
+UNKNOWN_CHIP = ChipVmem(
+    name="an unnamed TPU (v5p's limits assumed)", default=16 * MiB, physical=64 * MiB
+)
 
 
 def chip_vmem() -> ChipVmem:
@@ -46,8 +47,8 @@ def vmem_limit(kernel: str, *, working: int, peak: int, remedy: str) -> int | No
     chip = chip_vmem()
     if working > chip.physical:
         raise NotImplementedError(
-            f"{kernel}: mosaic_tpu needs {working / MiB:.1f} MiB of VMEM at these shapes "
-            f"(its buffers), over the {chip.physical / MiB:.0f} MiB of {chip.name}; {remedy}"
+            f"{kernel}: mosaic_tpu needs {working / MiB:.1f} MiB of VMEM at these shapes (its "
+            f"buffers), over the {chip.physical / MiB:.0f} MiB of {chip.name}; {remedy}"
         )
     if peak <= chip.default:
         return None

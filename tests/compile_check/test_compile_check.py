@@ -22,9 +22,9 @@ ptxas         .     24 bytes stack frame, 36 bytes spill stores, 24 bytes spill 
 ptxas info    : Used 168 registers, used 16 barriers, 17 bytes smem
 """
 RESOURCES = (
-    "Resources(smem_scratch_bytes=229376, tmem_scratch_cols=0, barrier_counts=Counter({"
-    "Barrier(arrival_count=1, num_barriers=4, orders_tensor_core=False): 2, "
-    "Barrier(arrival_count=2, num_barriers=1, orders_tensor_core=False): 1, "
+    "Resources(smem_scratch_bytes=229376, tmem_scratch_cols=0, "
+    "barrier_counts=Counter({Barrier(arrival_count=1, num_barriers=4, orders_tensor_core=False): "
+    "2, Barrier(arrival_count=2, num_barriers=1, orders_tensor_core=False): 1, "
     "Barrier(arrival_count=2, num_barriers=4, orders_tensor_core=False): 1}))"
 )
 # A compiled TPU program's HLO: the kernel's metadata spans lines before its backend config.
@@ -40,7 +40,10 @@ HLO = """\
 
 def test_ptxas_log_gives_registers_spills_and_the_dropped_split():
     assert device.parse_ptxas(PTXAS_LOG) == {
-        "registers": 168, "spill_stores": 36, "spill_loads": 24, "static_smem": 17,
+        "registers": 168,
+        "spill_stores": 36,
+        "spill_loads": 24,
+        "static_smem": 17,
         "split_dropped": True,
     }
 
@@ -67,13 +70,26 @@ def test_only_conveyors_own_errors_count_as_refusals():
 
 
 def _row(status="compiled", **kernel):
-    return {"target": "h100", "case": "c", "status": status, "seconds": 1.0, "error": "E: x",
-            "kernels": [kernel] if kernel else []}
+    return {
+        "target": "h100",
+        "case": "c",
+        "status": status,
+        "seconds": 1.0,
+        "error": "E: x",
+        "kernels": [kernel] if kernel else [],
+    }
 
 
 def test_verdicts():
-    ok = dict(registers=154, spill_stores=0, spill_loads=0, smem=1000, smem_limit=232448,
-              split_dropped=True, split_in_ptx=True)
+    ok = dict(
+        registers=154,
+        spill_stores=0,
+        spill_loads=0,
+        smem=1000,
+        smem_limit=232448,
+        split_dropped=True,
+        split_in_ptx=True,
+    )
     assert cc.verdict(_row(**ok)) == "ok"
     assert cc.verdict(_row(**{**ok, "spill_loads": 4})) == "spills"
     assert cc.verdict(_row(**{**ok, "smem": 232449})) == "smem over"
@@ -98,8 +114,10 @@ def test_production_cases_have_unique_names_and_rings_only_on_tpu():
         (["--target", "x100"], "unknown target 'x100'; known: h100, v5e, v6e, v5p"),
         ([], "--target: required"),
         (["--target", "h100", "--m", "64"], "argument --k, --n: required by 'gmm'"),
-        (["--target", "h100", "--m", "8", "--k", "8", "--n", "8", "--shard", "2"],
-         "--shard not used by 'compile-check gmm'"),
+        (
+            ["--target", "h100", "--m", "8", "--k", "8", "--n", "8", "--shard", "2"],
+            "--shard not used by 'compile-check gmm'",
+        ),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(capsys, args, message):
@@ -109,8 +127,9 @@ def test_cli_bad_input_is_one_line_and_exit_2(capsys, args, message):
 
 @pytest.mark.skipif(device.installed("jax_cuda12_plugin"), reason="the CUDA compiler is here")
 def test_cli_names_the_missing_toolchain(capsys):
-    code, _, err = _main(capsys, "compile-check", "gmm", "--target", "h100",
-                         "--m", "64", "--k", "64", "--n", "64")
+    code, _, err = _main(
+        capsys, "compile-check", "gmm", "--target", "h100", "--m", "64", "--k", "64", "--n", "64"
+    )
     assert code == 2 and "scripts/compile_env.sh cuda" in err
 
 
@@ -123,14 +142,18 @@ def test_kernel_integer_division_matches_python():
     for a in (0, 5, 127, 128, 1000):
         for b in (1, 7, 128):
             traced = jax.jit(lambda x, b=b: (ints.floordiv(x, b), ints.mod(x, b)))(a)
-            assert (int(traced[0]), int(traced[1])) == (a // b, a % b) == (
-                ints.floordiv(a, b), ints.mod(a, b))
+            assert (
+                (int(traced[0]), int(traced[1]))
+                == (a // b, a % b)
+                == (ints.floordiv(a, b), ints.mod(a, b))
+            )
     assert ints.cdiv(129, 128) == 2 and ints.cdiv(128, 128) == 1
 
 
 def _on(kind: str):
     return jax.sharding.use_abstract_mesh(
-        AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice(kind, 1, "tpu")))
+        AbstractMesh((1,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice(kind, 1, "tpu"))
+    )
 
 
 def test_vmem_limit_follows_the_chip():
@@ -139,8 +162,10 @@ def test_vmem_limit_follows_the_chip():
         assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=12 * MiB, remedy="r") is None
         assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=20 * MiB, remedy="r") == 20 * MiB
         assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=900 * MiB, remedy="r") == 128 * MiB
-        with pytest.raises(NotImplementedError,
-                           match=r"k: mosaic_tpu needs 256.0 MiB of VMEM .* 128 MiB of TPU_V5E; r$"):
+        with pytest.raises(
+            NotImplementedError,
+            match=r"k: mosaic_tpu needs 256.0 MiB of VMEM .* 128 MiB of TPU_V5E; r$",
+        ):
             tpu_vmem.vmem_limit("k", working=256 * MiB, peak=300 * MiB, remedy="r")
     with _on("TPU v6 lite"):  # v6e's default scoped limit is 32 MiB
         assert tpu_vmem.vmem_limit("k", working=8 * MiB, peak=20 * MiB, remedy="r") is None
@@ -156,17 +181,20 @@ def test_gmm_backward_lowers_for_cuda_under_an_explicit_mesh():
     mesh = jax.sharding.Mesh(jax.devices()[:1], ("x",), axis_types=(AxisType.Explicit,))
     spec = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     bf16 = jnp.bfloat16
-    args = (jax.ShapeDtypeStruct((256, 128), bf16, sharding=spec),
-            jax.ShapeDtypeStruct((4, 128, 128), bf16, sharding=spec),
-            jax.ShapeDtypeStruct((4,), jnp.int32, sharding=spec))
+    args = (
+        jax.ShapeDtypeStruct((256, 128), bf16, sharding=spec),
+        jax.ShapeDtypeStruct((4, 128, 128), bf16, sharding=spec),
+        jax.ShapeDtypeStruct((4,), jnp.int32, sharding=spec),
+    )
 
     def loss(x, w, s):
         out = cv.gmm(x, w, s, backend="mosaic_gpu", preferred_element_type=bf16)
         return jnp.sum(out.astype(jnp.float32))
 
     with jax.set_mesh(mesh):
-        exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))),
-                                     platforms=["cuda"])(*args)
+        exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"])(
+            *args
+        )
     assert exported.mlir_module().count("mosaic_gpu") >= 2  # gmm (d lhs) and tgmm (d rhs)
 
 
@@ -174,18 +202,27 @@ def test_a_gmm_tiling_over_the_chips_vmem_is_refused_and_a_large_one_gets_a_limi
     import conveyor as cv
 
     bf16 = jnp.bfloat16
-    args = (jax.ShapeDtypeStruct((8192, 4096), bf16), jax.ShapeDtypeStruct((8, 4096, 8192), bf16),
-            jax.ShapeDtypeStruct((8,), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((8192, 4096), bf16),
+        jax.ShapeDtypeStruct((8, 4096, 8192), bf16),
+        jax.ShapeDtypeStruct((8,), jnp.int32),
+    )
 
     def export(tiling):
-        fn = jax.jit(lambda x, w, s: cv.gmm(x, w, s, backend="mosaic_tpu", tiling=tiling,
-                                            preferred_element_type=bf16))
+        fn = jax.jit(
+            lambda x, w, s: cv.gmm(
+                x, w, s, backend="mosaic_tpu", tiling=tiling, preferred_element_type=bf16
+            )
+        )
         with _on("TPU v5 lite"):
             return jax.export.export(fn, platforms=["tpu"])(*args).mlir_module()
 
     # (2048, 4096, 4096): 2 x (16 + 32 + 16) MiB of input blocks, 2 x 16 of output, 32 of sums.
-    with pytest.raises(NotImplementedError, match=r"gmm: mosaic_tpu needs 192.0 MiB of VMEM .*"
-                                                  r"128 MiB of TPU_V5E; pass a smaller tiling"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"gmm: mosaic_tpu needs 192.0 MiB of VMEM .*"
+        r"128 MiB of TPU_V5E; pass a smaller tiling",
+    ):
         export((2048, 4096, 4096))
     # (1024, 2048, 2048): 48 MiB of buffers, 64 with the products: over v5e's default 16 MiB,
     # so the kernel asks for 64 MiB of scoped VMEM (the default tiling asks for nothing).

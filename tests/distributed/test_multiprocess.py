@@ -3,6 +3,7 @@
 A peer that never arrives, or dies mid-run, makes the job fail with a clear error within its
 timeout instead of hanging.
 """
+
 import pytest
 
 from conveyor.distributed import ProcessFailed, launch_local
@@ -22,4 +23,6 @@ def test_a_peer_that_never_arrives_fails_within_the_timeout():
 
 def test_a_peer_that_dies_fails_the_job_within_the_timeout():
     with pytest.raises(ProcessFailed, match=r"process 1 of 2 exited with code 3|still running"):
-        launch_local(WORKER, 2, devices_per_process=4, timeout=15, extra_args=("--crash-process", "1"))
+        launch_local(
+            WORKER, 2, devices_per_process=4, timeout=15, extra_args=("--crash-process", "1")
+        )

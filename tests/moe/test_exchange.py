@@ -1,6 +1,7 @@
 """The expert-parallel layer's exact exchange: `conveyor.moe.exchange.ragged_all_to_all` has
 `jax.lax.ragged_all_to_all`'s semantics on CPU (where it is emulated), and the layer lowers to
 the real ragged collective for TPU and GPU, with no dense all_to_all left."""
+
 import re
 
 import numpy as np
@@ -24,7 +25,7 @@ def _model(operands, outputs, input_offsets, send_sizes, output_offsets):
     for s in range(DEVICES):
         for j in range(DEVICES):
             n, src, dst = send_sizes[s, j], input_offsets[s, j], output_offsets[s, j]
-            results[j][dst:dst + n] = operands[s][src:src + n]
+            results[j][dst : dst + n] = operands[s][src : src + n]
     return np.stack(results)
 
 
@@ -34,17 +35,17 @@ def _case(seed):
     sizes = rng.integers(0, 4, (DEVICES, DEVICES))
     input_offsets = np.zeros_like(sizes)
     output_offsets = np.zeros_like(sizes)
-    for s in range(DEVICES):   # each sender's slices in a shuffled order, with a gap after each
+    for s in range(DEVICES):  # each sender's slices in a shuffled order, with a gap after each
         at = 0
         for j in rng.permutation(DEVICES):
             input_offsets[s, j], at = at, at + sizes[s, j] + rng.integers(0, 2)
-    for j in range(DEVICES):   # each receiver's slices in a shuffled order of senders, with gaps
+    for j in range(DEVICES):  # each receiver's slices in a shuffled order of senders, with gaps
         at = 0
         for s in rng.permutation(DEVICES):
             output_offsets[s, j], at = at, at + sizes[s, j] + rng.integers(0, 2)
     assert input_offsets.max() + 3 <= ROWS and output_offsets.max() + 3 <= OUT_ROWS
     operands = rng.standard_normal((DEVICES, ROWS, 3)).astype(np.float32)
-    outputs = np.full((DEVICES, OUT_ROWS, 3), -7.0, np.float32)   # rows nobody writes keep this
+    outputs = np.full((DEVICES, OUT_ROWS, 3), -7.0, np.float32)  # rows nobody writes keep this
     return operands, outputs, input_offsets, sizes, output_offsets
 
 
@@ -54,25 +55,41 @@ def test_the_cpu_exchange_has_ragged_all_to_all_semantics(seed):
     mesh = Mesh(np.array(jax.devices()[:DEVICES]), ("x",))
 
     def local(operand, output, in_off, send, out_off, recv):
-        return ragged_all_to_all(operand[0], output[0], in_off[0], send[0], out_off[0], recv[0], axis_name="x")[None]
+        return ragged_all_to_all(
+            operand[0], output[0], in_off[0], send[0], out_off[0], recv[0], axis_name="x"
+        )[None]
 
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x")))
-    recv_sizes = sizes.T   # device j receives sizes[s, j] from each s
-    got = fn(operands, outputs, *(jnp.asarray(a, jnp.int32) for a in (input_offsets, sizes, output_offsets,
-                                                                       recv_sizes)))
-    np.testing.assert_array_equal(np.asarray(got), _model(operands, outputs, input_offsets, sizes, output_offsets))
+    recv_sizes = sizes.T  # device j receives sizes[s, j] from each s
+    got = fn(
+        operands,
+        outputs,
+        *(jnp.asarray(a, jnp.int32) for a in (input_offsets, sizes, output_offsets, recv_sizes)),
+    )
+    np.testing.assert_array_equal(
+        np.asarray(got), _model(operands, outputs, input_offsets, sizes, output_offsets)
+    )
 
 
 def _expert_parallel(platform_mesh):
     def layer(p):
-        return cv.moe.moe_ffn_expert_parallel(**p, top_k=2, axis_name="expert", loss_axes=("data", "expert"))[0]
-    return jax.shard_map(layer, mesh=platform_mesh, in_specs=(SPECS,), out_specs=P(("data", "expert")))
+        return cv.moe.moe_ffn_expert_parallel(
+            **p, top_k=2, axis_name="expert", loss_axes=("data", "expert")
+        )[0]
+
+    return jax.shard_map(
+        layer, mesh=platform_mesh, in_specs=(SPECS,), out_specs=P(("data", "expert"))
+    )
 
 
 def _lowered_text(platform: str, grad: bool) -> str:
     kind = {"tpu": "TPU v5 lite", "cuda": "NVIDIA H100 80GB HBM3"}.get(platform, "cpu")
-    mesh = AbstractMesh((2, 4), ("data", "expert"), (AxisType.Auto,) * 2,
-                        abstract_device=AbstractDevice(kind, 8, platform))
+    mesh = AbstractMesh(
+        (2, 4),
+        ("data", "expert"),
+        (AxisType.Auto,) * 2,
+        abstract_device=AbstractDevice(kind, 8, platform),
+    )
     f = _expert_parallel(mesh)
     fn = jax.grad(lambda p: jnp.sum(f(p))) if grad else f
     avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params(0))
@@ -80,7 +97,9 @@ def _lowered_text(platform: str, grad: bool) -> str:
     # needs this opt-in (docs/moe.md says so); compiling it (make compile-check) does not.
     unchecked = [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
     with jax.sharding.use_abstract_mesh(mesh):
-        return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=unchecked)(avals).mlir_module()
+        return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=unchecked)(
+            avals
+        ).mlir_module()
 
 
 @pytest.mark.parametrize("grad", [False, True])
@@ -95,6 +114,11 @@ def test_the_layer_lowers_to_the_ragged_collective_for_tpu(grad):
 
 
 def test_the_cpu_lowering_has_no_ragged_collective():
-    text = jax.jit(_expert_parallel(Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "expert")))).lower(
-        params(0)).as_text()
+    text = (
+        jax.jit(
+            _expert_parallel(Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "expert")))
+        )
+        .lower(params(0))
+        .as_text()
+    )
     assert "ragged_all_to_all" not in text and "all_to_all" in text

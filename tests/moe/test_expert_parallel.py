@@ -1,6 +1,7 @@
 """Expert parallelism on a data x expert mesh (2 x 4 simulated devices): tokens sharded over both
 axes, experts over `expert`; forward, gradients and the load-balancing loss against the dense
 reference of the whole batch, the capacity rule, and bad input."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,19 +22,34 @@ def mesh():
 def params(seed):
     rng = np.random.default_rng(seed)
     n = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-2]), jnp.float32)
-    return dict(x=jnp.asarray(rng.standard_normal((TOKENS, D)), jnp.float32), router_w=n(D, E),
-                w_gate=n(E, D, F), w_up=n(E, D, F), w_down=n(E, F, D))
+    return dict(
+        x=jnp.asarray(rng.standard_normal((TOKENS, D)), jnp.float32),
+        router_w=n(D, E),
+        w_gate=n(E, D, F),
+        w_up=n(E, D, F),
+        w_down=n(E, F, D),
+    )
 
 
-SPECS = dict(x=P(("data", "expert")), router_w=P(), w_gate=P("expert"), w_up=P("expert"), w_down=P("expert"))
+SPECS = dict(
+    x=P(("data", "expert")), router_w=P(), w_gate=P("expert"), w_up=P("expert"), w_down=P("expert")
+)
 
 
 def sharded(top_k, capacity_factor=None):
     def layer(p):
-        y, aux, dropped = cv.moe.moe_ffn_expert_parallel(**p, top_k=top_k, axis_name="expert",
-                                                         capacity_factor=capacity_factor, loss_axes=("data", "expert"))
+        y, aux, dropped = cv.moe.moe_ffn_expert_parallel(
+            **p,
+            top_k=top_k,
+            axis_name="expert",
+            capacity_factor=capacity_factor,
+            loss_axes=("data", "expert"),
+        )
         return y, aux, jax.lax.psum(dropped, ("data", "expert"))
-    return jax.shard_map(layer, mesh=mesh(), in_specs=(SPECS,), out_specs=(P(("data", "expert")), P(), P()))
+
+    return jax.shard_map(
+        layer, mesh=mesh(), in_specs=(SPECS,), out_specs=(P(("data", "expert")), P(), P())
+    )
 
 
 @pytest.mark.parametrize("top_k", [1, 2, 3])
@@ -63,8 +79,9 @@ def test_gradients_match_the_dense_reference(capacity_factor):
 
     got, want = jax.jit(jax.grad(ep_loss))(p), jax.jit(jax.grad(ref_loss))(p)
     for name in p:
-        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=tol(want[name], 2 * (D + F) + TOKENS),
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            got[name], want[name], rtol=0, atol=tol(want[name], 2 * (D + F) + TOKENS), err_msg=name
+        )
         assert np.abs(np.asarray(got[name])).max() > 0, name
 
 
@@ -84,14 +101,24 @@ def test_capacity_drops_are_counted_and_contribute_zero():
 
 def test_capacity_factor_and_axis_errors_are_named():
     p = params(10)
-    with pytest.raises(ValueError, match="capacity_factor: expected None \\(dropless\\) or a number > 0, got -1"):
+    with pytest.raises(
+        ValueError, match="capacity_factor: expected None \\(dropless\\) or a number > 0, got -1"
+    ):
         jax.jit(sharded(2, capacity_factor=-1))(p)
-    bad_axis = jax.shard_map(lambda p: cv.moe.moe_ffn_expert_parallel(**p, top_k=2, axis_name="experts")[0],
-                             mesh=mesh(), in_specs=(SPECS,), out_specs=P(("data", "expert")))
+    bad_axis = jax.shard_map(
+        lambda p: cv.moe.moe_ffn_expert_parallel(**p, top_k=2, axis_name="experts")[0],
+        mesh=mesh(),
+        in_specs=(SPECS,),
+        out_specs=P(("data", "expert")),
+    )
     with pytest.raises(ValueError, match="axis_name: 'experts' is not an axis"):
         jax.jit(bad_axis)(p)
     uneven = dict(SPECS, w_gate=P(), w_up=P(), w_down=P())  # every device holding all 8 experts
-    wrong = jax.shard_map(lambda p: cv.moe.moe_ffn_expert_parallel(**p, top_k=2, axis_name="expert")[0],
-                          mesh=mesh(), in_specs=(uneven,), out_specs=P(("data", "expert")))
+    wrong = jax.shard_map(
+        lambda p: cv.moe.moe_ffn_expert_parallel(**p, top_k=2, axis_name="expert")[0],
+        mesh=mesh(),
+        in_specs=(uneven,),
+        out_specs=P(("data", "expert")),
+    )
     with pytest.raises(ValueError, match="w_gate: expected num_experts / expert size = 8 / 4"):
         jax.jit(wrong)(p)

@@ -1,6 +1,7 @@
 """cv.moe.moe_ffn against its dense reference (every token through every expert, masked by the
 router): forward, gradients of every argument, the load-balancing loss, shard_map data
 parallelism, and bad input."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +17,13 @@ TOKENS, D, F, E = 48, 16, 24, 6
 def params(seed, experts=E, dtype=jnp.float32):
     rng = np.random.default_rng(seed)
     n = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-2] if len(s) > 1 else 1), dtype)
-    return dict(x=jnp.asarray(rng.standard_normal((TOKENS, D)), dtype), router_w=n(D, experts),
-                w_gate=n(experts, D, F), w_up=n(experts, D, F), w_down=n(experts, F, D))
+    return dict(
+        x=jnp.asarray(rng.standard_normal((TOKENS, D)), dtype),
+        router_w=n(D, experts),
+        w_gate=n(experts, D, F),
+        w_up=n(experts, D, F),
+        w_down=n(experts, F, D),
+    )
 
 
 def tol(reference, depth):
@@ -45,21 +51,27 @@ def test_gradients_of_every_argument_match_dense_reference():
         def f(p):
             y, aux = fn(**p, top_k=2)
             return jnp.vdot(y, ct) + 0.1 * aux
+
         return jax.jit(jax.grad(f))
 
     got, want = loss(cv.moe.moe_ffn)(p), loss(cv.moe.moe_ffn_reference)(p)
     for name in p:
-        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=tol(want[name], 2 * (D + F) + TOKENS),
-                                   err_msg=name)
-        assert np.abs(np.asarray(got[name])).max() > 0, name  # a gradient that vanished would pass trivially
+        np.testing.assert_allclose(
+            got[name], want[name], rtol=0, atol=tol(want[name], 2 * (D + F) + TOKENS), err_msg=name
+        )
+        # a gradient that vanished would pass trivially
+        assert np.abs(np.asarray(got[name])).max() > 0, name
 
 
 def test_load_balancing_loss_is_one_when_balanced_and_grows_with_imbalance():
     experts = jnp.arange(8, dtype=jnp.int32).reshape(8, 1) % 4
     uniform = cv.moe.Routing(experts, jnp.ones((8, 1)), jnp.full((8, 4), 0.25))
     assert float(cv.moe.load_balancing_loss(uniform)) == pytest.approx(1.0)
-    skewed = cv.moe.Routing(jnp.zeros((8, 1), jnp.int32), jnp.ones((8, 1)),
-                            jnp.tile(jnp.asarray([[0.7, 0.1, 0.1, 0.1]]), (8, 1)))
+    skewed = cv.moe.Routing(
+        jnp.zeros((8, 1), jnp.int32),
+        jnp.ones((8, 1)),
+        jnp.tile(jnp.asarray([[0.7, 0.1, 0.1, 0.1]]), (8, 1)),
+    )
     assert float(cv.moe.load_balancing_loss(skewed)) == pytest.approx(4 * 0.7)
 
 
@@ -77,21 +89,30 @@ def test_data_parallel_inside_shard_map():
     p = params(5)
     mesh = Mesh(np.array(jax.devices()[:4]), ("dp",))
     specs = dict(x=P("dp"), router_w=P(), w_gate=P(), w_up=P(), w_down=P())
-    run = jax.jit(jax.shard_map(lambda p: cv.moe.moe_ffn(**p, top_k=2)[0], mesh=mesh, in_specs=(specs,),
-                                out_specs=P("dp")))
+    run = jax.jit(
+        jax.shard_map(
+            lambda p: cv.moe.moe_ffn(**p, top_k=2)[0],
+            mesh=mesh,
+            in_specs=(specs,),
+            out_specs=P("dp"),
+        )
+    )
     y = run(p)
     y_ref, _ = cv.moe.moe_ffn_reference(**p, top_k=2)
     np.testing.assert_allclose(y, y_ref, rtol=0, atol=tol(y_ref, D + F))
 
 
-@pytest.mark.parametrize("change, match", [
-    (dict(top_k=0), "top_k: expected an int in \\[1, num_experts=6\\], got 0"),
-    (dict(top_k=7), "top_k: expected an int in \\[1, num_experts=6\\], got 7"),
-    (dict(top_k=2.0), "top_k"),
-    (dict(w_up=jnp.zeros((E, D, F + 1))), "w_up: expected shape \\(6, 16, 24\\)"),
-    (dict(router_w=jnp.zeros((D + 1, E))), "router_w: expected shape \\(16, 6\\)"),
-    (dict(x=jnp.zeros((TOKENS,))), "x: expected a 2-d array"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(top_k=0), "top_k: expected an int in \\[1, num_experts=6\\], got 0"),
+        (dict(top_k=7), "top_k: expected an int in \\[1, num_experts=6\\], got 7"),
+        (dict(top_k=2.0), "top_k"),
+        (dict(w_up=jnp.zeros((E, D, F + 1))), "w_up: expected shape \\(6, 16, 24\\)"),
+        (dict(router_w=jnp.zeros((D + 1, E))), "router_w: expected shape \\(16, 6\\)"),
+        (dict(x=jnp.zeros((TOKENS,))), "x: expected a 2-d array"),
+    ],
+)
 def test_bad_input_is_named(change, match):
     args = dict(params(6), top_k=2)
     args.update(change)

@@ -1,4 +1,5 @@
 """Programs shared by the mpmd_map tests of every backend."""
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -19,8 +20,10 @@ def producer_consumer(**options):
 
 
 def barrier_lockstep(blocks=4, rows=8, **options):
-    """Producer/consumer synchronised by a barrier across all instances: the producer stages a block,
+    """Producer/consumer synchronised by a barrier across all instances: the producer stages a
+    block,
     everyone meets, the two consumers transform their halves, everyone meets again."""
+
     def producer(x_ref, o_ref, buf, bar):
         for b in range(blocks):
             buf[...] = x_ref[pl.ds(b * rows, rows), :] + 1.0
@@ -36,6 +39,9 @@ def barrier_lockstep(blocks=4, rows=8, **options):
             o_ref[pl.ds(b * rows + me * half, half), :] = buf[pl.ds(me * half, half), :] * 2.0
             cv.barrier_wait(bar)
 
-    return cv.mpmd_map([(cv.Mesh(p=1), producer), (cv.Mesh(core=2), consumer)],
-                       jax.ShapeDtypeStruct((blocks * rows, 128), jnp.float32),
-                       scratch_shapes=[jax.ShapeDtypeStruct((rows, 128), jnp.float32), cv.BarrierType()], **options)
+    return cv.mpmd_map(
+        [(cv.Mesh(p=1), producer), (cv.Mesh(core=2), consumer)],
+        jax.ShapeDtypeStruct((blocks * rows, 128), jnp.float32),
+        scratch_shapes=[jax.ShapeDtypeStruct((rows, 128), jnp.float32), cv.BarrierType()],
+        **options,
+    )

@@ -1,5 +1,6 @@
 """mpmd_map with jax Refs, closures over traced values, vmap, jit errors, Pallas scratch spellings,
 run_scoped and debug_print: the upstream scenarios that used to fail, one regression test each."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,7 +45,8 @@ def test_ref_inputs_are_updated_in_place(jit):
 
 
 def _eager_ref_views() -> bool:
-    """jax 0.11 raises NotImplementedError for `ref.at[...]` outside jit (its views work under jit)."""
+    """jax 0.11 raises NotImplementedError for `ref.at[...]` outside jit (its views work under
+    jit)."""
     try:
         jax.new_ref(jnp.zeros(2)).at[:1]
     except NotImplementedError:
@@ -55,8 +57,10 @@ def _eager_ref_views() -> bool:
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
 def test_a_view_of_a_ref_is_updated_in_place_and_the_rest_is_kept(jit):
     if not jit and not _eager_ref_views():
-        pytest.skip(f"jax {jax.__version__} has no eager Ref.at (JAX raises NotImplementedError); the jit case "
-                    "covers views")
+        pytest.skip(
+            f"jax {jax.__version__} has no eager Ref.at (JAX raises NotImplementedError); the jit "
+            "case covers views"
+        )
     x = _data(2, (6,))
 
     def f(x):
@@ -83,8 +87,11 @@ def test_ref_inputs_mixed_with_arrays_and_several_programs():
     @jax.jit
     def f(x, y):
         r = jax.new_ref(y)
-        out = cv.mpmd_map([(cv.Mesh(w=1), writer), (cv.Mesh(r=1), reader)], jax.ShapeDtypeStruct((4,), F32),
-                          scratch_shapes=[cv.SemaphoreType()])(x, r)
+        out = cv.mpmd_map(
+            [(cv.Mesh(w=1), writer), (cv.Mesh(r=1), reader)],
+            jax.ShapeDtypeStruct((4,), F32),
+            scratch_shapes=[cv.SemaphoreType()],
+        )(x, r)
         return r[...], out
 
     r_after, out = f(x, y)
@@ -103,10 +110,13 @@ def test_closed_over_refs_are_shared_memory_updated_in_place(transform):
 
         def second(o, flag):
             cv.semaphore_wait(flag)
-            o[...] = r[...] * 2.0       # sees the first program's write: one buffer for both closures
+            o[...] = r[...] * 2.0  # sees the first program's write: one buffer for both closures
 
-        out = cv.mpmd_map([(cv.Mesh(a=1), first), (cv.Mesh(b=1), second)], jax.ShapeDtypeStruct((4,), F32),
-                          scratch_shapes=[cv.SemaphoreType()])()
+        out = cv.mpmd_map(
+            [(cv.Mesh(a=1), first), (cv.Mesh(b=1), second)],
+            jax.ShapeDtypeStruct((4,), F32),
+            scratch_shapes=[cv.SemaphoreType()],
+        )()
         return r[...], out
 
     if transform == "vmap":
@@ -126,10 +136,10 @@ def test_closed_over_traced_values():
 
     @jax.jit
     def f(x, s):
-        table = x * 2.0                  # a traced array, closed over
+        table = x * 2.0  # a traced array, closed over
 
         def prog(o):
-            o[...] = table + s           # and a traced scalar
+            o[...] = table + s  # and a traced scalar
 
         return _one(prog)()
 
@@ -152,11 +162,14 @@ def _stuck(x, o, s):
 
 
 def test_a_deadlock_under_jit_is_recovered_as_mpmd_deadlock():
-    f = jax.jit(_one(_stuck, scratch_shapes=[cv.SemaphoreType()], compiler_params={"timeout_s": 0.3}))
+    f = jax.jit(
+        _one(_stuck, scratch_shapes=[cv.SemaphoreType()], compiler_params={"timeout_s": 0.3})
+    )
     with pytest.raises(cv.MpmdDeadlock, match=r"program 0 \('_stuck'\) at c=0: waits on semaphore"):
         with cv.mpmd_errors():
             f(jnp.zeros(4))
-    with pytest.raises(jax.errors.JaxRuntimeError, match="with cv.mpmd_errors"):   # without it: XLA's error
+    # without it: XLA's error
+    with pytest.raises(jax.errors.JaxRuntimeError, match="with cv.mpmd_errors"):
         f(jnp.zeros(4))
 
     @cv.mpmd_errors()
@@ -176,6 +189,7 @@ def test_other_errors_pass_through_mpmd_errors_unchanged():
 def test_a_program_error_keeps_its_type_and_names_the_instance():
     """An out-of-bounds write found while the programs run: the executor's own IndexError, with a
     note naming the instance (never rebuilt from its class, which JAX's error classes break)."""
+
     def writes_past_the_end(x, o):
         o[lax.axis_index("c") + 4] = 1.0
 
@@ -185,8 +199,10 @@ def test_a_program_error_keeps_its_type_and_names_the_instance():
         with cv.mpmd_errors():
             jax.jit(_one(writes_past_the_end))(jnp.zeros(4))
     # Without mpmd_errors, the runtime error XLA raises names the instance in its text too.
-    with pytest.raises(jax.errors.JaxRuntimeError,
-                       match=r"out of bounds[\s\S]*raised by program 0 \('writes_past_the_end'\) at c=0"):
+    with pytest.raises(
+        jax.errors.JaxRuntimeError,
+        match=r"out of bounds[\s\S]*raised by program 0 \('writes_past_the_end'\) at c=0",
+    ):
         jax.jit(_one(writes_past_the_end))(jnp.zeros(4))
 
 
@@ -195,12 +211,17 @@ def test_refs_passed_twice_or_aliased_are_refused():
     with pytest.raises(ValueError, match="inputs 0 and 1 are the same jax Ref"):
         _one(lambda a, b, o: None)(r, r)
     with pytest.raises(NotImplementedError, match="inputs 0 and 1 are the same jax Ref"):
-        _one(lambda a, b, o: None)(r, r)   # what code written for upstream Pallas catches
+        _one(lambda a, b, o: None)(r, r)  # what code written for upstream Pallas catches
     with pytest.raises(ValueError, match="inputs 0 and 1 are the same jax Ref"):
         # Two views of one Ref (under jit: jax 0.11 has no eager Ref.at).
-        jax.jit(lambda: _one(lambda a, b, o: None, out=jax.ShapeDtypeStruct((2,), F32))(
-            *(lambda v: (v.at[:2], v.at[2:]))(jax.new_ref(jnp.zeros(4)))))()
-    with pytest.raises(ValueError, match="input 0 is a jax Ref, which the programs already update in place"):
+        jax.jit(
+            lambda: _one(lambda a, b, o: None, out=jax.ShapeDtypeStruct((2,), F32))(
+                *(lambda v: (v.at[:2], v.at[2:]))(jax.new_ref(jnp.zeros(4)))
+            )
+        )()
+    with pytest.raises(
+        ValueError, match="input 0 is a jax Ref, which the programs already update in place"
+    ):
         _one(lambda a, o: None, input_output_aliases={0: 0})(r)
 
 
@@ -210,13 +231,19 @@ def test_two_inputs_aliased_to_one_output_are_refused():
 
 
 def test_barrier_wait_on_a_semaphore_is_a_type_error():
-    with pytest.raises(TypeError, match=r"at c=0: cv.barrier_wait needs a cv.BarrierType scratch, got scratch 0 "
-                                        r"\(semaphore\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"at c=0: cv.barrier_wait needs a cv.BarrierType scratch, got scratch 0 "
+        r"\(semaphore\)",
+    ):
         _one(lambda o, s: cv.barrier_wait(s), scratch_shapes=[cv.SemaphoreType()])()
 
 
-@pytest.mark.parametrize("sem", [pltpu.SemaphoreType.REGULAR((2,)), plgpu.SemaphoreType.REGULAR((2,))],
-                         ids=["pltpu", "plgpu"])
+@pytest.mark.parametrize(
+    "sem",
+    [pltpu.SemaphoreType.REGULAR((2,)), plgpu.SemaphoreType.REGULAR((2,))],
+    ids=["pltpu", "plgpu"],
+)
 def test_pallas_scratch_spellings_are_synonyms(sem):
     x = _data(11)
 
@@ -230,8 +257,11 @@ def test_pallas_scratch_spellings_are_synonyms(sem):
         o[...] = stage[...] * 2.0
         cv.barrier_wait(bar)
 
-    out = cv.mpmd_map([(cv.Mesh(p=1), producer), (cv.Mesh(q=1), consumer)], jax.ShapeDtypeStruct((4,), F32),
-                      scratch_shapes=[pltpu.VMEM((4,), F32), sem, plgpu.Barrier(num_arrivals=2)])(x)
+    out = cv.mpmd_map(
+        [(cv.Mesh(p=1), producer), (cv.Mesh(q=1), consumer)],
+        jax.ShapeDtypeStruct((4,), F32),
+        scratch_shapes=[pltpu.VMEM((4,), F32), sem, plgpu.Barrier(num_arrivals=2)],
+    )(x)
     np.testing.assert_array_equal(out, (x + 1.0) * 2.0)
 
 
@@ -261,10 +291,15 @@ def test_nested_scratch_keeps_its_structure():
         cv.semaphore_wait(sync["sem"])
         o[...] = second[...]
 
-    out = _one(prog, scratch_shapes={"bufs": [jax.ShapeDtypeStruct((4,), F32), (jax.ShapeDtypeStruct((4,), F32),)],
-                                     "sync": {"sem": cv.SemaphoreType()}},
-               cost_estimate=pl.CostEstimate(flops=8, transcendentals=0, bytes_accessed=32),
-               metadata={"owner": "tests"})(x)
+    out = _one(
+        prog,
+        scratch_shapes={
+            "bufs": [jax.ShapeDtypeStruct((4,), F32), (jax.ShapeDtypeStruct((4,), F32),)],
+            "sync": {"sem": cv.SemaphoreType()},
+        },
+        cost_estimate=pl.CostEstimate(flops=8, transcendentals=0, bytes_accessed=32),
+        metadata={"owner": "tests"},
+    )(x)
     np.testing.assert_array_equal(out, (x + 1.0) * 3.0)
 
 

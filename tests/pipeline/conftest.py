@@ -3,6 +3,7 @@
 schedule and poisoned on release, so a schedule bug fails with wrong values on CPU. A test
 parametrized over backends runs the checked variant for backend="xla" only (the Mosaic backends
 have no such mode): the other combinations are deselected, not skipped."""
+
 import pytest
 
 import conveyor as cv

@@ -30,23 +30,32 @@ X = jnp.asarray(np.random.default_rng(4901).standard_normal((32, 128)), jnp.floa
 OUT = jax.ShapeDtypeStruct(X.shape, X.dtype)
 
 
-@pytest.mark.parametrize("backend, space, interpret", [
-    ("xla", pltpu.VMEM, False),
-    ("xla", plgpu.SMEM, False),
-    ("mosaic_tpu", pltpu.VMEM, pltpu.InterpretParams(detect_races=True)),
-    ("mosaic_gpu", plgpu.SMEM, gpu_interpret(detect_races=True)),
-])
+@pytest.mark.parametrize(
+    "backend, space, interpret",
+    [
+        ("xla", pltpu.VMEM, False),
+        ("xla", plgpu.SMEM, False),
+        ("mosaic_tpu", pltpu.VMEM, pltpu.InterpretParams(detect_races=True)),
+        ("mosaic_gpu", plgpu.SMEM, gpu_interpret(detect_races=True)),
+    ],
+)
 def test_the_backends_own_onchip_memory_is_accepted(backend, space, interpret):
     call = cv.kernel(_add_one(space), OUT, backend=backend, interpret=interpret)
     np.testing.assert_array_equal(call(X), X + 1.0)
 
 
 def test_another_backends_or_another_space_is_refused():
-    with pytest.raises(ValueError, match=r"in\[0\]: memory_space=.* is mosaic_tpu's on-chip memory; "
-                                         r"this pipeline runs on mosaic_gpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"in\[0\]: memory_space=.* is mosaic_tpu's on-chip memory; "
+        r"this pipeline runs on mosaic_gpu",
+    ):
         cv.kernel(_add_one(pltpu.VMEM), OUT, backend="mosaic_gpu", interpret=True)(X)
-    with pytest.raises(ValueError, match=r"memory_space=SMEM is not supported: .*\(pltpu.VMEM on TPU, "
-                                         r"plgpu.SMEM on GPU"):
+    with pytest.raises(
+        ValueError,
+        match=r"memory_space=SMEM is not supported: .*\(pltpu.VMEM on TPU, "
+        r"plgpu.SMEM on GPU",
+    ):
         cv.kernel(_add_one(pltpu.SMEM), OUT, backend="xla")(X)
 
 

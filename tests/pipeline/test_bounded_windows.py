@@ -8,6 +8,7 @@ window would clobber a group already written), an empty group, and two windows w
 start but different sizes (which must count as different blocks); plus the plan's fetches, the
 checker, an export for tpu, and the refusals.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,9 +19,9 @@ from jax.experimental.pallas import tpu as pltpu
 import conveyor as cv
 from tests.platform import gpu_interpret
 
-GROUPS = [5, 16, 3, 0, 12]        # rows per group; group 3 is empty and starts where group 4 does
+GROUPS = [5, 16, 3, 0, 12]  # rows per group; group 3 is empty and starts where group 4 does
 STARTS = list(np.cumsum([0] + GROUPS[:-1]))
-ROWS, WINDOW, COLS = 40, 16, 2    # array rows, BoundedSlice size, column blocks of 128
+ROWS, WINDOW, COLS = 40, 16, 2  # array rows, BoundedSlice size, column blocks of 128
 TPU = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
 
 
@@ -41,7 +42,8 @@ def _rows(i):
 def _specs(lookahead=False):
     mode = pl.Buffered(2, use_lookahead=True) if lookahead else None
     x = pl.BlockSpec((pl.BoundedSlice(WINDOW), 128), lambda i, k: (_rows(i), k))
-    w = pl.BlockSpec((pl.BoundedSlice(WINDOW), 128), lambda i, k: (_rows(i), 0), pipeline_mode=mode)  # kept across k
+    # kept across k
+    w = pl.BlockSpec((pl.BoundedSlice(WINDOW), 128), lambda i, k: (_rows(i), 0), pipeline_mode=mode)
     out = pl.BlockSpec((pl.BoundedSlice(WINDOW), 128), lambda i, k: (_rows(i), k))
     return [x, w], [out]
 
@@ -52,8 +54,14 @@ def _kernel(lookahead):
 
     def kernel(x_ref, w_ref, o_ref):
         in_specs, out_specs = _specs(lookahead)
-        cv.emit_pipeline(body, grid=(len(GROUPS), COLS), in_specs=in_specs, out_specs=out_specs,
-                         max_concurrent_steps=2)(x_ref, w_ref, o_ref)
+        cv.emit_pipeline(
+            body,
+            grid=(len(GROUPS), COLS),
+            in_specs=in_specs,
+            out_specs=out_specs,
+            max_concurrent_steps=2,
+        )(x_ref, w_ref, o_ref)
+
     return kernel
 
 
@@ -65,28 +73,42 @@ def test_ragged_groups_on_every_backend(backend, lookahead):
     x = jnp.asarray(rng.integers(-8, 8, (ROWS, COLS * 128)), jnp.float32)
     w = jnp.asarray(rng.integers(-8, 8, (ROWS, 128)), jnp.float32)
     name = backend.split()[0]
-    f = cv.kernel(_kernel(lookahead), jax.ShapeDtypeStruct(x.shape, jnp.float32), backend=name,
-                  interpret=TPU if name == "mosaic_tpu" else False, grid=(1,))
+    f = cv.kernel(
+        _kernel(lookahead),
+        jax.ShapeDtypeStruct(x.shape, jnp.float32),
+        backend=name,
+        interpret=TPU if name == "mosaic_tpu" else False,
+        grid=(1,),
+    )
     with cv.pipeline.checked_schedule(backend == "xla checked"):
         out = np.asarray(jax.jit(f)(x, w))
-    covered = sum(GROUPS)   # rows past the last group are not written
-    np.testing.assert_array_equal(out[:covered], np.asarray(x)[:covered] + 2 * np.tile(np.asarray(w), COLS)[:covered])
+    covered = sum(GROUPS)  # rows past the last group are not written
+    np.testing.assert_array_equal(
+        out[:covered], np.asarray(x)[:covered] + 2 * np.tile(np.asarray(w), COLS)[:covered]
+    )
 
 
 def test_windows_are_blocks_of_their_own():
     """w's window is kept across k and fetched once per group: five fetches, the empty group's
     included (same start as the next group, another size: another block); the schedule is clean."""
     in_specs, out_specs = _specs()
-    p = cv.pipeline.plan(grid=(len(GROUPS), COLS), in_specs=in_specs, out_specs=out_specs, max_concurrent_steps=2)
+    p = cv.pipeline.plan(
+        grid=(len(GROUPS), COLS), in_specs=in_specs, out_specs=out_specs, max_concurrent_steps=2
+    )
     fetched = [e.target_step for e in p.events() if e.kind == "fetch" and e.operand == "in[1]"]
     assert fetched == [i * COLS for i in range(len(GROUPS))]
-    assert [e.target_step for e in p.events() if e.kind == "writeback"] == list(range(len(GROUPS) * COLS))
-    assert p.window(p.inputs[1], 2) == ((24, 0), (0, 128))   # grid row 1: group 3, empty, at row 24
+    assert [e.target_step for e in p.events() if e.kind == "writeback"] == list(
+        range(len(GROUPS) * COLS)
+    )
+    assert p.window(p.inputs[1], 2) == ((24, 0), (0, 128))  # grid row 1: group 3, empty, at row 24
     assert cv.sim.check(p).ok
 
 
 def test_bounded_windows_export_for_tpu():
-    x, w = jax.ShapeDtypeStruct((ROWS, COLS * 128), jnp.float32), jax.ShapeDtypeStruct((ROWS, 128), jnp.float32)
+    x, w = (
+        jax.ShapeDtypeStruct((ROWS, COLS * 128), jnp.float32),
+        jax.ShapeDtypeStruct((ROWS, 128), jnp.float32),
+    )
     for lookahead in (False, True):
         f = jax.jit(cv.kernel(_kernel(lookahead), x, backend="mosaic_tpu", grid=(1,)))
         assert jax.export.export(f, platforms=["tpu"])(x, w).platforms == ("tpu",)
@@ -94,25 +116,44 @@ def test_bounded_windows_export_for_tpu():
 
 def _lower(spec, shape=(ROWS, 128), backend="xla", interpret=False):
     def kernel(x_ref, o_ref):
-        cv.emit_pipeline(lambda idx, xb, ob: None, grid=(2,), in_specs=[spec],
-                         out_specs=[cv.BlockSpec((8, 128), lambda i: (i, 0))])(x_ref, o_ref)
-    f = cv.kernel(kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32), backend=backend, interpret=interpret)
+        cv.emit_pipeline(
+            lambda idx, xb, ob: None,
+            grid=(2,),
+            in_specs=[spec],
+            out_specs=[cv.BlockSpec((8, 128), lambda i: (i, 0))],
+        )(x_ref, o_ref)
+
+    f = cv.kernel(
+        kernel, jax.ShapeDtypeStruct((16, 128), jnp.float32), backend=backend, interpret=interpret
+    )
     return jax.jit(f).lower(jnp.zeros(shape))
 
 
 def test_bad_windows_are_refused_by_name():
     bounded = (pl.BoundedSlice(8), 128)
-    with pytest.raises(ValueError, match=r"in\[0\]: index_map entry 0 is 3: a pl.BoundedSlice\(8\) dimension takes "
-                                         r"pl.ds\(start, size\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"in\[0\]: index_map entry 0 is 3: a pl.BoundedSlice\(8\) dimension takes "
+        r"pl.ds\(start, size\)",
+    ):
         _lower(pl.BlockSpec(bounded, lambda i: (3, 0)))
     with pytest.raises(ValueError, match=r"pl.ds is only for pl.BoundedSlice dimensions"):
         _lower(pl.BlockSpec((8, 128), lambda i: (pl.ds(i, 8), 0)))
     with pytest.raises(ValueError, match=r"its size must be in \[0, 8\]"):
         _lower(pl.BlockSpec(bounded, lambda i: (pl.ds(i * 8, 9), 0)))
-    with pytest.raises(ValueError, match=r"pl.BoundedSlice\(64\) in dimension 0 is larger than the array"):
+    with pytest.raises(
+        ValueError, match=r"pl.BoundedSlice\(64\) in dimension 0 is larger than the array"
+    ):
         _lower(pl.BlockSpec((pl.BoundedSlice(64), 128), lambda i: (pl.ds(0, 4), 0)))
-    with pytest.raises(NotImplementedError, match=r"pl.BoundedSlice windows \(in\[0\]\) on mosaic_gpu"):
-        _lower(pl.BlockSpec(bounded, lambda i: (pl.ds(i * 8, 4), 0)), backend="mosaic_gpu",
-               interpret=gpu_interpret())
+    with pytest.raises(
+        NotImplementedError, match=r"pl.BoundedSlice windows \(in\[0\]\) on mosaic_gpu"
+    ):
+        _lower(
+            pl.BlockSpec(bounded, lambda i: (pl.ds(i * 8, 4), 0)),
+            backend="mosaic_gpu",
+            interpret=gpu_interpret(),
+        )
     with pytest.raises(NotImplementedError, match=r"pl.Element with padding is not supported"):
-        cv.pipeline.plan(grid=(2,), in_specs=[pl.BlockSpec((pl.Element(8, (1, 1)), 128), lambda i: (i, 0))])
+        cv.pipeline.plan(
+            grid=(2,), in_specs=[pl.BlockSpec((pl.Element(8, (1, 1)), 128), lambda i: (i, 0))]
+        )

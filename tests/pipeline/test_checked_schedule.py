@@ -1,5 +1,6 @@
 """The xla executor's checked mode follows the plan's slots and fetch schedule; the fast path gives
 the same values; and a planted schedule bug fails the checked mode in milliseconds."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,21 +17,34 @@ def _matmul_like(mcs, delay, no_pipelining=False, buffered=None, checked=None):
     """out[i] = sum_k x[i, k] * w[k] + bias: a revisited output (reduction over k), a cycling input
     (x), one with its own buffer count (w, when `buffered`) and an index-invariant one (bias)."""
     x_spec = cv.BlockSpec(B, lambda i, k: (i, k))
-    w_spec = (pl.BlockSpec(B, lambda i, k: (k, 0), pipeline_mode=pl.Buffered(buffered)) if buffered
-              else cv.BlockSpec(B, lambda i, k: (k, 0)))
+    w_spec = (
+        pl.BlockSpec(B, lambda i, k: (k, 0), pipeline_mode=pl.Buffered(buffered))
+        if buffered
+        else cv.BlockSpec(B, lambda i, k: (k, 0))
+    )
     bias_spec = cv.BlockSpec(B, lambda i, k: (0, 0))
 
     def body(idx, xb, wb, bb, ob):
         @pl.when(idx[1] == 0)
         def _():
             ob[...] = bb[...]
+
         ob[...] += xb[...] * wb[...]
 
     def kernel(x, w, bias, o):
-        cv.emit_pipeline(body, grid=(3, 4), in_specs=[x_spec, w_spec, bias_spec],
-                         out_specs=[cv.BlockSpec(B, lambda i, k: (i, 0))], max_concurrent_steps=mcs,
-                         delay_release=delay, no_pipelining=no_pipelining)(x, w, bias, o)
-    return cv.kernel(kernel, jax.ShapeDtypeStruct((3 * B[0], B[1]), jnp.float32), backend="xla", checked=checked)
+        cv.emit_pipeline(
+            body,
+            grid=(3, 4),
+            in_specs=[x_spec, w_spec, bias_spec],
+            out_specs=[cv.BlockSpec(B, lambda i, k: (i, 0))],
+            max_concurrent_steps=mcs,
+            delay_release=delay,
+            no_pipelining=no_pipelining,
+        )(x, w, bias, o)
+
+    return cv.kernel(
+        kernel, jax.ShapeDtypeStruct((3 * B[0], B[1]), jnp.float32), backend="xla", checked=checked
+    )
 
 
 def _inputs(seed):
@@ -46,13 +60,22 @@ def _reference(x, w, bias):
     x, w, bias = (np.asarray(a, np.float64) for a in (x, w, bias))
     out = np.zeros((3 * B[0], B[1]))
     for i in range(3):
-        out[i * 8:(i + 1) * 8] = bias + sum(x[i * 8:(i + 1) * 8, k * 128:(k + 1) * 128] * w[k * 8:(k + 1) * 8]
-                                             for k in range(4))
+        out[i * 8 : (i + 1) * 8] = bias + sum(
+            x[i * 8 : (i + 1) * 8, k * 128 : (k + 1) * 128] * w[k * 8 : (k + 1) * 8]
+            for k in range(4)
+        )
     return out
 
 
-CONFIGS = [dict(mcs=1, delay=0), dict(mcs=2, delay=0), dict(mcs=3, delay=1), dict(mcs=4, delay=2),
-           dict(mcs=1, delay=0, no_pipelining=True), dict(mcs=2, delay=0, buffered=3), dict(mcs=3, delay=1, buffered=2)]
+CONFIGS = [
+    dict(mcs=1, delay=0),
+    dict(mcs=2, delay=0),
+    dict(mcs=3, delay=1),
+    dict(mcs=4, delay=2),
+    dict(mcs=1, delay=0, no_pipelining=True),
+    dict(mcs=2, delay=0, buffered=3),
+    dict(mcs=3, delay=1, buffered=2),
+]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
@@ -70,9 +93,14 @@ def test_checked_and_fast_paths_agree_with_the_reference(config):
 def test_a_fetch_one_step_off_gives_wrong_values_in_the_checked_mode_only(monkeypatch):
     x, w, bias = _inputs(7)
     want = _reference(x, w, bias)
-    monkeypatch.setattr(PipelinePlan, "fetch_step", lambda self, op, s: s + self.input_lookahead(op) + 1)
-    with cv.pipeline.checked_schedule(False):   # the fast path does not use fetch_step: it cannot see the bug
-        np.testing.assert_allclose(jax.jit(_matmul_like(mcs=2, delay=0))(x, w, bias), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(
+        PipelinePlan, "fetch_step", lambda self, op, s: s + self.input_lookahead(op) + 1
+    )
+    # the fast path does not use fetch_step: it cannot see the bug
+    with cv.pipeline.checked_schedule(False):
+        np.testing.assert_allclose(
+            jax.jit(_matmul_like(mcs=2, delay=0))(x, w, bias), want, rtol=1e-5, atol=1e-5
+        )
     with cv.pipeline.checked_schedule():
         got = np.asarray(jax.jit(_matmul_like(mcs=2, delay=0))(x, w, bias))
     assert not np.allclose(got, want, rtol=1e-3, atol=1e-3)
@@ -83,15 +111,28 @@ def test_the_mode_named_on_the_kernel_wins_over_the_context(monkeypatch):
     outside any context and checked=False runs the fast path inside checked_schedule()."""
     x, w, bias = _inputs(9)
     want = _reference(x, w, bias)
-    monkeypatch.setattr(PipelinePlan, "fetch_step", lambda self, op, s: s + self.input_lookahead(op) + 1)
+    monkeypatch.setattr(
+        PipelinePlan, "fetch_step", lambda self, op, s: s + self.input_lookahead(op) + 1
+    )
     with cv.pipeline.checked_schedule(False):
         got = np.asarray(jax.jit(_matmul_like(mcs=2, delay=0, checked=True))(x, w, bias))
     assert not np.allclose(got, want, rtol=1e-3, atol=1e-3)
     with cv.pipeline.checked_schedule():
-        np.testing.assert_allclose(jax.jit(_matmul_like(mcs=2, delay=0, checked=False))(x, w, bias), want,
-                                   rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="checked is the xla backend's mode, got backend='mosaic_tpu'"):
-        cv.kernel(lambda o: None, jax.ShapeDtypeStruct((8, 128), jnp.float32), backend="mosaic_tpu", checked=True)
+        np.testing.assert_allclose(
+            jax.jit(_matmul_like(mcs=2, delay=0, checked=False))(x, w, bias),
+            want,
+            rtol=1e-5,
+            atol=1e-5,
+        )
+    with pytest.raises(
+        ValueError, match="checked is the xla backend's mode, got backend='mosaic_tpu'"
+    ):
+        cv.kernel(
+            lambda o: None,
+            jax.ShapeDtypeStruct((8, 128), jnp.float32),
+            backend="mosaic_tpu",
+            checked=True,
+        )
     with pytest.raises(TypeError, match="checked must be True, False or None, got 'yes'"):
         cv.kernel(lambda o: None, jax.ShapeDtypeStruct((8, 128), jnp.float32), checked="yes")
 
@@ -100,8 +141,11 @@ def test_a_prologue_one_fetch_short_reads_poison(monkeypatch):
     x, w, bias = _inputs(8)
     full = PipelinePlan.prologue_steps
     # The prologue forgets the last of its fetches: that step's slot still holds poison (NaN).
-    monkeypatch.setattr(PipelinePlan, "prologue_steps",
-                        lambda self, op: range(len(full(self, op)) - (0 if op.invariant else 1)))
+    monkeypatch.setattr(
+        PipelinePlan,
+        "prologue_steps",
+        lambda self, op: range(len(full(self, op)) - (0 if op.invariant else 1)),
+    )
     with cv.pipeline.checked_schedule():
         got = np.asarray(jax.jit(_matmul_like(mcs=3, delay=0))(x, w, bias))
     assert np.isnan(got).any()

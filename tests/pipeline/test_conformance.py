@@ -3,10 +3,12 @@ runs the kernel, are the plan's events, operand by operand and in order.
 
 For each operand, the recorded (grid step issued at, kind, slot, step moved) must be those of
 `PipelinePlan.events()`, as many times each (the recording callbacks are unordered, so order is
-checked between grid steps, not within one). A wait for a write-back carries step -1: the lowering waits on the slot's
+checked between grid steps, not within one). A wait for a write-back carries step -1: the lowering
+waits on the slot's
 semaphore, not on a step. Mosaic GPU waits for its stores by bulk-group count, not per slot, so
 its write-back waits are not compared there; its fetches, fetch waits and stores are.
 """
+
 import collections
 
 import jax
@@ -28,9 +30,9 @@ B = (8, 128)
 X = cv.BlockSpec(B, lambda i, k: (i, k))
 W = cv.BlockSpec(B, lambda i, k: (k, 0))
 BIAS = cv.BlockSpec(B, lambda i, k: (0, 0))
-OUT = cv.BlockSpec(B, lambda i, k: (i, 0))          # revisited over k: written back when i changes
-OUT_EACH = cv.BlockSpec(B, lambda i, k: (i, k))     # a new block every step
-ROW = cv.BlockSpec(B, lambda i, k: (i, 0))          # an input reused across k: fetched when i changes
+OUT = cv.BlockSpec(B, lambda i, k: (i, 0))  # revisited over k: written back when i changes
+OUT_EACH = cv.BlockSpec(B, lambda i, k: (i, k))  # a new block every step
+ROW = cv.BlockSpec(B, lambda i, k: (i, 0))  # an input reused across k: fetched when i changes
 REVISIT = cv.BlockSpec(B, lambda i, k: (k % 2, 0))  # blocks 0 1 0 | 0 1 0 ...: block 0 comes back
 AHEAD = pl.BlockSpec(B, lambda i, k: (i, 0), pipeline_mode=pl.Buffered(2, use_lookahead=True))
 
@@ -40,36 +42,77 @@ CONFIGS = {
     "double buffered": ((2, 3), [X, W, BIAS], [OUT], 2, 0),
     "three slots, delay 1": ((3, 2), [X, W], [OUT, OUT_EACH], 3, 1),
     "four slots, delay 2": ((2, 4), [X], [OUT_EACH], 4, 2),
-    "own buffer counts": ((2, 3), [pl.BlockSpec(B, lambda i, k: (i, k), pipeline_mode=pl.Buffered(3)), W],
-                          [pl.BlockSpec(B, lambda i, k: (i, 0), pipeline_mode=pl.Buffered(1))], 2, 0),
+    "own buffer counts": (
+        (2, 3),
+        [pl.BlockSpec(B, lambda i, k: (i, k), pipeline_mode=pl.Buffered(3)), W],
+        [pl.BlockSpec(B, lambda i, k: (i, 0), pipeline_mode=pl.Buffered(1))],
+        2,
+        0,
+    ),
     "unchanged blocks reused": ((3, 3), [ROW, REVISIT, X], [OUT_EACH], 2, 0),
-    "lookahead": ((4, 3), [AHEAD, pl.BlockSpec(B, lambda i, k: (k % 2, 0),
-                                                pipeline_mode=pl.Buffered(3, use_lookahead=True))], [OUT], 3, 1),
+    "lookahead": (
+        (4, 3),
+        [
+            AHEAD,
+            pl.BlockSpec(
+                B, lambda i, k: (k % 2, 0), pipeline_mode=pl.Buffered(3, use_lookahead=True)
+            ),
+        ],
+        [OUT],
+        3,
+        1,
+    ),
 }
 
 
 def _run(backend, grid, in_specs, out_specs, mcs, delay):
     def body(idx, *refs):
-        ins, outs = refs[:len(in_specs)], refs[len(in_specs):]
+        ins, outs = refs[: len(in_specs)], refs[len(in_specs) :]
         total = sum(r[...] for r in ins)
         for o in outs:
             o[...] = total
 
     def kernel(*refs):
-        cv.emit_pipeline(body, grid=grid, in_specs=in_specs, out_specs=out_specs, max_concurrent_steps=mcs,
-                         delay_release=delay)(*refs)
+        cv.emit_pipeline(
+            body,
+            grid=grid,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            max_concurrent_steps=mcs,
+            delay_release=delay,
+        )(*refs)
+
     rng = np.random.default_rng(0)
-    shapes = {id(X): (grid[0] * 8, grid[1] * 128), id(W): (grid[1] * 8, 128), id(BIAS): B,
-              id(ROW): (grid[0] * 8, 128), id(REVISIT): (16, 128), id(AHEAD): (grid[0] * 8, 128),
-              id(OUT): (grid[0] * 8, 128), id(OUT_EACH): (grid[0] * 8, grid[1] * 128)}
-    args = [jnp.asarray(rng.standard_normal(shapes.get(id(s), (grid[0] * 8, grid[1] * 128))), jnp.float32)
-            for s in in_specs]
-    outs = [jax.ShapeDtypeStruct(shapes.get(id(s), (grid[0] * 8, 128)), jnp.float32) for s in out_specs]
+    shapes = {
+        id(X): (grid[0] * 8, grid[1] * 128),
+        id(W): (grid[1] * 8, 128),
+        id(BIAS): B,
+        id(ROW): (grid[0] * 8, 128),
+        id(REVISIT): (16, 128),
+        id(AHEAD): (grid[0] * 8, 128),
+        id(OUT): (grid[0] * 8, 128),
+        id(OUT_EACH): (grid[0] * 8, grid[1] * 128),
+    }
+    args = [
+        jnp.asarray(
+            rng.standard_normal(shapes.get(id(s), (grid[0] * 8, grid[1] * 128))), jnp.float32
+        )
+        for s in in_specs
+    ]
+    outs = [
+        jax.ShapeDtypeStruct(shapes.get(id(s), (grid[0] * 8, 128)), jnp.float32) for s in out_specs
+    ]
     interpret = pltpu.InterpretParams() if backend == "mosaic_tpu" else gpu_interpret()
     with record_issued() as log:
         jax.block_until_ready(cv.kernel(kernel, outs, backend=backend, interpret=interpret)(*args))
-    plan = cv.emit_pipeline(body, grid=grid, in_specs=in_specs, out_specs=out_specs, max_concurrent_steps=mcs,
-                            delay_release=delay).plan
+    plan = cv.emit_pipeline(
+        body,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        max_concurrent_steps=mcs,
+        delay_release=delay,
+    ).plan
     return log, plan
 
 
@@ -88,10 +131,15 @@ def _by_operand(entries, kinds):
 def test_lowering_issues_the_plans_events(backend, name):
     grid, in_specs, out_specs, mcs, delay = CONFIGS[name]
     log, plan = _run(backend, grid, in_specs, out_specs, mcs, delay)
-    kinds = ({"fetch", "wait_fetch", "writeback", "wait_writeback"} if backend == "mosaic_tpu"
-             else {"fetch", "wait_fetch", "writeback"})
-    expected = [(e.step, e.kind, e.operand, e.slot, -1 if e.kind == "wait_writeback" else e.target_step)
-                for e in plan.events()]
+    kinds = (
+        {"fetch", "wait_fetch", "writeback", "wait_writeback"}
+        if backend == "mosaic_tpu"
+        else {"fetch", "wait_fetch", "writeback"}
+    )
+    expected = [
+        (e.step, e.kind, e.operand, e.slot, -1 if e.kind == "wait_writeback" else e.target_step)
+        for e in plan.events()
+    ]
     assert log, "nothing was recorded: the lowering issued no copy through `issued`"
     assert _by_operand(log, kinds) == _by_operand(expected, kinds)
 
@@ -103,48 +151,88 @@ def test_warp_specialized_memory_thread_fetches_as_planned():
     def body(idx, xb, bb, ob):
         ob[...] = xb[...] + bb[...]
 
-    pipe = cv.emit_pipeline_warp_specialized(body, grid=(2, 3), in_specs=[spec_x, spec_bias], out_specs=[OUT],
-                                             max_concurrent_steps=3, delay_release=1, memory_registers=40,
-                                             wg_axis="wg", num_compute_wgs=2)
+    pipe = cv.emit_pipeline_warp_specialized(
+        body,
+        grid=(2, 3),
+        in_specs=[spec_x, spec_bias],
+        out_specs=[OUT],
+        max_concurrent_steps=3,
+        delay_release=1,
+        memory_registers=40,
+        wg_axis="wg",
+        num_compute_wgs=2,
+    )
     x = jnp.asarray(np.random.default_rng(1).standard_normal((16, 384)), jnp.float32)
     bias = jnp.ones(B, jnp.float32)
     with record_issued() as log:
-        jax.block_until_ready(cv.kernel(lambda x_ref, b_ref, o_ref: pipe(x_ref, b_ref, o_ref),
-                                        jax.ShapeDtypeStruct((16, 128), jnp.float32), num_threads=3,
-                                        thread_name="wg", backend="mosaic_gpu", interpret=gpu_interpret())(x, bias))
+        jax.block_until_ready(
+            cv.kernel(
+                lambda x_ref, b_ref, o_ref: pipe(x_ref, b_ref, o_ref),
+                jax.ShapeDtypeStruct((16, 128), jnp.float32),
+                num_threads=3,
+                thread_name="wg",
+                backend="mosaic_gpu",
+                interpret=gpu_interpret(),
+            )(x, bias)
+        )
     program = pipe.plan.program()
-    planned = sorted((c.operand, c.writes[0][1], int(c.name.split("@step")[1])) for c in program["memory thread"]
-                     if type(c).__name__ == "Copy")
+    planned = sorted(
+        (c.operand, c.writes[0][1], int(c.name.split("@step")[1]))
+        for c in program["memory thread"]
+        if type(c).__name__ == "Copy"
+    )
     assert sorted((op, slot, step) for _, kind, op, slot, step in log if kind == "fetch") == planned
-    stores = sorted((c.operand, c.reads[0][1], int(c.name.split("@step")[1].split("->")[0]))
-                    for c in program["compute[0]"] if type(c).__name__ == "Copy")
-    assert sorted((op, slot, step) for _, kind, op, slot, step in log if kind == "writeback") == stores
+    stores = sorted(
+        (c.operand, c.reads[0][1], int(c.name.split("@step")[1].split("->")[0]))
+        for c in program["compute[0]"]
+        if type(c).__name__ == "Copy"
+    )
+    assert (
+        sorted((op, slot, step) for _, kind, op, slot, step in log if kind == "writeback") == stores
+    )
 
 
 @pytest.mark.parametrize("mcs, delay", [(2, 0), (3, 1)])
 def test_warp_specialized_barriers_are_the_programs(mcs, delay):
     """The memory thread's consumed-barrier waits (barrier, slot, phase), the compute threads'
     releases (slot, phase) and output-barrier arrivals, as many of each as the program has."""
+
     def body(idx, xb, wb, ob):
         ob[...] = xb[...] + wb[...]
 
-    pipe = cv.emit_pipeline_warp_specialized(body, grid=(2, 3), in_specs=[X, W], out_specs=[OUT],
-                                             max_concurrent_steps=mcs, delay_release=delay, wg_axis="wg", memory_registers=40,
-                                             num_compute_wgs=2)
+    pipe = cv.emit_pipeline_warp_specialized(
+        body,
+        grid=(2, 3),
+        in_specs=[X, W],
+        out_specs=[OUT],
+        max_concurrent_steps=mcs,
+        delay_release=delay,
+        wg_axis="wg",
+        memory_registers=40,
+        num_compute_wgs=2,
+    )
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((16, 384)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((24, 128)), jnp.float32)
     with record_issued() as log:
-        jax.block_until_ready(cv.kernel(lambda x_ref, w_ref, o_ref: pipe(x_ref, w_ref, o_ref),
-                                        jax.ShapeDtypeStruct((16, 128), jnp.float32), num_threads=3,
-                                        thread_name="wg", backend="mosaic_gpu", interpret=gpu_interpret())(x, w))
+        jax.block_until_ready(
+            cv.kernel(
+                lambda x_ref, w_ref, o_ref: pipe(x_ref, w_ref, o_ref),
+                jax.ShapeDtypeStruct((16, 128), jnp.float32),
+                num_threads=3,
+                thread_name="wg",
+                backend="mosaic_gpu",
+                interpret=gpu_interpret(),
+            )(x, w)
+        )
     threads = 2
     program = pipe.plan.program()
     planned = collections.Counter()
     for actor, actions in program.actors:
         for a in actions:
             kind = type(a).__name__
-            if kind == "Wait" and a.counter[0] == "consumed":     # waits for phase amount / threads - 1
+            # waits for phase amount / threads - 1
+            if kind == "Wait" and a.counter[0] == "consumed":
                 planned[("wait_consumed", a.counter[1], a.counter[2], a.amount // threads - 1)] += 1
             elif kind == "Signal" and a.counter[0] == "consumed":
                 planned[("release", a.counter[1], a.counter[2])] += 1
@@ -158,4 +246,7 @@ def test_warp_specialized_barriers_are_the_programs(mcs, delay):
             got[(kind, name, slot)] += 1
         elif kind == "output_barrier":
             got[(kind,)] += 1
-    assert planned and got == planned, (sorted((got - planned).items()), sorted((planned - got).items()))
+    assert planned and got == planned, (
+        sorted((got - planned).items()),
+        sorted((planned - got).items()),
+    )

@@ -7,6 +7,7 @@ delay_release=1 the body must see step s - 1's block; with delay_release=0 it mu
 control that proves the test can fail when a lowering ignores delay_release: there the race
 detector reports the refill's DMA writing the slot the body reads, and the values are wrong).
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +21,7 @@ STEPS, SLOTS, BLOCK = 6, 2, (8, 128)
 
 def previous_slot_seen(delay_release, detect_races=True):
     """Output block s = what the slot of step s - 1 holds while step s runs (block 0: zeros)."""
+
     def kernel(x_ref, o_ref):
         def body(idx, xb, ob):
             (s,) = idx
@@ -27,16 +29,26 @@ def previous_slot_seen(delay_release, detect_races=True):
             ob[...] = jnp.where(s > 0, slots[(s + SLOTS - 1) % SLOTS], 0.0)
 
         spec = cv.BlockSpec(BLOCK, lambda i: (i, 0))
-        cv.emit_pipeline(body, grid=(STEPS,), in_specs=[spec], out_specs=[spec],
-                         max_concurrent_steps=SLOTS, delay_release=delay_release)(x_ref, o_ref)
+        cv.emit_pipeline(
+            body,
+            grid=(STEPS,),
+            in_specs=[spec],
+            out_specs=[spec],
+            max_concurrent_steps=SLOTS,
+            delay_release=delay_release,
+        )(x_ref, o_ref)
 
     shape = (STEPS * BLOCK[0], BLOCK[1])
     params = pltpu.InterpretParams(detect_races=detect_races, dma_execution_mode="eager")
-    return cv.kernel(kernel, jax.ShapeDtypeStruct(shape, jnp.float32), backend="mosaic_tpu", interpret=params)
+    return cv.kernel(
+        kernel, jax.ShapeDtypeStruct(shape, jnp.float32), backend="mosaic_tpu", interpret=params
+    )
 
 
 def _x():
-    return jnp.asarray(np.random.default_rng(5).standard_normal((STEPS * BLOCK[0], BLOCK[1])), jnp.float32)
+    return jnp.asarray(
+        np.random.default_rng(5).standard_normal((STEPS * BLOCK[0], BLOCK[1])), jnp.float32
+    )
 
 
 def _previous_blocks(x):
@@ -51,22 +63,28 @@ def test_delay_release_1_keeps_the_previous_block_until_the_step_after():
 
 def test_without_delay_the_slot_is_refilled_early():
     x = _x()
-    with pytest.raises(Exception, match="RACE DETECTED"):  # the refill's DMA writes the slot being read
+    # the refill's DMA writes the slot being read
+    with pytest.raises(Exception, match="RACE DETECTED"):
         jax.block_until_ready(jax.jit(previous_slot_seen(0))(x))
     seen = np.asarray(jax.jit(previous_slot_seen(0, detect_races=False))(x))
     rows = BLOCK[0]
     # From step 1 on, the slot of step s - 1 already holds step s + 1's block.
-    np.testing.assert_array_equal(seen[rows:(STEPS - 1) * rows], np.asarray(x[2 * rows:]))
+    np.testing.assert_array_equal(seen[rows : (STEPS - 1) * rows], np.asarray(x[2 * rows :]))
 
 
 @pytest.mark.parametrize("delay_release, refill_gap", [(0, 0), (1, 1)])
 def test_slot_refill_waits_delay_release_steps_after_use(delay_release, refill_gap):
-    p = cv.pipeline.plan(grid=(STEPS,), in_specs=[cv.BlockSpec(BLOCK, lambda i: (i, 0))],
-                         max_concurrent_steps=2, delay_release=delay_release)
+    p = cv.pipeline.plan(
+        grid=(STEPS,),
+        in_specs=[cv.BlockSpec(BLOCK, lambda i: (i, 0))],
+        max_concurrent_steps=2,
+        delay_release=delay_release,
+    )
     last_use = {}
     for e in p.events():
         if e.kind == "wait_fetch":
             last_use[e.slot] = e.step
         elif e.kind == "fetch" and e.step >= 0 and e.slot in last_use:
-            # a refill is issued (after the body of e.step) `refill_gap` steps after the slot's last use
+            # a refill is issued (after the body of e.step) `refill_gap` steps after the slot's last
+            # use
             assert e.step - last_use[e.slot] == refill_gap

@@ -1,5 +1,6 @@
 """cv.dot: one body matmul on every backend (xla, both interpreters), compiled for cuda and tpu,
 and the shared-memory budget check of mosaic_gpu pipelines."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,19 +28,26 @@ def _matmul(x, y, *, bm=64, bk=64, bn=128, accumulate="traced", **kernel_kw):
         def body(indices, xb, yb, ob):
             cv.dot(xb, yb, ob, accumulate=indices[2] > 0 if accumulate == "traced" else False)
 
-        cv.emit_pipeline(body, grid=(m // bm, n // bn, k // bk),
-                         in_specs=[cv.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
-                                   cv.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
-                         out_specs=[cv.BlockSpec((bm, bn), lambda i, j, kk: (i, j))],
-                         max_concurrent_steps=2)(x_ref, y_ref, o_ref)
+        cv.emit_pipeline(
+            body,
+            grid=(m // bm, n // bn, k // bk),
+            in_specs=[
+                cv.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+                cv.BlockSpec((bk, bn), lambda i, j, kk: (kk, j)),
+            ],
+            out_specs=[cv.BlockSpec((bm, bn), lambda i, j, kk: (i, j))],
+            max_concurrent_steps=2,
+        )(x_ref, y_ref, o_ref)
 
     return cv.kernel(kernel, jax.ShapeDtypeStruct((m, n), jnp.float32), **kernel_kw)(x, y)
 
 
 def _inputs(seed, m=128, k=128, n=128):
     rng = np.random.default_rng(seed)
-    return (jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16),
-            jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16))
+    return (
+        jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16),
+        jnp.asarray(rng.standard_normal((k, n)), jnp.bfloat16),
+    )
 
 
 # bfloat16 inputs are exact in float64, so the only error is float32 accumulation over k <= 256
@@ -59,7 +67,8 @@ def test_cv_dot_accumulates_over_the_reduction_axis(backend):
 def test_cv_dot_without_accumulate_overwrites(backend):
     x, y = _inputs(3)
     out = jax.jit(lambda a, b: _matmul(a, b, accumulate="never", **BACKENDS[backend]))(x, y)
-    expect = np.asarray(x, np.float64)[:, 64:] @ np.asarray(y, np.float64)[64:]   # the last K block only
+    # the last K block only
+    expect = np.asarray(x, np.float64)[:, 64:] @ np.asarray(y, np.float64)[64:]
     np.testing.assert_allclose(np.asarray(out), expect, rtol=0, atol=TOL)
 
 
@@ -67,8 +76,9 @@ def test_cv_dot_without_accumulate_overwrites(backend):
 def test_a_cv_dot_pipeline_compiles_for_real_hardware(platform, backend):
     x, y = _inputs(4, m=256, k=512, n=256)
     bk = 64 if backend == "mosaic_gpu" else 128
-    exported = jax.export.export(jax.jit(lambda a, b: _matmul(a, b, bk=bk, backend=backend)),
-                                 platforms=[platform])(x, y)
+    exported = jax.export.export(
+        jax.jit(lambda a, b: _matmul(a, b, bk=bk, backend=backend)), platforms=[platform]
+    )(x, y)
     assert exported.platforms == (platform,)
 
 
@@ -78,8 +88,12 @@ def _dot_kernel(a_shape, a_dtype, b_shape, acc_dtype=jnp.float32, backend="mosai
 
     def run():
         out = jax.ShapeDtypeStruct((a_shape[0], b_shape[1]), acc_dtype)
-        return jax.eval_shape(cv.kernel(kernel, out, backend=backend, interpret=backend != "xla"),
-                              jax.ShapeDtypeStruct(a_shape, a_dtype), jax.ShapeDtypeStruct(b_shape, a_dtype))
+        return jax.eval_shape(
+            cv.kernel(kernel, out, backend=backend, interpret=backend != "xla"),
+            jax.ShapeDtypeStruct(a_shape, a_dtype),
+            jax.ShapeDtypeStruct(b_shape, a_dtype),
+        )
+
     return run
 
 
@@ -97,12 +111,20 @@ def test_what_cv_dot_cannot_do_is_a_clear_error():
 
 
 def test_a_pipeline_over_the_shared_memory_budget_is_refused_with_its_bytes():
-    """2 x (128x128 + 128x128) bf16 input slots + 2 x 128x128 f32 output slots = 262144 B + barriers:
+    """2 x (128x128 + 128x128) bf16 input slots + 2 x 128x128 f32 output slots = 262144 B +
+    barriers:
     Mosaic's compile refuses it (232448 B on sm_90); the GPU interpreter would run it."""
     x, y = _inputs(5, m=128, k=256, n=128)
-    with pytest.raises(ValueError, match=r"needs 262176 B of shared memory, more than the 232448 B.*"
-                                         r"in\[0\]: 2 slot\(s\) x 32768 B \(bfloat16 \(128, 128\)\)"):
-        _matmul(x, y, bm=128, bk=128, bn=128, backend="mosaic_gpu", interpret=plgpu.InterpretGPUParams())
+    with pytest.raises(
+        ValueError,
+        match=r"needs 262176 B of shared memory, more than the 232448 B.*"
+        r"in\[0\]: 2 slot\(s\) x 32768 B \(bfloat16 \(128, 128\)\)",
+    ):
+        _matmul(
+            x, y, bm=128, bk=128, bn=128, backend="mosaic_gpu", interpret=plgpu.InterpretGPUParams()
+        )
     # The same pipeline with half the K block fits, and compiles.
-    jax.export.export(jax.jit(lambda a, b: _matmul(a, b, bm=128, bk=64, bn=128, backend="mosaic_gpu")),
-                      platforms=["cuda"])(x, y)
+    jax.export.export(
+        jax.jit(lambda a, b: _matmul(a, b, bm=128, bk=64, bn=128, backend="mosaic_gpu")),
+        platforms=["cuda"],
+    )(x, y)

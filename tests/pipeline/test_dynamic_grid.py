@@ -6,6 +6,7 @@ exercised on every backend (mosaic ones through their interpreters with race det
 start poisoned). A first, static pipeline fills the point's region with -1, so blocks the dynamic
 pipeline must not touch are checked too.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,8 +24,11 @@ SHAPE = (POINTS * ROW_BLOCKS * BLOCK[0], 2 * BLOCK[1])
 
 def _interpret(backend):
     # eager DMAs: a copy started and never awaited leaves its semaphore non-zero (conftest fails it)
-    return {"xla": False, "mosaic_tpu": pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager"),
-            "mosaic_gpu": gpu_interpret(detect_races=True)}[backend]
+    return {
+        "xla": False,
+        "mosaic_tpu": pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager"),
+        "mosaic_gpu": gpu_interpret(detect_races=True),
+    }[backend]
 
 
 def _fill_then_add(mcs, delay):
@@ -35,12 +39,21 @@ def _fill_then_add(mcs, delay):
 
         def fill(idx, ob):
             ob[...] = jnp.full(BLOCK, -1.0, jnp.float32)
+
         cv.emit_pipeline(fill, grid=(ROW_BLOCKS, 2), out_specs=[spec])(o_ref)
 
         def add(idx, xb, yb, ob):
             ob[...] = xb[...] + yb[...]
-        cv.emit_pipeline(add, grid=(p, 2), in_specs=[spec, spec], out_specs=[spec],
-                         max_concurrent_steps=mcs, delay_release=delay)(x_ref, y_ref, o_ref)
+
+        cv.emit_pipeline(
+            add,
+            grid=(p, 2),
+            in_specs=[spec, spec],
+            out_specs=[spec],
+            max_concurrent_steps=mcs,
+            delay_release=delay,
+        )(x_ref, y_ref, o_ref)
+
     return kernel
 
 
@@ -49,7 +62,8 @@ def _expected(x, y):
     rows = BLOCK[0]
     for p in range(POINTS):
         start = p * ROW_BLOCKS * rows
-        want[start:start + p * rows] = (x + y)[start:start + p * rows]  # blocks i < p of point p
+        # blocks i < p of point p
+        want[start : start + p * rows] = (x + y)[start : start + p * rows]
     return want
 
 
@@ -58,13 +72,19 @@ def _expected(x, y):
 def test_dynamic_grid_empty_short_and_long(backend, mcs, delay):
     rng = np.random.default_rng(4715)
     x, y = (jnp.asarray(rng.standard_normal(SHAPE), jnp.float32) for _ in range(2))
-    f = cv.kernel(_fill_then_add(mcs, delay), jax.ShapeDtypeStruct(SHAPE, jnp.float32), backend=backend,
-                  interpret=_interpret(backend), grid=(POINTS,))
+    f = cv.kernel(
+        _fill_then_add(mcs, delay),
+        jax.ShapeDtypeStruct(SHAPE, jnp.float32),
+        backend=backend,
+        interpret=_interpret(backend),
+        grid=(POINTS,),
+    )
     np.testing.assert_array_equal(jax.jit(f)(x, y), _expected(np.asarray(x), np.asarray(y)))
 
 
 def test_dynamic_grid_read_from_data_one_compile():
-    """xla: the size comes from an input array; one compiled function runs every size, 0 included."""
+    """xla: the size comes from an input array; one compiled function runs every size, 0
+    included."""
     rng = np.random.default_rng(4716)
     x = jnp.asarray(rng.standard_normal((64, 128)), jnp.float32)
 
@@ -73,15 +93,17 @@ def test_dynamic_grid_read_from_data_one_compile():
 
         def double(idx, xb, ob):
             ob[...] = 2.0 * xb[...]
+
         spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
-        cv.emit_pipeline(double, grid=(n_ref[0],), in_specs=[spec], out_specs=[spec],
-                         max_concurrent_steps=2)(x_ref, o_ref)
+        cv.emit_pipeline(
+            double, grid=(n_ref[0],), in_specs=[spec], out_specs=[spec], max_concurrent_steps=2
+        )(x_ref, o_ref)
 
     f = jax.jit(cv.kernel(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype)))
     for n in (0, 1, 5, 8):
         out = np.asarray(f(jnp.asarray([n], jnp.int32), x))
-        np.testing.assert_array_equal(out[:8 * n], 2.0 * np.asarray(x)[:8 * n])
-        np.testing.assert_array_equal(out[8 * n:], 0.0)
+        np.testing.assert_array_equal(out[: 8 * n], 2.0 * np.asarray(x)[: 8 * n])
+        np.testing.assert_array_equal(out[8 * n :], 0.0)
     assert f._cache_size() == 1
 
 
@@ -101,14 +123,31 @@ def test_warp_specialized_dynamic_grid_xla_and_gpu_interpreter():
 
         def body(idx, xb, ob):
             ob[my_rows(), :] = xb[my_rows(), :] + 1.0
-        cv.emit_pipeline_warp_specialized(fill, grid=(4,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-                                          out_specs=[spec])(o_ref)
-        cv.emit_pipeline_warp_specialized(body, grid=(p,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
-                                          in_specs=[spec], out_specs=[spec], max_concurrent_steps=2)(x_ref, o_ref)
+
+        cv.emit_pipeline_warp_specialized(
+            fill, grid=(4,), memory_registers=40, wg_axis="wg", num_compute_wgs=2, out_specs=[spec]
+        )(o_ref)
+        cv.emit_pipeline_warp_specialized(
+            body,
+            grid=(p,),
+            memory_registers=40,
+            wg_axis="wg",
+            num_compute_wgs=2,
+            in_specs=[spec],
+            out_specs=[spec],
+            max_concurrent_steps=2,
+        )(x_ref, o_ref)
 
     for backend in ("xla", "mosaic_gpu"):
-        f = cv.kernel(kernel, jax.ShapeDtypeStruct(x.shape, x.dtype), backend=backend, num_threads=3,
-                      thread_name="wg", grid=(4,), interpret=_interpret(backend))
+        f = cv.kernel(
+            kernel,
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            backend=backend,
+            num_threads=3,
+            thread_name="wg",
+            grid=(4,),
+            interpret=_interpret(backend),
+        )
         out = np.asarray(jax.jit(f)(x))
         want = np.zeros(x.shape, np.float32)
         for p in range(4):
@@ -127,11 +166,16 @@ def test_dynamic_grid_exports_for_hardware(backend, platform):
 
 def test_checker_and_simulator_need_a_concrete_grid():
     spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
-    dynamic = cv.pipeline.plan(grid=(jnp.int32(6),), in_specs=[spec], out_specs=[spec], max_concurrent_steps=2)
+    dynamic = cv.pipeline.plan(
+        grid=(jnp.int32(6),), in_specs=[spec], out_specs=[spec], max_concurrent_steps=2
+    )
     assert not dynamic.is_static
     for call in (lambda p: cv.sim.check(p), lambda p: cv.sim.simulate(p, "h100")):
-        with pytest.raises(ValueError, match=r"grid \(<traced>\) has sizes known only when the kernel runs.*"
-                                             r"with_grid"):
+        with pytest.raises(
+            ValueError,
+            match=r"grid \(<traced>\) has sizes known only when the kernel runs.*"
+            r"with_grid",
+        ):
             call(dynamic)
     concrete = dynamic.with_grid((6,))
     assert cv.sim.check(concrete).ok

@@ -1,9 +1,11 @@
 """One table of pipelined kernels, run on every backend and checked against jnp.
 
 xla runs natively; mosaic_tpu and mosaic_gpu run through their Pallas interpreters with the race
-detector on (a reported race raises). Outputs start poisoned (NaN) on both, so a block the pipeline fails to
+detector on (a reported race raises). Outputs start poisoned (NaN) on both, so a block the pipeline
+fails to
 write back shows up as NaN.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,9 +30,11 @@ def backend(request):
 
 
 def run(kernel_body, out_shape, *args, backend="xla", dma_mode="on_wait"):
-    interpret = {"xla": False,
-                 "mosaic_tpu": pltpu.InterpretParams(detect_races=True, dma_execution_mode=dma_mode),
-                 "mosaic_gpu": gpu_interpret(detect_races=True)}[backend]
+    interpret = {
+        "xla": False,
+        "mosaic_tpu": pltpu.InterpretParams(detect_races=True, dma_execution_mode=dma_mode),
+        "mosaic_gpu": gpu_interpret(detect_races=True),
+    }[backend]
     return jax.jit(cv.kernel(kernel_body, out_shape, backend=backend, interpret=interpret))(*args)
 
 
@@ -41,14 +45,25 @@ def test_elementwise_add_1d_grid(backend, mcs, delay):
     def k(x_ref, y_ref, o_ref):
         def body(idx, xb, yb, ob):
             ob[...] = xb[...] + yb[...]
+
         spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
-        cv.emit_pipeline(body, grid=(8,), in_specs=[spec, spec], out_specs=[spec],
-                         max_concurrent_steps=mcs, delay_release=delay)(x_ref, y_ref, o_ref)
+        cv.emit_pipeline(
+            body,
+            grid=(8,),
+            in_specs=[spec, spec],
+            out_specs=[spec],
+            max_concurrent_steps=mcs,
+            delay_release=delay,
+        )(x_ref, y_ref, o_ref)
 
-    np.testing.assert_array_equal(run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, y, backend=backend), x + y)
+    np.testing.assert_array_equal(
+        run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, y, backend=backend), x + y
+    )
 
 
-@pytest.mark.parametrize("mcs, dma_mode", [(1, "on_wait"), (2, "on_wait"), (3, "on_wait"), (2, "eager")])
+@pytest.mark.parametrize(
+    "mcs, dma_mode", [(1, "on_wait"), (2, "on_wait"), (3, "on_wait"), (2, "eager")]
+)
 def test_tiled_matmul_accumulates_in_resident_output(backend, mcs, dma_mode):
     x, y = arr(32, 384), arr(384, 256)
 
@@ -56,19 +71,34 @@ def test_tiled_matmul_accumulates_in_resident_output(backend, mcs, dma_mode):
         def body(idx, xb, yb, ob):
             _, _, kk = idx
             ob[...] = jnp.where(kk == 0, 0.0, ob[...]) + xb[...] @ yb[...]
-        cv.emit_pipeline(body, grid=(2, 2, 3),
-                         in_specs=[cv.BlockSpec((16, 128), lambda i, j, k: (i, k)),
-                                   cv.BlockSpec((128, 128), lambda i, j, k: (k, j))],
-                         out_specs=[cv.BlockSpec((16, 128), lambda i, j, k: (i, j))],
-                         max_concurrent_steps=mcs)(x_ref, y_ref, o_ref)
+
+        cv.emit_pipeline(
+            body,
+            grid=(2, 2, 3),
+            in_specs=[
+                cv.BlockSpec((16, 128), lambda i, j, k: (i, k)),
+                cv.BlockSpec((128, 128), lambda i, j, k: (k, j)),
+            ],
+            out_specs=[cv.BlockSpec((16, 128), lambda i, j, k: (i, j))],
+            max_concurrent_steps=mcs,
+        )(x_ref, y_ref, o_ref)
 
     if backend == "mosaic_gpu" and mcs == 3:
         # 3 slots of a 128x128 f32 block and the rest: 237616 B, over sm_90's 232448 B. The GPU
         # interpreter would run it; Conveyor refuses it as the real compile would.
         with pytest.raises(ValueError, match="needs 237616 B of shared memory"):
-            run(k, jax.ShapeDtypeStruct((32, 256), jnp.float32), x, y, backend=backend, dma_mode=dma_mode)
+            run(
+                k,
+                jax.ShapeDtypeStruct((32, 256), jnp.float32),
+                x,
+                y,
+                backend=backend,
+                dma_mode=dma_mode,
+            )
         return
-    out = run(k, jax.ShapeDtypeStruct((32, 256), jnp.float32), x, y, backend=backend, dma_mode=dma_mode)
+    out = run(
+        k, jax.ShapeDtypeStruct((32, 256), jnp.float32), x, y, backend=backend, dma_mode=dma_mode
+    )
     np.testing.assert_allclose(out, x @ y, rtol=1e-5, atol=1e-4)
 
 
@@ -80,13 +110,28 @@ def test_invariant_input_and_output_bias_and_column_sum(backend):
             (i,) = idx
             ob[...] = xb[...] + bb[...]
             sb[...] = jnp.where(i == 0, 0.0, sb[...]) + jnp.sum(xb[...], axis=0, keepdims=True)
-        cv.emit_pipeline(body, grid=(4,),
-                         in_specs=[cv.BlockSpec((16, 128), lambda i: (i, 0)), cv.BlockSpec((1, 128), lambda i: (0, 0))],
-                         out_specs=[cv.BlockSpec((16, 128), lambda i: (i, 0)), cv.BlockSpec((1, 128), lambda i: (0, 0))],
-                         max_concurrent_steps=2)(x_ref, b_ref, o_ref, s_ref)
 
-    out, colsum = run(k, (jax.ShapeDtypeStruct((64, 128), jnp.float32), jax.ShapeDtypeStruct((1, 128), jnp.float32)),
-                      x, b, backend=backend)
+        cv.emit_pipeline(
+            body,
+            grid=(4,),
+            in_specs=[
+                cv.BlockSpec((16, 128), lambda i: (i, 0)),
+                cv.BlockSpec((1, 128), lambda i: (0, 0)),
+            ],
+            out_specs=[
+                cv.BlockSpec((16, 128), lambda i: (i, 0)),
+                cv.BlockSpec((1, 128), lambda i: (0, 0)),
+            ],
+            max_concurrent_steps=2,
+        )(x_ref, b_ref, o_ref, s_ref)
+
+    out, colsum = run(
+        k,
+        (jax.ShapeDtypeStruct((64, 128), jnp.float32), jax.ShapeDtypeStruct((1, 128), jnp.float32)),
+        x,
+        b,
+        backend=backend,
+    )
     np.testing.assert_allclose(out, x + b, rtol=1e-6)
     np.testing.assert_allclose(colsum, x.sum(0, keepdims=True), rtol=1e-5, atol=1e-5)
 
@@ -98,17 +143,29 @@ def test_3d_grid_with_squeezed_dim_and_carry(backend):
         def body(idx, xb, ob, carry):
             ob[...] = xb[...] * 2
             return carry + jnp.sum(xb[...])
-        total = cv.emit_pipeline(body, grid=(4, 2, 2),
-                                 in_specs=[cv.BlockSpec((None, 16, 128), lambda b, i, j: (b, i, j))],
-                                 out_specs=[cv.BlockSpec((None, 16, 128), lambda b, i, j: (b, i, j))],
-                                 init_carry=jnp.float32(0))(x_ref, o_ref)
+
+        total = cv.emit_pipeline(
+            body,
+            grid=(4, 2, 2),
+            in_specs=[cv.BlockSpec((None, 16, 128), lambda b, i, j: (b, i, j))],
+            out_specs=[cv.BlockSpec((None, 16, 128), lambda b, i, j: (b, i, j))],
+            init_carry=jnp.float32(0),
+        )(x_ref, o_ref)
+
         # The final carry comes back; global refs are written through pipelines (HBM on TPU).
         def store(idx, tb):
             tb[...] = jnp.full(tb.shape, total)
-        cv.emit_pipeline(store, grid=(1,), out_specs=[cv.BlockSpec((8, 128), lambda i: (0, 0))])(t_ref)
 
-    out, total = run(k, (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((8, 128), jnp.float32)), x,
-                     backend=backend)
+        cv.emit_pipeline(store, grid=(1,), out_specs=[cv.BlockSpec((8, 128), lambda i: (0, 0))])(
+            t_ref
+        )
+
+    out, total = run(
+        k,
+        (jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((8, 128), jnp.float32)),
+        x,
+        backend=backend,
+    )
     np.testing.assert_array_equal(out, x * 2)
     # An f32 sum of x.size terms in another order than jnp.sum's (tests/tolerance.py); the partial
     # sums reach the largest magnitude of a running sum of x (the total itself nearly cancels).
@@ -122,13 +179,19 @@ def test_bad_input_errors():
     spec = cv.BlockSpec((8, 8), lambda i: (i, 0))
 
     def not_dividing(x_ref, o_ref):
-        cv.emit_pipeline(lambda idx, a, b: None, grid=(4,), in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+        cv.emit_pipeline(lambda idx, a, b: None, grid=(4,), in_specs=[spec], out_specs=[spec])(
+            x_ref, o_ref
+        )
 
-    with pytest.raises(ValueError, match=r"in\[0\]: block_shape \(8, 8\) does not divide the array shape \(30, 8\)"):
+    with pytest.raises(
+        ValueError, match=r"in\[0\]: block_shape \(8, 8\) does not divide the array shape \(30, 8\)"
+    ):
         run(not_dividing, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
 
     def wrong_count(x_ref, o_ref):
-        cv.emit_pipeline(lambda idx, a, b: None, grid=(4,), in_specs=[spec], out_specs=[spec])(x_ref)
+        cv.emit_pipeline(lambda idx, a, b: None, grid=(4,), in_specs=[spec], out_specs=[spec])(
+            x_ref
+        )
 
     with pytest.raises(ValueError, match=r"expected 1 input refs and 1 output refs"):
         run(wrong_count, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
@@ -144,6 +207,7 @@ def test_unwritten_output_is_poisoned_not_zero(backend):
         def body(idx, xb, ob):
             (i,) = idx
             ob[...] = jnp.where(i == 0, xb[...], ob[...])  # step 1 never writes its block
+
         spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
         cv.emit_pipeline(body, grid=(2,), in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
 
@@ -159,8 +223,11 @@ def test_pipeline_exports_for_hardware(backend_name, platform):
     def k(x_ref, o_ref):
         def body(idx, xb, ob):
             ob[...] = xb[...] * 2.0 + 1.0
+
         spec = cv.BlockSpec((64, 128), lambda i: (i, 0))
-        cv.emit_pipeline(body, grid=(4,), in_specs=[spec], out_specs=[spec], max_concurrent_steps=2)(x_ref, o_ref)
+        cv.emit_pipeline(
+            body, grid=(4,), in_specs=[spec], out_specs=[spec], max_concurrent_steps=2
+        )(x_ref, o_ref)
 
     fn = jax.jit(cv.kernel(k, jax.ShapeDtypeStruct(x.shape, x.dtype), backend=backend_name))
     exported = jax.export.export(fn, platforms=[platform])(x)
@@ -171,11 +238,19 @@ def test_pipeline_exports_for_hardware(backend_name, platform):
 def test_a_kernel_function_can_be_traced_more_than_once(backend):
     def k(x_ref, o_ref):
         spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
-        cv.emit_pipeline(lambda idx, xb, ob: ob.__setitem__(..., xb[...] + 1), grid=(x_ref.shape[0] // 8,),
-                         in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+        cv.emit_pipeline(
+            lambda idx, xb, ob: ob.__setitem__(..., xb[...] + 1),
+            grid=(x_ref.shape[0] // 8,),
+            in_specs=[spec],
+            out_specs=[spec],
+        )(x_ref, o_ref)
 
     interpret = {"xla": False, "mosaic_tpu": True, "mosaic_gpu": True}[backend]
-    fn = jax.jit(cv.kernel(k, jax.ShapeDtypeStruct((16, 128), jnp.float32), backend=backend, interpret=interpret))
+    fn = jax.jit(
+        cv.kernel(
+            k, jax.ShapeDtypeStruct((16, 128), jnp.float32), backend=backend, interpret=interpret
+        )
+    )
     for scale in (1.0, 2.0):  # one launcher, traced twice (jit retraces on the weak-typed scalar)
         x = arr(16, 128) * scale
         np.testing.assert_array_equal(fn(x), x + 1)
@@ -191,14 +266,29 @@ def test_kernel_grid_runs_every_point_with_its_program_id(backend):
 
         def body(idx, xb, ob):
             ob[...] = xb[...] * 2 + (i * 10 + j).astype(jnp.float32)
-        spec = cv.BlockSpec((None, None, 8, 128), lambda s: (i, j, s, 0))
-        cv.emit_pipeline(body, grid=(2,), in_specs=[spec], out_specs=[spec], max_concurrent_steps=2)(x_ref, o_ref)
 
-    interpret = {"xla": False, "mosaic_tpu": pltpu.InterpretParams(detect_races=True),
-                 "mosaic_gpu": gpu_interpret(detect_races=True)}[backend]
-    out = jax.jit(cv.kernel(k, jax.ShapeDtypeStruct(x.shape, x.dtype), backend=backend, interpret=interpret,
-                            grid=(4, 3)))(x)
-    expect = x * 2 + (jnp.arange(4)[:, None] * 10 + jnp.arange(3)[None])[:, :, None, None].astype(jnp.float32)
+        spec = cv.BlockSpec((None, None, 8, 128), lambda s: (i, j, s, 0))
+        cv.emit_pipeline(
+            body, grid=(2,), in_specs=[spec], out_specs=[spec], max_concurrent_steps=2
+        )(x_ref, o_ref)
+
+    interpret = {
+        "xla": False,
+        "mosaic_tpu": pltpu.InterpretParams(detect_races=True),
+        "mosaic_gpu": gpu_interpret(detect_races=True),
+    }[backend]
+    out = jax.jit(
+        cv.kernel(
+            k,
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            backend=backend,
+            interpret=interpret,
+            grid=(4, 3),
+        )
+    )(x)
+    expect = x * 2 + (jnp.arange(4)[:, None] * 10 + jnp.arange(3)[None])[:, :, None, None].astype(
+        jnp.float32
+    )
     np.testing.assert_array_equal(out, expect)
 
 
@@ -215,15 +305,22 @@ def test_tpu_block_tiling_is_checked_before_the_compiler_refuses_it():
 
     def k(x_ref, o_ref):
         spec = cv.BlockSpec((8, 64), lambda i, j: (i, j))
-        cv.emit_pipeline(lambda idx, a, b: None, grid=(4, 4), in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+        cv.emit_pipeline(lambda idx, a, b: None, grid=(4, 4), in_specs=[spec], out_specs=[spec])(
+            x_ref, o_ref
+        )
 
-    with pytest.raises(ValueError, match=r"dimension 1 is 64, expected a multiple of 128 or the whole dimension \(256\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"dimension 1 is 64, expected a multiple of 128 or the whole dimension \(256\)",
+    ):
         run(k, jax.ShapeDtypeStruct(x.shape, x.dtype), x, backend="mosaic_tpu")
     xb = x.astype(jnp.bfloat16)
 
     def k16(x_ref, o_ref):
         spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
-        cv.emit_pipeline(lambda idx, a, b: None, grid=(4,), in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+        cv.emit_pipeline(lambda idx, a, b: None, grid=(4,), in_specs=[spec], out_specs=[spec])(
+            x_ref, o_ref
+        )
 
     with pytest.raises(ValueError, match="expected a multiple of 16"):
         run(k16, jax.ShapeDtypeStruct((32, 128), jnp.bfloat16), xb[:, :128], backend="mosaic_tpu")

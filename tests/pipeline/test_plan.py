@@ -1,4 +1,5 @@
 """The plan is pure data: its rules and events are checked without tracing."""
+
 import pytest
 
 import conveyor as cv
@@ -6,8 +7,16 @@ from conveyor.pipeline import plan
 
 
 def _mm_specs():
-    return dict(in_specs=[cv.BlockSpec((8, 8), lambda i, k: (i, k)), cv.BlockSpec((8, 8), lambda i, k: (0, 0))],
-                out_specs=[cv.BlockSpec((8, 8), lambda i, k: (i, 0)), cv.BlockSpec((1, 8), lambda i, k: (0, 0))])
+    return dict(
+        in_specs=[
+            cv.BlockSpec((8, 8), lambda i, k: (i, k)),
+            cv.BlockSpec((8, 8), lambda i, k: (0, 0)),
+        ],
+        out_specs=[
+            cv.BlockSpec((8, 8), lambda i, k: (i, 0)),
+            cv.BlockSpec((1, 8), lambda i, k: (0, 0)),
+        ],
+    )
 
 
 def test_invariant_operands_are_single_buffered():
@@ -27,7 +36,12 @@ def test_output_resident_until_index_changes():
 
 
 def test_fetch_schedule_and_slot_reuse_respect_delay_release():
-    p = plan(grid=(8,), in_specs=[cv.BlockSpec((4,), lambda i: (i,))], max_concurrent_steps=3, delay_release=1)
+    p = plan(
+        grid=(8,),
+        in_specs=[cv.BlockSpec((4,), lambda i: (i,))],
+        max_concurrent_steps=3,
+        delay_release=1,
+    )
     assert p.lookahead == 2
     op = p.inputs[0]
     fetches = {e.target_step: (e.step, e.slot) for e in p.events() if e.kind == "fetch"}
@@ -44,7 +58,12 @@ def test_fetch_schedule_and_slot_reuse_respect_delay_release():
 def test_max_concurrent_steps_shrinks_to_the_grid_keeping_delay_release(delay, slots):
     """No more slots than steps, but one more than delay_release; the delay itself is kept (a
     body's manual releases follow it)."""
-    p = plan(grid=(2,), in_specs=[cv.BlockSpec((4,), lambda i: (i,))], max_concurrent_steps=5, delay_release=delay)
+    p = plan(
+        grid=(2,),
+        in_specs=[cv.BlockSpec((4,), lambda i: (i,))],
+        max_concurrent_steps=5,
+        delay_release=delay,
+    )
     assert (p.max_concurrent_steps, p.delay_release) == (slots, delay)
 
 
@@ -54,14 +73,24 @@ def test_grid_indices_row_major():
     assert p.grid_indices(11) == (1, 2, 1)
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(grid=(0, 2)), r"grid: static sizes must be positive ints, got \(0, 2\) \(a size that may be 0 must be dynamic"),
-    (dict(grid=(2, 1.5)), r"grid: expected positive ints or integer scalars, got \(2, 1.5\)"),
-    (dict(grid=(True,)), r"grid: expected positive ints or integer scalars"),
-    (dict(grid=(2,), max_concurrent_steps=1, delay_release=1), r"must be greater than delay_release=1"),
-    (dict(grid=(2,), max_concurrent_steps=0), r"max_concurrent_steps: expected an int >= 1"),
-    (dict(grid=(2,), delay_release=-1), r"delay_release: expected an int >= 0"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (
+            dict(grid=(0, 2)),
+            r"grid: static sizes must be positive ints, got \(0, 2\) \(a size that may be 0 must "
+            r"be dynamic",
+        ),
+        (dict(grid=(2, 1.5)), r"grid: expected positive ints or integer scalars, got \(2, 1.5\)"),
+        (dict(grid=(True,)), r"grid: expected positive ints or integer scalars"),
+        (
+            dict(grid=(2,), max_concurrent_steps=1, delay_release=1),
+            r"must be greater than delay_release=1",
+        ),
+        (dict(grid=(2,), max_concurrent_steps=0), r"max_concurrent_steps: expected an int >= 1"),
+        (dict(grid=(2,), delay_release=-1), r"delay_release: expected an int >= 0"),
+    ],
+)
 def test_bad_plans(kw, match):
     with pytest.raises(ValueError, match=match):
         plan(**kw)
@@ -69,5 +98,6 @@ def test_bad_plans(kw, match):
 
 def test_pallas_block_specs_are_accepted():
     from jax.experimental import pallas as pl
+
     p = plan(grid=(2,), in_specs=[pl.BlockSpec((None, 4), lambda i: (i, 0))])
     assert p.inputs[0].block_shape == (None, 4) and p.inputs[0].ref_shape == (4,)

@@ -9,6 +9,7 @@ values) and on the TPU interpreter with race detection, where the kernel fills t
 that the TPU pipeline really reads the caller's slots (a slot filled with other values shows in the
 output); the copies the TPU lowering issues against the plan's events; refusals; export for TPU.
 """
+
 import dataclasses
 
 import jax
@@ -27,8 +28,11 @@ STEPS = 6
 TPU = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
 # Fetch rules and how x's block moves: every step, or every second step (a block read by two steps
 # is one fetch: the prefetched count is of distinct blocks).
-CASES = {"every step": (lambda i: (i, 0), False), "every second step": (lambda i: (i // 2, 0), False),
-         "lookahead": (lambda i: (i // 2, 0), True)}
+CASES = {
+    "every step": (lambda i: (i, 0), False),
+    "every second step": (lambda i: (i // 2, 0), False),
+    "lookahead": (lambda i: (i // 2, 0), True),
+}
 
 
 def _x_block(i, case):
@@ -44,14 +48,19 @@ def _pipeline(case: str, prefetched: int, slots: int = 2, steps=STEPS):
     def body(idx, xb, yb, ob):
         ob[...] = xb[...] + yb[...]
 
-    return cv.emit_pipeline(body, grid=(steps,), in_specs=[pl.BlockSpec(B, imap, pipeline_mode=mode),
-                                                           pl.BlockSpec(B, lambda i: (i, 0))],
-                            out_specs=[pl.BlockSpec(B, lambda i: (i, 0))], max_concurrent_steps=2)
+    return cv.emit_pipeline(
+        body,
+        grid=(steps,),
+        in_specs=[pl.BlockSpec(B, imap, pipeline_mode=mode), pl.BlockSpec(B, lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec(B, lambda i: (i, 0))],
+        max_concurrent_steps=2,
+    )
 
 
 def _kernel(case: str, prefetched: int, offset: float = 0.0, dynamic: bool = False):
     """Fills x's first `prefetched` slots itself (plus `offset`) where there are slots (mosaic_tpu),
     then runs the pipeline on those allocations; with `dynamic`, its grid size is traced."""
+
     def kernel(x_ref, y_ref, o_ref):
         pipe = _pipeline(case, prefetched, steps=cv.program_id(0) + STEPS if dynamic else STEPS)
 
@@ -65,12 +74,16 @@ def _kernel(case: str, prefetched: int, offset: float = 0.0, dynamic: bool = Fal
                     if offset:
                         slots[j] = slots[j] + offset
             pipe(x_ref, y_ref, o_ref, allocations=allocations)
+
         pipe.with_allocations(on, x_ref, y_ref, o_ref)
+
     return kernel
 
 
 def _reference(x, y, case):
-    rows = [np.asarray(x)[_x_block(i, case) * 8:(_x_block(i, case) + 1) * 8] for i in range(STEPS)]
+    rows = [
+        np.asarray(x)[_x_block(i, case) * 8 : (_x_block(i, case) + 1) * 8] for i in range(STEPS)
+    ]
     return np.concatenate(rows) + np.asarray(y)
 
 
@@ -82,7 +95,9 @@ def _inputs():
 
 def _call(kernel, backend, x, y):
     out = jax.ShapeDtypeStruct(y.shape, jnp.float32)
-    f = cv.kernel(kernel, out, backend=backend, interpret=TPU if backend == "mosaic_tpu" else False, grid=(1,))
+    f = cv.kernel(
+        kernel, out, backend=backend, interpret=TPU if backend == "mosaic_tpu" else False, grid=(1,)
+    )
     return jax.jit(f)(x, y)
 
 
@@ -121,34 +136,52 @@ def test_tpu_reads_the_callers_slots():
 @pytest.mark.parametrize("case", list(CASES))
 def test_plan_events_skip_the_prefetched_fetches(case):
     plain, early = _pipeline(case, 0).plan, _pipeline(case, 2).plan
+
     def prefetched(e):
         return e.operand == "in[0]" and e.target_step < STEPS and _x_block(e.target_step, case) < 2
 
     # The plain plan's fetches and waits of blocks 0 and 1 are gone; its waits became reads of the
     # caller's slots.
-    kept = [dataclasses.replace(e, kind="read_prefetched") if prefetched(e) and e.kind == "wait_fetch" else e
-            for e in plain.events() if not (prefetched(e) and e.kind == "fetch")]
+    kept = [
+        dataclasses.replace(e, kind="read_prefetched")
+        if prefetched(e) and e.kind == "wait_fetch"
+        else e
+        for e in plain.events()
+        if not (prefetched(e) and e.kind == "fetch")
+    ]
     assert len(kept) < len(plain.events())
     assert list(early.events()) == kept
     assert early.inputs[0].prefetched == 2 and early.inputs[1].prefetched == 0
-    # Block 2 refills slot 0 only after the steps reading block 0 are done: the checker finds no race.
+    # Block 2 refills slot 0 only after the steps reading block 0 are done: the checker finds no
+    # race.
     assert cv.sim.check(early).ok
     flops = 2 * 8 * 128 * 128
-    assert cv.sim.simulate(early, "v5e", flops_per_step=flops).time_us < \
-        cv.sim.simulate(plain, "v5e", flops_per_step=flops).time_us
+    assert (
+        cv.sim.simulate(early, "v5e", flops_per_step=flops).time_us
+        < cv.sim.simulate(plain, "v5e", flops_per_step=flops).time_us
+    )
 
 
 def test_tpu_copies_follow_the_plan():
     pipe = _pipeline("lookahead", 2)
     x, y = _inputs()
     with record_issued() as log:
-        np.testing.assert_array_equal(_call(_kernel("lookahead", 2), "mosaic_tpu", x, y),
-                                      _reference(x, y, "lookahead"))
+        np.testing.assert_array_equal(
+            _call(_kernel("lookahead", 2), "mosaic_tpu", x, y), _reference(x, y, "lookahead")
+        )
     # A wait for an earlier write-back does not know its step (-1): compare without it.
-    expected = sorted((e.step, e.kind, e.operand, e.slot, -1 if e.kind == "wait_writeback" else e.target_step)
-                      for e in pipe.plan.events() if e.kind not in ("compute", "read_prefetched"))
-    assert sorted((at, kind, name, slot, -1 if kind == "wait_writeback" else step)
-                  for at, kind, name, slot, step in log) == expected
+    expected = sorted(
+        (e.step, e.kind, e.operand, e.slot, -1 if e.kind == "wait_writeback" else e.target_step)
+        for e in pipe.plan.events()
+        if e.kind not in ("compute", "read_prefetched")
+    )
+    assert (
+        sorted(
+            (at, kind, name, slot, -1 if kind == "wait_writeback" else step)
+            for at, kind, name, slot, step in log
+        )
+        == expected
+    )
 
 
 def test_refusals():
@@ -156,32 +189,61 @@ def test_refusals():
         return pl.BlockSpec(B, lambda i: (i, 0), pipeline_mode=mode)
 
     plans = [
-        (r"in\[0\].*prefetched_count=3 must be at most buffer_count=2", dict(in_specs=[spec(pl.Buffered(2, prefetched_count=3))])),
-        (r"in\[0\].*prefetched_count must be an int >= 0, got -1", dict(in_specs=[spec(pl.Buffered(2, prefetched_count=-1))])),
-        (r"out\[0\].*prefetched_count applies to inputs", dict(out_specs=[spec(pl.Buffered(2, prefetched_count=1))])),
+        (
+            r"in\[0\].*prefetched_count=3 must be at most buffer_count=2",
+            dict(in_specs=[spec(pl.Buffered(2, prefetched_count=3))]),
+        ),
+        (
+            r"in\[0\].*prefetched_count must be an int >= 0, got -1",
+            dict(in_specs=[spec(pl.Buffered(2, prefetched_count=-1))]),
+        ),
+        (
+            r"out\[0\].*prefetched_count applies to inputs",
+            dict(out_specs=[spec(pl.Buffered(2, prefetched_count=1))]),
+        ),
     ]
     for message, specs in plans:
         with pytest.raises(ValueError, match=message):
             cv.pipeline.plan(grid=(STEPS,), **specs)
     x, y = _inputs()
     pipe = _pipeline("every step", 1)
-    with pytest.raises(ValueError, match=r"in\[0\]: pl.Buffered\(prefetched_count=...\).*must run on the caller's "
-                                         r"allocations"):
+    with pytest.raises(
+        ValueError,
+        match=r"in\[0\]: pl.Buffered\(prefetched_count=...\).*must run on the caller's "
+        r"allocations",
+    ):
         _call(lambda x_ref, y_ref, o_ref: pipe(x_ref, y_ref, o_ref), "mosaic_tpu", x, y)
     out = jax.ShapeDtypeStruct(y.shape, jnp.float32)
-    with pytest.raises(NotImplementedError, match=r"a plain pipeline on mosaic_gpu: in\[0\] use "
-                                                  r"pl.Buffered\(prefetched_count"):
-        jax.jit(cv.kernel(lambda x_ref, y_ref, o_ref: pipe(x_ref, y_ref, o_ref), out, backend="mosaic_gpu",
-                          interpret=gpu_interpret())).lower(x, y)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"a plain pipeline on mosaic_gpu: in\[0\] use "
+        r"pl.Buffered\(prefetched_count",
+    ):
+        jax.jit(
+            cv.kernel(
+                lambda x_ref, y_ref, o_ref: pipe(x_ref, y_ref, o_ref),
+                out,
+                backend="mosaic_gpu",
+                interpret=gpu_interpret(),
+            )
+        ).lower(x, y)
     with pytest.raises(NotImplementedError, match=r"emit_pipeline_warp_specialized: in\[0\] use"):
-        cv.emit_pipeline_warp_specialized(lambda *a: None, grid=(STEPS,), memory_registers=40, wg_axis="wg",
-                                          num_compute_wgs=1, in_specs=[spec(pl.Buffered(2, prefetched_count=1))])
+        cv.emit_pipeline_warp_specialized(
+            lambda *a: None,
+            grid=(STEPS,),
+            memory_registers=40,
+            wg_axis="wg",
+            num_compute_wgs=1,
+            in_specs=[spec(pl.Buffered(2, prefetched_count=1))],
+        )
 
 
 def test_exports_for_tpu():
     x = jax.ShapeDtypeStruct((STEPS * 8, 128), jnp.float32)
     for dynamic in (False, True):
-        f = jax.jit(cv.kernel(_kernel("lookahead", 2, dynamic=dynamic), x, backend="mosaic_tpu", grid=(1,)))
+        f = jax.jit(
+            cv.kernel(_kernel("lookahead", 2, dynamic=dynamic), x, backend="mosaic_tpu", grid=(1,))
+        )
         assert jax.export.export(f, platforms=["tpu"])(x, x).platforms == ("tpu",)
 
 
@@ -192,9 +254,12 @@ def test_prefetched_slots_must_be_bound(backend):
     x, y = _inputs()
 
     def kernel(x_ref, y_ref, o_ref):
-        _pipeline("every step", 1)(x_ref, y_ref, o_ref)   # no allocations=
+        _pipeline("every step", 1)(x_ref, y_ref, o_ref)  # no allocations=
 
-    with pytest.raises(ValueError, match=r"in\[0\]: pl.Buffered\(prefetched_count=...\) says the caller has put "
-                                         r"the first blocks in the input's slots, so the pipeline must run on the "
-                                         r"caller's allocations"):
+    with pytest.raises(
+        ValueError,
+        match=r"in\[0\]: pl.Buffered\(prefetched_count=...\) says the caller has put "
+        r"the first blocks in the input's slots, so the pipeline must run on the "
+        r"caller's allocations",
+    ):
         _call(kernel, backend, x, y)

@@ -1,4 +1,5 @@
 """jax.vmap over a kernel that contains a pipeline, on every backend, and its hardware exports."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,15 +15,25 @@ SPEC = cv.BlockSpec((8, 128), lambda i: (i, 0))
 def _kernel(x_ref, y_ref, o_ref):
     def body(idx, xb, yb, ob):
         ob[...] = xb[...] * 2.0 + yb[...]
-    cv.emit_pipeline(body, grid=(4,), in_specs=[SPEC, SPEC], out_specs=[SPEC], max_concurrent_steps=2)(
-        x_ref, y_ref, o_ref)
+
+    cv.emit_pipeline(
+        body, grid=(4,), in_specs=[SPEC, SPEC], out_specs=[SPEC], max_concurrent_steps=2
+    )(x_ref, y_ref, o_ref)
 
 
 def _f(backend, interpret=True):
-    interpret = {"xla": False,
-                 "mosaic_tpu": pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager"),
-                 "mosaic_gpu": gpu_interpret(detect_races=True)}[backend] if interpret else False
-    return cv.kernel(_kernel, jax.ShapeDtypeStruct((32, 128), jnp.float32), backend=backend, interpret=interpret)
+    interpret = (
+        {
+            "xla": False,
+            "mosaic_tpu": pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager"),
+            "mosaic_gpu": gpu_interpret(detect_races=True),
+        }[backend]
+        if interpret
+        else False
+    )
+    return cv.kernel(
+        _kernel, jax.ShapeDtypeStruct((32, 128), jnp.float32), backend=backend, interpret=interpret
+    )
 
 
 @pytest.mark.parametrize("backend", ["xla", "mosaic_tpu", "mosaic_gpu"])
@@ -30,7 +41,9 @@ def test_vmap_batched_and_broadcast_operands(backend):
     rng = np.random.default_rng(4728)
     x = jnp.asarray(rng.standard_normal((3, 32, 128)), jnp.float32)
     y = jnp.asarray(rng.standard_normal((32, 128)), jnp.float32)
-    np.testing.assert_array_equal(jax.jit(jax.vmap(_f(backend), in_axes=(0, None)))(x, y), 2.0 * x + y[None])
+    np.testing.assert_array_equal(
+        jax.jit(jax.vmap(_f(backend), in_axes=(0, None)))(x, y), 2.0 * x + y[None]
+    )
     # batched on a non-leading axis, on both operands
     yb = jnp.asarray(rng.standard_normal((32, 3, 128)), jnp.float32)
     out = jax.jit(jax.vmap(_f(backend), in_axes=(0, 1)))(x, yb)
@@ -50,6 +63,7 @@ def test_nested_vmap_on_xla_and_tpu_interpreter():
 def test_vmapped_kernel_exports_for_hardware(backend, platform):
     x = jax.ShapeDtypeStruct((3, 32, 128), jnp.float32)
     y = jax.ShapeDtypeStruct((32, 128), jnp.float32)
-    exported = jax.export.export(jax.jit(jax.vmap(_f(backend, interpret=False), in_axes=(0, None))),
-                                 platforms=[platform])(x, y)
+    exported = jax.export.export(
+        jax.jit(jax.vmap(_f(backend, interpret=False), in_axes=(0, None))), platforms=[platform]
+    )(x, y)
     assert exported.platforms == (platform,)

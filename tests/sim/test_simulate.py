@@ -1,4 +1,5 @@
 """The simulator: cited hardware numbers, sane predictions, validation against published figures."""
+
 import json
 import pathlib
 
@@ -16,7 +17,10 @@ def test_every_number_has_a_known_source_and_docs_print_them_all():
     for hw in cv.sim.HARDWARE.values():
         for name, value in hw.numbers().items():
             assert value.source in hardware.SOURCES, (hw.name, name)
-            assert value.value > 0 or (name == "overlap_slowdown" and value.value == 0), (hw.name, name)
+            assert value.value > 0 or (name == "overlap_slowdown" and value.value == 0), (
+                hw.name,
+                name,
+            )
     assert hardware.markdown_table() in (DOCS / "hardware.md").read_text()
 
 
@@ -25,9 +29,9 @@ def test_peaks_and_achievable_rates_are_distinct():
     assert h100.matrix_rate("bf16") < h100.matrix_peak["bf16"].value
     assert h100.matrix_efficiency.source.startswith("calib")
     with pytest.raises(ValueError, match="dtype: unknown 'int4'; known: bf16/bfloat16"):
-        h100.matrix_rate("int4")          # not in the vocabulary at all
+        h100.matrix_rate("int4")  # not in the vocabulary at all
     with pytest.raises(ValueError, match="no matrix rate for dtype 'int8'"):
-        h100.matrix_rate("int8")          # a dtype this model has no rate for
+        h100.matrix_rate("int8")  # a dtype this model has no rate for
     assert h100.matrix_rate("bfloat16") == h100.matrix_rate("bf16")
 
 
@@ -46,14 +50,19 @@ def test_bottlenecks_move_the_way_the_hardware_says():
     assert big.bottleneck == "compute" and 0.7 < big.utilization <= 1.0
     copy = cv.sim.simulate_copy(1e9, hardware="h100")
     assert copy.bottleneck == "memory"
-    shallow = cv.sim.simulate_matmul(8192, 64, 8192, hardware="h100")   # writing the output dominates
+    # writing the output dominates
+    shallow = cv.sim.simulate_matmul(8192, 64, 8192, hardware="h100")
     assert shallow.bottleneck == "memory"
     # Two stages cannot hide the copy latency behind a short step; more stages can.
     two = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tiling=(128, 64, 128), stages=2)
-    four = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tiling=(128, 64, 128), stages=4)
+    four = cv.sim.simulate_matmul(
+        4096, 4096, 4096, hardware="h100", tiling=(128, 64, 128), stages=4
+    )
     assert four.time_s < 0.95 * two.time_s
     # delay_release=1 keeps one of four slots out of the lookahead: no faster than four free slots.
-    held = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tiling=(128, 64, 128), stages=4, delay_release=1)
+    held = cv.sim.simulate_matmul(
+        4096, 4096, 4096, hardware="h100", tiling=(128, 64, 128), stages=4, delay_release=1
+    )
     assert held.time_s >= four.time_s and held.config["delay_release"] == 1
     # Faster HBM makes a memory-bound copy faster; the matmul does not care.
     assert cv.sim.simulate_copy(1e9, hardware="h200").time_s < 0.8 * copy.time_s
@@ -62,32 +71,49 @@ def test_bottlenecks_move_the_way_the_hardware_says():
 def test_search_reports_its_choice_and_configurations_that_do_not_fit_are_errors():
     r = cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100")
     assert r.config["searched"] > 1 and len(r.config["tiling"]) == 3 and r.config["stages"] >= 2
-    with pytest.raises(cv.sim.DoesNotFit, match="needs .* KiB of on-chip memory per core; H100 SXM has 227 KiB"):
+    with pytest.raises(
+        cv.sim.DoesNotFit, match="needs .* KiB of on-chip memory per core; H100 SXM has 227 KiB"
+    ):
         cv.sim.simulate_matmul(4096, 4096, 4096, hardware="h100", tiling=(256, 128, 256), stages=4)
 
 
 def test_warp_specialized_and_plan_replay():
-    plain = cv.sim.simulate_matmul(4096, 4096, 2048, hardware="h100", tiling=(128, 64, 256), stages=3)
-    ws = cv.sim.simulate_matmul(4096, 4096, 2048, hardware="h100", tiling=(128, 64, 256), stages=3,
-                                warp_specialized=True)
+    plain = cv.sim.simulate_matmul(
+        4096, 4096, 2048, hardware="h100", tiling=(128, 64, 256), stages=3
+    )
+    ws = cv.sim.simulate_matmul(
+        4096, 4096, 2048, hardware="h100", tiling=(128, 64, 256), stages=3, warp_specialized=True
+    )
     assert {b.actor for b in ws.boxes} >= {"memory thread", "compute[0]", "compute[1]"}
     assert 0.5 < ws.time_s / plain.time_s < 1.5
     spec = cv.BlockSpec((128, 64), lambda i, k: (i, k))
-    p = cv.pipeline.plan(grid=(2, 8), in_specs=[spec], out_specs=[cv.BlockSpec((128, 64), lambda i, k: (i, 0))],
-                         max_concurrent_steps=3)
+    p = cv.pipeline.plan(
+        grid=(2, 8),
+        in_specs=[spec],
+        out_specs=[cv.BlockSpec((128, 64), lambda i, k: (i, 0))],
+        max_concurrent_steps=3,
+    )
     r = cv.sim.simulate(p, "v5e", flops_per_step=2 * 128 * 64 * 64)
     assert r.time_s > 0 and r.utilization <= 1.0
-    assert sum(b.kind == "copy" for b in r.boxes) == len([e for e in p.events() if e.kind in ("fetch", "writeback")])
+    assert sum(b.kind == "copy" for b in r.boxes) == len(
+        [e for e in p.events() if e.kind in ("fetch", "writeback")]
+    )
 
 
 @pytest.mark.slow
 def test_ring_overlaps_what_unfused_serializes():
     kw = dict(dtype="f16", hardware="h800", bidirectional=False)
     ring = cv.sim.simulate_collective_matmul("all_gather_matmul", 512, 12288, 6144, 8, **kw)
-    unfused = cv.sim.simulate_collective_matmul("all_gather_matmul", 512, 12288, 6144, 8, unfused=True, **kw)
-    assert ring.time_s < 0.75 * unfused.time_s   # overlap wins even with the calibrated contention
-    bidi = cv.sim.simulate_collective_matmul("all_gather_matmul", 512, 1024, 1024, 8, hardware="v5e")
-    uni = cv.sim.simulate_collective_matmul("all_gather_matmul", 512, 1024, 1024, 8, hardware="v5e", bidirectional=False)
+    unfused = cv.sim.simulate_collective_matmul(
+        "all_gather_matmul", 512, 12288, 6144, 8, unfused=True, **kw
+    )
+    assert ring.time_s < 0.75 * unfused.time_s  # overlap wins even with the calibrated contention
+    bidi = cv.sim.simulate_collective_matmul(
+        "all_gather_matmul", 512, 1024, 1024, 8, hardware="v5e"
+    )
+    uni = cv.sim.simulate_collective_matmul(
+        "all_gather_matmul", 512, 1024, 1024, 8, hardware="v5e", bidirectional=False
+    )
     assert bidi.time_s < uni.time_s and bidi.bottleneck == "interconnect" == uni.bottleneck
     with pytest.raises(ValueError, match="kind"):
         cv.sim.simulate_collective_matmul("all_reduce", 1, 1, 1, 2)
@@ -102,16 +128,41 @@ def test_gmm_pays_for_partial_tiles():
 @pytest.mark.slow
 def test_cli_json_png_trace(tmp_path, capsys):
     png, trace = tmp_path / "t.png", tmp_path / "t.json"
-    assert main(["simulate", "matmul", "--m", "2048", "--k", "2048", "--n", "2048", "--hardware", "h100", "--json",
-                 "--png", str(png), "--trace", str(trace)]) == 0
+    assert (
+        main(
+            [
+                "simulate",
+                "matmul",
+                "--m",
+                "2048",
+                "--k",
+                "2048",
+                "--n",
+                "2048",
+                "--hardware",
+                "h100",
+                "--json",
+                "--png",
+                str(png),
+                "--trace",
+                str(trace),
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert {"time_us", "utilization", "bottleneck"} <= set(out) and out["time_us"] > 0
     assert png.stat().st_size > 10_000
     events = json.loads(trace.read_text())["traceEvents"]
-    assert any(e.get("cat") == "compute" for e in events) and any(e.get("cat") == "copy" for e in events)
-    for args in (["gmm", "--groups", "4", "--sizes", "100,0,900,24"], ["tgmm", "--sizes", "100,0,900,24"],
-                 ["all-gather-matmul", "--devices", "4"],
-                 ["matmul-reduce-scatter", "--unfused", "--hardware", "v5p"]):
+    assert any(e.get("cat") == "compute" for e in events) and any(
+        e.get("cat") == "copy" for e in events
+    )
+    for args in (
+        ["gmm", "--groups", "4", "--sizes", "100,0,900,24"],
+        ["tgmm", "--sizes", "100,0,900,24"],
+        ["all-gather-matmul", "--devices", "4"],
+        ["matmul-reduce-scatter", "--unfused", "--hardware", "v5p"],
+    ):
         assert main(["simulate", *args, "--json"]) == 0
         assert json.loads(capsys.readouterr().out)["time_us"] > 0
     with pytest.raises(SystemExit) as exit_:
@@ -125,6 +176,7 @@ def test_gmm_tile_count_is_the_metadata_schedule():
     tm=16: 4 visits, the middle group straddling a tile boundary), on random sizes too."""
     import jax.numpy as jnp
     from conveyor.ops.gmm.metadata import count_visits
+
     rng = np.random.default_rng(4731)
     cases = [[10, 10, 12], [0, 16, 0, 5, 0], list(rng.integers(0, 40, size=9))]
     for sizes in cases:
@@ -132,21 +184,27 @@ def test_gmm_tile_count_is_the_metadata_schedule():
             meta = cv.make_group_metadata(jnp.asarray(sizes, jnp.int32), int(sum(sizes)) or 1, tm)
             assert count_visits(sizes, tm) == int(meta.num_visits), (sizes, tm)
     report = cv.sim.simulate_gmm([10, 10, 12], 256, 256, tiling=(16, 64, 128))
-    assert report.config["tiles"] == 4 * 2      # 4 visits x 2 column tiles of 128
+    assert report.config["tiles"] == 4 * 2  # 4 visits x 2 column tiles of 128
 
 
 def test_chained_pipelines_simulate_shorter_than_one_after_another():
     """Three chained warp-specialized pipelines (pipeline_state): the next pipeline's first fetches
     overlap the previous one's last steps, so the chain takes less than the three run alone."""
     spec = cv.BlockSpec((128, 64), lambda i, k: (i, k))
-    p = cv.pipeline.plan(grid=(2, 4), in_specs=[spec, spec], out_specs=[cv.BlockSpec((128, 64), lambda i, k: (i, 0))],
-                         max_concurrent_steps=2)
+    p = cv.pipeline.plan(
+        grid=(2, 4),
+        in_specs=[spec, spec],
+        out_specs=[cv.BlockSpec((128, 64), lambda i, k: (i, 0))],
+        max_concurrent_steps=2,
+    )
     chain = [cv.pipeline.WarpSpecializedPlan(pipeline=p, num_compute_wgs=2) for _ in range(3)]
     flops = 2 * 128 * 64 * 64
     chained = cv.sim.simulate(chain, "h100", flops_per_step=flops)
     alone = [cv.sim.simulate(wp, "h100", flops_per_step=flops) for wp in chain]
     assert chained.time_s < sum(r.time_s for r in alone)
-    assert chained.flops == sum(r.flops for r in alone) and chained.hbm_bytes == sum(r.hbm_bytes for r in alone)
+    assert chained.flops == sum(r.flops for r in alone) and chained.hbm_bytes == sum(
+        r.hbm_bytes for r in alone
+    )
 
 
 def _brute_force_row_blocks(sizes, tm):
@@ -159,49 +217,85 @@ def test_tgmm_row_blocks_are_the_kernel_schedule():
     kernel loops over (row_block_span, also on traced scalars): every block a group's rows touch."""
     import jax.numpy as jnp
     from conveyor.ops.gmm.metadata import count_row_blocks, row_block_span
+
     rng = np.random.default_rng(4732)
     for sizes in ([10, 10, 12], [0, 64, 0, 1, 63], list(rng.integers(0, 100, size=11))):
         for tm in (8, 64):
             want = _brute_force_row_blocks(sizes, tm)
             assert count_row_blocks(sizes, tm) == want, (sizes, tm)
             bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int32)
-            traced = [int(row_block_span(jnp.int32(bounds[i]), jnp.int32(bounds[i + 1]), tm)[1])
-                      for i in range(len(sizes))]
+            traced = [
+                int(row_block_span(jnp.int32(bounds[i]), jnp.int32(bounds[i + 1]), tm)[1])
+                for i in range(len(sizes))
+            ]
             assert traced == want
     report = cv.sim.simulate_tgmm([10, 10, 12], 256, 256, tiling=(8, 128, 128), stages=2)
     assert report.config["row_blocks"] == 2 + 2 + 2 and report.config["tiling"] == [8, 128, 128]
-    assert report.config["tiles"] == 3 * 2 * 2        # non-empty groups x k tiles x n tiles
+    assert report.config["tiles"] == 3 * 2 * 2  # non-empty groups x k tiles x n tiles
 
 
 def test_grouped_simulations_on_a_gpu_model_the_mosaic_gpu_kernels():
-    """Without tiling/stages, H100 runs the configuration the kernels run (ops/gmm/tiling.MOSAIC_GPU);
+    """Without tiling/stages, H100 runs the configuration the kernels run
+    (ops/gmm/tiling.MOSAIC_GPU);
     TPU hardware and given tilings keep their own."""
     from conveyor.ops.gmm.tiling import MOSAIC_GPU
+
     sizes = [1000, 24, 0, 1024]
-    for fn, tiling in ((cv.sim.simulate_gmm, MOSAIC_GPU.gmm_tiling), (cv.sim.simulate_tgmm, MOSAIC_GPU.tgmm_tiling)):
+    for fn, tiling in (
+        (cv.sim.simulate_gmm, MOSAIC_GPU.gmm_tiling),
+        (cv.sim.simulate_tgmm, MOSAIC_GPU.tgmm_tiling),
+    ):
         r = fn(sizes, 1024, 1024, hardware="h100")
         assert r.config["kernel"] == "cv mosaic_gpu" and tuple(r.config["tiling"]) == tiling
-        assert r.config["stages"] == MOSAIC_GPU.stages and r.config["delay_release"] == MOSAIC_GPU.delay_release
-        assert r.config["warp_specialized"] and r.config["compute_threads"] == MOSAIC_GPU.compute_threads
+        assert (
+            r.config["stages"] == MOSAIC_GPU.stages
+            and r.config["delay_release"] == MOSAIC_GPU.delay_release
+        )
+        assert (
+            r.config["warp_specialized"]
+            and r.config["compute_threads"] == MOSAIC_GPU.compute_threads
+        )
         assert fn(sizes, 1024, 1024, hardware="v5e").config["kernel"] == "searched"
-        assert fn(sizes, 1024, 1024, hardware="h100", tiling=(64, 128, 128), stages=3).config["kernel"] == "given"
+        assert (
+            fn(sizes, 1024, 1024, hardware="h100", tiling=(64, 128, 128), stages=3).config["kernel"]
+            == "given"
+        )
     # gmm's default tiles follow the weight's shape as the kernel's do: gpt-oss's n=2880 takes tn=64
-    assert tuple(cv.sim.simulate_gmm(sizes, 2880, 2880, hardware="h100").config["tiling"]) == (128, 64, 64)
-    assert tuple(cv.sim.simulate_tgmm(sizes, 2880, 2880, hardware="h100").config["tiling"]) == (64, 128, 64)
+    assert tuple(cv.sim.simulate_gmm(sizes, 2880, 2880, hardware="h100").config["tiling"]) == (
+        128,
+        64,
+        64,
+    )
+    assert tuple(cv.sim.simulate_tgmm(sizes, 2880, 2880, hardware="h100").config["tiling"]) == (
+        64,
+        128,
+        64,
+    )
     # The slots are the kernel's own: as many as fit beside its staging buffer (gmm stages its
     # tn=256 tile in 64-row parts, which leaves room for 4)
     import jax.numpy as jnp
     from jax.experimental.pallas import mosaic_gpu as plgpu
     from conveyor.ops.gmm.mosaic_gpu import stages_that_fit
-    for dtype, jdt in (("bf16", jnp.bfloat16),):       # the kernels take 16-bit operands only
+
+    for dtype, jdt in (("bf16", jnp.bfloat16),):  # the kernels take 16-bit operands only
         tm, tk, tn = MOSAIC_GPU.gmm_tiles_for(4096, 14336)
-        kernel = stages_that_fit(block_bytes=(tm * tk + tk * tn) * jnp.dtype(jdt).itemsize,
-                                 staging=plgpu.SMEM(MOSAIC_GPU.staging_shape(tm, tn), jdt))
-        assert cv.sim.simulate_gmm(sizes, 4096, 14336, dtype=dtype, hardware="h100").config["stages"] == kernel
+        kernel = stages_that_fit(
+            block_bytes=(tm * tk + tk * tn) * jnp.dtype(jdt).itemsize,
+            staging=plgpu.SMEM(MOSAIC_GPU.staging_shape(tm, tn), jdt),
+        )
+        assert (
+            cv.sim.simulate_gmm(sizes, 4096, 14336, dtype=dtype, hardware="h100").config["stages"]
+            == kernel
+        )
         tm, tk, tn = MOSAIC_GPU.tgmm_tiles_for(14336)
-        kernel = stages_that_fit(block_bytes=(tk * tm + tm * tn) * jnp.dtype(jdt).itemsize,
-                                 staging=plgpu.SMEM(MOSAIC_GPU.staging_shape(tk, tn), jdt))
-        assert cv.sim.simulate_tgmm(sizes, 4096, 14336, dtype=dtype, hardware="h100").config["stages"] == kernel
+        kernel = stages_that_fit(
+            block_bytes=(tk * tm + tm * tn) * jnp.dtype(jdt).itemsize,
+            staging=plgpu.SMEM(MOSAIC_GPU.staging_shape(tk, tn), jdt),
+        )
+        assert (
+            cv.sim.simulate_tgmm(sizes, 4096, 14336, dtype=dtype, hardware="h100").config["stages"]
+            == kernel
+        )
     # tgmm's flops are the grouped product's, not the padded blocks'
     assert cv.sim.simulate_tgmm(sizes, 512, 256).flops == 2.0 * sum(sizes) * 512 * 256
 
@@ -211,10 +305,15 @@ def test_a_dtype_no_grouped_kernel_takes_is_priced_only_as_hypothetical(fn):
     """cv.gmm refuses fp8 and int8 everywhere, float32 on mosaic_gpu, float16 on mosaic_tpu: the
     simulator prices them only when asked to, and says the kernel is imagined."""
     for dtype, hw in (("fp8", "h100"), ("int8", "h100"), ("f32", "h100"), ("f16", "v5e")):
-        with pytest.raises(ValueError, match=r"no cv.gmm/cv.tgmm kernel takes \w+ operands on .*pass "
-                                             r"hypothetical=True"):
+        with pytest.raises(
+            ValueError,
+            match=r"no cv.gmm/cv.tgmm kernel takes \w+ operands on .*pass "
+            r"hypothetical=True",
+        ):
             fn([512] * 8, 1024, 1024, dtype=dtype, hardware=hw)
     imagined = fn([512] * 8, 1024, 1024, dtype="fp8", hardware="h100", hypothetical=True)
     assert imagined.config["kernel"] == "hypothetical (cv mosaic_gpu with float8_e4m3fn operands)"
-    assert fn([512] * 8, 1024, 1024, dtype="bf16", hardware="h100", hypothetical=True).config["kernel"] == \
-        "cv mosaic_gpu"
+    assert (
+        fn([512] * 8, 1024, 1024, dtype="bf16", hardware="h100", hypothetical=True).config["kernel"]
+        == "cv mosaic_gpu"
+    )

@@ -5,6 +5,7 @@ and cuda the xla loop (mosaic_gpu joins CUDA's default order once it has run on 
 multi-platform export holds both; an explicit `backend=` wins. Each implementation's `check` lets
 backend=None pass by what it cannot run.
 """
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -12,8 +13,11 @@ import pytest
 import conveyor as cv
 from conveyor import backends
 
-ARGS = (jax.ShapeDtypeStruct((256, 128), jnp.float32), jax.ShapeDtypeStruct((4, 128, 128), jnp.float32),
-        jax.ShapeDtypeStruct((4,), jnp.int32))
+ARGS = (
+    jax.ShapeDtypeStruct((256, 128), jnp.float32),
+    jax.ShapeDtypeStruct((4, 128, 128), jnp.float32),
+    jax.ShapeDtypeStruct((4,), jnp.int32),
+)
 
 
 def _module(fn, platforms, args=ARGS):
@@ -21,8 +25,11 @@ def _module(fn, platforms, args=ARGS):
 
 
 def _bf16_args(m=256, k=128, n=128, groups=4):
-    return (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16),
-            jax.ShapeDtypeStruct((groups,), jnp.int32))
+    return (
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((groups,), jnp.int32),
+    )
 
 
 def _mosaic_gpu_calls(text):
@@ -32,14 +39,19 @@ def _mosaic_gpu_calls(text):
 def _gmm_and_grad(backend=None):
     def fn(x, w, s):
         out = cv.gmm(x, w, s, backend=backend)
-        return out, jax.grad(lambda x, w: jnp.sum(cv.gmm(x, w, s, backend=backend) ** 2), argnums=(0, 1))(x, w)
+        return out, jax.grad(
+            lambda x, w: jnp.sum(cv.gmm(x, w, s, backend=backend) ** 2), argnums=(0, 1)
+        )(x, w)
+
     return fn
 
 
-@pytest.mark.parametrize("platforms, mosaic_tpu", [(["tpu"], True), (["cpu"], False), (["cuda"], False),
-                                                   (["cpu", "tpu"], True)])
+@pytest.mark.parametrize(
+    "platforms, mosaic_tpu",
+    [(["tpu"], True), (["cpu"], False), (["cuda"], False), (["cpu", "tpu"], True)],
+)
 def test_default_backend_follows_the_export_platform(platforms, mosaic_tpu):
-    text = _module(_gmm_and_grad(), platforms)   # float32 operands: mosaic_gpu does not take them
+    text = _module(_gmm_and_grad(), platforms)  # float32 operands: mosaic_gpu does not take them
     assert ("tpu_custom_call" in text) == mosaic_tpu
     assert _mosaic_gpu_calls(text) == 0
     if platforms != ["tpu"]:
@@ -50,9 +62,12 @@ def test_cuda_default_is_xla_until_mosaic_gpu_has_run_on_a_gpu():
     """A bf16 training step exported for cuda runs the xla loop by default (mosaic_gpu has not yet
     passed `make gpu-check` on a GPU: see conveyor.backends); named, it runs the three grouped
     matmuls (forward gmm, the backward's gmm for lhs and tgmm for rhs) as Mosaic GPU kernels."""
+
     def grad(backend=None):
-        return lambda x, w, s: jax.grad(lambda x, w: jnp.sum(cv.gmm(x, w, s, backend=backend) ** 2),
-                                        argnums=(0, 1))(x, w)
+        return lambda x, w, s: jax.grad(
+            lambda x, w: jnp.sum(cv.gmm(x, w, s, backend=backend) ** 2), argnums=(0, 1)
+        )(x, w)
+
     assert backends.PLATFORM_DEFAULTS["cuda"] == ("xla",)
     default = _module(grad(), ["cuda"], _bf16_args())
     assert _mosaic_gpu_calls(default) == 0 and "stablehlo.while" in default
@@ -64,29 +79,43 @@ def mosaic_gpu_in_cudas_default(monkeypatch):
     """CUDA's default order as it will be once mosaic_gpu has passed on a GPU. JAX caches the
     lowerings of the ops' inner jitted functions, made under the real order: cleared around it."""
     jax.clear_caches()
-    monkeypatch.setattr(backends, "PLATFORM_DEFAULTS", {**backends.PLATFORM_DEFAULTS, "cuda": ("mosaic_gpu", "xla")})
+    monkeypatch.setattr(
+        backends, "PLATFORM_DEFAULTS", {**backends.PLATFORM_DEFAULTS, "cuda": ("mosaic_gpu", "xla")}
+    )
     yield
     jax.clear_caches()
 
 
 def test_a_default_order_with_mosaic_gpu_takes_it_for_16_bit_operands(mosaic_gpu_in_cudas_default):
-    grad = lambda x, w, s: jax.grad(lambda x, w: jnp.sum(cv.gmm(x, w, s) ** 2), argnums=(0, 1))(x, w)
+    grad = lambda x, w, s: jax.grad(lambda x, w: jnp.sum(cv.gmm(x, w, s) ** 2), argnums=(0, 1))(
+        x, w
+    )
     assert _mosaic_gpu_calls(_module(grad, ["cuda"], _bf16_args())) == 3
     assert _mosaic_gpu_calls(_module(grad, ["cpu"], _bf16_args())) == 0
     assert _mosaic_gpu_calls(_module(grad, ["cpu", "cuda"], _bf16_args())) == 3
 
 
-@pytest.mark.parametrize("case, args, kwargs", [
-    ("n off the kernel's multiples", _bf16_args(n=200), {}),
-    ("k off the kernel's multiples", _bf16_args(k=120), {}),
-    ("an upstream TPU tiling", _bf16_args(), dict(tiling=(512, 128, 128))),
-    ("a float32 output is fine, float32 operands are not",
-     (jax.ShapeDtypeStruct((256, 128), jnp.float32),) + _bf16_args()[1:], {}),
-])
-def test_a_default_order_passes_by_what_mosaic_gpu_cannot_run(mosaic_gpu_in_cudas_default, case, args, kwargs):
+@pytest.mark.parametrize(
+    "case, args, kwargs",
+    [
+        ("n off the kernel's multiples", _bf16_args(n=200), {}),
+        ("k off the kernel's multiples", _bf16_args(k=120), {}),
+        ("an upstream TPU tiling", _bf16_args(), dict(tiling=(512, 128, 128))),
+        (
+            "a float32 output is fine, float32 operands are not",
+            (jax.ShapeDtypeStruct((256, 128), jnp.float32),) + _bf16_args()[1:],
+            {},
+        ),
+    ],
+)
+def test_a_default_order_passes_by_what_mosaic_gpu_cannot_run(
+    mosaic_gpu_in_cudas_default, case, args, kwargs
+):
     """Each implementation's `check` decides, so backend=None falls through to xla; named
     explicitly, the same call is refused, not redirected."""
-    fwd = lambda x, w, s: cv.gmm(x.astype(jnp.float32) if case.startswith("a float32") else x, w, s, **kwargs)
+    fwd = lambda x, w, s: cv.gmm(
+        x.astype(jnp.float32) if case.startswith("a float32") else x, w, s, **kwargs
+    )
     text = _module(fwd, ["cuda"], args)
     if case.startswith("a float32"):
         # float32 lhs beside bf16 weights is the documented rounding rule: mosaic_gpu takes it
@@ -97,11 +126,14 @@ def test_a_default_order_passes_by_what_mosaic_gpu_cannot_run(mosaic_gpu_in_cuda
             _module(lambda x, w, s: cv.gmm(x, w, s, backend="mosaic_gpu", **kwargs), ["cuda"], args)
 
 
-def test_a_default_order_takes_tgmm_on_mosaic_gpu_for_16_bit_operands_only(mosaic_gpu_in_cudas_default):
+def test_a_default_order_takes_tgmm_on_mosaic_gpu_for_16_bit_operands_only(
+    mosaic_gpu_in_cudas_default,
+):
     x = jax.ShapeDtypeStruct((128, 256), jnp.float32)
     y = jax.ShapeDtypeStruct((256, 128), jnp.float32)
     s = jax.ShapeDtypeStruct((4,), jnp.int32)
-    tgmm = lambda *a: cv.tgmm(*a)   # a fresh function: no lowering cached under the usual default order
+    # a fresh function: no lowering cached under the usual default order
+    tgmm = lambda *a: cv.tgmm(*a)
     assert _mosaic_gpu_calls(_module(tgmm, ["cuda"], (x, y, s))) == 0
     xb, yb = (jax.ShapeDtypeStruct(a.shape, jnp.bfloat16) for a in (x, y))
     assert _mosaic_gpu_calls(_module(tgmm, ["cuda"], (xb, yb, s))) == 1
@@ -109,10 +141,15 @@ def test_a_default_order_takes_tgmm_on_mosaic_gpu_for_16_bit_operands_only(mosai
 
 def test_when_no_implementation_runs_the_error_lists_every_reason(monkeypatch):
     jax.clear_caches()
-    monkeypatch.setattr(backends, "PLATFORM_DEFAULTS", {**backends.PLATFORM_DEFAULTS, "cuda": ("mosaic_gpu",)})
-    with pytest.raises(NotImplementedError, match=r"gmm lowered for cuda: no implementation in its default order "
-                                                  r"runs these arguments \(mosaic_gpu: .*float32.*\); name one "
-                                                  r"with backend="):
+    monkeypatch.setattr(
+        backends, "PLATFORM_DEFAULTS", {**backends.PLATFORM_DEFAULTS, "cuda": ("mosaic_gpu",)}
+    )
+    with pytest.raises(
+        NotImplementedError,
+        match=r"gmm lowered for cuda: no implementation in its default order "
+        r"runs these arguments \(mosaic_gpu: .*float32.*\); name one "
+        r"with backend=",
+    ):
         _module(lambda x, w, s: cv.gmm(x, w, s), ["cuda"])
 
 
@@ -144,15 +181,22 @@ def test_cv_kernel_default_is_not_exported_as_a_loop_where_a_kernel_is_the_defau
     """cv.kernel(backend=None) decides when called, on this CPU process: the xla loop. Exported for
     tpu (whose default is the Pallas kernel) it is refused with the fix; cpu and cuda (xla by
     default) take it, and a named backend='xla' exports the loop anywhere."""
+
     def body(x_ref, o_ref):
         o_ref[...] = 2.0 * x_ref[...]
+
     x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
     default = jax.jit(cv.kernel(body, x))
     assert "stablehlo" in _module(default, ["cpu", "cuda"], (x,))
-    with pytest.raises(NotImplementedError, match=r"cv.kernel\(backend=None\) chose the xla loop for this "
-                                                  r"process's platform; lowered for tpu.*Pass backend='mosaic_tpu'"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"cv.kernel\(backend=None\) chose the xla loop for this "
+        r"process's platform; lowered for tpu.*Pass backend='mosaic_tpu'",
+    ):
         _module(default, ["tpu"], (x,))
-    assert "tpu_custom_call" not in _module(jax.jit(cv.kernel(body, x, backend="xla")), ["tpu"], (x,))
+    assert "tpu_custom_call" not in _module(
+        jax.jit(cv.kernel(body, x, backend="xla")), ["tpu"], (x,)
+    )
 
 
 def test_collective_default_is_not_exported_as_the_xla_ring_for_tpu():
@@ -160,16 +204,24 @@ def test_collective_default_is_not_exported_as_the_xla_ring_for_tpu():
     when exported for tpu (default: the Mosaic ring kernel); backend='xla' exports it on purpose."""
     import numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
+
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
 
     def ring(backend):
         def local(a, b):
             return cv.all_gather_matmul(a, b, axis_name="x", gather_dim=0, backend=backend)
+
         return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
 
-    args = (jax.ShapeDtypeStruct((32, 128), jnp.float32), jax.ShapeDtypeStruct((128, 128), jnp.float32))
+    args = (
+        jax.ShapeDtypeStruct((32, 128), jnp.float32),
+        jax.ShapeDtypeStruct((128, 128), jnp.float32),
+    )
     assert "stablehlo" in _module(ring(None), ["cpu"], args)
-    with pytest.raises(NotImplementedError, match=r"backend=None chose the xla ring for this process's "
-                                                  r"platform; lowered for tpu.*Pass backend='mosaic_tpu'"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"backend=None chose the xla ring for this process's "
+        r"platform; lowered for tpu.*Pass backend='mosaic_tpu'",
+    ):
         _module(ring(None), ["tpu"], args)
     assert "tpu_custom_call" not in _module(ring("xla"), ["tpu"], args)

@@ -5,6 +5,7 @@ device gets its own data (operands vary over every mesh axis), and each variant 
 device by device, with the `reference` backend (lax.all_gather / psum_scatter and a dot) run in
 the same shard_map. The Mosaic TPU kernels run through the TPU interpreter with race detection on.
 """
+
 import functools
 import zlib
 
@@ -32,7 +33,7 @@ RTOL = 1e-4
 
 def _mesh(name):
     shape, axes = MESHES[name]
-    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
+    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), axes)
 
 
 def _operands(mesh, op, dim, seed):
@@ -47,10 +48,24 @@ def _operands(mesh, op, dim, seed):
 
 def _call(op, dim, bidirectional, backend, interpret, a, b):
     if op == "agm":
-        return cv.all_gather_matmul(a, b, axis_name="x", gather_dim=dim, bidirectional=bidirectional,
-                                    backend=backend, interpret=interpret)
-    return cv.matmul_reduce_scatter(a, b, axis_name="x", scatter_dim=dim, bidirectional=bidirectional,
-                                    backend=backend, interpret=interpret)
+        return cv.all_gather_matmul(
+            a,
+            b,
+            axis_name="x",
+            gather_dim=dim,
+            bidirectional=bidirectional,
+            backend=backend,
+            interpret=interpret,
+        )
+    return cv.matmul_reduce_scatter(
+        a,
+        b,
+        axis_name="x",
+        scatter_dim=dim,
+        bidirectional=bidirectional,
+        backend=backend,
+        interpret=interpret,
+    )
 
 
 def _run(mesh, op, dim, bidirectional, backend, interpret, lhs, rhs, rhs_varies, grad=False):
@@ -65,7 +80,9 @@ def _run(mesh, op, dim, bidirectional, backend, interpret, lhs, rhs, rhs_varies,
         return f(a, b)[None]
 
     out_specs = (every, every if rhs_varies else P()) if grad else every
-    fn = jax.shard_map(local, mesh=mesh, in_specs=(every, every if rhs_varies else P()), out_specs=out_specs)
+    fn = jax.shard_map(
+        local, mesh=mesh, in_specs=(every, every if rhs_varies else P()), out_specs=out_specs
+    )
     return jax.jit(fn)(lhs, rhs)
 
 
@@ -76,9 +93,13 @@ VARIANTS = [(op, dim, bidi) for op, dim in SHAPES for bidi in (False, True)]
 # not depend on the mode, and tests/ops/collective_matmul runs every ring in both.
 @pytest.mark.parametrize("mesh_name, mode", [("2x4", "on_wait"), ("2x2x2", "eager")])
 @pytest.mark.parametrize("op, dim, bidirectional", VARIANTS)
-def test_mosaic_tpu_ring_on_multi_axis_mesh_matches_reference(mesh_name, mode, op, dim, bidirectional):
+def test_mosaic_tpu_ring_on_multi_axis_mesh_matches_reference(
+    mesh_name, mode, op, dim, bidirectional
+):
     mesh = _mesh(mesh_name)
-    lhs, rhs, varies = _operands(mesh, op, dim, seed=zlib.crc32(f"{mesh_name}{op}{dim}{bidirectional}".encode()))
+    lhs, rhs, varies = _operands(
+        mesh, op, dim, seed=zlib.crc32(f"{mesh_name}{op}{dim}{bidirectional}".encode())
+    )
     ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
     got = _run(mesh, op, dim, bidirectional, "mosaic_tpu", ip, lhs, rhs, varies)
     want = _run(mesh, op, dim, bidirectional, "reference", False, lhs, rhs, varies)
@@ -86,8 +107,10 @@ def test_mosaic_tpu_ring_on_multi_axis_mesh_matches_reference(mesh_name, mode, o
 
 
 @pytest.mark.parametrize("backend", ["xla", "mosaic_tpu"])
-@pytest.mark.parametrize("op, dim, bidirectional", [("agm", 1, True), ("agm", 0, False), ("mrs", 0, True),
-                                                    ("mrs", 1, False)])
+@pytest.mark.parametrize(
+    "op, dim, bidirectional",
+    [("agm", 1, True), ("agm", 0, False), ("mrs", 0, True), ("mrs", 1, False)],
+)
 def test_ring_gradients_on_multi_axis_mesh_match_reference(backend, op, dim, bidirectional):
     mesh = _mesh("2x4")
     lhs, rhs, varies = _operands(mesh, op, dim, seed=7)

@@ -5,6 +5,7 @@ Operands vary over a mesh axis (per-device tokens, group sizes, expert shards) o
 the `reference` backend's autodiff in the same shard_map (the reference shares no code with the
 other backends).
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,8 +26,12 @@ D, M, K, N, G = 4, 32, 16, 24, 4
 # to it (about 1 run in 3 on 4 devices; never on one device, where tests/pipeline runs the same
 # kernels with detection on). Not understood yet; the multi-device runs here check the values only.
 GPU_MULTI_DEVICE = dict(detect_races=False)
-INTERPRET = {"xla": False, "reference": False, "mosaic_tpu": pltpu.InterpretParams(detect_races=True),
-             "mosaic_gpu": gpu_interpret(**GPU_MULTI_DEVICE)}
+INTERPRET = {
+    "xla": False,
+    "reference": False,
+    "mosaic_tpu": pltpu.InterpretParams(detect_races=True),
+    "mosaic_gpu": gpu_interpret(**GPU_MULTI_DEVICE),
+}
 # mosaic_gpu (the default when lowered for a Hopper GPU) multiplies bfloat16 operands and needs n a
 # multiple of 64 for tgmm: its cases run bf16 copies of the operands with N_GPU columns.
 GMM_BACKENDS = ["xla", "reference", "mosaic_tpu", "mosaic_gpu"]
@@ -53,7 +58,9 @@ def _data(seed, backend="xla"):
     bf16_exact = lambda a: np.asarray(jnp.asarray(a, jnp.bfloat16), np.float32)
     x = bf16_exact(rng.standard_normal((D * M, K)))
     w = bf16_exact(rng.standard_normal((G, K, _columns(backend))))
-    sizes = np.stack([rng.multinomial(M - 3 * d, np.ones(G) / G) for d in range(D)]).astype(np.int32)
+    sizes = np.stack([rng.multinomial(M - 3 * d, np.ones(G) / G) for d in range(D)]).astype(
+        np.int32
+    )
     sizes[1, 0] = 0  # an empty group on one device
     return x, w, sizes
 
@@ -66,17 +73,22 @@ def test_gmm_data_parallel_varying_tokens_replicated_weights(backend):
     def local(a, b, s):
         return cv.gmm(cast(a), cast(b), s[0], backend=backend, interpret=INTERPRET[backend])
 
-    out = jax.jit(jax.shard_map(local, mesh=_mesh(), in_specs=(P("dp"), P(), P("dp")), out_specs=P("dp")))(
-        x, w, sizes)
+    out = jax.jit(
+        jax.shard_map(local, mesh=_mesh(), in_specs=(P("dp"), P(), P("dp")), out_specs=P("dp"))
+    )(x, w, sizes)
     for d in range(D):
-        assert_close(out[d * M:(d + 1) * M], numpy_gmm(x[d * M:(d + 1) * M], w, sizes[d]), K, jnp.float32)
+        assert_close(
+            out[d * M : (d + 1) * M], numpy_gmm(x[d * M : (d + 1) * M], w, sizes[d]), K, jnp.float32
+        )
 
 
 @pytest.mark.parametrize("backend", GMM_BACKENDS)
 def test_gmm_and_tgmm_gradients_in_shard_map_match_reference(backend):
     x, w, sizes = _data(2, backend)
     rng = np.random.default_rng(3)
-    y = np.asarray(jnp.asarray(rng.standard_normal((D * M, _columns(backend))), jnp.bfloat16), np.float32)
+    y = np.asarray(
+        jnp.asarray(rng.standard_normal((D * M, _columns(backend))), jnp.bfloat16), np.float32
+    )
     cast = _operand(backend)
     # mosaic_gpu rounds a float32 cotangent to bf16 (its documented rule) and refuses two float32
     # operands (tgmm's lhs gradient would multiply t by w's float32 cotangent): its case uses bf16
@@ -92,10 +104,18 @@ def test_gmm_and_tgmm_gradients_in_shard_map_match_reference(backend):
                 out = cv.gmm(a, b, s[0], backend=be, interpret=INTERPRET[be])
                 wg = cv.tgmm(a.T, t, s[0], backend=be, interpret=INTERPRET[be])
                 return jnp.sum((jnp.sin(out) if nonlinear else out) * t) + jnp.sum(wg * b)
+
             # the replicated weights get the psum of every device's gradient
             return jax.grad(loss, argnums=(0, 1, 2))(cast(a), cast(b), cast(t))
-        return jax.jit(jax.shard_map(local, mesh=_mesh(), in_specs=(P("dp"), P(), P("dp"), P("dp")),
-                                     out_specs=(P("dp"), P(), P("dp"))))(x, w, sizes, y)
+
+        return jax.jit(
+            jax.shard_map(
+                local,
+                mesh=_mesh(),
+                in_specs=(P("dp"), P(), P("dp"), P("dp")),
+                out_specs=(P("dp"), P(), P("dp")),
+            )
+        )(x, w, sizes, y)
 
     got, want = grads(backend), grads("reference")
     for g, r in zip(got, want):
@@ -115,13 +135,16 @@ def test_gmm_expert_parallel_local_experts_through_group_offset(backend):
 
     def local(a, b, s):
         off = lax.axis_index("ep") * per
-        part = cv.gmm(cast(a), cast(b), s, group_offset=off, backend=backend, interpret=INTERPRET[backend])
+        part = cv.gmm(
+            cast(a), cast(b), s, group_offset=off, backend=backend, interpret=INTERPRET[backend]
+        )
         return part[None], lax.psum(part, "ep")
 
-    parts, full = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("ep"), P()),
-                                        out_specs=(P("ep"), P())))(x[:M], w, global_sizes)
+    parts, full = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P(), P("ep"), P()), out_specs=(P("ep"), P()))
+    )(x[:M], w, global_sizes)
     for e in range(2):
-        want = numpy_gmm(x[:M], w[e * per:(e + 1) * per], global_sizes, offset=e * per)
+        want = numpy_gmm(x[:M], w[e * per : (e + 1) * per], global_sizes, offset=e * per)
         assert_close(parts[e], want, K, jnp.float32)
     assert_close(full, numpy_gmm(x[:M], w, global_sizes), K, jnp.float32)
 
@@ -129,15 +152,22 @@ def test_gmm_expert_parallel_local_experts_through_group_offset(backend):
 @pytest.mark.parametrize("backend", GMM_BACKENDS)
 def test_tgmm_per_device_rows(backend):
     x, _, sizes = _data(5, backend)
-    y = np.asarray(jnp.asarray(np.random.default_rng(6).standard_normal((D * M, _columns(backend))), jnp.bfloat16),
-                   np.float32)
+    y = np.asarray(
+        jnp.asarray(
+            np.random.default_rng(6).standard_normal((D * M, _columns(backend))), jnp.bfloat16
+        ),
+        np.float32,
+    )
     cast = _operand(backend)
 
     def local(a, b, s):
-        return cv.tgmm(cast(a).T, cast(b), s[0], backend=backend, interpret=INTERPRET[backend])[None]
+        return cv.tgmm(cast(a).T, cast(b), s[0], backend=backend, interpret=INTERPRET[backend])[
+            None
+        ]
 
-    out = jax.jit(jax.shard_map(local, mesh=_mesh(), in_specs=(P("dp"), P("dp"), P("dp")), out_specs=P("dp")))(
-        x, y, sizes)
+    out = jax.jit(
+        jax.shard_map(local, mesh=_mesh(), in_specs=(P("dp"), P("dp"), P("dp")), out_specs=P("dp"))
+    )(x, y, sizes)
     for d in range(D):
         rows = slice(d * M, (d + 1) * M)
         assert_close(out[d], numpy_tgmm(x[rows].T, y[rows], sizes[d]), M, jnp.float32)
@@ -146,9 +176,17 @@ def test_tgmm_per_device_rows(backend):
 def _add_bias(x_ref, b_ref, o_ref):
     def body(idx, xb, bb, ob):
         ob[...] = xb[...] + bb[...]
-    cv.emit_pipeline(body, grid=(4,), in_specs=[cv.BlockSpec((8, 128), lambda i: (i, 0)),
-                                                cv.BlockSpec((8, 128), lambda i: (0, 0))],
-                     out_specs=[cv.BlockSpec((8, 128), lambda i: (i, 0))], max_concurrent_steps=2)(x_ref, b_ref, o_ref)
+
+    cv.emit_pipeline(
+        body,
+        grid=(4,),
+        in_specs=[
+            cv.BlockSpec((8, 128), lambda i: (i, 0)),
+            cv.BlockSpec((8, 128), lambda i: (0, 0)),
+        ],
+        out_specs=[cv.BlockSpec((8, 128), lambda i: (i, 0))],
+        max_concurrent_steps=2,
+    )(x_ref, b_ref, o_ref)
 
 
 @pytest.mark.timeout(300)
@@ -157,14 +195,23 @@ def test_kernel_with_pipeline_varying_and_replicated_operands(backend):
     rng = np.random.default_rng(7)
     x = jnp.asarray(rng.standard_normal((D * 32, 128)), jnp.float32)
     b = jnp.asarray(rng.standard_normal((8, 128)), jnp.float32)
-    interpret = {"xla": False, "mosaic_tpu": pltpu.InterpretParams(detect_races=True),
-                 "mosaic_gpu": gpu_interpret(**GPU_MULTI_DEVICE)}[backend]
+    interpret = {
+        "xla": False,
+        "mosaic_tpu": pltpu.InterpretParams(detect_races=True),
+        "mosaic_gpu": gpu_interpret(**GPU_MULTI_DEVICE),
+    }[backend]
 
     def local(x, b):
-        return cv.kernel(_add_bias, jax.ShapeDtypeStruct((32, 128), jnp.float32), backend=backend,
-                         interpret=interpret)(x, b)
+        return cv.kernel(
+            _add_bias,
+            jax.ShapeDtypeStruct((32, 128), jnp.float32),
+            backend=backend,
+            interpret=interpret,
+        )(x, b)
 
-    out = jax.jit(jax.shard_map(local, mesh=_mesh(), in_specs=(P("dp"), P()), out_specs=P("dp")))(x, b)
+    out = jax.jit(jax.shard_map(local, mesh=_mesh(), in_specs=(P("dp"), P()), out_specs=P("dp")))(
+        x, b
+    )
     np.testing.assert_array_equal(out, x + jnp.tile(b, (4 * D, 1)))
 
 
@@ -177,22 +224,38 @@ def test_warp_specialized_kernel_in_shard_map(backend):
         def body(indices, xb, ob):
             mine = pl.ds(lax.axis_index("wg") * 8, 8)
             ob[mine, :] = 2.0 * xb[mine, :] + indices[0].astype(jnp.float32)
+
         spec = cv.BlockSpec((16, 128), lambda i: (i, 0))
-        cv.emit_pipeline_warp_specialized(body, grid=(4,), in_specs=[spec], out_specs=[spec], memory_registers=40,
-                                          wg_axis="wg", num_compute_wgs=2)(x_ref, o_ref)
+        cv.emit_pipeline_warp_specialized(
+            body,
+            grid=(4,),
+            in_specs=[spec],
+            out_specs=[spec],
+            memory_registers=40,
+            wg_axis="wg",
+            num_compute_wgs=2,
+        )(x_ref, o_ref)
 
     def local(x):
-        return cv.kernel(scale, jax.ShapeDtypeStruct((64, 128), jnp.float32), backend=backend,
-                         interpret=gpu_interpret(**GPU_MULTI_DEVICE) if backend == "mosaic_gpu" else False,
-                         num_threads=3, thread_name="wg")(x)
+        return cv.kernel(
+            scale,
+            jax.ShapeDtypeStruct((64, 128), jnp.float32),
+            backend=backend,
+            interpret=gpu_interpret(**GPU_MULTI_DEVICE) if backend == "mosaic_gpu" else False,
+            num_threads=3,
+            thread_name="wg",
+        )(x)
 
-    out = jax.jit(jax.shard_map(local, mesh=_mesh(devices=2), in_specs=(P("dp"),), out_specs=P("dp")))(x)
+    out = jax.jit(
+        jax.shard_map(local, mesh=_mesh(devices=2), in_specs=(P("dp"),), out_specs=P("dp"))
+    )(x)
     step = np.repeat(np.arange(4, dtype=np.float32), 16)[:, None]
     np.testing.assert_array_equal(out, 2.0 * np.asarray(x) + np.tile(step, (2, 1)))
 
 
 def test_mpmd_map_runs_per_device_in_shard_map():
     """Each device runs its own producer/consumer programs on its own shard (CPU executor)."""
+
     def producer(x_ref, o_ref, staging, ready):
         staging[...] = x_ref[...] * 2.0
         cv.semaphore_signal(ready.at[0])
@@ -204,10 +267,14 @@ def test_mpmd_map_runs_per_device_in_shard_map():
         o_ref[me] = staging[me] + 1.0
 
     def local(x):
-        return cv.mpmd_map([(cv.Mesh(p=1), producer), (cv.Mesh(core=2), consumer)],
-                           jax.ShapeDtypeStruct(x.shape, x.dtype),
-                           scratch_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype), cv.SemaphoreType((2,))])(x)
+        return cv.mpmd_map(
+            [(cv.Mesh(p=1), producer), (cv.Mesh(core=2), consumer)],
+            jax.ShapeDtypeStruct(x.shape, x.dtype),
+            scratch_shapes=[jax.ShapeDtypeStruct(x.shape, x.dtype), cv.SemaphoreType((2,))],
+        )(x)
 
     x = jnp.asarray(np.random.default_rng(9).standard_normal((2 * 2, 128)), jnp.float32)
-    out = jax.jit(jax.shard_map(local, mesh=_mesh(devices=2), in_specs=P("dp"), out_specs=P("dp")))(x)
+    out = jax.jit(jax.shard_map(local, mesh=_mesh(devices=2), in_specs=P("dp"), out_specs=P("dp")))(
+        x
+    )
     np.testing.assert_array_equal(out, 2.0 * x + 1.0)

@@ -1,4 +1,5 @@
-"""gmm / tgmm under plain `jax.jit` with sharded operands (8 simulated devices, a 4x2 data x model mesh).
+"""gmm / tgmm under plain `jax.jit` with sharded operands (8 simulated devices, a 4x2 data x model
+mesh).
 
 The ops carry a sharding rule (conveyor.ops.gmm.partitioning): tokens sharded over `data` stay
 where they are (no all-gather), output features sharded over `model` stay sharded, a sharded
@@ -6,6 +7,7 @@ contraction or tgmm's row sum costs exactly one all-reduce. Each test counts the
 the compiled HLO and checks the values against a float64 NumPy oracle, on meshes with Auto axes
 (sharding by propagation) and Explicit axes (sharding in types, `jax.make_mesh`'s default).
 """
+
 import re
 
 import jax
@@ -24,7 +26,9 @@ COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute", "
 
 @pytest.fixture(params=["Auto", "Explicit"])
 def mesh(request):
-    return jax.make_mesh((4, 2), ("data", "model"), axis_types=(getattr(AxisType, request.param),) * 2)
+    return jax.make_mesh(
+        (4, 2), ("data", "model"), axis_types=(getattr(AxisType, request.param),) * 2
+    )
 
 
 def collectives(fn, *args) -> dict:
@@ -72,12 +76,16 @@ def test_gradients_cost_one_all_reduce_per_sharded_sum(mesh):
         return jnp.sum(cv.gmm(x, w, s) * dy)
 
     f = jax.jit(jax.grad(loss, argnums=(0, 1)))
-    args = (put(mesh, x, "data", None), put(mesh, w, None, None, "model"), put(mesh, sizes),
-            put(mesh, dy, "data", "model"))
+    args = (
+        put(mesh, x, "data", None),
+        put(mesh, w, None, None, "model"),
+        put(mesh, sizes),
+        put(mesh, dy, "data", "model"),
+    )
     assert collectives(f, *args) == none_but(all_reduce=2)
     dx, dw = f(*args)
     dx_want = numpy_gmm(dy, np.swapaxes(w, 1, 2), sizes)  # dy[rows_g] @ w_g^T
-    dw_want = numpy_tgmm(x.T, dy, sizes)                  # x[rows_g]^T @ dy[rows_g]
+    dw_want = numpy_tgmm(x.T, dy, sizes)  # x[rows_g]^T @ dy[rows_g]
     assert_close(dx, dx_want, N, jnp.float32)
     assert_close(dw, dw_want, M, jnp.float32)
 
@@ -88,8 +96,12 @@ def test_contraction_sharded_over_model_is_one_all_reduce(mesh):
     x, w, sizes = operands(3, SIZES)
     existing = np.random.default_rng(4).standard_normal((M, N)).astype(np.float32)
     f = jax.jit(lambda x, w, s, e: cv.gmm(x, w, s, existing_out=e))
-    args = (put(mesh, x, "data", "model"), put(mesh, w, None, "model", None), put(mesh, sizes),
-            put(mesh, existing, "data", None))
+    args = (
+        put(mesh, x, "data", "model"),
+        put(mesh, w, None, "model", None),
+        put(mesh, sizes),
+        put(mesh, existing, "data", None),
+    )
     assert collectives(f, *args) == none_but(all_reduce=1)
     assert_close(f(*args), numpy_gmm(x, w, sizes, existing=existing), K, jnp.float32)
 
@@ -99,8 +111,15 @@ def test_token_sharded_tgmm_sums_partial_products_once(mesh, out_dtype):
     x, _, sizes = operands(5, SIZES)
     dy = np.random.default_rng(6).standard_normal((M, N)).astype(np.float32)
     existing = np.random.default_rng(7).standard_normal((G, K, N)).astype(np.float32)
-    f = jax.jit(lambda a, b, s, e: cv.tgmm(a, b, s, existing_out=e, preferred_element_type=out_dtype))
-    args = (put(mesh, x.T, None, "data"), put(mesh, dy, "data", "model"), put(mesh, sizes), put(mesh, existing))
+    f = jax.jit(
+        lambda a, b, s, e: cv.tgmm(a, b, s, existing_out=e, preferred_element_type=out_dtype)
+    )
+    args = (
+        put(mesh, x.T, None, "data"),
+        put(mesh, dy, "data", "model"),
+        put(mesh, sizes),
+        put(mesh, existing),
+    )
     assert collectives(f, *args) == none_but(all_reduce=1)
     out = f(*args)
     assert out.dtype == out_dtype
@@ -114,12 +133,22 @@ def test_local_experts_with_group_offset_and_transposed_weights(mesh):
     x, _, sizes = operands(8, SIZES)
     w_t = np.random.default_rng(9).standard_normal((2, N, K)).astype(np.float32)
     existing = np.random.default_rng(10).standard_normal((M, N)).astype(np.float32)
-    f = jax.jit(lambda x, w, s, e: cv.gmm(x, w, s, transpose_rhs=True, group_offset=1, existing_out=e))
-    args = (put(mesh, x, "data", None), put(mesh, w_t, None, "model", None), put(mesh, sizes),
-            put(mesh, existing, "data", "model"))
+    f = jax.jit(
+        lambda x, w, s, e: cv.gmm(x, w, s, transpose_rhs=True, group_offset=1, existing_out=e)
+    )
+    args = (
+        put(mesh, x, "data", None),
+        put(mesh, w_t, None, "model", None),
+        put(mesh, sizes),
+        put(mesh, existing, "data", "model"),
+    )
     assert collectives(f, *args) == none_but()
-    assert_close(f(*args), numpy_gmm(x, w_t, sizes, transpose_rhs=True, existing=existing, offset=1),
-                 K, jnp.float32)
+    assert_close(
+        f(*args),
+        numpy_gmm(x, w_t, sizes, transpose_rhs=True, existing=existing, offset=1),
+        K,
+        jnp.float32,
+    )
 
 
 def test_lax_ragged_dot_baseline_also_has_no_collective():

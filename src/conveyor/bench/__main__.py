@@ -1,4 +1,5 @@
 """python -m conveyor.bench gmm [--reps N] [--out FILE]"""
+
 import sys
 
 from conveyor.cli import main

@@ -1,4 +1,5 @@
-"""`conveyor bench gmm --platform gpu`: grouped matmul on a real GPU against its floors and baselines.
+"""`conveyor bench gmm --platform gpu`: grouped matmul on a real GPU against its floors and
+baselines.
 
 bf16, the Mixtral expert shape m=8192, k=4096, n=14336, G in {8, 64, 256} with skewed sizes.
 gmm rows: dense `jnp.dot` of the same FLOPs (the compute floor), `lax.ragged_dot`, JAX's own
@@ -9,6 +10,7 @@ Every candidate is checked against a float32 `lax.ragged_dot` (relative Frobeniu
 in the same run: medians of `reps` timings, each the mean of `inner` back-to-back calls after a
 synchronisation, so launch gaps stay out of the numbers.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -61,14 +63,30 @@ def _rel_err(out, ref) -> float:
 def _upstream_gmm(transpose: bool = False):
     """JAX's own Mosaic GPU kernels with a few configurations; the best one is reported."""
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
     if transpose:
-        return {f"bm{bm},bn{bn},bk{bk},s{s}": functools.partial(
-            transposed_ragged_dot_mgpu.transposed_ragged_dot, block_m=bm, block_n=bn, block_k=bk,
-            max_concurrent_steps=s, grid_block_n=1)
-            for bm, bn, bk, s in [(64, 128, 64, 4), (128, 128, 64, 4)]}
-    return {f"bm{bm},bn{bn},bk{bk},s{s},gbn{g}": functools.partial(
-        ragged_dot_mgpu.ragged_dot, block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=s, grid_block_n=g)
-        for bm, bn, bk, s, g in [(128, 128, 64, 4, 1), (128, 256, 64, 4, 1), (64, 256, 64, 4, 1)]}
+        return {
+            f"bm{bm},bn{bn},bk{bk},s{s}": functools.partial(
+                transposed_ragged_dot_mgpu.transposed_ragged_dot,
+                block_m=bm,
+                block_n=bn,
+                block_k=bk,
+                max_concurrent_steps=s,
+                grid_block_n=1,
+            )
+            for bm, bn, bk, s in [(64, 128, 64, 4), (128, 128, 64, 4)]
+        }
+    return {
+        f"bm{bm},bn{bn},bk{bk},s{s},gbn{g}": functools.partial(
+            ragged_dot_mgpu.ragged_dot,
+            block_m=bm,
+            block_n=bn,
+            block_k=bk,
+            max_concurrent_steps=s,
+            grid_block_n=g,
+        )
+        for bm, bn, bk, s, g in [(128, 128, 64, 4, 1), (128, 256, 64, 4, 1), (64, 256, 64, 4, 1)]
+    }
 
 
 def _best(cands: dict[str, Callable], args, reps: int, ref) -> tuple[str, float, float] | None:
@@ -79,7 +97,10 @@ def _best(cands: dict[str, Callable], args, reps: int, ref) -> tuple[str, float,
         try:
             out = jax.block_until_ready(jf(*args))
         except Exception as e:  # noqa: BLE001 - a config over the SMEM budget is skipped, and said
-            print(f"  {name}: {type(e).__name__}: {(str(e).splitlines() or [""])[0][:160]}", flush=True)
+            print(
+                f"  {name}: {type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}",
+                flush=True,
+            )
             continue
         t = device_median(lambda: jf(*args), reps)
         print(f"  {name}: {t * 1e3:.3f} ms", flush=True)
@@ -91,7 +112,12 @@ def _best(cands: dict[str, Callable], args, reps: int, ref) -> tuple[str, float,
 def _upstream_row(name: str, best: tuple[str, float, float] | None) -> dict:
     """The table row of an upstream kernel's fastest configuration, or of its failure (said)."""
     if best is None:
-        return dict(name=name, t=None, err=None, config="failed: no configuration ran (errors in the log above)")
+        return dict(
+            name=name,
+            t=None,
+            err=None,
+            config="failed: no configuration ran (errors in the log above)",
+        )
     return dict(name=name, t=best[1], err=best[2], config=best[0])
 
 
@@ -101,7 +127,9 @@ def _measure(rows: list[dict], reps: int, ref, name: str, f: Callable, args) -> 
     try:
         out = jax.block_until_ready(jf(*args))
     except Exception as e:  # noqa: BLE001 - reported in the table, not hidden
-        rows.append(dict(name=name, t=None, err=None, config=f"failed: {type(e).__name__}: {str(e)[:120]}"))
+        rows.append(
+            dict(name=name, t=None, err=None, config=f"failed: {type(e).__name__}: {str(e)[:120]}")
+        )
         print(f"  {name}: {rows[-1]['config']}", flush=True)
         return
     t = device_median(lambda: jf(*args), reps)
@@ -110,7 +138,8 @@ def _measure(rows: list[dict], reps: int, ref, name: str, f: Callable, args) -> 
 
 
 def hardware_model(device_kind: str) -> str | None:
-    """The simulator's model of a device ("NVIDIA H100 80GB HBM3" -> "h100"), None when it has none."""
+    """The simulator's model of a device ("NVIDIA H100 80GB HBM3" -> "h100"), None when it has
+    none."""
     kind = device_kind.lower()
     for key in ("h200", "h800", "h100", "b200"):
         if key in kind:
@@ -132,35 +161,61 @@ def _inputs(p: GmmProblem, seed: int):
     return sizes, k1, k2
 
 
-def bench_gmm(p: GmmProblem, reps: int, backends: tuple[str, ...], interpret: bool = False) -> list[dict]:
+def bench_gmm(
+    p: GmmProblem, reps: int, backends: tuple[str, ...], interpret: bool = False
+) -> list[dict]:
     sizes, k1, k2 = _inputs(p, p.groups)
     lhs = jax.random.normal(k1, (p.m, p.k), jnp.bfloat16)
-    rhs = (jax.random.normal(k2, (p.groups, p.k, p.n), jnp.float32) / np.sqrt(p.k)).astype(jnp.bfloat16)
+    rhs = (jax.random.normal(k2, (p.groups, p.k, p.n), jnp.float32) / np.sqrt(p.k)).astype(
+        jnp.bfloat16
+    )
     gs = jnp.asarray(sizes)
-    ref = jax.jit(lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32))(lhs, rhs, gs)
+    ref = jax.jit(lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32))(
+        lhs, rhs, gs
+    )
     rows = []
     add = functools.partial(_measure, rows, reps, ref)
     bf16 = jnp.bfloat16
     add("dense jnp.dot", lambda a, b: jnp.dot(a, b[0], preferred_element_type=bf16), (lhs, rhs))
     rows[-1]["err"] = None  # different math: a floor, not a candidate
-    add("lax.ragged_dot", lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=bf16), (lhs, rhs, gs))
-    best = _best({k: functools.partial(f, group_sizes=gs) for k, f in _upstream_gmm().items()}, (lhs, rhs), reps, ref)
+    add(
+        "lax.ragged_dot",
+        lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=bf16),
+        (lhs, rhs, gs),
+    )
+    best = _best(
+        {k: functools.partial(f, group_sizes=gs) for k, f in _upstream_gmm().items()},
+        (lhs, rhs),
+        reps,
+        ref,
+    )
     rows.append(_upstream_row("ragged_dot_mgpu", best))
     for b in backends:
         mosaic = dict(interpret=interpret) if b.startswith("mosaic") else {}
-        add(f"cv.gmm {b}", functools.partial(cv.gmm, preferred_element_type=bf16, backend=b, **mosaic), (lhs, rhs, gs))
+        add(
+            f"cv.gmm {b}",
+            functools.partial(cv.gmm, preferred_element_type=bf16, backend=b, **mosaic),
+            (lhs, rhs, gs),
+        )
         if b == "mosaic_gpu":
             _predict(rows, cv.sim.simulate_gmm, sizes, p.k, p.n)
             for t in GMM_ALTERNATIVE_TILINGS:
-                add(f"cv.gmm {b} tiling={t}", functools.partial(cv.gmm, preferred_element_type=bf16, backend=b,
-                                                                tiling=t, **mosaic), (lhs, rhs, gs))
+                add(
+                    f"cv.gmm {b} tiling={t}",
+                    functools.partial(
+                        cv.gmm, preferred_element_type=bf16, backend=b, tiling=t, **mosaic
+                    ),
+                    (lhs, rhs, gs),
+                )
     return rows
 
 
-def bench_tgmm(p: GmmProblem, reps: int, backends: tuple[str, ...], interpret: bool = False) -> list[dict]:
+def bench_tgmm(
+    p: GmmProblem, reps: int, backends: tuple[str, ...], interpret: bool = False
+) -> list[dict]:
     sizes, k1, k2 = _inputs(p, 100 + p.groups)
-    x = jax.random.normal(k1, (p.m, p.k), jnp.bfloat16)       # tokens [m, k]
-    dy = jax.random.normal(k2, (p.m, p.n), jnp.bfloat16)      # output gradient [m, n]
+    x = jax.random.normal(k1, (p.m, p.k), jnp.bfloat16)  # tokens [m, k]
+    dy = jax.random.normal(k2, (p.m, p.n), jnp.bfloat16)  # output gradient [m, n]
     gs = jnp.asarray(sizes)
     ref = jax.jit(lambda a, b, s: cv.tgmm(a.T, b, s, backend="xla"))(x, dy, gs)
     rows = []
@@ -168,45 +223,79 @@ def bench_tgmm(p: GmmProblem, reps: int, backends: tuple[str, ...], interpret: b
     bf16 = jnp.bfloat16
     add("dense jnp.dot", lambda a, b: jnp.dot(a.T, b, preferred_element_type=bf16), (x, dy))
     rows[-1]["err"] = None
-    best = _best({k: functools.partial(f, group_sizes=gs) for k, f in _upstream_gmm(transpose=True).items()},
-                 (x, dy), reps, ref)
+    best = _best(
+        {k: functools.partial(f, group_sizes=gs) for k, f in _upstream_gmm(transpose=True).items()},
+        (x, dy),
+        reps,
+        ref,
+    )
     rows.append(_upstream_row("transposed_ragged_dot_mgpu", best))
     for b in backends:
         mosaic = dict(interpret=interpret) if b.startswith("mosaic") else {}
-        add(f"cv.tgmm {b}", lambda a, c, s, b=b, kw=mosaic: cv.tgmm(a.T, c, s, preferred_element_type=bf16, backend=b,
-                                                                    **kw), (x, dy, gs))
+        add(
+            f"cv.tgmm {b}",
+            lambda a, c, s, b=b, kw=mosaic: cv.tgmm(
+                a.T, c, s, preferred_element_type=bf16, backend=b, **kw
+            ),
+            (x, dy, gs),
+        )
         if b == "mosaic_gpu":
             _predict(rows, cv.sim.simulate_tgmm, sizes, p.k, p.n)
             for t in TGMM_ALTERNATIVE_TILINGS:
-                add(f"cv.tgmm {b} tiling={t}", lambda a, c, s, b=b, t=t, kw=mosaic: cv.tgmm(
-                    a.T, c, s, preferred_element_type=bf16, backend=b, tiling=t, **kw), (x, dy, gs))
+                add(
+                    f"cv.tgmm {b} tiling={t}",
+                    lambda a, c, s, b=b, t=t, kw=mosaic: cv.tgmm(
+                        a.T, c, s, preferred_element_type=bf16, backend=b, tiling=t, **kw
+                    ),
+                    (x, dy, gs),
+                )
     return rows
 
 
 def _table(title: str, p: GmmProblem, rows: list[dict], floor: float, floor_what: str) -> list[str]:
     flops = 2 * p.m * p.k * p.n
-    out = [f"### {title}, G={p.groups}", "", f"Roofline floor {floor * 1e3:.3f} ms ({floor_what}).", "",
-           "| candidate | ms | TFLOP/s | time / floor | simulated ms | measured / simulated | rel. err vs f32 | config |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = [
+        f"### {title}, G={p.groups}",
+        "",
+        f"Roofline floor {floor * 1e3:.3f} ms ({floor_what}).",
+        "",
+        "| candidate | ms | TFLOP/s | time / floor | simulated ms | measured / simulated | rel. "
+        "err vs f32 | config |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         t, sim = r["t"], r.get("sim")
-        out.append(f"| {r['name']} | {'-' if t is None else f'{t * 1e3:.3f}'} | "
-                   f"{'-' if t is None else f'{flops / t / 1e12:.0f}'} | {'-' if t is None else f'{t / floor:.2f}x'} | "
-                   f"{'-' if sim is None else f'{sim * 1e3:.3f}'} | {'-' if sim is None else f'{t / sim:.2f}'} | "
-                   f"{'-' if r['err'] is None else f'{r['err']:.1e}'} | {r['config'] or ''} |")
+        out.append(
+            f"| {r['name']} | {'-' if t is None else f'{t * 1e3:.3f}'} | "
+            f"{'-' if t is None else f'{flops / t / 1e12:.0f}'} | "
+            f"{'-' if t is None else f'{t / floor:.2f}x'} | "
+            f"{'-' if sim is None else f'{sim * 1e3:.3f}'} | "
+            f"{'-' if sim is None else f'{t / sim:.2f}'} | "
+            f"{'-' if r['err'] is None else f'{r["err"]:.1e}'} | {r['config'] or ''} |"
+        )
     return out + [""]
 
 
-def run(reps: int = 10, groups: tuple[int, ...] = (8, 64, 256), backends: tuple[str, ...] = ("mosaic_gpu", "xla"),
-        tgmm: bool = True, shape: tuple[int, int, int] | None = None, interpret: bool = False) -> str:
+def run(
+    reps: int = 10,
+    groups: tuple[int, ...] = (8, 64, 256),
+    backends: tuple[str, ...] = ("mosaic_gpu", "xla"),
+    tgmm: bool = True,
+    shape: tuple[int, int, int] | None = None,
+    interpret: bool = False,
+) -> str:
     """The GPU table; `shape` is (m, k, n) (default: the Mixtral expert shape). `interpret` runs the
     Mosaic rows through their Pallas interpreters: the CPU check of this benchmark (tiny shapes)."""
     m, k, n = shape or (BENCH_GMM_GPU[0].m, BENCH_GMM_GPU[0].k, BENCH_GMM_GPU[0].n)
     dev = jax.devices()[0]
-    lines = [f"# gmm on GPU, {datetime.date.today().isoformat()}", "",
-             f"Device: {dev.device_kind} ({getattr(dev, 'core_count', '?')} SMs), jax {jax.__version__}. "
-             f"Command: `conveyor bench gmm --platform gpu`. bf16 inputs and outputs, f32 accumulation. "
-             f"Medians of {reps} timings of 5 back-to-back calls.", ""]
+    lines = [
+        f"# gmm on GPU, {datetime.date.today().isoformat()}",
+        "",
+        f"Device: {dev.device_kind} ({getattr(dev, 'core_count', '?')} SMs), jax "
+        f"{jax.__version__}. Command: `conveyor bench gmm --platform gpu`. bf16 inputs and "
+        f"outputs, f32 accumulation. Medians of {reps} timings of 5 back-to-back calls.",
+        "",
+    ]
     bw = copy_bandwidth(reps)
     lines += [f"Measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write).", ""]
     for p in [GmmProblem(name=f"mixtral-g{g}", m=m, k=k, n=n, groups=g) for g in groups]:
@@ -215,15 +304,26 @@ def run(reps: int = 10, groups: tuple[int, ...] = (8, 64, 256), backends: tuple[
         dense = rows[0]["t"]
         weights = 2 * (p.groups * p.k * p.n + p.m * p.k + p.m * p.n)
         floor = max(dense, weights / bw)
-        lines += _table("gmm", p, rows, floor, "max of the dense matmul and moving lhs, the G*k*n weights and the "
-                        "output once at the measured copy bandwidth")
-        print("\n".join(lines[-len(rows) - 6:]), flush=True)
+        lines += _table(
+            "gmm",
+            p,
+            rows,
+            floor,
+            "max of the dense matmul and moving lhs, the G*k*n weights and the output once at the "
+            "measured copy bandwidth",
+        )
+        print("\n".join(lines[-len(rows) - 6 :]), flush=True)
         if tgmm:
             print(f"tgmm G={p.groups}", flush=True)
             rows = bench_tgmm(p, reps, backends, interpret)
             dense = rows[0]["t"]
             floor = max(dense, 2 * (p.m * p.k + p.m * p.n + p.groups * p.k * p.n) / bw)
-            lines += _table("tgmm", p, rows, floor, "max of the dense matmul and moving the inputs and the G*k*n "
-                            "outputs once")
-            print("\n".join(lines[-len(rows) - 6:]), flush=True)
+            lines += _table(
+                "tgmm",
+                p,
+                rows,
+                floor,
+                "max of the dense matmul and moving the inputs and the G*k*n outputs once",
+            )
+            print("\n".join(lines[-len(rows) - 6 :]), flush=True)
     return "\n".join(lines) + "\n"

@@ -11,6 +11,7 @@ runs. The measurements behind each step: docs/xla-backend-notes.md.
 `CONVEYOR_BENCH_SETTLE_S` sets the pause (seconds, default 0.3); the test suite sets 0, since it
 checks that the benchmarks run and agree, not their times.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,7 +26,8 @@ _EVICT = np.zeros(64 * 1024 * 1024 // 8)  # 64 MiB written before each timed cal
 
 
 def _settle_seconds() -> float:
-    """$CONVEYOR_BENCH_SETTLE_S, else 0.3: OpenBLAS threads spin for 2^28 cycles (~0.1 s) before sleeping."""
+    """$CONVEYOR_BENCH_SETTLE_S, else 0.3: OpenBLAS threads spin for 2^28 cycles (~0.1 s) before
+    sleeping."""
     text = os.environ.get("CONVEYOR_BENCH_SETTLE_S", "0.3")
     try:
         value = float(text)
@@ -55,8 +57,9 @@ def run_once(fn: Callable[[], object], warm: bool = True) -> float:
     return time.perf_counter() - t0
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], reps: int,
-                        slow: dict[str, int] | None = None) -> dict[str, float]:
+def interleaved_medians(
+    fns: dict[str, Callable[[], object]], reps: int, slow: dict[str, int] | None = None
+) -> dict[str, float]:
     """Median seconds of each zero-argument function, measured round-robin after one warm-up.
 
     `slow` maps names to a smaller repetition count for very slow baselines.

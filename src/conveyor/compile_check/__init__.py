@@ -5,5 +5,14 @@ from conveyor.compile_check.cases import Case, case, production
 from conveyor.compile_check.run import markdown, run, verdict
 from conveyor.compile_check.targets import TARGETS, Target, target
 
-__all__ = ["Case", "TARGETS", "Target", "case", "markdown", "production", "run", "target",
-           "verdict"]
+__all__ = [
+    "Case",
+    "TARGETS",
+    "Target",
+    "case",
+    "markdown",
+    "production",
+    "run",
+    "target",
+    "verdict",
+]

@@ -184,11 +184,13 @@ def _moe_ep(ctx, *, devices, tokens, d, f, experts, top_k, grad=False):
     args = tuple(ctx.array(shape, bf16, spec, mesh) for shape, spec in zip(shapes, specs))
 
     def layer(*a):
-        return cv.moe.moe_ffn_expert_parallel(*a, top_k=top_k, axis_name="expert",
-                                              loss_axes=("data", "expert"), backend=ctx.backend)[0]
+        return cv.moe.moe_ffn_expert_parallel(
+            *a, top_k=top_k, axis_name="expert", loss_axes=("data", "expert"), backend=ctx.backend
+        )[0]
 
-    fwd = jax.shard_map(layer, mesh=mesh, in_specs=specs, out_specs=P(("data", "expert")),
-                        check_vma=False)
+    fwd = jax.shard_map(
+        layer, mesh=mesh, in_specs=specs, out_specs=P(("data", "expert")), check_vma=False
+    )
     if not grad:
         return fwd, args
     return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 2, 3, 4)), args
@@ -262,16 +264,25 @@ def production() -> list[Case]:
                 for dim in (0, 1):
                     for bidirectional in (False, True):
                         cases.append(
-                            case("ring", op=op, devices=devices, shard=shard, dim=dim,
-                                 bidirectional=bidirectional)
+                            case(
+                                "ring",
+                                op=op,
+                                devices=devices,
+                                shard=shard,
+                                dim=dim,
+                                bidirectional=bidirectional,
+                            )
                         )
-        cases.append(case("ring", op=op, devices=8, shard=1024, dim=0, bidirectional=True,
-                          grad=True))
-        cases.append(case("ring", op=op, devices=8, shard=1024, dim=1, bidirectional=True,
-                          mesh_2d=True))
+        cases.append(
+            case("ring", op=op, devices=8, shard=1024, dim=0, bidirectional=True, grad=True)
+        )
+        cases.append(
+            case("ring", op=op, devices=8, shard=1024, dim=1, bidirectional=True, mesh_2d=True)
+        )
         for dim in (0, 1):  # the interpreter tests' size: halves narrower than 128 lanes
-            cases.append(case("ring", op=op, devices=4, shard=128, dim=dim, bidirectional=True,
-                              grad=True))
+            cases.append(
+                case("ring", op=op, devices=4, shard=128, dim=dim, bidirectional=True, grad=True)
+            )
     return cases
 
 

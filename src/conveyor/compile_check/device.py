@@ -23,8 +23,11 @@ class MissingToolchain(RuntimeError):
 
 
 TOOLCHAINS = {
-    "cuda": ("jax_cuda12_plugin", "jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cuda-nvcc-cu12, "
-             "nvidia-nvjitlink-cu12", "scripts/compile_env.sh cuda"),
+    "cuda": (
+        "jax_cuda12_plugin",
+        "jax-cuda12-plugin, jax-cuda12-pjrt, nvidia-cuda-nvcc-cu12, nvidia-nvjitlink-cu12",
+        "scripts/compile_env.sh cuda",
+    ),
     "tpu": ("libtpu", "libtpu (jax[tpu])", "scripts/compile_env.sh tpu"),
 }
 
@@ -41,8 +44,8 @@ def require_toolchain(target: Target) -> None:
     module, packages, script = TOOLCHAINS[target.platform]
     if not installed(module):
         raise MissingToolchain(
-            f"target {target.name} needs {packages} at this jax's version, not installed in "
-            f"this Python; `{script}` makes that environment (make compile-check uses it)"
+            f"target {target.name} needs {packages} at this jax's version, not installed in this "
+            f"Python; `{script}` makes that environment (make compile-check uses it)"
         )
 
 
@@ -57,8 +60,8 @@ class _Context:
 
         if devices not in target.topologies:
             raise ValueError(
-                f"devices: {target.name} is compiled for {sorted(target.topologies)} chips, "
-                f"got {devices}"
+                f"devices: {target.name} is compiled for {sorted(target.topologies)} chips, got "
+                f"{devices}"
             )
         topology = target.topologies[devices]
         if target.platform == "cuda":
@@ -126,14 +129,18 @@ def compile_case(case: Case, target: Target, dump_dir: str) -> dict[str, Any]:
     return result
 
 
-COLLECTIVES = {"ragged-all-to-all": r"\bragged-all-to-all(?:-start)?\(",
-               "all-to-all": r"(?<!ragged-)\ball-to-all(?:-start)?\("}
+COLLECTIVES = {
+    "ragged-all-to-all": r"\bragged-all-to-all(?:-start)?\(",
+    "all-to-all": r"(?<!ragged-)\ball-to-all(?:-start)?\(",
+}
 
 
 def collectives(hlo: str) -> dict[str, int]:
     """How many exchanges of each kind the compiled program holds (the exact MoE exchange is
     ragged-all-to-all; all-to-all is a dense one)."""
-    return {name: n for name, pattern in COLLECTIVES.items() if (n := len(re.findall(pattern, hlo)))}
+    return {
+        name: n for name, pattern in COLLECTIVES.items() if (n := len(re.findall(pattern, hlo)))
+    }
 
 
 def raised_by_conveyor(error: BaseException) -> bool:

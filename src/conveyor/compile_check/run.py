@@ -24,27 +24,40 @@ def run_one(case: Case, target: Target, *, timeout_s: float) -> dict:
         env.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no cloud metadata server to ask
         env.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
         env.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # no TPU lock: nothing runs
-        request = json.dumps({"kind": case.kind, "params": case.params, "target": target.name,
-                              "dump": dump})
+        request = json.dumps(
+            {"kind": case.kind, "params": case.params, "target": target.name, "dump": dump}
+        )
         cmd = [sys.executable, "-m", "conveyor.compile_check.child", request]
         t0 = time.perf_counter()
         try:
-            child = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                   timeout=timeout_s)
+            child = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            return {"status": "failed", "error": f"no verdict within {timeout_s:.0f} s",
-                    "kernels": [], "seconds": round(time.perf_counter() - t0, 1)}
+            return {
+                "status": "failed",
+                "error": f"no verdict within {timeout_s:.0f} s",
+                "kernels": [],
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
         lines = [ln for ln in child.stdout.splitlines() if ln.startswith("{")]
         if child.returncode == 0 and lines:
             return json.loads(lines[-1])
         tail = child.stderr.strip().splitlines()[-3:]
-        return {"status": "failed", "kernels": [],
-                "error": f"compiling process died (exit {child.returncode}): " + " | ".join(tail),
-                "seconds": round(time.perf_counter() - t0, 1)}
+        return {
+            "status": "failed",
+            "kernels": [],
+            "error": f"compiling process died (exit {child.returncode}): " + " | ".join(tail),
+            "seconds": round(time.perf_counter() - t0, 1),
+        }
 
 
-def run(cases: Iterable[Case], targets: Iterable[Target], *, timeout_s: float = 600,
-        jobs: int = 2, progress=print) -> list[dict]:
+def run(
+    cases: Iterable[Case],
+    targets: Iterable[Target],
+    *,
+    timeout_s: float = 600,
+    jobs: int = 2,
+    progress=print,
+) -> list[dict]:
     """Every case on every target it applies to, `jobs` compiles at a time; one row dict per
     (case, target), in the order of `targets`, then `cases`."""
     from concurrent.futures import ThreadPoolExecutor
@@ -56,8 +69,11 @@ def run(cases: Iterable[Case], targets: Iterable[Target], *, timeout_s: float = 
 
     def one(pair):
         case, target = pair
-        row = {"target": target.name, "case": case.name,
-               **run_one(case, target, timeout_s=timeout_s)}
+        row = {
+            "target": target.name,
+            "case": case.name,
+            **run_one(case, target, timeout_s=timeout_s),
+        }
         progress(line(row))
         return row
 
@@ -66,7 +82,7 @@ def run(cases: Iterable[Case], targets: Iterable[Target], *, timeout_s: float = 
 
 
 def verdict(row: dict) -> str:
-    """"ok", or what is wrong: the compiler refused it, a kernel spills, or a kernel is over
+    """ "ok", or what is wrong: the compiler refused it, a kernel spills, or a kernel is over
     the chip's on-chip memory. A case Conveyor refused itself is "refused" (not wrong)."""
     if row["status"] != "compiled":
         return row["status"]
@@ -96,12 +112,16 @@ def kernel_summary(k: dict) -> str:
     if "vmem" in k:
         return f"VMEM {k['vmem'] / MiB:.2f} MiB (default limit {k['vmem_default'] / MiB:.0f})"
     split = "dropped" if k["split_dropped"] else ("kept" if k["split_in_ptx"] else "none")
-    text = (f"{k['registers']} regs, spills {k['spill_stores']}/{k['spill_loads']} B, "
-            f"smem {k['smem']}/{k['smem_limit']} B, split {split}")
+    text = (
+        f"{k['registers']} regs, spills {k['spill_stores']}/{k['spill_loads']} B, smem "
+        f"{k['smem']}/{k['smem_limit']} B, split {split}"
+    )
     s = k.get("standalone")
     if s:
-        text += (f" (ptxas alone: {s['registers']} regs, spills "
-                 f"{s['spill_stores']}/{s['spill_loads']} B)")
+        text += (
+            f" (ptxas alone: {s['registers']} regs, spills {s['spill_stores']}/{s['spill_loads']} "
+            "B)"
+        )
     return text
 
 
@@ -110,7 +130,10 @@ def markdown(rows: list[dict]) -> str:
     out = ["| target | case | verdict | s | kernels or error |", "|---|---|---|---|---|"]
     for r in rows:
         if r["status"] == "compiled":
-            what = "<br>".join([kernel_summary(k) for k in r["kernels"]] + exchanges(r)) or "no Mosaic kernel"
+            what = (
+                "<br>".join([kernel_summary(k) for k in r["kernels"]] + exchanges(r))
+                or "no Mosaic kernel"
+            )
         else:
             what = r["error"].splitlines()[0][:160].replace("|", "/")
         out.append(f"| {r['target']} | {r['case']} | {verdict(r)} | {r['seconds']:.1f} | {what} |")

@@ -61,23 +61,32 @@ TARGETS = {
     t.name: t
     for t in (
         Target(
-            name="h100", platform="cuda", topologies={1: "1x1x1", 8: "1x1x8"},
-            onchip_default=232448, onchip_physical=232448,
+            name="h100",
+            platform="cuda",
+            topologies={1: "1x1x1", 8: "1x1x8"},
+            onchip_default=232448,
+            onchip_physical=232448,
         ),
         Target(
-            name="v5e", platform="tpu",
+            name="v5e",
+            platform="tpu",
             topologies={1: "v5e:1x1", 4: "v5e:2x2", 8: "v5e:2x4"},
-            onchip_default=16 * MiB, onchip_physical=128 * MiB,
+            onchip_default=16 * MiB,
+            onchip_physical=128 * MiB,
         ),
         Target(
-            name="v6e", platform="tpu",
+            name="v6e",
+            platform="tpu",
             topologies={1: "v6e:1x1", 4: "v6e:2x2", 8: "v6e:2x4"},
-            onchip_default=32 * MiB, onchip_physical=128 * MiB,
+            onchip_default=32 * MiB,
+            onchip_physical=128 * MiB,
         ),
         Target(
-            name="v5p", platform="tpu",
+            name="v5p",
+            platform="tpu",
             topologies={1: "v5p:1x1x1", 4: "v5p:2x2x1", 8: "v5p:2x2x2"},
-            onchip_default=16 * MiB, onchip_physical=64 * MiB,
+            onchip_default=16 * MiB,
+            onchip_physical=64 * MiB,
         ),
     )
 }
@@ -88,6 +97,4 @@ def target(name: str) -> Target:
     try:
         return TARGETS[name]
     except KeyError:
-        raise ValueError(
-            f"target: expected one of {', '.join(TARGETS)}, got {name!r}"
-        ) from None
+        raise ValueError(f"target: expected one of {', '.join(TARGETS)}, got {name!r}") from None

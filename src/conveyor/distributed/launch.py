@@ -9,6 +9,7 @@ On a GPU/TPU cluster the same worker code runs with `jax.distributed.initialize(
 cluster's coordinator address, process count and id (or none at all on TPU pods and SLURM, where
 JAX detects them); only the CPU-specific XLA_FLAGS and the gloo setting are left out.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch_local(module: str, num_processes: int, *, devices_per_process: int = 4, timeout: float = 120.0,
-                 start: list[int] | None = None, extra_args: tuple[str, ...] = ()) -> list[str]:
+def launch_local(
+    module: str,
+    num_processes: int,
+    *,
+    devices_per_process: int = 4,
+    timeout: float = 120.0,
+    start: list[int] | None = None,
+    extra_args: tuple[str, ...] = (),
+) -> list[str]:
     """Run `module` as `num_processes` processes; returns their stdouts when all exit 0.
 
     `start` picks which process ids actually start (the others never arrive): used to test that a
@@ -40,10 +48,25 @@ def launch_local(module: str, num_processes: int, *, devices_per_process: int = 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs = {}
     for i in ids:
-        cmd = [sys.executable, "-m", module, "--process-id", str(i), "--num-processes", str(num_processes),
-               "--port", str(port), "--devices", str(devices_per_process), "--timeout", str(int(timeout)),
-               *extra_args]
-        procs[i] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cmd = [
+            sys.executable,
+            "-m",
+            module,
+            "--process-id",
+            str(i),
+            "--num-processes",
+            str(num_processes),
+            "--port",
+            str(port),
+            "--devices",
+            str(devices_per_process),
+            "--timeout",
+            str(int(timeout)),
+            *extra_args,
+        ]
+        procs[i] = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
     deadline = time.monotonic() + timeout + 10
     outputs: dict[int, str] = {}
     try:
@@ -53,12 +76,17 @@ def launch_local(module: str, num_processes: int, *, devices_per_process: int = 
                     continue
                 outputs[i] = p.stdout.read()
                 if p.returncode != 0:
-                    raise ProcessFailed(f"process {i} of {num_processes} exited with code {p.returncode}; "
-                                        f"its output ends with:\n{outputs[i][-2000:]}")
+                    raise ProcessFailed(
+                        f"process {i} of {num_processes} exited with code {p.returncode}; its "
+                        f"output ends with:\n{outputs[i][-2000:]}"
+                    )
             if time.monotonic() > deadline:
                 waiting = [i for i in procs if i not in outputs]
-                raise ProcessFailed(f"processes {waiting} of {num_processes} still running after {timeout + 10:.0f} s "
-                                    f"(never-started processes: {sorted(set(range(num_processes)) - set(ids))})")
+                raise ProcessFailed(
+                    f"processes {waiting} of {num_processes} still running after "
+                    f"{timeout + 10:.0f} s (never-started processes: "
+                    f"{sorted(set(range(num_processes)) - set(ids))})"
+                )
             time.sleep(0.2)
     finally:
         for p in procs.values():

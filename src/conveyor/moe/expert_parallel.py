@@ -17,6 +17,7 @@ Two exchanges:
   ceil(c * tokens * top_k / D) rows per destination; assignments beyond it are dropped (they
   contribute 0), and the count of dropped assignments is returned, never hidden.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,15 +36,30 @@ def capacity(tokens: int, top_k: int, devices: int, capacity_factor: float | Non
     worst = tokens * top_k
     if capacity_factor is None:
         return worst
-    if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)) or not capacity_factor > 0:
-        raise ValueError(f"capacity_factor: expected None (dropless) or a number > 0, got {capacity_factor!r}")
+    if (
+        isinstance(capacity_factor, bool)
+        or not isinstance(capacity_factor, (int, float))
+        or not capacity_factor > 0
+    ):
+        raise ValueError(
+            f"capacity_factor: expected None (dropless) or a number > 0, got {capacity_factor!r}"
+        )
     return max(1, min(worst, math.ceil(capacity_factor * worst / devices)))
 
 
-def moe_ffn_expert_parallel(x: jax.Array, router_w: jax.Array, w_gate: jax.Array, w_up: jax.Array,
-                            w_down: jax.Array, *, top_k: int, axis_name: str,
-                            capacity_factor: float | None = None, loss_axes: tuple[str, ...] | None = None,
-                            backend: str | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+def moe_ffn_expert_parallel(
+    x: jax.Array,
+    router_w: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    top_k: int,
+    axis_name: str,
+    capacity_factor: float | None = None,
+    loss_axes: tuple[str, ...] | None = None,
+    backend: str | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`moe_ffn` with experts sharded over `axis_name`; call it inside `jax.shard_map`.
 
     Args:
@@ -64,18 +80,24 @@ def moe_ffn_expert_parallel(x: jax.Array, router_w: jax.Array, w_gate: jax.Array
     try:
         devices = lax.axis_size(axis_name)
     except NameError as e:
-        raise ValueError(f"axis_name: {axis_name!r} is not an axis of the enclosing shard_map's mesh (call "
-                         f"moe_ffn_expert_parallel inside jax.shard_map over a mesh with that axis)") from e
+        raise ValueError(
+            f"axis_name: {axis_name!r} is not an axis of the enclosing shard_map's mesh (call "
+            "moe_ffn_expert_parallel inside jax.shard_map over a mesh with that axis)"
+        ) from e
     local_experts = w_gate.shape[0] if hasattr(w_gate, "shape") and w_gate.ndim == 3 else 0
     num_experts = router_w.shape[1] if hasattr(router_w, "shape") and router_w.ndim == 2 else 0
     if local_experts * devices != num_experts:
-        raise ValueError(f"w_gate: expected num_experts / {axis_name} size = {num_experts} / {devices} local experts "
-                         f"(the expert count must divide evenly over the axis), got shape "
-                         f"{getattr(w_gate, 'shape', None)}")
+        raise ValueError(
+            f"w_gate: expected num_experts / {axis_name} size = {num_experts} / {devices} local "
+            "experts (the expert count must divide evenly over the axis), got shape "
+            f"{getattr(w_gate, 'shape', None)}"
+        )
     for name, w in (("w_up", w_up), ("w_down", w_down)):
         if getattr(w, "ndim", 0) != 3 or w.shape[0] != local_experts:
-            raise ValueError(f"{name}: expected {local_experts} local experts in dimension 0 (like w_gate), got shape "
-                             f"{getattr(w, 'shape', None)}")
+            raise ValueError(
+                f"{name}: expected {local_experts} local experts in dimension 0 (like w_gate), got "
+                f"shape {getattr(w, 'shape', None)}"
+            )
     full = lambda w: jax.ShapeDtypeStruct((num_experts, *w.shape[1:]), w.dtype)
     check_layer_args(x, router_w, full(w_gate), full(w_up), full(w_down), top_k)
     tokens, d = x.shape
@@ -88,16 +110,34 @@ def moe_ffn_expert_parallel(x: jax.Array, router_w: jax.Array, w_gate: jax.Array
     dest = sorted_experts // local_experts
     per_dest = jnp.zeros((devices,), jnp.int32).at[dest].add(1)
     first_of_dest = jnp.cumsum(per_dest) - per_dest
-    experts = lambda rows, ids: _experts(rows, ids, local_experts, w_gate, w_up, w_down, backend)  # noqa: E731
+    experts = lambda rows, ids: _experts(rows, ids, local_experts, w_gate, w_up, w_down, backend)
     if capacity_factor is None:
-        results = _exact_exchange(x[order // top_k], sorted_experts % local_experts, per_dest, first_of_dest,
-                                  experts, axis_name=axis_name, devices=devices, local_experts=local_experts)
+        results = _exact_exchange(
+            x[order // top_k],
+            sorted_experts % local_experts,
+            per_dest,
+            first_of_dest,
+            experts,
+            axis_name=axis_name,
+            devices=devices,
+            local_experts=local_experts,
+        )
         dropped = jnp.zeros((), jnp.int32)
     else:
-        results, dropped = _capacity_exchange(x[order // top_k], sorted_experts, dest, first_of_dest, experts,
-                                              axis_name=axis_name, devices=devices, cap=cap,
-                                              local_experts=local_experts)
-    aux = load_balancing_loss(routing, axis_names=tuple(loss_axes) if loss_axes is not None else (axis_name,))
+        results, dropped = _capacity_exchange(
+            x[order // top_k],
+            sorted_experts,
+            dest,
+            first_of_dest,
+            experts,
+            axis_name=axis_name,
+            devices=devices,
+            cap=cap,
+            local_experts=local_experts,
+        )
+    aux = load_balancing_loss(
+        routing, axis_names=tuple(loss_axes) if loss_axes is not None else (axis_name,)
+    )
     return combine(results, order, routing, x), aux, dropped
 
 
@@ -110,30 +150,47 @@ def _experts(rows, ids, local_experts, w_gate, w_up, w_down, backend):
     return jnp.zeros_like(out_sorted).at[by_expert].set(out_sorted)
 
 
-def _exact_exchange(rows, ids, per_dest, first_of_dest, experts, *, axis_name, devices, local_experts):
+def _exact_exchange(
+    rows, ids, per_dest, first_of_dest, experts, *, axis_name, devices, local_experts
+):
     """Dropless: each device's rows (sorted by destination, `per_dest` each from `first_of_dest`)
     go to their owners as ragged slices, and the results come back to the same rows."""
     assignments, d = rows.shape
-    sizes = lax.all_gather(per_dest, axis_name)                      # [sender, destination]
+    sizes = lax.all_gather(per_dest, axis_name)  # [sender, destination]
     me = lax.axis_index(axis_name)
     recv_sizes = sizes[:, me]
     # where my slice lands at each destination: after the slices of the senders before me
     at_destination = (jnp.cumsum(sizes, axis=0) - sizes)[me]
-    received_at = jnp.cumsum(recv_sizes) - recv_sizes                # sender i's slice in my buffer
-    buffer = devices * assignments                                   # the worst case: every row to me
-    send = lambda a, out: ragged_all_to_all(a, out, first_of_dest, per_dest, at_destination, recv_sizes,  # noqa: E731
-                                            axis_name=axis_name)
+    received_at = jnp.cumsum(recv_sizes) - recv_sizes  # sender i's slice in my buffer
+    buffer = devices * assignments  # the worst case: every row to me
+    send = lambda a, out: ragged_all_to_all(
+        a,
+        out,
+        first_of_dest,
+        per_dest,
+        at_destination,
+        recv_sizes,  # noqa: E731
+        axis_name=axis_name,
+    )
     recv_rows = send(rows, jnp.zeros((buffer, d), rows.dtype))
     recv_ids = send(ids, jnp.full((buffer,), local_experts, ids.dtype))
     out = experts(recv_rows, recv_ids)
     # back: sender i's rows return to where they left it (its first_of_dest[me])
     home = (jnp.cumsum(sizes, axis=1) - sizes)[:, me]
-    return ragged_all_to_all(out, jnp.zeros((assignments, d), out.dtype), received_at, recv_sizes, home, per_dest,
-                             axis_name=axis_name)
+    return ragged_all_to_all(
+        out,
+        jnp.zeros((assignments, d), out.dtype),
+        received_at,
+        recv_sizes,
+        home,
+        per_dest,
+        axis_name=axis_name,
+    )
 
 
-def _capacity_exchange(rows, sorted_experts, dest, first_of_dest, experts, *, axis_name, devices, cap,
-                       local_experts):
+def _capacity_exchange(
+    rows, sorted_experts, dest, first_of_dest, experts, *, axis_name, devices, cap, local_experts
+):
     """Fixed capacity: [D, cap, d] buffers through a dense all_to_all; rows past a destination's
     capacity are dropped (they read 0) and counted."""
     d = rows.shape[1]
@@ -142,8 +199,18 @@ def _capacity_exchange(rows, sorted_experts, dest, first_of_dest, experts, *, ax
     dropped = jnp.sum(~kept).astype(jnp.int32)
     slot = jnp.where(kept, dest * cap + rank, devices * cap)  # dropped: an extra row, cut below
     packed = jnp.zeros((devices * cap + 1, d), rows.dtype).at[slot].set(rows)[:-1]
-    ids = jnp.full((devices * cap + 1,), local_experts, jnp.int32).at[slot].set(sorted_experts % local_experts)[:-1]
-    exchange = lambda a: lax.all_to_all(a.reshape(devices, cap, *a.shape[1:]), axis_name, 0, 0,  # noqa: E731
-                                        tiled=False).reshape(a.shape)
+    ids = (
+        jnp.full((devices * cap + 1,), local_experts, jnp.int32)
+        .at[slot]
+        .set(sorted_experts % local_experts)[:-1]
+    )
+    exchange = lambda a: lax.all_to_all(
+        a.reshape(devices, cap, *a.shape[1:]),
+        axis_name,
+        0,
+        0,  # noqa: E731
+        tiled=False,
+    ).reshape(a.shape)
     back = exchange(experts(exchange(packed), exchange(ids)))
-    return jnp.concatenate([back, jnp.zeros((1, d), back.dtype)])[slot], dropped  # dropped rows read 0
+    # dropped rows read 0
+    return jnp.concatenate([back, jnp.zeros((1, d), back.dtype)])[slot], dropped

@@ -1,4 +1,6 @@
-"""The MoE feed-forward layer: route, permute into expert order, SwiGLU experts via cv.gmm, combine."""
+"""The MoE feed-forward layer: route, permute into expert order, SwiGLU experts via cv.gmm,
+combine."""
+
 from __future__ import annotations
 
 import jax
@@ -10,25 +12,46 @@ from conveyor.ops.gmm.api import gmm
 
 def check_layer_args(x, router_w, w_gate, w_up, w_down, top_k) -> None:
     """Shapes and top_k of the layer's arguments, each error naming the argument and the rule."""
-    for name, a, ndim in (("x", x, 2), ("router_w", router_w, 2), ("w_gate", w_gate, 3), ("w_up", w_up, 3),
-                          ("w_down", w_down, 3)):
+    for name, a, ndim in (
+        ("x", x, 2),
+        ("router_w", router_w, 2),
+        ("w_gate", w_gate, 3),
+        ("w_up", w_up, 3),
+        ("w_down", w_down, 3),
+    ):
         if not hasattr(a, "shape") or a.ndim != ndim:
-            raise ValueError(f"{name}: expected a {ndim}-d array, got {getattr(a, 'shape', type(a).__name__)}")
+            raise ValueError(
+                f"{name}: expected a {ndim}-d array, got {getattr(a, 'shape', type(a).__name__)}"
+            )
     tokens, d = x.shape
     num_experts = router_w.shape[1]
     f = w_gate.shape[2]
-    expected = {"router_w": (d, num_experts), "w_gate": (num_experts, d, f), "w_up": (num_experts, d, f),
-                "w_down": (num_experts, f, d)}
+    expected = {
+        "router_w": (d, num_experts),
+        "w_gate": (num_experts, d, f),
+        "w_up": (num_experts, d, f),
+        "w_down": (num_experts, f, d),
+    }
     for name, a in (("router_w", router_w), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
         if tuple(a.shape) != expected[name]:
-            raise ValueError(f"{name}: expected shape {expected[name]} (x is [tokens={tokens}, d={d}], "
-                             f"{num_experts} experts, hidden f={f}), got {tuple(a.shape)}")
+            raise ValueError(
+                f"{name}: expected shape {expected[name]} (x is [tokens={tokens}, d={d}], "
+                f"{num_experts} experts, hidden f={f}), got {tuple(a.shape)}"
+            )
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k: expected an int in [1, num_experts={num_experts}], got {top_k!r}")
 
 
-def moe_ffn(x: jax.Array, router_w: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, *,
-            top_k: int, backend: str | None = None) -> tuple[jax.Array, jax.Array]:
+def moe_ffn(
+    x: jax.Array,
+    router_w: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    top_k: int,
+    backend: str | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """A dropless top-k MoE feed-forward layer.
 
     Args:
@@ -49,8 +72,8 @@ def moe_ffn(x: jax.Array, router_w: jax.Array, w_gate: jax.Array, w_up: jax.Arra
     check_layer_args(x, router_w, w_gate, w_up, w_down, top_k)
     num_experts = router_w.shape[1]
     routing = route(x, router_w, top_k=top_k)
-    flat_experts = routing.experts.reshape(-1)                      # [tokens * top_k]
-    order = jnp.argsort(flat_experts, stable=True)                  # assignments in expert order
+    flat_experts = routing.experts.reshape(-1)  # [tokens * top_k]
+    order = jnp.argsort(flat_experts, stable=True)  # assignments in expert order
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_experts].add(1)
     out = swiglu_experts(x[order // top_k], group_sizes, w_gate, w_up, w_down, backend)
     return combine(out, order, routing, x), load_balancing_loss(routing)
@@ -68,5 +91,9 @@ def combine(out, order, routing, x):
     (token, slot) index) into its token's row, weighted by its gate; float32 sums, x's dtype."""
     top_k = routing.experts.shape[1]
     weights = routing.gates.reshape(-1)[order].astype(jnp.float32)
-    y = jnp.zeros(x.shape, jnp.float32).at[order // top_k].add(out.astype(jnp.float32) * weights[:, None])
+    y = (
+        jnp.zeros(x.shape, jnp.float32)
+        .at[order // top_k]
+        .add(out.astype(jnp.float32) * weights[:, None])
+    )
     return y.astype(x.dtype)

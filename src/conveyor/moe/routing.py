@@ -1,4 +1,5 @@
 """Top-k routing and the load-balancing loss, shared by the layer and its dense reference."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,14 +15,17 @@ class Routing:
     """Where each token goes: `experts[t, j]` is its j-th expert, `gates[t, j]` that expert's weight
     (the softmax probabilities of the chosen k, renormalised to sum to 1); `probs[t, e]` is the
     full softmax, which the load-balancing loss needs."""
+
     experts: jax.Array  # int32 [tokens, top_k]
-    gates: jax.Array    # float32 [tokens, top_k]
-    probs: jax.Array    # float32 [tokens, num_experts]
+    gates: jax.Array  # float32 [tokens, top_k]
+    probs: jax.Array  # float32 [tokens, num_experts]
 
 
 def route(x: jax.Array, router_w: jax.Array, *, top_k: int) -> Routing:
     """Softmax over `x @ router_w` (in float32), keep the top_k experts per token, renormalise."""
-    logits = jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    logits = jnp.dot(
+        x.astype(jnp.float32), router_w.astype(jnp.float32), precision=lax.Precision.HIGHEST
+    )
     probs = jax.nn.softmax(logits, axis=-1)
     top, experts = lax.top_k(probs, top_k)
     gates = top / jnp.sum(top, axis=-1, keepdims=True)

@@ -1,4 +1,5 @@
 """cv.mpmd_map: several programs, each on its own mesh, in one call, sharing memory."""
+
 from __future__ import annotations
 
 import itertools
@@ -24,7 +25,9 @@ class Mesh:
     def __init__(self, **axis_sizes: int):
         for name, size in axis_sizes.items():
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"cv.Mesh: axis {name!r} must have a positive int size, got {size!r}")
+                raise ValueError(
+                    f"cv.Mesh: axis {name!r} must have a positive int size, got {size!r}"
+                )
         self.axis_sizes: dict[str, int] = dict(axis_sizes)
 
     @property
@@ -33,7 +36,10 @@ class Mesh:
 
     def points(self) -> list[dict[str, int]]:
         names = list(self.axis_sizes)
-        return [dict(zip(names, p)) for p in itertools.product(*(range(s) for s in self.axis_sizes.values()))]
+        return [
+            dict(zip(names, p))
+            for p in itertools.product(*(range(s) for s in self.axis_sizes.values()))
+        ]
 
     def __repr__(self) -> str:
         return "cv.Mesh(" + ", ".join(f"{k}={v}" for k, v in self.axis_sizes.items()) + ")"
@@ -45,16 +51,24 @@ def super_mesh(meshes_and_fns) -> dict[str, int]:
     for i, (mesh, fn) in enumerate(meshes_and_fns):
         for name, size in mesh.axis_sizes.items():
             if name in axes and axes[name][0] != size:
-                raise ValueError(f"mpmd_map: axis {name!r} has size {axes[name][0]} in {axes[name][1]} but size "
-                                 f"{size} in {program_label(i, fn)}; one axis name must have one size")
+                raise ValueError(
+                    f"mpmd_map: axis {name!r} has size {axes[name][0]} in {axes[name][1]} but size "
+                    f"{size} in {program_label(i, fn)}; one axis name must have one size"
+                )
             axes.setdefault(name, (size, program_label(i, fn)))
     return {k: v for k, (v, _) in axes.items()}
 
 
 def _validate(meshes_and_fns):
-    if not isinstance(meshes_and_fns, Sequence) or isinstance(meshes_and_fns, (str, bytes)) or not meshes_and_fns:
-        raise ValueError(f"mpmd_map: meshes_and_fns must be a non-empty sequence of (cv.Mesh, fn) pairs, "
-                         f"got {meshes_and_fns!r}")
+    if (
+        not isinstance(meshes_and_fns, Sequence)
+        or isinstance(meshes_and_fns, (str, bytes))
+        or not meshes_and_fns
+    ):
+        raise ValueError(
+            "mpmd_map: meshes_and_fns must be a non-empty sequence of (cv.Mesh, fn) pairs, got "
+            f"{meshes_and_fns!r}"
+        )
     out = []
     for i, pair in enumerate(meshes_and_fns):
         if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
@@ -68,11 +82,23 @@ def _validate(meshes_and_fns):
     return out
 
 
-def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_shapes: Any, *,
-             scratch_shapes: Sequence[Any] | Mapping[str, Any] = (), input_output_aliases: Mapping[int, int] = {},
-             compiler_params: Any = None, interpret: Any = False, debug: Any = False, cost_estimate: Any = None,
-             name: str | None = None, metadata: Any = None, backend: str | None = None) -> Callable[..., Any]:
-    """Run several kernels over refs, each on every point of its own mesh, all at once, on shared memory.
+def mpmd_map(
+    meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]],
+    /,
+    out_shapes: Any,
+    *,
+    scratch_shapes: Sequence[Any] | Mapping[str, Any] = (),
+    input_output_aliases: Mapping[int, int] = {},
+    compiler_params: Any = None,
+    interpret: Any = False,
+    debug: Any = False,
+    cost_estimate: Any = None,
+    name: str | None = None,
+    metadata: Any = None,
+    backend: str | None = None,
+) -> Callable[..., Any]:
+    """Run several kernels over refs, each on every point of its own mesh, all at once, on shared
+    memory.
 
     Each `fn(*in_refs, *out_refs, *scratch_refs)` returns None and runs once per point of its
     mesh; `lax.axis_index(axis)` is the point's coordinate. Scratch comes in the structure of
@@ -87,7 +113,8 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
     Under `jax.vmap` the call runs once per batch element, one after the other.
 
     Args:
-      out_shapes: a pytree of ShapeDtypeStructs; outputs start poisoned (NaN / int min) unless aliased.
+      out_shapes: a pytree of ShapeDtypeStructs; outputs start poisoned (NaN / int min) unless
+        aliased.
       scratch_shapes: a sequence, dict or nested pytree of ShapeDtypeStructs (poisoned),
         `cv.SemaphoreType` (zero) or `cv.BarrierType`, or Pallas's spellings of them:
         `pltpu.VMEM` / `plgpu.SMEM` shapes, `pltpu.SemaphoreType.REGULAR(shape)`,
@@ -113,7 +140,9 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
     out_leaves, out_tree = jax.tree_util.tree_flatten(out_shapes)
     for j, s in enumerate(out_leaves):
         if not (hasattr(s, "shape") and hasattr(s, "dtype")):
-            raise TypeError(f"mpmd_map: out_shapes leaf {j}: expected a jax.ShapeDtypeStruct, got {s!r}")
+            raise TypeError(
+                f"mpmd_map: out_shapes leaf {j}: expected a jax.ShapeDtypeStruct, got {s!r}"
+            )
     layout = ScratchLayout.of(scratch_shapes, sum(mesh.size for mesh, _ in programs))
     check_aliases("mpmd_map", input_output_aliases)
     _check_annotations(cost_estimate, metadata)
@@ -123,24 +152,42 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
     def call(*args):
         in_leaves, _ = jax.tree_util.tree_flatten(args)
         for i, x in enumerate(in_leaves):
-            if not (hasattr(x, "shape") and hasattr(x, "dtype")) or jnp.dtype(x.dtype) == np.dtype(object):
-                raise TypeError(f"mpmd_map{f' {name!r}' if name else ''}: input {i} is not an array a ref can hold "
-                                f"(got {type(x).__name__})")
+            if not (hasattr(x, "shape") and hasattr(x, "dtype")) or jnp.dtype(x.dtype) == np.dtype(
+                object
+            ):
+                raise TypeError(
+                    f"mpmd_map{f' {name!r}' if name else ''}: input {i} is not an array a ref can "
+                    f"hold (got {type(x).__name__})"
+                )
         check_alias_operands("mpmd_map", input_output_aliases, in_leaves, out_leaves)
         if backend == "mosaic_gpu":
             from conveyor.mpmd import mosaic_gpu
-            outs = mosaic_gpu.build(programs, axes, out_leaves, layout, dict(input_output_aliases),
-                                    interpret, name, cost_estimate)(*in_leaves)
+
+            outs = mosaic_gpu.build(
+                programs,
+                axes,
+                out_leaves,
+                layout,
+                dict(input_output_aliases),
+                interpret,
+                name,
+                cost_estimate,
+            )(*in_leaves)
             return jax.tree_util.tree_unflatten(out_tree, list(outs))
         if backend == "mosaic_tpu":
             raise NotImplementedError(
-                "mpmd_map on mosaic_tpu: Pallas TPU (jax 0.12) runs several programs in one kernel only on "
-                "SparseCore (pl.kernel with a list of meshes), and mapping instances onto a TensorCore mesh "
-                "needs scratch shared between cores, which its interpreter does not model (HBM scratch fails "
-                "an interpreter assertion; VMEM_SHARED written on one core reads back uninitialized on another). "
-                "Use the CPU executor (the default on CPU) or mosaic_gpu")
+                "mpmd_map on mosaic_tpu: Pallas TPU (jax 0.12) runs several programs in one kernel "
+                "only on SparseCore (pl.kernel with a list of meshes), and mapping instances onto "
+                "a TensorCore mesh needs scratch shared between cores, which its interpreter does "
+                "not model (HBM scratch fails an interpreter assertion; VMEM_SHARED written on one "
+                "core reads back uninitialized on another). Use the CPU executor (the default on "
+                "CPU) or mosaic_gpu"
+            )
         from conveyor.mpmd import cpu_call
-        outs = cpu_call.run(programs, axes, in_leaves, out_leaves, layout, dict(input_output_aliases), params, name)
+
+        outs = cpu_call.run(
+            programs, axes, in_leaves, out_leaves, layout, dict(input_output_aliases), params, name
+        )
         return jax.tree_util.tree_unflatten(out_tree, list(outs))
 
     return call
@@ -149,11 +196,18 @@ def mpmd_map(meshes_and_fns: Sequence[tuple[Mesh, Callable[..., None]]], /, out_
 def _check_annotations(cost_estimate, metadata) -> None:
     if cost_estimate is not None:
         from jax.experimental import pallas as pl
+
         if not isinstance(cost_estimate, pl.CostEstimate):
-            raise TypeError(f"mpmd_map: cost_estimate must be a pl.CostEstimate or None, got {cost_estimate!r}")
-    if metadata is not None and not (isinstance(metadata, Mapping)
-                                     and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
-        raise TypeError(f"mpmd_map: metadata must be a dict of str to str or None, got {metadata!r}")
+            raise TypeError(
+                f"mpmd_map: cost_estimate must be a pl.CostEstimate or None, got {cost_estimate!r}"
+            )
+    if metadata is not None and not (
+        isinstance(metadata, Mapping)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise TypeError(
+            f"mpmd_map: metadata must be a dict of str to str or None, got {metadata!r}"
+        )
 
 
 BACKENDS = ("cpu", "mosaic_gpu", "mosaic_tpu")
@@ -166,22 +220,33 @@ def _check_backend(backend, compiler_params, interpret) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"mpmd_map: backend must be one of {BACKENDS} or None, got {backend!r}")
     if isinstance(compiler_params, Mapping) and "backend" in compiler_params:
-        raise TypeError(f"mpmd_map: compiler_params has no 'backend' key; pass "
-                        f"backend={compiler_params['backend']!r} instead")
+        raise TypeError(
+            "mpmd_map: compiler_params has no 'backend' key; pass "
+            f"backend={compiler_params['backend']!r} instead"
+        )
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
     if isinstance(compiler_params, plgpu.CompilerParams):
         if backend != "mosaic_gpu":
-            raise ValueError(f"mpmd_map: compiler_params is a plgpu.CompilerParams, for backend='mosaic_gpu'; "
-                             f"got backend={backend!r}")
+            raise ValueError(
+                "mpmd_map: compiler_params is a plgpu.CompilerParams, for backend='mosaic_gpu'; "
+                f"got backend={backend!r}"
+            )
         if compiler_params != plgpu.CompilerParams():
-            raise NotImplementedError(f"mpmd_map on mosaic_gpu: compiler_params fields are not passed to the kernel "
-                                      f"yet; leave them at their defaults, got {compiler_params!r}")
+            raise NotImplementedError(
+                "mpmd_map on mosaic_gpu: compiler_params fields are not passed to the kernel yet; "
+                f"leave them at their defaults, got {compiler_params!r}"
+            )
     elif compiler_params is not None and not isinstance(compiler_params, Mapping):
-        raise TypeError(f"mpmd_map: compiler_params must be a dict ({{'timeout_s': seconds}}), or a "
-                        f"plgpu.CompilerParams with backend='mosaic_gpu'; got {compiler_params!r}")
+        raise TypeError(
+            "mpmd_map: compiler_params must be a dict ({'timeout_s': seconds}), or a "
+            f"plgpu.CompilerParams with backend='mosaic_gpu'; got {compiler_params!r}"
+        )
     if interpret and backend == "cpu":
-        raise ValueError("mpmd_map: interpret runs a Mosaic backend through its Pallas interpreter; the cpu "
-                         "backend has none (pass backend='mosaic_gpu' with it, or leave interpret out)")
+        raise ValueError(
+            "mpmd_map: interpret runs a Mosaic backend through its Pallas interpreter; the cpu "
+            "backend has none (pass backend='mosaic_gpu' with it, or leave interpret out)"
+        )
     return backend
 
 
@@ -191,7 +256,9 @@ def _options(compiler_params, debug) -> dict:
         if isinstance(src, Mapping):
             out.update(src)
     if not isinstance(out["timeout_s"], (int, float)) or out["timeout_s"] <= 0:
-        raise ValueError(f"mpmd_map: timeout_s must be a positive number of seconds, got {out['timeout_s']!r}")
+        raise ValueError(
+            f"mpmd_map: timeout_s must be a positive number of seconds, got {out['timeout_s']!r}"
+        )
     return out
 
 

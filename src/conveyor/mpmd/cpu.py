@@ -11,6 +11,7 @@ interpreted step by step.
 A wait that outlasts the timeout aborts every instance and raises `MpmdDeadlock`, which lists
 each program and point with what it was doing or waiting on.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,10 +39,23 @@ def _select_n(pred, *cases):
 # semaphores would otherwise pay a JAX dispatch per operation. Same IEEE results; operands of a
 # lax binary op always share one dtype, so NumPy's promotion rules never apply.
 NUMPY_PRIMITIVES = {
-    "add": np.add, "sub": np.subtract, "mul": np.multiply, "rem": np.fmod, "neg": np.negative,
-    "max": np.maximum, "min": np.minimum, "lt": np.less, "le": np.less_equal, "gt": np.greater,
-    "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal, "and": np.bitwise_and, "or": np.bitwise_or,
-    "not": np.invert, "select_n": _select_n,
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "rem": np.fmod,
+    "neg": np.negative,
+    "max": np.maximum,
+    "min": np.minimum,
+    "lt": np.less,
+    "le": np.less_equal,
+    "gt": np.greater,
+    "ge": np.greater_equal,
+    "eq": np.equal,
+    "ne": np.not_equal,
+    "and": np.bitwise_and,
+    "or": np.bitwise_or,
+    "not": np.invert,
+    "select_n": _select_n,
 }
 # Accelerator memory fences: CPU memory is coherent, so they have nothing to order here.
 NO_OPS_ON_CPU = frozenset({"commit_smem", "commit_smem_to_gmem_group"})
@@ -59,20 +73,21 @@ class _Aborted(Exception):
 class Buffer:
     name: str
     array: np.ndarray
-    kind: str = "array"          # "array" | "semaphore" | "barrier"
-    barrier: threading.Barrier | None = None   # set for kind "barrier" when a call starts
+    kind: str = "array"  # "array" | "semaphore" | "barrier"
+    barrier: threading.Barrier | None = None  # set for kind "barrier" when a call starts
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Ref:
     """A ref value inside the interpreter: the memory it names (shared, or an instance's own)."""
+
     buffer: Buffer
 
 
 @dataclasses.dataclass(frozen=True)
 class Instance:
     program: int
-    label: str                   # "program 1 ('consumer')"
+    label: str  # "program 1 ('consumer')"
     point: tuple[tuple[str, int], ...]
 
     @property
@@ -123,7 +138,9 @@ def _view_index(buf: np.ndarray, transforms) -> tuple[np.ndarray, Any]:
     for t in transforms:
         parts = ndindexer_parts(t)
         if parts is None:
-            raise NotImplementedError(f"mpmd_map on CPU: ref transform {type(t).__name__} is not supported")
+            raise NotImplementedError(
+                f"mpmd_map on CPU: ref transform {type(t).__name__} is not supported"
+            )
         base = base[idx] if idx != (Ellipsis,) else base
         out = []
         for part in parts:
@@ -184,8 +201,10 @@ class Interpreter:
             name = name[0] if isinstance(name, (tuple, list)) else name
             coords = self.inst.coords
             if name not in coords:
-                raise NameError(f"{self.inst}: lax.axis_index({name!r}) names an axis this program's mesh does not "
-                                f"have (it has {sorted(coords)})")
+                raise NameError(
+                    f"{self.inst}: lax.axis_index({name!r}) names an axis this program's mesh does "
+                    f"not have (it has {sorted(coords)})"
+                )
             return np.int32(coords[name])
         if prim is semaphore_signal_p:
             return self._signal(vals, params)
@@ -204,7 +223,8 @@ class Interpreter:
         if prim.name == "convert_element_type":
             return np.asarray(vals[0]).astype(params["new_dtype"])
         if prim is P["jit"] and _numpy_only(params["jaxpr"]):
-            j = params["jaxpr"]   # small scalar helpers (jnp.remainder, ...): cheaper in NumPy than a dispatch
+            # small scalar helpers (jnp.remainder, ...): cheaper in NumPy than a dispatch
+            j = params["jaxpr"]
             return self.run(j, j.consts, vals)
         if not self._touches_state(eqn):
             return prim.bind(*vals, **params)
@@ -219,7 +239,9 @@ class Interpreter:
         if prim is P["jit"]:
             j = params["jaxpr"]
             return self.run(j, j.consts, vals)
-        raise NotImplementedError(f"mpmd_map on CPU: {prim} over refs is not supported (in {self.inst})")
+        raise NotImplementedError(
+            f"mpmd_map on CPU: {prim} over refs is not supported (in {self.inst})"
+        )
 
     def _resolve(self, ref, leaves, tree):
         if not isinstance(ref, Ref):
@@ -228,30 +250,46 @@ class Interpreter:
         return _view_index(ref.buffer.array, transforms)
 
     def _run_scoped(self, eqn, vals):
-        """`pl.run_scoped` in a program: fresh memory of this instance alone, for the body's duration."""
+        """`pl.run_scoped` in a program: fresh memory of this instance alone, for the body's
+        duration."""
         body = eqn.params["jaxpr"]
         scoped = []
         for v in body.invars:
             aval = v.aval.inner_aval
             if jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended):
-                scoped.append(Ref(Buffer(f"{self.inst}'s scoped semaphore", np.zeros(aval.shape, np.int32),
-                                         "semaphore")))
+                scoped.append(
+                    Ref(
+                        Buffer(
+                            f"{self.inst}'s scoped semaphore",
+                            np.zeros(aval.shape, np.int32),
+                            "semaphore",
+                        )
+                    )
+                )
             else:
-                scoped.append(Ref(Buffer(f"{self.inst}'s scoped buffer", poison_numpy(aval.shape, aval.dtype))))
+                scoped.append(
+                    Ref(
+                        Buffer(f"{self.inst}'s scoped buffer", poison_numpy(aval.shape, aval.dtype))
+                    )
+                )
         return self.run(body, vals, scoped)
 
     def _print(self, vals, params):
         """`pl.debug_print` in a program: one line, prefixed with the instance that printed it."""
         values = [np.asarray(v) for v in vals]
         fmt = params["fmt"]
-        text = fmt.format(*values) if params.get("has_placeholders") else " ".join([fmt, *map(str, values)])
+        text = (
+            fmt.format(*values)
+            if params.get("has_placeholders")
+            else " ".join([fmt, *map(str, values)])
+        )
         with self.shared.print_lock:
             print(f"[{self.inst}] {text}", flush=True)
         return []
 
     def _while(self, vals, params):
         cn, bn = params["cond_nconsts"], params["body_nconsts"]
-        cconsts, bconsts, carry = vals[:cn], vals[cn:cn + bn], list(vals[cn + bn:])
+        cconsts, bconsts, carry = vals[:cn], vals[cn : cn + bn], list(vals[cn + bn :])
         cj, bj = params["cond_jaxpr"], params["body_jaxpr"]
         while bool(np.asarray(self.run(cj, cj.consts, [*cconsts, *carry])[0])):
             carry = self.run(bj, bj.consts, [*bconsts, *carry])
@@ -270,18 +308,29 @@ class Interpreter:
         if params.get("reverse"):
             ys.reverse()
         n_ys = len(j.outvars) - n_carry
-        stacked = [np.stack([np.asarray(y[k]) for y in ys]) if ys else
-                   np.zeros((0, *j.outvars[n_carry + k].aval.shape), j.outvars[n_carry + k].aval.dtype)
-                   for k in range(n_ys)]
+        stacked = [
+            np.stack([np.asarray(y[k]) for y in ys])
+            if ys
+            else np.zeros(
+                (0, *j.outvars[n_carry + k].aval.shape), j.outvars[n_carry + k].aval.dtype
+            )
+            for k in range(n_ys)
+        ]
         return [*carry, *stacked]
 
     def _sem(self, vals, params, api):
         buf = vals[0].buffer
         if buf.kind != "semaphore":
-            raise TypeError(f"{self.inst}: {api} needs a cv.SemaphoreType scratch, got {buf.name} ({buf.kind})")
-        arr, idx = _view_index(buf.array, jax.tree_util.tree_unflatten(params["tree"], list(vals[2:])))
+            raise TypeError(
+                f"{self.inst}: {api} needs a cv.SemaphoreType scratch, got {buf.name} ({buf.kind})"
+            )
+        arr, idx = _view_index(
+            buf.array, jax.tree_util.tree_unflatten(params["tree"], list(vals[2:]))
+        )
         if np.asarray(arr[idx]).ndim:
-            raise ValueError(f"{self.inst}: {api} on {buf.name} needs one semaphore; index it (sems.at[i])")
+            raise ValueError(
+                f"{self.inst}: {api} on {buf.name} needs one semaphore; index it (sems.at[i])"
+            )
         return buf, arr, idx, int(np.asarray(vals[1]))
 
     def _signal(self, vals, params):
@@ -300,11 +349,16 @@ class Interpreter:
             while int(arr[idx]) < value:
                 if sh.aborted:
                     raise _Aborted()
-                sh.state[self.inst] = f"waits on semaphore {where} >= {value} (holds {int(arr[idx])})"
+                sh.state[self.inst] = (
+                    f"waits on semaphore {where} >= {value} (holds {int(arr[idx])})"
+                )
                 left = deadline - time.monotonic()
-                if left <= 0:   # (the condition's lock is re-entrant: abort may take it again)
-                    sh.abort(f"mpmd_map: a wait was not satisfied within {sh.timeout_s:g} s "
-                             f"(set compiler_params={{'timeout_s': ...}} to change it). Instances:\n{sh.table()}")
+                if left <= 0:  # (the condition's lock is re-entrant: abort may take it again)
+                    sh.abort(
+                        f"mpmd_map: a wait was not satisfied within {sh.timeout_s:g} s (set "
+                        "compiler_params={'timeout_s': ...} to change it). "
+                        f"Instances:\n{sh.table()}"
+                    )
                     raise _Aborted()
                 sh.cond.wait(min(left, 0.5))
             arr[idx] -= value
@@ -314,15 +368,19 @@ class Interpreter:
     def _barrier(self, ref):
         sh, buf = self.shared, ref.buffer
         if buf.kind != "barrier":
-            raise TypeError(f"{self.inst}: cv.barrier_wait needs a cv.BarrierType scratch, got {buf.name} "
-                            f"({buf.kind})")
+            raise TypeError(
+                f"{self.inst}: cv.barrier_wait needs a cv.BarrierType scratch, got {buf.name} "
+                f"({buf.kind})"
+            )
         sh.set_state(self.inst, f"waits at barrier {buf.name}")
         try:
             buf.barrier.wait(timeout=sh.timeout_s)
         except threading.BrokenBarrierError:
             if not sh.aborted:
-                sh.abort(f"mpmd_map: the barrier was not reached by every instance within {sh.timeout_s:g} s. "
-                         f"Instances:\n{sh.table()}")
+                sh.abort(
+                    "mpmd_map: the barrier was not reached by every instance within "
+                    f"{sh.timeout_s:g} s. Instances:\n{sh.table()}"
+                )
             raise _Aborted() from None
         sh.set_state(self.inst, "running")
         return []
@@ -350,14 +408,19 @@ def _scan_split(params, vals):
     """(consts, carry, xs) of a scan's operands (jax 0.12 keeps the split in a flat tree)."""
     if "num_consts" in params:
         nc, nk = params["num_consts"], params["num_carry"]
-        return list(vals[:nc]), list(vals[nc:nc + nk]), list(vals[nc + nk:])
+        return list(vals[:nc]), list(vals[nc : nc + nk]), list(vals[nc + nk :])
     consts, carry, xs = params["ft_in"].update(list(vals)).unpack()
     return list(consts), list(carry), list(xs)
 
 
-def execute(programs: list[tuple[Any, list[Any], list[Instance]]], buffers: list[Buffer], arg_refs: list[Ref],
-            timeout_s: float) -> None:
-    """Run every instance of every program (jaxpr, its constants, instances) concurrently; raise on failure."""
+def execute(
+    programs: list[tuple[Any, list[Any], list[Instance]]],
+    buffers: list[Buffer],
+    arg_refs: list[Ref],
+    timeout_s: float,
+) -> None:
+    """Run every instance of every program (jaxpr, its constants, instances) concurrently; raise on
+    failure."""
     instances = [inst for _, _, insts in programs for inst in insts]
     shared = Shared(buffers, instances, timeout_s)
     errors: list[tuple[Instance, BaseException]] = []
@@ -368,19 +431,23 @@ def execute(programs: list[tuple[Any, list[Any], list[Instance]]], buffers: list
             shared.set_state(inst, "done")
         except _Aborted:
             pass
-        except BaseException as e:  # noqa: BLE001  (re-raised in the caller with the instance named)
+        except BaseException as e:  # re-raised in the caller with the instance named
             errors.append((inst, e))
             shared.set_state(inst, f"failed: {type(e).__name__}")
             shared.abort()
 
-    threads = [threading.Thread(target=work, args=(j, consts, inst), name=str(inst), daemon=True)
-               for j, consts, insts in programs for inst in insts]
+    threads = [
+        threading.Thread(target=work, args=(j, consts, inst), name=str(inst), daemon=True)
+        for j, consts, insts in programs
+        for inst in insts
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
-        inst, e = errors[0]     # re-raised as itself: JAX's error classes cannot be rebuilt from a message
+        # re-raised as itself: JAX's error classes cannot be rebuilt from a message
+        inst, e = errors[0]
         if not str(e).startswith(str(inst)):
             e.add_note(f"raised by {inst} of cv.mpmd_map")
         raise e

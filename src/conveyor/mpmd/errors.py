@@ -6,6 +6,7 @@ match it, because Python's `except` compares the raised type, which XLA chose. S
 keeps the original exception under a numbered mark that the text carries, and `cv.mpmd_errors()`
 (a context manager and decorator) re-raises that original, chained to the runtime error.
 """
+
 from __future__ import annotations
 
 import collections
@@ -14,7 +15,7 @@ import re
 import threading
 
 MARK = "conveyor-mpmd-error#"
-_KEPT = 64                       # the most recent failures are kept; older ones are forgotten
+_KEPT = 64  # the most recent failures are kept; older ones are forgotten
 _lock = threading.Lock()
 _failures: collections.OrderedDict[int, BaseException] = collections.OrderedDict()
 _counter = 0
@@ -34,8 +35,10 @@ def marked(e: BaseException) -> ProgramsFailed:
             _failures.popitem(last=False)
         token = _counter
     notes = "".join(f"\n{note}" for note in getattr(e, "__notes__", ()))  # who raised it
-    return ProgramsFailed(f"[{MARK}{token}] {type(e).__name__}: {e}{notes}\n(wrap the jitted call in "
-                          f"`with cv.mpmd_errors():` to receive this error as {type(e).__name__})")
+    return ProgramsFailed(
+        f"[{MARK}{token}] {type(e).__name__}: {e}{notes}\n(wrap the jitted call in `with "
+        f"cv.mpmd_errors():` to receive this error as {type(e).__name__})"
+    )
 
 
 def original(e: BaseException) -> BaseException | None:

@@ -12,6 +12,7 @@ Limits (jax 0.12): the Mosaic GPU interpreter cannot run semaphores (its re-trac
 (pass arrays); `input_output_aliases` hold the aliased outputs in Refs the kernel updates in
 place (`conveyor.aliasing.gpu_call_with_aliases`).
 """
+
 from __future__ import annotations
 
 from jax import lax
@@ -43,41 +44,55 @@ def kernel_scratch(layout: ScratchLayout, total: int) -> list:
     return out
 
 
-def build(programs, axes, out_leaves, layout: ScratchLayout, aliases, interpret, name, cost_estimate=None):
+def build(
+    programs, axes, out_leaves, layout: ScratchLayout, aliases, interpret, name, cost_estimate=None
+):
     instances = [(i, fn, point) for i, (mesh, fn) in enumerate(programs) for point in mesh.points()]
     total = len(instances)
     if interpret and any(isinstance(s, SemaphoreType) for s in layout.leaves):
-        raise NotImplementedError("mpmd_map on mosaic_gpu: the Mosaic GPU interpreter of jax 0.12 cannot run "
-                                  "semaphores; synchronise with cv.BarrierType under the interpreter, or export "
-                                  "for cuda to check the lowering")
+        raise NotImplementedError(
+            "mpmd_map on mosaic_gpu: the Mosaic GPU interpreter of jax 0.12 cannot run semaphores; "
+            "synchronise with cv.BarrierType under the interpreter, or export for cuda to check "
+            "the lowering"
+        )
     scratch_types = kernel_scratch(layout, total)
 
     def call(*inputs):
         for i, x in enumerate(inputs):
             if is_jax_ref(x):
-                raise NotImplementedError(f"mpmd_map on mosaic_gpu: input {i} is a jax Ref; plgpu.kernel takes "
-                                          f"arrays only (the CPU executor updates Refs in place)")
+                raise NotImplementedError(
+                    f"mpmd_map on mosaic_gpu: input {i} is a jax Ref; plgpu.kernel takes arrays "
+                    "only (the CPU executor updates Refs in place)"
+                )
         n_in, n_out = len(inputs), len(out_leaves)
 
         def body(*refs):
-            ins, outs, scratch_refs = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
+            ins, outs, scratch_refs = refs[:n_in], refs[n_in : n_in + n_out], refs[n_in + n_out :]
             tid = lax.axis_index(THREAD_AXIS)
             token = SYNC_BACKEND.set("mosaic_gpu")
             try:
                 for t, (i, fn, point) in enumerate(instances):
+
                     @pl.when(tid == t)
                     def _(i=i, fn=fn, point=point):
                         values = {k: (axes[k], v) for k, v in point.items()}
                         values[THREAD_AXIS] = (total, t)
-                        call_with_axis_values(lambda: call_program(i, fn, (*ins, *outs), scratch_refs, layout),
-                                              values)
+                        call_with_axis_values(
+                            lambda: call_program(i, fn, (*ins, *outs), scratch_refs, layout), values
+                        )
             finally:
                 SYNC_BACKEND.reset(token)
 
         def make_kernel(kernel_body, out_type):
-            return plgpu.kernel(kernel_body, out_type=out_type, scratch_types=scratch_types, num_threads=total,
-                                thread_name=THREAD_AXIS, **gpu_kernel_options(cost_estimate=cost_estimate, kernel_name=name),
-                                interpret=gpu_params(interpret))
+            return plgpu.kernel(
+                kernel_body,
+                out_type=out_type,
+                scratch_types=scratch_types,
+                num_threads=total,
+                thread_name=THREAD_AXIS,
+                **gpu_kernel_options(cost_estimate=cost_estimate, kernel_name=name),
+                interpret=gpu_params(interpret),
+            )
 
         return gpu_call_with_aliases(make_kernel, body, inputs, out_leaves, aliases)
 

@@ -1,4 +1,5 @@
 """Running one program of an `mpmd_map` call, shared by its executors (CPU, Mosaic GPU)."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -16,5 +17,7 @@ def call_program(i: int, fn: Callable, refs: Sequence[Any], scratch: Sequence[An
     result = fn(*refs, *args, **kwargs)
     if result is not None:
         what = "an array" if hasattr(result, "shape") else f"a {type(result).__name__}"
-        raise TypeError(f"mpmd_map: {program_label(i, fn)} returned {what}; a program writes its "
-                        f"results through the output refs and returns None")
+        raise TypeError(
+            f"mpmd_map: {program_label(i, fn)} returned {what}; a program writes its results "
+            "through the output refs and returns None"
+        )

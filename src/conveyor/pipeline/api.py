@@ -1,4 +1,5 @@
 """cv.emit_pipeline: build the plan, then hand it to the launching kernel's backend."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,32 +12,46 @@ from jax.experimental import pallas as pl
 
 from conveyor.kernel import current_context, program_id
 from conveyor.pipeline import xla as xla_exec
-from conveyor.pipeline.caller_allocations import (PrefetchedBlocks, check_caller_allocations, claim, note_pending,
-                                                 refuse_gpu_allocations)
+from conveyor.pipeline.caller_allocations import (
+    PrefetchedBlocks,
+    check_caller_allocations,
+    claim,
+    note_pending,
+    refuse_gpu_allocations,
+)
 from conveyor.plans import pipeline as plan_lib, specs as specs_lib, warp
 
 
 def _check_shapes(p: plan_lib.PipelinePlan, refs):
     for op, ref in zip(p.inputs + p.outputs, refs):
         if len(op.block_shape) != len(ref.shape):
-            raise ValueError(f"{op.name}: block_shape {op.block_shape} has {len(op.block_shape)} dims, "
-                             f"the ref has shape {tuple(ref.shape)}")
+            raise ValueError(
+                f"{op.name}: block_shape {op.block_shape} has {len(op.block_shape)} dims, the ref "
+                f"has shape {tuple(ref.shape)}"
+            )
         for d, (b, s) in enumerate(zip(op.block_dims, ref.shape)):
             if d in op.bounded_dims and b > s:
-                raise ValueError(f"{op.name}: pl.BoundedSlice({b}) in dimension {d} is larger than the array "
-                                 f"({tuple(ref.shape)}); its windows could never fill a slot")
-            if s % b and d not in op.element_dims + op.bounded_dims:  # those windows start at any offset
-                raise ValueError(f"{op.name}: block_shape {op.block_shape} does not divide the array shape "
-                                 f"{tuple(ref.shape)} (dimension {d}: {s} % {b} != 0); pad the array or "
-                                 f"choose a dividing block")
+                raise ValueError(
+                    f"{op.name}: pl.BoundedSlice({b}) in dimension {d} is larger than the array "
+                    f"({tuple(ref.shape)}); its windows could never fill a slot"
+                )
+            # those windows start at any offset
+            if s % b and d not in op.element_dims + op.bounded_dims:
+                raise ValueError(
+                    f"{op.name}: block_shape {op.block_shape} does not divide the array shape "
+                    f"{tuple(ref.shape)} (dimension {d}: {s} % {b} != 0); pad the array or choose "
+                    "a dividing block"
+                )
 
 
 def _refuse_bounded_windows_on_gpu(p: plan_lib.PipelinePlan) -> None:
     bounded = [op.name for op in p.inputs + p.outputs if op.bounded_dims]
     if bounded:
-        raise NotImplementedError(f"pl.BoundedSlice windows ({', '.join(bounded)}) on mosaic_gpu: a TMA copy's box "
-                                  f"has a static size, so a window whose size varies per step cannot be copied; "
-                                  f"use a fixed block (pl.Element offsets) and mask the rows in the body")
+        raise NotImplementedError(
+            f"pl.BoundedSlice windows ({', '.join(bounded)}) on mosaic_gpu: a TMA copy's box has a "
+            "static size, so a window whose size varies per step cannot be copied; use a fixed "
+            "block (pl.Element offsets) and mask the rows in the body"
+        )
 
 
 def _check_tpu_tiling(p: plan_lib.PipelinePlan, refs):
@@ -53,8 +68,10 @@ def _check_tpu_tiling(p: plan_lib.PipelinePlan, refs):
             b = op.block_shape[d]
             if b % need and b != shape[d]:
                 raise ValueError(
-                    f"{op.name}: block_shape {op.block_shape} does not fit Mosaic TPU tiling for {ref.dtype}: "
-                    f"dimension {d} is {b}, expected a multiple of {need} or the whole dimension ({shape[d]})")
+                    f"{op.name}: block_shape {op.block_shape} does not fit Mosaic TPU tiling for "
+                    f"{ref.dtype}: dimension {d} is {b}, expected a multiple of {need} or the "
+                    f"whole dimension ({shape[d]})"
+                )
 
 
 def _split_refs(p: plan_lib.PipelinePlan, refs, api: str):
@@ -63,16 +80,20 @@ def _split_refs(p: plan_lib.PipelinePlan, refs, api: str):
     leaf's ref in order (the body wrapper passes the unwindowed ones through)."""
     n_in, n_out = len(p.in_trees), len(p.out_trees)
     if len(refs) != n_in + n_out:
-        raise ValueError(f"{api}: expected {n_in} input refs and {n_out} output refs "
-                         f"({n_in + n_out} in all, matching in_specs/out_specs), got {len(refs)}")
+        raise ValueError(
+            f"{api}: expected {n_in} input refs and {n_out} output refs ({n_in + n_out} in all, "
+            f"matching in_specs/out_specs), got {len(refs)}"
+        )
     flat = []
     for k, (tree, ref) in enumerate(zip(p.in_trees + p.out_trees, refs)):
         name = f"in[{k}]" if k < n_in else f"out[{k - n_in}]"
         try:
             flat += tree.flatten_up_to(ref)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{api}: {name}: the refs do not have the structure of its block specs "
-                             f"({tree}): {e}") from None
+            raise ValueError(
+                f"{api}: {name}: the refs do not have the structure of its block specs ({tree}): "
+                f"{e}"
+            ) from None
     windowed = p.in_windowed + p.out_windowed
     n_leaves_in = len(p.in_windowed)
     ins = tuple(r for r, w in zip(flat[:n_leaves_in], p.in_windowed) if w)
@@ -97,9 +118,10 @@ def _structured_body(p: plan_lib.PipelinePlan, body, passthrough):
         leaves = [next(blocks) if w else ref for w, ref in zip(windowed, passthrough)]
         grouped, at = [], 0
         for tree in trees:
-            grouped.append(tree.unflatten(leaves[at:at + tree.num_leaves]))
+            grouped.append(tree.unflatten(leaves[at : at + tree.num_leaves]))
             at += tree.num_leaves
         return body(indices, *grouped, *rest)
+
     return flat_body
 
 
@@ -107,32 +129,50 @@ def _core_info(core_axis: Any, core_axis_name: Any, ctx) -> tuple[int, Any] | No
     """Megacore: (number of cores, this core's index) from the kernel grid axis `core_axis` or the
     named axis `core_axis_name`, as upstream resolves them; None without either."""
     if core_axis is not None and core_axis_name is not None:
-        raise ValueError(f"emit_pipeline: give core_axis ({core_axis!r}) or core_axis_name ({core_axis_name!r}), "
-                         f"not both")
+        raise ValueError(
+            f"emit_pipeline: give core_axis ({core_axis!r}) or core_axis_name "
+            f"({core_axis_name!r}), not both"
+        )
     if core_axis is not None:
-        if isinstance(core_axis, bool) or not isinstance(core_axis, int) or not 0 <= core_axis < len(ctx.grid):
-            raise ValueError(f"core_axis: expected an axis of this kernel's grid {ctx.grid} (an int in "
-                             f"[0, {len(ctx.grid)})), got {core_axis!r}")
+        if (
+            isinstance(core_axis, bool)
+            or not isinstance(core_axis, int)
+            or not 0 <= core_axis < len(ctx.grid)
+        ):
+            raise ValueError(
+                f"core_axis: expected an axis of this kernel's grid {ctx.grid} (an int in [0, "
+                f"{len(ctx.grid)})), got {core_axis!r}"
+            )
         return ctx.grid[core_axis], program_id(core_axis)
     if core_axis_name is not None:
         if not isinstance(core_axis_name, str):
-            raise NotImplementedError(f"core_axis_name: one axis name is supported, got {core_axis_name!r}")
+            raise NotImplementedError(
+                f"core_axis_name: one axis name is supported, got {core_axis_name!r}"
+            )
         size = lax.axis_size(core_axis_name)
         if not isinstance(size, int):
-            raise ValueError(f"core_axis_name={core_axis_name!r}: the axis size must be static, got {size!r}")
+            raise ValueError(
+                f"core_axis_name={core_axis_name!r}: the axis size must be static, got {size!r}"
+            )
         return size, lax.axis_index(core_axis_name)
     return None
 
 
-def _with_scratches(body: Callable[..., Any], scratches: Sequence[Any], n_operands: int) -> Callable[..., Any]:
-    """Upstream's `scratches=`: refs handed to every step after the operands' blocks (before a carry)."""
+def _with_scratches(
+    body: Callable[..., Any], scratches: Sequence[Any], n_operands: int
+) -> Callable[..., Any]:
+    """Upstream's `scratches=`: refs handed to every step after the operands' blocks (before a
+    carry)."""
     if not isinstance(scratches, (tuple, list)):
-        raise ValueError(f"scratches: expected a tuple or list of refs for the body, got {scratches!r}")
+        raise ValueError(
+            f"scratches: expected a tuple or list of refs for the body, got {scratches!r}"
+        )
     if not scratches:
         return body
 
     def with_scratches(indices, *args):
         return body(indices, *args[:n_operands], *scratches, *args[n_operands:])
+
     return with_scratches
 
 
@@ -144,15 +184,26 @@ def _check_onchip_spaces(in_specs, out_specs, backend: str) -> None:
         for spec, name in zip(flat, names):
             wanted = specs_lib.onchip_backend(getattr(spec, "memory_space", None))
             if wanted not in (None, backend) and backend != "xla":
-                raise ValueError(f"{name}: memory_space={spec.memory_space!r} is {wanted}'s on-chip memory; "
-                                 f"this pipeline runs on {backend}: name its space or leave it unset")
+                raise ValueError(
+                    f"{name}: memory_space={spec.memory_space!r} is {wanted}'s on-chip memory; "
+                    f"this pipeline runs on {backend}: name its space or leave it unset"
+                )
 
 
-def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Sequence[Any] = (),
-                  out_specs: Sequence[Any] = (), max_concurrent_steps: int = 1, delay_release: int = 0,
-                  init_carry: Any = None, no_pipelining: bool = False,
-                  dimension_semantics: Sequence[Any] | None = None, core_axis: Any = None,
-                  core_axis_name: Any = None) -> Callable[..., Any]:
+def emit_pipeline(
+    body: Callable[..., Any],
+    *,
+    grid: Sequence[Any],
+    in_specs: Sequence[Any] = (),
+    out_specs: Sequence[Any] = (),
+    max_concurrent_steps: int = 1,
+    delay_release: int = 0,
+    init_carry: Any = None,
+    no_pipelining: bool = False,
+    dimension_semantics: Sequence[Any] | None = None,
+    core_axis: Any = None,
+    core_axis_name: Any = None,
+) -> Callable[..., Any]:
     """A software pipeline over `grid`: block copies into on-chip memory overlapped with `body`.
 
     Returns a function to call inside a `cv.kernel` body with the global-memory refs (inputs, then
@@ -168,10 +219,12 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
     one pytree of refs per operand and the body gets one pytree of block refs per operand, shaped
     alike. Errors name a leaf by its path, e.g. `in[0]['w']`.
     `no_pipelining=True` (debug) runs one step at a time: no copy is in flight while a body runs
-    (one slot per operand; see `conveyor.plans.pipeline.plan`). An output's `pl.Buffered(1)` gives it
+    (one slot per operand; see `conveyor.plans.pipeline.plan`). An output's `pl.Buffered(1)` gives
+    it
     one slot, its write-back awaited at once.
     Megacore, as upstream: with `core_axis` (an axis of the `cv.kernel` grid) or `core_axis_name`
-    (a named axis in scope, e.g. the kernel's thread axis on xla), each of the axis's programs runs its own part
+    (a named axis in scope, e.g. the kernel's thread axis on xla), each of the axis's programs runs
+    its own part
     of `grid`, cut along a dimension marked "parallel" in `dimension_semantics` (see
     `PipelinePlan.for_core`); indices stay those of the whole grid. Launch the kernel with
     `dimension_semantics=("parallel", ...)` for its grid axis so that Mosaic TPU places the
@@ -198,9 +251,15 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
     (whose `["slots"][i][j]` is input i's slot j); xla, having no slots, reads those blocks from the
     input, which must hold the same values. Refused on mosaic_gpu.
     """
-    whole = plan_lib.plan(grid=grid, in_specs=in_specs, out_specs=out_specs,
-                          max_concurrent_steps=max_concurrent_steps, delay_release=delay_release,
-                          no_pipelining=no_pipelining, dimension_semantics=dimension_semantics)
+    whole = plan_lib.plan(
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        max_concurrent_steps=max_concurrent_steps,
+        delay_release=delay_release,
+        no_pipelining=no_pipelining,
+        dimension_semantics=dimension_semantics,
+    )
 
     def prepare(refs, api: str):
         ctx = current_context(api)
@@ -215,19 +274,24 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
             _refuse_prefetched_count(p, "a plain pipeline on mosaic_gpu")
             if ctx.num_threads > 1:
                 raise NotImplementedError(
-                    f"emit_pipeline: a plain pipeline inside a mosaic_gpu kernel with num_threads={ctx.num_threads} "
-                    f"is not supported (its shared-memory slots would have to be allocated per warpgroup): use "
-                    f"cv.emit_pipeline_warp_specialized, or launch the kernel with one thread")
+                    "emit_pipeline: a plain pipeline inside a mosaic_gpu kernel with "
+                    f"num_threads={ctx.num_threads} is not supported (its shared-memory slots "
+                    "would have to be allocated per warpgroup): use "
+                    "cv.emit_pipeline_warp_specialized, or launch the kernel with one thread"
+                )
         elif ctx.backend != "xla":
-            raise NotImplementedError(f"emit_pipeline: backend {ctx.backend!r} is not implemented yet")
+            raise NotImplementedError(
+                f"emit_pipeline: backend {ctx.backend!r} is not implemented yet"
+            )
         return ctx, p, ins, outs, passthrough
 
     def get_allocations(*refs) -> dict:
         ctx, p, ins, outs, _ = prepare(refs, "emit_pipeline(...).get_allocations(refs)")
         if ctx.backend == "xla":
-            return {}   # no on-chip memory: the pipeline's blocks are fresh refs
+            return {}  # no on-chip memory: the pipeline's blocks are fresh refs
         if ctx.backend == "mosaic_tpu":
             from conveyor.pipeline import mosaic_tpu
+
             return mosaic_tpu.allocations(p, ins, outs)
         refuse_gpu_allocations("get_allocations")
 
@@ -244,23 +308,33 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
         note_pending(ctx, allocations, None, token)
         if ctx.backend == "mosaic_tpu":
             from conveyor.pipeline import mosaic_tpu
+
             mosaic_tpu.prefetch(p, ins, outs, allocations)
         return token
 
-    def run(*refs, allocations: dict | None = None, scratches: Sequence[Any] = (),
-            prefetched: PrefetchedBlocks | None = None, **call_options):
-        if call_options:  # older upstream TPU call options (first_cycle, last_cycle, init_accumulators, ...)
+    def run(
+        *refs,
+        allocations: dict | None = None,
+        scratches: Sequence[Any] = (),
+        prefetched: PrefetchedBlocks | None = None,
+        **call_options,
+    ):
+        # older upstream TPU call options (first_cycle, last_cycle, init_accumulators, ...)
+        if call_options:
             raise NotImplementedError(
-                f"emit_pipeline(...)(refs, {', '.join(f'{k}=' for k in sorted(call_options))}): not supported by "
-                f"Conveyor's plain pipeline, which takes allocations=, scratches= and prefetched= (see "
-                f"run.get_allocations and run.prefetch)")
+                f"emit_pipeline(...)(refs, {', '.join(f'{k}=' for k in sorted(call_options))}): "
+                "not supported by Conveyor's plain pipeline, which takes allocations=, scratches= "
+                "and prefetched= (see run.get_allocations and run.prefetch)"
+            )
         ctx, p, ins, outs, passthrough = prepare(refs, "emit_pipeline(...)(refs)")
-        if p.prefetched_inputs and allocations is None:   # every backend: code runs the same on each
-            raise ValueError(f"{', '.join(p.prefetched_inputs)}: pl.Buffered(prefetched_count=...) says the caller "
-                             f"has put the first blocks in the input's slots, so the pipeline must run on the "
-                             f"caller's allocations: run(*refs, allocations=a), with a from "
-                             f"run.get_allocations(*refs) (or run.with_allocations) and a['slots'][i][j] holding "
-                             f"the input's j-th block (none was given)")
+        if p.prefetched_inputs and allocations is None:  # every backend: code runs the same on each
+            raise ValueError(
+                f"{', '.join(p.prefetched_inputs)}: pl.Buffered(prefetched_count=...) says the "
+                "caller has put the first blocks in the input's slots, so the pipeline must run "
+                "on the caller's allocations: run(*refs, allocations=a), with a from "
+                "run.get_allocations(*refs) (or run.with_allocations) and a['slots'][i][j] "
+                "holding the input's j-th block (none was given)"
+            )
         if prefetched is not None:
             claim(prefetched, run, allocations)
         if allocations is not None:
@@ -273,11 +347,21 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
             return xla_exec.run_pipeline(p, body_on_blocks, ins, outs, init_carry, has_carry)
         if ctx.backend == "mosaic_tpu":
             from conveyor.pipeline import mosaic_tpu
-            return mosaic_tpu.run_pipeline(p, body_on_blocks, ins, outs, init_carry, has_carry, allocations,
-                                           prefetched is not None)
+
+            return mosaic_tpu.run_pipeline(
+                p,
+                body_on_blocks,
+                ins,
+                outs,
+                init_carry,
+                has_carry,
+                allocations,
+                prefetched is not None,
+            )
         if allocations is not None or prefetched is not None:
             refuse_gpu_allocations("allocations=" if prefetched is None else "prefetched=")
         from conveyor.pipeline import mosaic_gpu
+
         return mosaic_gpu.run_pipeline(p, body_on_blocks, ins, outs, init_carry, has_carry)
 
     run.plan = whole
@@ -290,14 +374,18 @@ def emit_pipeline(body: Callable[..., Any], *, grid: Sequence[Any], in_specs: Se
 def _refuse_prefetched_count(p: plan_lib.PipelinePlan, where: str) -> None:
     if p.prefetched_inputs:
         raise NotImplementedError(
-            f"{where}: {', '.join(p.prefetched_inputs)} use pl.Buffered(prefetched_count=...), slots filled by the "
-            f"caller before the pipeline, which only plain pipelines on mosaic_tpu and xla take (a GPU pipeline's "
-            f"slots are its own shared memory; chain warp-specialized pipelines with pipeline_state= instead)")
+            f"{where}: {', '.join(p.prefetched_inputs)} use pl.Buffered(prefetched_count=...), "
+            "slots filled by the caller before the pipeline, which only plain pipelines on "
+            "mosaic_tpu and xla take (a GPU pipeline's slots are its own shared memory; chain "
+            "warp-specialized pipelines with pipeline_state= instead)"
+        )
 
 
-def emit_pipeline_with_allocations(body: Callable[..., Any], **options: Any) -> tuple[Callable[..., Any],
-                                                                                     Callable[..., dict]]:
-    """Upstream TPU's spelling: `(pipeline, make_allocations)`, i.e. `emit_pipeline(body, **options)`
+def emit_pipeline_with_allocations(
+    body: Callable[..., Any], **options: Any
+) -> tuple[Callable[..., Any], Callable[..., dict]]:
+    """Upstream TPU's spelling: `(pipeline, make_allocations)`, i.e. `emit_pipeline(body,
+    **options)`
     and its `get_allocations`, whose dict `pl.run_scoped` allocates once for several calls of the
     pipeline (`pipeline(*refs, allocations=...)`)."""
     run = emit_pipeline(body, **options)
@@ -305,18 +393,31 @@ def emit_pipeline_with_allocations(body: Callable[..., Any], **options: Any) -> 
 
 
 def emit_pipeline_warp_specialized(
-        body: Callable[..., Any], *, grid: Sequence[Any], memory_registers: int, in_specs: Sequence[Any] = (),
-        out_specs: Sequence[Any] = (), max_concurrent_steps: int = 2, delay_release: int = 0, wg_axis: str,
-        num_compute_wgs: int, manual_consumed_barriers: bool = False, manual_produced_barriers: bool = False,
-        carry_coroutine: Callable[[], Any] | None = None, memory_thread_idx: int | None = None,
-        compute_context: Callable[[Callable[..., Any]], None] | None = None,
-        pipeline_state: Any = None) -> Callable[..., Any]:
-    """A pipeline whose fetches are issued by one memory thread while `num_compute_wgs` threads compute.
+    body: Callable[..., Any],
+    *,
+    grid: Sequence[Any],
+    memory_registers: int,
+    in_specs: Sequence[Any] = (),
+    out_specs: Sequence[Any] = (),
+    max_concurrent_steps: int = 2,
+    delay_release: int = 0,
+    wg_axis: str,
+    num_compute_wgs: int,
+    manual_consumed_barriers: bool = False,
+    manual_produced_barriers: bool = False,
+    carry_coroutine: Callable[[], Any] | None = None,
+    memory_thread_idx: int | None = None,
+    compute_context: Callable[[Callable[..., Any]], None] | None = None,
+    pipeline_state: Any = None,
+) -> Callable[..., Any]:
+    """A pipeline whose fetches are issued by one memory thread while `num_compute_wgs` threads
+    compute.
 
     Call the result inside a `cv.kernel(..., num_threads=num_compute_wgs + 1, thread_name=wg_axis)`
     body with the global refs (inputs, then outputs). Every thread calls it; the thread whose
     `lax.axis_index(wg_axis)` is `memory_thread_idx` (default: the last) fetches, the others run
-    `body(indices, *in_block_refs, *out_block_refs[, *produced_barriers][, *consumed_barriers][, carry])`
+    `body(indices, *in_block_refs, *out_block_refs[, *produced_barriers][, *consumed_barriers][,
+    carry])`
     at each step and
     pick their share with `lax.axis_index(wg_axis)` (their raw thread index: with
     `memory_thread_idx=0` the compute threads are 1..num_compute_wgs).
@@ -346,7 +447,8 @@ def emit_pipeline_warp_specialized(
         `pl.run_scoped`), call `eval_pipeline(carry)` (the body then takes and returns the carry;
         a Ref carry is handed to every step as it is) and run an epilogue on the result. Its
         allocations nest inside the pipeline's own, as Mosaic GPU requires of register
-        accumulators (on xla, each thread's context runs inside the previous one's `eval_pipeline`, and
+        accumulators (on xla, each thread's context runs inside the previous one's `eval_pipeline`,
+        and
         the innermost runs the pipeline once for all). It must call `eval_pipeline` exactly once
         (a ValueError otherwise). Exclusive with carry_coroutine.
       pipeline_state: chain pipelines without a bubble between them, as upstream: the first of a
@@ -370,33 +472,57 @@ def emit_pipeline_warp_specialized(
     """
     if carry_coroutine is not None and not callable(carry_coroutine):
         raise TypeError(f"carry_coroutine: expected a generator function, got {carry_coroutine!r}")
-    if compute_context is not None and (carry_coroutine is not None or not callable(compute_context)):
-        raise ValueError("compute_context: expected a function of eval_pipeline, and not together with "
-                         "carry_coroutine (both would own the compute threads' carry)")
-    p = plan_lib.plan(grid=grid, in_specs=in_specs, out_specs=out_specs,
-                      max_concurrent_steps=max_concurrent_steps, delay_release=delay_release)
+    if compute_context is not None and (
+        carry_coroutine is not None or not callable(compute_context)
+    ):
+        raise ValueError(
+            "compute_context: expected a function of eval_pipeline, and not together with "
+            "carry_coroutine (both would own the compute threads' carry)"
+        )
+    p = plan_lib.plan(
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        max_concurrent_steps=max_concurrent_steps,
+        delay_release=delay_release,
+    )
     _refuse_prefetched_count(p, "emit_pipeline_warp_specialized")
-    uneven = [op.name for op in p.inputs if not op.invariant and op.num_slots != p.max_concurrent_steps]
+    uneven = [
+        op.name for op in p.inputs if not op.invariant and op.num_slots != p.max_concurrent_steps
+    ]
     if uneven:
-        raise NotImplementedError(f"emit_pipeline_warp_specialized: per-input buffering ({', '.join(uneven)}: a "
-                                  f"pl.Buffered count other than max_concurrent_steps={p.max_concurrent_steps}) is not "
-                                  f"supported: the consumed barriers are shared by every input's slots")
-    wp = warp.WarpSpecializedPlan(pipeline=p, wg_axis=wg_axis, num_compute_wgs=num_compute_wgs,
-                                  memory_thread_idx=memory_thread_idx, memory_registers=memory_registers,
-                                  manual_consumed_barriers=bool(manual_consumed_barriers),
-                                  manual_produced_barriers=manual_produced_barriers, pipeline_state=pipeline_state)
+        raise NotImplementedError(
+            f"emit_pipeline_warp_specialized: per-input buffering ({', '.join(uneven)}: a "
+            f"pl.Buffered count other than max_concurrent_steps={p.max_concurrent_steps}) is not "
+            "supported: the consumed barriers are shared by every input's slots"
+        )
+    wp = warp.WarpSpecializedPlan(
+        pipeline=p,
+        wg_axis=wg_axis,
+        num_compute_wgs=num_compute_wgs,
+        memory_thread_idx=memory_thread_idx,
+        memory_registers=memory_registers,
+        manual_consumed_barriers=bool(manual_consumed_barriers),
+        manual_produced_barriers=manual_produced_barriers,
+        pipeline_state=pipeline_state,
+    )
 
     def prepare(refs, api: str):
         ctx = current_context(api)
         _check_onchip_spaces(in_specs, out_specs, ctx.backend)
         if ctx.backend == "mosaic_tpu":
-            raise NotImplementedError("emit_pipeline_warp_specialized: not available on mosaic_tpu (a TPU core has "
-                                      "no warpgroups; its DMA engine already overlaps copies with compute): use "
-                                      "cv.emit_pipeline")
+            raise NotImplementedError(
+                "emit_pipeline_warp_specialized: not available on mosaic_tpu (a TPU core has no "
+                "warpgroups; its DMA engine already overlaps copies with compute): use "
+                "cv.emit_pipeline"
+            )
         if ctx.thread_name != wg_axis or ctx.num_threads != wp.num_threads:
-            raise ValueError(f"emit_pipeline_warp_specialized: wg_axis={wg_axis!r} with num_compute_wgs={num_compute_wgs} "
-                             f"needs a kernel launched with num_threads={wp.num_threads}, thread_name={wg_axis!r}; "
-                             f"this kernel has num_threads={ctx.num_threads}, thread_name={ctx.thread_name!r}")
+            raise ValueError(
+                f"emit_pipeline_warp_specialized: wg_axis={wg_axis!r} with "
+                f"num_compute_wgs={num_compute_wgs} needs a kernel launched with "
+                f"num_threads={wp.num_threads}, thread_name={wg_axis!r}; this kernel has "
+                f"num_threads={ctx.num_threads}, thread_name={ctx.thread_name!r}"
+            )
         sized, ins, outs, passthrough = _split_refs(p, refs, "warp-specialized pipeline")
         if ctx.backend == "mosaic_gpu":
             _refuse_bounded_windows_on_gpu(sized)
@@ -404,10 +530,13 @@ def emit_pipeline_warp_specialized(
         return ctx, plan, ins, outs, passthrough
 
     def get_allocations(*refs) -> dict:
-        ctx, plan, ins, outs, _ = prepare(refs, "emit_pipeline_warp_specialized(...).get_allocations(refs)")
+        ctx, plan, ins, outs, _ = prepare(
+            refs, "emit_pipeline_warp_specialized(...).get_allocations(refs)"
+        )
         if ctx.backend == "xla":
-            return {}   # no on-chip memory: the pipeline's blocks are fresh refs
+            return {}  # no on-chip memory: the pipeline's blocks are fresh refs
         from conveyor.pipeline import mosaic_gpu
+
         return mosaic_gpu.warp_allocations(plan, ins, outs)
 
     def with_allocations(fn: Callable[[dict], Any], *refs) -> Any:
@@ -417,21 +546,31 @@ def emit_pipeline_warp_specialized(
         return pl.run_scoped(fn, allocations, collective_axes=wg_axis)
 
     def run(*refs, allocations: dict | None = None):
-        ctx, plan, ins, outs, passthrough = prepare(refs, "emit_pipeline_warp_specialized(...)(refs)")
+        ctx, plan, ins, outs, passthrough = prepare(
+            refs, "emit_pipeline_warp_specialized(...)(refs)"
+        )
         body_on_blocks = _structured_body(plan.pipeline, body, passthrough)
         if pipeline_state is not None and allocations is None:
-            raise ValueError(f"pipeline_state={pipeline_state!r} needs caller-owned allocations shared by the chain: "
-                             f"call the pipeline with allocations=... from run.get_allocations(*refs) (or inside "
-                             f"run.with_allocations); with its own scoped allocation each pipeline would start afresh")
+            raise ValueError(
+                f"pipeline_state={pipeline_state!r} needs caller-owned allocations shared by the "
+                "chain: call the pipeline with allocations=... from run.get_allocations(*refs) "
+                "(or inside run.with_allocations); with its own scoped allocation each pipeline "
+                "would start afresh"
+            )
         if ctx.backend == "xla":
             if allocations not in (None, {}):
-                raise ValueError(f"allocations: on xla a pipeline has no on-chip memory; pass what "
-                                 f"get_allocations gives there ({{}}), got {allocations!r}")
-            return xla_exec.run_warp_specialized(plan, body_on_blocks, ins, outs, carry_coroutine, ctx.thread_index,
-                                                 compute_context)
+                raise ValueError(
+                    "allocations: on xla a pipeline has no on-chip memory; pass what "
+                    f"get_allocations gives there ({{}}), got {allocations!r}"
+                )
+            return xla_exec.run_warp_specialized(
+                plan, body_on_blocks, ins, outs, carry_coroutine, ctx.thread_index, compute_context
+            )
         from conveyor.pipeline import mosaic_gpu
-        return mosaic_gpu.run_warp_specialized(plan, body_on_blocks, ins, outs, carry_coroutine, compute_context,
-                                               allocations)
+
+        return mosaic_gpu.run_warp_specialized(
+            plan, body_on_blocks, ins, outs, carry_coroutine, compute_context, allocations
+        )
 
     run.plan = wp
     run.get_allocations = get_allocations

@@ -8,6 +8,7 @@ copies. Block shapes divide the arrays, so a block is either wholly inside or wh
 A `pl.Element` dimension's window starts at any element: the array need not be a multiple of its
 size, and a window that does not lie wholly inside the array counts as out of bounds.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,10 +23,14 @@ from jax.experimental import pallas as pl
 from conveyor.plans.fetch import when  # noqa: F401  (re-exported for the executors)
 from conveyor.plans.pipeline import Int, OperandPlan, PipelinePlan
 
-_RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar("conveyor_lowering_record", default=None)
+_RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "conveyor_lowering_record", default=None
+)
 
 
-def bool_setting(var: contextvars.ContextVar, api: str, enabled: bool) -> contextlib.AbstractContextManager[None]:
+def bool_setting(
+    var: contextvars.ContextVar, api: str, enabled: bool
+) -> contextlib.AbstractContextManager[None]:
     """A trace-time switch of the executors (`checked_schedule`, `batch_independent_steps`): `var`
     holds `enabled` inside the block; a non-bool is a TypeError naming `api`."""
     if not isinstance(enabled, bool):
@@ -38,6 +43,7 @@ def bool_setting(var: contextvars.ContextVar, api: str, enabled: bool) -> contex
             yield
         finally:
             var.reset(token)
+
     return block()
 
 
@@ -69,8 +75,10 @@ def issued(at: Int, kind: str, op: OperandPlan | str, slot: Int, step: Int = -1)
     log = _RECORDING.get()
     if log is not None:
         name = op if isinstance(op, str) else op.name
-        jax.debug.callback(lambda a, sl, st: log.append((int(a), kind, name, int(sl), int(st))),
-                           *(jnp.asarray(v, jnp.int32) for v in (at, slot, step)))
+        jax.debug.callback(
+            lambda a, sl, st: log.append((int(a), kind, name, int(sl), int(st))),
+            *(jnp.asarray(v, jnp.int32) for v in (at, slot, step)),
+        )
 
 
 def block_view(p: PipelinePlan, op: OperandPlan, ref, step):
@@ -92,14 +100,19 @@ def slot_view(p: PipelinePlan, op: OperandPlan, slot_ref, step):
     if not op.bounded_dims:
         return slot_ref
     window = p.window(op, step)
-    idx = tuple(pl.ds(0, window[d][1]) if d in op.bounded_dims else slice(None)
-                for d, spec in enumerate(op.block_shape) if spec is not None)
+    idx = tuple(
+        pl.ds(0, window[d][1]) if d in op.bounded_dims else slice(None)
+        for d, spec in enumerate(op.block_shape)
+        if spec is not None
+    )
     return slot_ref.at[idx]
 
 
 def _view(op: OperandPlan, ref, window):
-    idx = tuple(off if spec is None else pl.ds(off, size)
-                for (off, size), spec in zip(window, op.block_shape))
+    idx = tuple(
+        off if spec is None else pl.ds(off, size)
+        for (off, size), spec in zip(window, op.block_shape)
+    )
     return ref.at[idx]
 
 
@@ -113,7 +126,11 @@ def block_in_bounds(p: PipelinePlan, op: OperandPlan, step: Int, array_shape) ->
         if d in op.bounded_dims:
             conditions += [size >= 0, size <= op.block_dims[d]]
         for inside in conditions:
-            ok = ok and inside if isinstance(ok, bool) and isinstance(inside, bool) else jnp.logical_and(ok, inside)
+            ok = (
+                ok and inside
+                if isinstance(ok, bool) and isinstance(inside, bool)
+                else jnp.logical_and(ok, inside)
+            )
     return ok
 
 
@@ -132,21 +149,35 @@ def check_allocations(p: PipelinePlan, needed: dict[str, list], given: Any, shar
     another pipeline's with other block shapes or slot counts is refused, naming the first
     difference. `sharing` names who shares them, for the message."""
     if not isinstance(given, dict) or set(given) != set(needed):
-        raise ValueError(f"allocations: expected the dict of get_allocations(*refs) with keys {sorted(needed)}, got "
-                         f"{type(given).__name__}{' with keys ' + str(sorted(given)) if isinstance(given, dict) else ''}")
+        keys = f" with keys {sorted(given)}" if isinstance(given, dict) else ""
+        raise ValueError(
+            f"allocations: expected the dict of get_allocations(*refs) with keys {sorted(needed)}, "
+            f"got {type(given).__name__}{keys}"
+        )
     for key, parts in needed.items():
         if len(given[key]) != len(parts):
-            raise ValueError(f"allocations[{key!r}]: this pipeline needs {len(parts)}, got {len(given[key])} "
-                             f"(allocated for a pipeline with other operands or barriers?)")
+            raise ValueError(
+                f"allocations[{key!r}]: this pipeline needs {len(parts)}, got {len(given[key])} "
+                "(allocated for a pipeline with other operands or barriers?)"
+            )
     names = [op.name for op in p.inputs + p.outputs]
     for name, need, ref in zip(names, needed["slots"], given["slots"]):
         if tuple(ref.shape) != tuple(need.shape) or jnp.dtype(ref.dtype) != jnp.dtype(need.dtype):
-            raise ValueError(f"allocations: the slots of {name} are {jnp.dtype(ref.dtype).name}{tuple(ref.shape)}, this "
-                             f"pipeline needs {jnp.dtype(need.dtype).name}{tuple(need.shape)} (slots x block); "
-                             f"{sharing} must share block shapes, dtypes and slot counts")
+            raise ValueError(
+                f"allocations: the slots of {name} are "
+                f"{jnp.dtype(ref.dtype).name}{tuple(ref.shape)}, this pipeline needs "
+                f"{jnp.dtype(need.dtype).name}{tuple(need.shape)} (slots x block); {sharing} must "
+                "share block shapes, dtypes and slot counts"
+            )
     for key, parts in needed.items():
         for k, (need, ref) in enumerate(zip(parts, given[key])):
             shape = getattr(need, "shape", None)
-            if key != "slots" and shape is not None and tuple(getattr(ref, "shape", ())) != tuple(shape):
-                raise ValueError(f"allocations[{key!r}][{k}] has shape {tuple(ref.shape)}, this pipeline needs "
-                                 f"{tuple(shape)}; {sharing} must share operands and slot counts")
+            if (
+                key != "slots"
+                and shape is not None
+                and tuple(getattr(ref, "shape", ())) != tuple(shape)
+            ):
+                raise ValueError(
+                    f"allocations[{key!r}][{k}] has shape {tuple(ref.shape)}, this pipeline needs "
+                    f"{tuple(shape)}; {sharing} must share operands and slot counts"
+                )

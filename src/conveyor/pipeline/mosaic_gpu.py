@@ -2,13 +2,15 @@
 
 Inputs: one SMEM buffer of `num_slots` blocks and one barrier per slot; each input carries its
 fetch cursor (`conveyor.plans.fetch`): the prologue issues the first copies, step s waits on its
-slot's barrier when its block changes, runs the body, then issues the next copies. Outputs: two SMEM slots; at a
+slot's barrier when its block changes, runs the body, then issues the next copies. Outputs: two SMEM
+slots; at a
 write-back the block is fenced (`commit_smem`) and stored by TMA. Stores of one step form one bulk
 group; after committing it we wait until at most that group is in flight, so the slot the next
 step writes (last stored two write-backs ago, at an earlier step) is free again.
 The interpreter does not support predicated SMEM->GMEM copies (shared FACTS), so write-backs are
 branches (`pl.when`) around unpredicated copies.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,7 +34,8 @@ from conveyor.plans.warp import WarpSpecializedPlan
 
 
 # What Mosaic GPU lets one thread block allocate on sm_90 (H100/H200): 227 KiB of the SM's 228 KB
-# (its export error reads "exceeds available shared memory: smem_bytes=... > max_smem_bytes=232448").
+# (its export error reads "exceeds available shared memory: smem_bytes=... >
+# max_smem_bytes=232448").
 SMEM_BUDGET_BYTES = 232448
 
 
@@ -42,24 +45,38 @@ def check_smem_budget(p: PipelinePlan, scratch, api: str) -> int:
     the budget (the GPU interpreter would run it; the real compile refuses it)."""
     slots = [s for s in scratch if not isinstance(s, plgpu.Barrier)]
     barrier_bytes = smem_bytes([b for b in scratch if isinstance(b, plgpu.Barrier)])
-    parts = [(op, buf.shape[0], math.prod(buf.shape[1:]) * jnp.dtype(buf.dtype).itemsize, jnp.dtype(buf.dtype).name)
-             for op, buf in zip(p.inputs + p.outputs, slots)]
+    parts = [
+        (
+            op,
+            buf.shape[0],
+            math.prod(buf.shape[1:]) * jnp.dtype(buf.dtype).itemsize,
+            jnp.dtype(buf.dtype).name,
+        )
+        for op, buf in zip(p.inputs + p.outputs, slots)
+    ]
     kernel_scratch = current_context(api).scratch_bytes
     total = sum(n * block for _, n, block, _ in parts) + barrier_bytes + kernel_scratch
     if total > SMEM_BUDGET_BYTES:
-        detail = "; ".join(f"{op.name}: {n} slot(s) x {block} B ({dtype} {op.ref_shape}) = {n * block} B"
-                           for op, n, block, dtype in parts)
-        raise ValueError(f"{api} on mosaic_gpu needs {total} B of shared memory, more than the {SMEM_BUDGET_BYTES} B "
-                         f"a thread block may use on sm_90: {detail}; {barrier_bytes // BARRIER_BYTES} barrier(s) x {BARRIER_BYTES} B; "
-                         f"the kernel's scratch_shapes {kernel_scratch} B. "
-                         f"Use smaller blocks or fewer slots (max_concurrent_steps)")
+        detail = "; ".join(
+            f"{op.name}: {n} slot(s) x {block} B ({dtype} {op.ref_shape}) = {n * block} B"
+            for op, n, block, dtype in parts
+        )
+        raise ValueError(
+            f"{api} on mosaic_gpu needs {total} B of shared memory, more than the "
+            f"{SMEM_BUDGET_BYTES} B a thread block may use on sm_90: {detail}; "
+            f"{barrier_bytes // BARRIER_BYTES} barrier(s) x {BARRIER_BYTES} B; the kernel's "
+            f"scratch_shapes {kernel_scratch} B. Use smaller blocks or fewer slots "
+            "(max_concurrent_steps)"
+        )
     return total
 
 
 def _slots(p: PipelinePlan, in_refs, out_refs) -> list:
     """The SMEM slots of every operand (inputs, then outputs), in its block's layout transforms."""
-    return [plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype, transforms=op.transforms)
-            for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))]
+    return [
+        plgpu.SMEM((op.num_slots, *op.ref_shape), r.dtype, transforms=op.transforms)
+        for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))
+    ]
 
 
 def _fetch(p: PipelinePlan, in_refs, in_bufs, produced, i: int, step, at, slot=None) -> None:
@@ -68,7 +85,9 @@ def _fetch(p: PipelinePlan, in_refs, in_bufs, produced, i: int, step, at, slot=N
     op = p.inputs[i]
     slot = p.slot(op, step) if slot is None else slot
     issued(at, "fetch", op, slot, step)
-    plgpu.copy_gmem_to_smem(block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], produced[i].at[slot])
+    plgpu.copy_gmem_to_smem(
+        block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], produced[i].at[slot]
+    )
 
 
 def _await_blocks(p: PipelinePlan, s, produced, in_bufs, out_bufs, wb_counts, wait: bool = True):
@@ -76,6 +95,7 @@ def _await_blocks(p: PipelinePlan, s, produced, in_bufs, out_bufs, wb_counts, wa
     the input and output slot views of step s."""
     for i, op in enumerate(p.inputs if wait else ()):
         if op.invariant:
+
             @pl.when(s == 0)
             def _():
                 issued(s, "wait_fetch", op, 0, 0)
@@ -98,23 +118,30 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 
     def scoped(*args):
         in_bufs = args[:n_in]
-        out_bufs = args[n_in:n_in + n_out]
-        barriers = args[n_in + n_out:]
+        out_bufs = args[n_in : n_in + n_out]
+        barriers = args[n_in + n_out :]
 
         def fetcher(i, at):
             return lambda t, slot: _fetch(p, in_refs, in_bufs, barriers, i, t, at, slot)
-        cursors0 = tuple(fetch.as_carry(fetch.prologue(p, op, fetcher(i, -1))) for i, op in enumerate(p.inputs))
+
+        cursors0 = tuple(
+            fetch.as_carry(fetch.prologue(p, op, fetcher(i, -1))) for i, op in enumerate(p.inputs)
+        )
 
         def step(s, state):
             wb_counts, cursors, carry = state
             stepped = [fetch.begin_step(p, op, cur, s) for op, cur in zip(p.inputs, cursors)]
             for i, (op, (_, waits, slot)) in enumerate(zip(p.inputs, stepped)):
+
                 def wait(i=i, op=op, slot=slot):
                     issued(s, "wait_fetch", op, slot, s)
                     plgpu.barrier_wait(barriers[i].at[slot])
+
                 when(waits, wait)
             in_blocks = [in_bufs[i].at[slot] for i, (_, _, slot) in enumerate(stepped)]
-            out_blocks = [out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
+            out_blocks = [
+                out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)
+            ]
             indices = p.grid_indices(s)
             carry = call_body(body, indices, (*in_blocks, *out_blocks), carry, has_carry)
             if n_out:
@@ -127,8 +154,11 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
                 @pl.when(wb)
                 def _():
                     issued(s, "writeback", op, p.output_slot(op, w), s)
-                    plgpu.copy_smem_to_gmem(out_bufs[j].at[p.output_slot(op, w)], block_view(p, op, out_refs[j], s),
-                                            commit_group=False)
+                    plgpu.copy_smem_to_gmem(
+                        out_bufs[j].at[p.output_slot(op, w)],
+                        block_view(p, op, out_refs[j], s),
+                        commit_group=False,
+                    )
 
                 new_counts.append(w + jnp.where(wb, 1, 0).astype(jnp.int32))
             if n_out:
@@ -136,8 +166,10 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
                 # Two-slot outputs: the slot written next was stored a group ago, one group may stay
                 # in flight. A one-slot output is written again next step: wait for every store.
                 plgpu.wait_smem_to_gmem(0 if one_slot_outputs else 1, wait_read_only=True)
-            cursors = tuple(fetch.as_carry(fetch.after_step(p, op, cur, s, fetcher(i, s)))
-                            for i, (op, (cur, _, _)) in enumerate(zip(p.inputs, stepped)))
+            cursors = tuple(
+                fetch.as_carry(fetch.after_step(p, op, cur, s, fetcher(i, s)))
+                for i, (op, (cur, _, _)) in enumerate(zip(p.inputs, stepped))
+            )
             return tuple(new_counts), cursors, carry
 
         counts0 = tuple(jnp.int32(0) for _ in p.outputs)
@@ -153,14 +185,15 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 class _WarpRefs:
     """A warp-specialized pipeline's global operands, its scoped SMEM slots and barriers, and the
     index of the thread running."""
+
     wp: WarpSpecializedPlan
     in_refs: tuple
     out_refs: tuple
     in_bufs: tuple
     out_bufs: tuple
-    produced: tuple     # per input, one barrier per slot: its copy landed
-    consumed: tuple     # one shared barrier per slot, or one per input with manual barriers
-    out_ready: Any      # every compute thread wrote its part of the step's output blocks
+    produced: tuple  # per input, one barrier per slot: its copy landed
+    consumed: tuple  # one shared barrier per slot, or one per input with manual barriers
+    out_ready: Any  # every compute thread wrote its part of the step's output blocks
     tid: Any
 
     @property
@@ -187,19 +220,27 @@ def warp_allocations(wp: WarpSpecializedPlan, in_refs, out_refs) -> dict[str, li
     p = wp.pipeline
     single = [op.name for op in p.outputs if op.num_slots == 1 and not op.invariant]
     if single:
-        raise NotImplementedError(f"emit_pipeline_warp_specialized: one-slot outputs ({', '.join(single)}: "
-                                  f"pl.Buffered(1)) are not supported on mosaic_gpu; the compute threads would write "
-                                  f"the slot while its store reads it. Leave the output at 2 slots")
+        raise NotImplementedError(
+            f"emit_pipeline_warp_specialized: one-slot outputs ({', '.join(single)}: "
+            "pl.Buffered(1)) are not supported on mosaic_gpu; the compute threads would write the "
+            "slot while its store reads it. Leave the output at 2 slots"
+        )
     cycling = any(not op.invariant for op in p.inputs)
     n_consumed = len(p.inputs) if wp.manual_consumed_barriers else int(cycling)
     allocations = {
         "slots": _slots(p, in_refs, out_refs),
         "produced": [plgpu.Barrier(num_barriers=op.num_slots) for op in p.inputs],
-        "consumed": [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=p.max_concurrent_steps)
-                     for _ in range(n_consumed)],
-        "out_ready": [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=1)] if p.outputs else [],
+        "consumed": [
+            plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=p.max_concurrent_steps)
+            for _ in range(n_consumed)
+        ],
+        "out_ready": [plgpu.Barrier(num_arrivals=wp.num_compute_wgs, num_barriers=1)]
+        if p.outputs
+        else [],
     }
-    check_smem_budget(p, [b for part in allocations.values() for b in part], "emit_pipeline_warp_specialized")
+    check_smem_budget(
+        p, [b for part in allocations.values() for b in part], "emit_pipeline_warp_specialized"
+    )
     return allocations
 
 
@@ -215,12 +256,14 @@ def _fetch_round(r: _WarpRefs, t, at) -> None:
                 _fetch(p, r.in_refs, r.in_bufs, r.produced, i, 0, at)
             continue
         if i in wait_before:
+
             def wait(barrier=wait_before[i][0], name=wait_before[i][1]):
                 issued(at, "wait_consumed", name, t % S, t - S)
                 plgpu.barrier_wait(barrier.at[t % S])
                 # Order the compute threads' reads of the slot (generic proxy) before the TMA
                 # write into it (async proxy).
                 plgpu.commit_smem()
+
             when(wp.refill_waits(t), wait)
         _fetch(p, r.in_refs, r.in_bufs, r.produced, i, t, at)
 
@@ -243,20 +286,24 @@ def _memory_thread(r: _WarpRefs) -> None:
 
     def drain_all():
         for b, name in r.wait_before().values():
+
             def drain(u, _=None, b=b, name=name):
                 issued(n, "wait_consumed", name, u % S, u)
                 plgpu.barrier_wait(b.at[u % S])
+
             if p.is_static:
                 for u in range(max(0, n - S), n - p.delay_release):
                     drain(u)
             else:
                 lax.fori_loop(jnp.maximum(0, n - S), n - p.delay_release, drain, None)
+
     when(wp.drains, drain_all)
 
 
 def _store_outputs(r: _WarpRefs, s, wb_counts) -> tuple:
     """Step s's write-backs: every compute thread fences its SMEM writes and arrives at the output
-    barrier; the leader waits for its earlier stores, then stores the blocks. New write-back counts."""
+    barrier; the leader waits for its earlier stores, then stores the blocks. New write-back
+    counts."""
     p = r.p
     is_leader = r.tid == r.wp.leader
     wbs = [p.writes_back(op, s) for op in p.outputs]
@@ -269,6 +316,7 @@ def _store_outputs(r: _WarpRefs, s, wb_counts) -> tuple:
         @pl.when(is_leader)
         def _():  # the slot the other threads write next was stored two write-backs ago
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
         issued(s, "output_barrier", "out_ready", 0, s)
         plgpu.barrier_arrive(r.out_ready.at[0])
         plgpu.barrier_wait(r.out_ready.at[0])
@@ -276,12 +324,18 @@ def _store_outputs(r: _WarpRefs, s, wb_counts) -> tuple:
         @pl.when(is_leader)
         def _():
             for j, op in enumerate(p.outputs):
+
                 @pl.when(wbs[j])
                 def _():
                     issued(s, "writeback", op, p.output_slot(op, wb_counts[j]), s)
-                    plgpu.copy_smem_to_gmem(r.out_bufs[j].at[p.output_slot(op, wb_counts[j])],
-                                            block_view(p, op, r.out_refs[j], s), commit_group=False)
+                    plgpu.copy_smem_to_gmem(
+                        r.out_bufs[j].at[p.output_slot(op, wb_counts[j])],
+                        block_view(p, op, r.out_refs[j], s),
+                        commit_group=False,
+                    )
+
             plgpu.commit_smem_to_gmem_group()
+
     return tuple(w + jnp.where(wb, 1, 0).astype(jnp.int32) for w, wb in zip(wb_counts, wbs))
 
 
@@ -295,35 +349,55 @@ def _compute_steps(r: _WarpRefs, body, init, has_carry):
     def step(s, state):
         wb_counts, carry = state
         carry = fixed if fixed is not None else carry
-        in_blocks, out_blocks = _await_blocks(p, s, r.produced, r.in_bufs, r.out_bufs, wb_counts,
-                                              wait=not wp.manual_produced_barriers)
+        in_blocks, out_blocks = _await_blocks(
+            p, s, r.produced, r.in_bufs, r.out_bufs, wb_counts, wait=not wp.manual_produced_barriers
+        )
         # Upstream's protocol: produced barriers of this step's slots (the body waits on them), then
         # consumed ones of the slot of step s - delay_release, whose arrival the body skips during
         # the first delay_release steps (see the public docstring).
-        manual = ([r.produced[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
-                  if wp.manual_produced_barriers else [])
-        manual += ([r.consumed[i].at[wp.released_slot(s)] for i in range(len(p.inputs))]
-                   if wp.manual_consumed_barriers else [])
-        carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks, *manual), carry, has_carry)
+        manual = (
+            [r.produced[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
+            if wp.manual_produced_barriers
+            else []
+        )
+        manual += (
+            [r.consumed[i].at[wp.released_slot(s)] for i in range(len(p.inputs))]
+            if wp.manual_consumed_barriers
+            else []
+        )
+        carry = call_body(
+            body, p.grid_indices(s), (*in_blocks, *out_blocks, *manual), carry, has_carry
+        )
         carry = None if fixed is not None else carry
         if shared_release:
+
             @pl.when(wp.releases_after(s))
             def _():
                 issued(s, "release", "shared", wp.released_slot(s), s - p.delay_release)
                 plgpu.barrier_arrive(r.consumed[0].at[wp.released_slot(s)])
+
         return (_store_outputs(r, s, wb_counts) if p.outputs else ()), carry
 
     counts0 = tuple(jnp.int32(0) for _ in p.outputs)
     _, final = lax.fori_loop(0, p.num_steps, step, (counts0, None if fixed is not None else init))
     if p.outputs:
+
         @pl.when(r.tid == wp.leader)
         def _():
             plgpu.wait_smem_to_gmem(0)
+
     return fixed if fixed is not None else final
 
 
-def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry_coroutine, compute_context=None,
-                         allocations: dict | None = None):
+def run_warp_specialized(
+    wp: WarpSpecializedPlan,
+    body,
+    in_refs,
+    out_refs,
+    carry_coroutine,
+    compute_context=None,
+    allocations: dict | None = None,
+):
     """The warp-specialized protocol of `conveyor.plans.warp` in Mosaic GPU primitives, on scoped
     shared memory or on the caller's `allocations` (from `warp_allocations`, e.g. shared by a chain
     of pipelines)."""
@@ -332,9 +406,17 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
     needed = warp_allocations(wp, in_refs, out_refs)
 
     def scoped(a):
-        r = _WarpRefs(wp, tuple(in_refs), tuple(out_refs), tuple(a["slots"][:n_in]), tuple(a["slots"][n_in:]),
-                      tuple(a["produced"]), tuple(a["consumed"]), a["out_ready"][0] if p.outputs else None,
-                      lax.axis_index(wp.wg_axis))
+        r = _WarpRefs(
+            wp,
+            tuple(in_refs),
+            tuple(out_refs),
+            tuple(a["slots"][:n_in]),
+            tuple(a["slots"][n_in:]),
+            tuple(a["produced"]),
+            tuple(a["consumed"]),
+            a["out_ready"][0] if p.outputs else None,
+            lax.axis_index(wp.wg_axis),
+        )
         pl.when(r.tid == wp.memory_thread_idx)(lambda: _memory_thread(r))
 
         @pl.when(r.tid != wp.memory_thread_idx)
@@ -347,6 +429,7 @@ def run_warp_specialized(wp: WarpSpecializedPlan, body, in_refs, out_refs, carry
                     carry_lib.check_single_call(called)
                     called.append(True)
                     return _compute_steps(r, body, carry, carry is not None)
+
                 compute_context(eval_pipeline)
                 carry_lib.check_called(called)
                 return

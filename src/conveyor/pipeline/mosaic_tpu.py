@@ -3,11 +3,13 @@
 Follows the plan's schedule literally, each input carrying its fetch cursor
 (`conveyor.plans.fetch`): a prologue issues the first fetches; at step s the kernel waits for the
 inputs whose block changes, runs the body on the slots the cursors name, then issues the next
-fetches (after the body, so delay_release=0 is safe too). Outputs live in two VMEM slots: a write-back starts when the plan says so, and
+fetches (after the body, so delay_release=0 is safe too). Outputs live in two VMEM slots: a
+write-back starts when the plan says so, and
 before the body writes into the other slot the write-back that last used it is awaited.
 Out-of-bounds blocks (`conveyor.pipeline.lowering`): their DMAs are predicated off; an input slot
 is zero-filled instead, and nobody waits for a copy that was never started.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,8 +20,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from conveyor.pipeline.lowering import (block_in_bounds, block_view, call_body, check_allocations, first_block_view,
-                                        issued, slot_view, when)
+from conveyor.pipeline.lowering import (
+    block_in_bounds,
+    block_view,
+    call_body,
+    check_allocations,
+    first_block_view,
+    issued,
+    slot_view,
+    when,
+)
 from conveyor.plans import fetch
 from conveyor.plans.pipeline import OperandPlan, PipelinePlan
 
@@ -28,13 +38,14 @@ from conveyor.plans.pipeline import OperandPlan, PipelinePlan
 class _Copies:
     """A pipeline's DMAs on TPU: its global operands, its VMEM slots and their semaphores. Blocks
     out of bounds are not copied: an input slot is zero-filled instead, an output block dropped."""
+
     p: PipelinePlan
     in_refs: tuple
     out_refs: tuple
     in_bufs: tuple
     out_bufs: tuple
-    in_sems: Any      # [input, slot]
-    out_sems: Any     # [output, slot]
+    in_sems: Any  # [input, slot]
+    out_sems: Any  # [output, slot]
 
     def _in_bounds(self, op: OperandPlan, ref, step):
         return block_in_bounds(self.p, op, step, ref.shape)
@@ -44,21 +55,32 @@ class _Copies:
 
         def copy():
             issued(at, "fetch", op, slot, step)
-            pltpu.make_async_copy(block_view(p, op, self.in_refs[i], step),
-                                  slot_view(p, op, self.in_bufs[i].at[slot], step), self.in_sems.at[i, slot]).start()
+            pltpu.make_async_copy(
+                block_view(p, op, self.in_refs[i], step),
+                slot_view(p, op, self.in_bufs[i].at[slot], step),
+                self.in_sems.at[i, slot],
+            ).start()
 
         def zero_fill():
             self.in_bufs[i].at[slot][...] = jnp.zeros(op.ref_shape, self.in_bufs[i].dtype)
+
         when(self._in_bounds(op, self.in_refs[i], step), copy, otherwise=zero_fill)
 
     def wait_fetch(self, i: int, step, slot) -> None:
         p, op = self.p, self.p.inputs[i]
 
-        def wait():  # a wait needs the size of its copy: step's window (every block's, unless bounded)
+        # a wait needs the size of its copy: step's window (every block's, unless bounded)
+        def wait():
             issued(step, "wait_fetch", op, slot, step)
-            src = block_view(p, op, self.in_refs[i], step) if op.bounded_dims else first_block_view(op, self.in_refs[i])
-            pltpu.make_async_copy(src, slot_view(p, op, self.in_bufs[i].at[slot], step),
-                                  self.in_sems.at[i, slot]).wait()
+            src = (
+                block_view(p, op, self.in_refs[i], step)
+                if op.bounded_dims
+                else first_block_view(op, self.in_refs[i])
+            )
+            pltpu.make_async_copy(
+                src, slot_view(p, op, self.in_bufs[i].at[slot], step), self.in_sems.at[i, slot]
+            ).wait()
+
         when(self._in_bounds(op, self.in_refs[i], step), wait)
 
     def output_in_bounds(self, j: int, step):
@@ -68,8 +90,11 @@ class _Copies:
         """The write-back DMA of output j's `slot` to its block at `step` (for a wait, only its
         size matters: any block's, unless the window is bounded)."""
         p, op = self.p, self.p.outputs[j]
-        return pltpu.make_async_copy(slot_view(p, op, self.out_bufs[j].at[slot], step),
-                                     block_view(p, op, self.out_refs[j], step), self.out_sems.at[j, slot])
+        return pltpu.make_async_copy(
+            slot_view(p, op, self.out_bufs[j].at[slot], step),
+            block_view(p, op, self.out_refs[j], step),
+            self.out_sems.at[j, slot],
+        )
 
     def start_writeback(self, j: int, slot, step) -> None:
         issued(step, "writeback", self.p.outputs[j], slot, step)
@@ -82,8 +107,11 @@ class _Copies:
         if op.bounded_dims:
             self._writeback(j, slot, step).wait()
         else:
-            pltpu.make_async_copy(self.out_bufs[j].at[slot], first_block_view(op, self.out_refs[j]),
-                                  self.out_sems.at[j, slot]).wait()
+            pltpu.make_async_copy(
+                self.out_bufs[j].at[slot],
+                first_block_view(op, self.out_refs[j]),
+                self.out_sems.at[j, slot],
+            ).wait()
 
 
 def _write_back(c: _Copies, s, wb_counts, started, last_steps) -> tuple[tuple, tuple, tuple]:
@@ -102,8 +130,10 @@ def _write_back(c: _Copies, s, wb_counts, started, last_steps) -> tuple[tuple, t
             new_started.append(started[j])  # nothing left in flight for the epilogue
         else:
             # the slot used next was last written back by write-back w - 1: wait for it, if it ran
-            when(jnp.logical_and(wb, jnp.logical_and(w >= 1, started[j])),
-                 lambda j=j, slot=slot: c.wait_writeback(j, 1 - slot, s, last_steps[j]))
+            when(
+                jnp.logical_and(wb, jnp.logical_and(w >= 1, started[j])),
+                lambda j=j, slot=slot: c.wait_writeback(j, 1 - slot, s, last_steps[j]),
+            )
             new_started.append(jnp.where(wb, inside, started[j]))
         new_counts.append(w + wb.astype(jnp.int32))
         new_steps.append(jnp.where(wb, jnp.asarray(s, jnp.int32), last_steps[j]))
@@ -115,19 +145,33 @@ def allocations(p: PipelinePlan, in_refs, out_refs) -> dict[str, list]:
     and its DMA semaphores, one per input slot and one per output slot."""
     transformed = [op.name for op in p.inputs + p.outputs if op.transforms]
     if transformed:
-        raise NotImplementedError(f"emit_pipeline on mosaic_tpu: block transforms ({', '.join(transformed)}) are Mosaic "
-                                  f"GPU shared-memory layouts; TPU VMEM blocks have their own tiling. Drop them for TPU")
+        raise NotImplementedError(
+            f"emit_pipeline on mosaic_tpu: block transforms ({', '.join(transformed)}) are Mosaic "
+            "GPU shared-memory layouts; TPU VMEM blocks have their own tiling. Drop them for TPU"
+        )
     in_slots = max([op.num_slots for op in p.inputs], default=1)
-    return {"slots": [pltpu.VMEM((op.num_slots, *op.ref_shape), r.dtype)
-                      for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))],
-            "semaphores": [pltpu.SemaphoreType.DMA((max(len(p.inputs), 1), in_slots)),
-                           pltpu.SemaphoreType.DMA((max(len(p.outputs), 1), 2))]}
+    return {
+        "slots": [
+            pltpu.VMEM((op.num_slots, *op.ref_shape), r.dtype)
+            for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))
+        ],
+        "semaphores": [
+            pltpu.SemaphoreType.DMA((max(len(p.inputs), 1), in_slots)),
+            pltpu.SemaphoreType.DMA((max(len(p.outputs), 1), 2)),
+        ],
+    }
 
 
 def _copies(p: PipelinePlan, in_refs, out_refs, a: dict) -> _Copies:
     n_in = len(p.inputs)
-    return _Copies(p, tuple(in_refs), tuple(out_refs), tuple(a["slots"][:n_in]), tuple(a["slots"][n_in:]),
-                   *a["semaphores"])
+    return _Copies(
+        p,
+        tuple(in_refs),
+        tuple(out_refs),
+        tuple(a["slots"][:n_in]),
+        tuple(a["slots"][n_in:]),
+        *a["semaphores"],
+    )
 
 
 def _fetcher(c: _Copies, i: int, at):
@@ -143,21 +187,32 @@ def prefetch(p: PipelinePlan, in_refs, out_refs, given: dict) -> None:
         fetch.prologue(p, op, _fetcher(c, i, -1))
 
 
-def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool,
-                 given: dict | None = None, prefetched: bool = False):
+def run_pipeline(
+    p: PipelinePlan,
+    body,
+    in_refs,
+    out_refs,
+    init_carry,
+    has_carry: bool,
+    given: dict | None = None,
+    prefetched: bool = False,
+):
     """The plan's schedule in Mosaic TPU DMAs: prologue fetches (unless `prefetch` issued them),
     then per step: wait for the inputs, run the body, write back, fetch ahead; then wait for the
     last write-backs. On its own scoped VMEM, or on the caller's `given` allocations."""
     n = p.num_steps
     needed = allocations(p, in_refs, out_refs)
-    assert not (p.prefetched_inputs and given is None)   # refused by the API
+    assert not (p.prefetched_inputs and given is None)  # refused by the API
 
     def scoped(a):
         c = _copies(p, in_refs, out_refs, a)
 
         def prologue(i, op):
             # After a prefetch the copies are in flight: only the cursor is computed here.
-            return fetch.prologue(p, op, (lambda t, slot: None) if prefetched else _fetcher(c, i, -1))
+            return fetch.prologue(
+                p, op, (lambda t, slot: None) if prefetched else _fetcher(c, i, -1)
+            )
+
         cursors0 = tuple(fetch.as_carry(prologue(i, op)) for i, op in enumerate(p.inputs))
 
         def step(s, state):
@@ -166,20 +221,29 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
             for i, (_, waits, slot) in enumerate(stepped):
                 when(waits, lambda i=i, slot=slot: c.wait_fetch(i, s, slot))
             in_blocks = [c.in_bufs[i].at[slot] for i, (_, _, slot) in enumerate(stepped)]
-            out_blocks = [c.out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
+            out_blocks = [
+                c.out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)
+            ]
             carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks), carry, has_carry)
             wb_counts, started, last_steps = _write_back(c, s, wb_counts, started, last_steps)
-            cursors = tuple(fetch.as_carry(fetch.after_step(p, op, cur, s, _fetcher(c, i, s)))
-                            for i, (op, (cur, _, _)) in enumerate(zip(p.inputs, stepped)))
+            cursors = tuple(
+                fetch.as_carry(fetch.after_step(p, op, cur, s, _fetcher(c, i, s)))
+                for i, (op, (cur, _, _)) in enumerate(zip(p.inputs, stepped))
+            )
             return wb_counts, started, last_steps, cursors, carry
 
         counts0 = tuple(jnp.int32(0) for _ in p.outputs)
         started0 = tuple(jnp.bool_(False) for _ in p.outputs)
-        counts, started, last_steps, _, carry = lax.fori_loop(0, n, step,
-                                                              (counts0, started0, counts0, cursors0, init_carry))
+        counts, started, last_steps, _, carry = lax.fori_loop(
+            0, n, step, (counts0, started0, counts0, cursors0, init_carry)
+        )
         for j, op in enumerate(p.outputs):  # epilogue: the last write-back may still be in flight
-            when(started[j], lambda j=j, op=op: c.wait_writeback(j, p.output_slot(op, counts[j] - 1), n,
-                                                                 last_steps[j]))
+            when(
+                started[j],
+                lambda j=j, op=op: c.wait_writeback(
+                    j, p.output_slot(op, counts[j] - 1), n, last_steps[j]
+                ),
+            )
         return carry
 
     if given is not None:

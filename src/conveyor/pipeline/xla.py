@@ -17,6 +17,7 @@ So a schedule bug (a fetch one step off or into the wrong slot, a slot read afte
 gives wrong numbers or poison in milliseconds on CPU, where the Mosaic interpreters would hang.
 Out-of-bounds blocks follow `lowering`'s rule in both modes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,16 +40,20 @@ from conveyor.sync import TraceTimeBarrier
 def _clamped_index(p: PipelinePlan, op: OperandPlan, step, shape):
     """Slices of `op`'s block at `step`, clamped into the array (the caller masks out-of-bounds).
     A `pl.BoundedSlice` dimension reads a whole block's worth too (`_bounded_shifts` aligns it)."""
-    return tuple(pl.ds(jnp.clip(off, 0, extent - size), size)
-                 for off, size, extent in zip(p.offsets(op, step), op.block_dims, shape))
+    return tuple(
+        pl.ds(jnp.clip(off, 0, extent - size), size)
+        for off, size, extent in zip(p.offsets(op, step), op.block_dims, shape)
+    )
 
 
 def _bounded_shifts(p: PipelinePlan, op: OperandPlan, step, shape):
     """Per `pl.BoundedSlice` dimension: (dimension, how far the window starts past the clamped
     block `_clamped_index` reads, the window's size)."""
     window = p.window(op, step)
-    return [(d, window[d][0] - jnp.clip(window[d][0], 0, shape[d] - op.block_dims[d]), window[d][1])
-            for d in op.bounded_dims]
+    return [
+        (d, window[d][0] - jnp.clip(window[d][0], 0, shape[d] - op.block_dims[d]), window[d][1])
+        for d in op.bounded_dims
+    ]
 
 
 def _in_window(dims: tuple[int, ...], d: int, start, size):
@@ -75,7 +80,9 @@ def read_block(p: PipelinePlan, op: OperandPlan, gref, step):
     block = gref[idx]
     for d, shift, size in _bounded_shifts(p, op, step, gref.shape):
         block = jnp.roll(block, -shift, axis=d)
-        block = jnp.where(_in_window(block.shape, d, 0, size), block, poison(block.shape, block.dtype))
+        block = jnp.where(
+            _in_window(block.shape, d, 0, size), block, poison(block.shape, block.dtype)
+        )
     block = block.reshape(op.ref_shape)
     return jnp.where(block_in_bounds(p, op, step, gref.shape), block, jnp.zeros_like(block))
 
@@ -105,12 +112,18 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     n_in = len(p.inputs)
     # Fresh refs (not pl.run_scoped, whose XLA lowering fails when the body is itself inside a
     # user's run_scoped and touches that buffer).
-    bufs = [jax.new_ref(poison(op.ref_shape, r.dtype)) for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))]
+    bufs = [
+        jax.new_ref(poison(op.ref_shape, r.dtype))
+        for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))
+    ]
     in_bufs, out_bufs = bufs[:n_in], bufs[n_in:]
 
     def step(s, carry):
         for op, gref, buf in zip(p.inputs, in_refs, in_bufs):
-            when(fetch.changes_at(p, op, s), lambda op=op, gref=gref, buf=buf: _load(p, op, gref, buf, s))
+            when(
+                fetch.changes_at(p, op, s),
+                lambda op=op, gref=gref, buf=buf: _load(p, op, gref, buf, s),
+            )
         carry = call_body(body, p.grid_indices(s), (*in_bufs, *out_bufs), carry, has_carry)
         for op, gref, buf in zip(p.outputs, out_refs, out_bufs):
             written = p.writes_back(op, s)
@@ -124,18 +137,31 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 
 
 def _run_checked(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
-    """`run_pipeline` in the checked mode: the plan's slots as buffers, filled and poisoned on its schedule."""
-    in_slots = [jax.new_ref(poison((op.num_slots, *op.ref_shape), r.dtype)) for op, r in zip(p.inputs, in_refs)]
-    out_slots = [jax.new_ref(poison((op.num_slots, *op.ref_shape), r.dtype)) for op, r in zip(p.outputs, out_refs)]
-    views = [jax.new_ref(poison(op.ref_shape, r.dtype)) for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))]
+    """`run_pipeline` in the checked mode: the plan's slots as buffers, filled and poisoned on its
+    schedule."""
+    in_slots = [
+        jax.new_ref(poison((op.num_slots, *op.ref_shape), r.dtype))
+        for op, r in zip(p.inputs, in_refs)
+    ]
+    out_slots = [
+        jax.new_ref(poison((op.num_slots, *op.ref_shape), r.dtype))
+        for op, r in zip(p.outputs, out_refs)
+    ]
+    views = [
+        jax.new_ref(poison(op.ref_shape, r.dtype))
+        for op, r in zip(p.inputs + p.outputs, (*in_refs, *out_refs))
+    ]
 
     def fetcher(op, gref, slots):
         def fill(t, slot):
             slots[slot] = read_block(p, op, gref, t)
+
         return fill
 
-    cursors0 = tuple(fetch.as_carry(fetch.prologue(p, op, fetcher(op, gref, slots)))
-                     for op, gref, slots in zip(p.inputs, in_refs, in_slots))
+    cursors0 = tuple(
+        fetch.as_carry(fetch.prologue(p, op, fetcher(op, gref, slots)))
+        for op, gref, slots in zip(p.inputs, in_refs, in_slots)
+    )
     d = p.delay_release
 
     def step(s, state):
@@ -144,29 +170,39 @@ def _run_checked(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         stepped = [fetch.begin_step(p, op, cur, s) for op, cur in zip(p.inputs, cursors)]
         for (_, _, slot), slots, view in zip(stepped, in_slots, views):
             view[...] = slots[slot]
-        for slots, at, view in zip(out_slots, out_at, views[len(p.inputs):]):
+        for slots, at, view in zip(out_slots, out_at, views[len(p.inputs) :]):
             view[...] = slots[at]
         carry = call_body(body, p.grid_indices(s), views, carry, has_carry)
         for (_, _, slot), slots, view in zip(stepped, in_slots, views):
             slots[slot] = view[...]  # the body works on the slot itself on the other backends
         new_counts = []
-        for op, gref, slots, at, view, c in zip(p.outputs, out_refs, out_slots, out_at, views[len(p.inputs):], counts):
+        for op, gref, slots, at, view, c in zip(
+            p.outputs, out_refs, out_slots, out_at, views[len(p.inputs) :], counts
+        ):
             written = p.writes_back(op, s)
             store_block(p, op, gref, view[...], s, written)
             # A written-back slot is free: poisoned, it holds nothing a later step may rely on.
             slots[at] = jnp.where(written, poison(view.shape, view.dtype), view[...])
             new_counts.append(c + jnp.where(written, 1, 0).astype(jnp.int32))
         new_cursors, new_recent = [], []
-        for op, gref, slots, (cur, _, slot), held in zip(p.inputs, in_refs, in_slots, stepped, recent):
+        for op, gref, slots, (cur, _, slot), held in zip(
+            p.inputs, in_refs, in_slots, stepped, recent
+        ):
             # `held`: the slots of steps s - d .. s - 1. Step r = s - d is done with its block when
             # the block changes after it (or r is the last step): poison that slot, then refill.
             held = (*held, slot)
             if not op.invariant:
                 r = s - d
-                done = jnp.logical_and(r >= 0, jnp.logical_or(r == p.num_steps - 1,
-                                                              p.block_changes(op, jnp.maximum(r, 0))))
-                when(done, lambda op=op, slots=slots, at=held[0]: slots.__setitem__(
-                    at, poison(op.ref_shape, slots.dtype)))
+                done = jnp.logical_and(
+                    r >= 0,
+                    jnp.logical_or(r == p.num_steps - 1, p.block_changes(op, jnp.maximum(r, 0))),
+                )
+                when(
+                    done,
+                    lambda op=op, slots=slots, at=held[0]: slots.__setitem__(
+                        at, poison(op.ref_shape, slots.dtype)
+                    ),
+                )
                 cur = fetch.after_step(p, op, cur, s, fetcher(op, gref, slots))
             new_cursors.append(fetch.as_carry(cur))
             new_recent.append(held[1:])
@@ -178,29 +214,39 @@ def _run_checked(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     return carry if has_carry else None
 
 
-def _check_manual_barriers(produced: list[TraceTimeBarrier], consumed: list[TraceTimeBarrier]) -> None:
+def _check_manual_barriers(
+    produced: list[TraceTimeBarrier], consumed: list[TraceTimeBarrier]
+) -> None:
     """A body that never waits on a manual produced barrier, or never arrives on a manual consumed
-    one, is an error: on GPU it would read a slot before its copy lands, or hang the memory thread."""
+    one, is an error: on GPU it would read a slot before its copy lands, or hang the memory
+    thread."""
     for b in produced:
         if b.waits == 0:
-            raise ValueError(f"manual_produced_barriers=True but the body never waits on the produced barrier of "
-                             f"{b.name} (call cv.wait_produced on it before reading the block): on GPU it would read "
-                             f"the slot before its copy lands")
+            raise ValueError(
+                "manual_produced_barriers=True but the body never waits on the produced barrier "
+                f"of {b.name} (call cv.wait_produced on it before reading the block): on GPU it "
+                "would read the slot before its copy lands"
+            )
     for b in consumed:
         if b.arrivals == 0:
-            raise ValueError(f"manual_consumed_barriers=True but the body never arrives on the consumed "
-                             f"barrier of {b.name} (call cv.barrier_arrive on it): the memory thread would "
-                             f"wait forever before refilling that slot")
+            raise ValueError(
+                "manual_consumed_barriers=True but the body never arrives on the consumed barrier "
+                f"of {b.name} (call cv.barrier_arrive on it): the memory thread would wait forever "
+                "before refilling that slot"
+            )
 
 
-def run_warp_specialized(wp, body, in_refs, out_refs, carry_coroutine, thread_index: int, compute_context=None):
+def run_warp_specialized(
+    wp, body, in_refs, out_refs, carry_coroutine, thread_index: int, compute_context=None
+):
     """The warp-specialized pipeline on xla.
 
     `cv.kernel` traces its threads one after the other; the pipeline runs once, in the leader's
     trace, and at every step runs the body for each compute thread in turn on the same blocks
     (each traced with its own `lax.axis_index(wg_axis)`), so compute threads share output blocks
     exactly as on GPU. The memory thread has nothing to do: reads are synchronous here.
-    Each thread's carry comes from its `carry_coroutine` or its `compute_context` (`_nested_contexts`).
+    Each thread's carry comes from its `carry_coroutine` or its `compute_context`
+    (`_nested_contexts`).
     """
     if thread_index != wp.leader:
         return None
@@ -218,7 +264,9 @@ def run_warp_specialized(wp, body, in_refs, out_refs, carry_coroutine, thread_in
         gens.append(gen)
         inits.append(init)
     has_carry = carry_coroutine is not None
-    finals = _run_threads(wp, body, in_refs, out_refs, [(init, has_carry) for init in inits], as_thread)
+    finals = _run_threads(
+        wp, body, in_refs, out_refs, [(init, has_carry) for init in inits], as_thread
+    )
     for c, gen, final in zip(threads, gens, finals):
         carry_lib.finish(gen, final, lambda fn, c=c: as_thread(c, fn))
 
@@ -236,18 +284,31 @@ def _run_threads(wp, body, in_refs, out_refs, carries, as_thread) -> list:
         blocks, loop_carries = args[:n_blocks], args[n_blocks]
         new = []
         for c, carry, ref, (_, has_carry) in zip(threads, loop_carries, fixed, carries):
-            produced = [TraceTimeBarrier(op.name) for op in p.inputs] if wp.manual_produced_barriers else []
-            consumed = [TraceTimeBarrier(op.name) for op in p.inputs] if wp.manual_consumed_barriers else []
+            produced = (
+                [TraceTimeBarrier(op.name) for op in p.inputs]
+                if wp.manual_produced_barriers
+                else []
+            )
+            consumed = (
+                [TraceTimeBarrier(op.name) for op in p.inputs]
+                if wp.manual_consumed_barriers
+                else []
+            )
             extra = ((carry if ref is None else ref),) if has_carry else ()
 
             def call(extra=extra, produced=produced, consumed=consumed, ref=ref):
                 out = body(indices, *blocks, *produced, *consumed, *extra)
-                return None if ref is not None else out  # a Ref carry is not returned through the trace
+                # a Ref carry is not returned through the trace
+                return None if ref is not None else out
+
             out = as_thread(c, call)
             _check_manual_barriers(produced, consumed)
             if not has_carry and out is not None:
-                raise TypeError("pipeline body returned a value but the pipeline has no carry (give a carry_coroutine, "
-                                "or call eval_pipeline with an initial carry in compute_context)")
+                raise TypeError(
+                    "pipeline body returned a value but the pipeline has no carry (give a "
+                    "carry_coroutine, or call eval_pipeline with an initial carry in "
+                    "compute_context)"
+                )
             new.append(out if has_carry and ref is None else None)
         return tuple(new)
 

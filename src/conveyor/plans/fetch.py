@@ -24,6 +24,7 @@ done: its last step r ran, and so did step r + delay_release (the body's reads e
 work on Python ints (the plan's `events()`, the checker and the simulator) and on traced int32
 (inside kernels, where the lookahead scan is a `lax.while_loop`); all backends share them.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -48,10 +49,11 @@ Fetch = Callable[[Int, Int], None]
 
 class Cursor(NamedTuple):
     """Where one input stands in its schedule (a pytree, so it can be a loop carry)."""
-    reads: Int      # distinct blocks the body has read so far, this step's included
-    fetches: Int    # distinct blocks fetched so far: the next one goes to slot fetches % S
-    scanned: Int    # LOOKAHEAD: every step before it has had its block fetched (or reuses one)
-    done: Int       # LOOKAHEAD: distinct blocks no step will read again (their slots are free)
+
+    reads: Int  # distinct blocks the body has read so far, this step's included
+    fetches: Int  # distinct blocks fetched so far: the next one goes to slot fetches % S
+    scanned: Int  # LOOKAHEAD: every step before it has had its block fetched (or reuses one)
+    done: Int  # LOOKAHEAD: distinct blocks no step will read again (their slots are free)
 
 
 def when(cond: Any, fn: Callable[[], None], otherwise: Callable[[], None] | None = None) -> None:
@@ -101,7 +103,8 @@ def changes_every_step(p: PipelinePlan, op: OperandPlan) -> bool:
     """True when the grid is static and the index map, evaluated at every step, gives each step a
     block different from the previous step's: then no step can reuse a block, and the executors
     need no per-step test (no branch in the kernel). False when unknown (a map reading kernel
-    values, a dynamic or very long grid). Found once per plan (`PipelinePlan.inputs_changing_every_step`)."""
+    values, a dynamic or very long grid). Found once per plan
+    (`PipelinePlan.inputs_changing_every_step`)."""
     return op.name in p.inputs_changing_every_step
 
 
@@ -121,6 +124,7 @@ def block_keys(p: PipelinePlan, op: OperandPlan) -> np.ndarray | None:
 
     def key_at(s):
         return jnp.stack([jnp.asarray(k, jnp.int32) for k in p.block_key(op, s)])
+
     try:
         # Traced on its own first: a map reading kernel values closes over the kernel's tracers,
         # and evaluating it here would put this function's constants into the kernel's trace.
@@ -182,7 +186,8 @@ def begin_step(p: PipelinePlan, op: OperandPlan, cursor: Cursor, s: Int) -> tupl
     changed = changes_at(p, op, s)
     cursor = cursor._replace(reads=cursor.reads + _count(changed))
     waits = changed
-    if op.prefetched:  # the block is read number `reads` (from 1): the first `prefetched` are in place
+    # the block is read number `reads` (from 1): the first `prefetched` are in place
+    if op.prefetched:
         waits = _and(changed, cursor.reads > op.prefetched)
     return cursor, waits, read_slot(op, cursor)
 

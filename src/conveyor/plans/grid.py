@@ -1,4 +1,5 @@
 """Grid arithmetic shared by every plan and by `cv.kernel`: linear steps <-> grid indices."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -26,23 +27,30 @@ def unravel(step: Int, grid: Sequence[Int]) -> tuple[Int, ...]:
 PARALLEL, ARBITRARY = "parallel", "arbitrary"
 
 
-def normalize_semantics(dimension_semantics: Sequence[Any] | None, rank: int,
-                        name: str = "dimension_semantics") -> tuple[str, ...] | None:
+def normalize_semantics(
+    dimension_semantics: Sequence[Any] | None, rank: int, name: str = "dimension_semantics"
+) -> tuple[str, ...] | None:
     """Upstream's dimension semantics as strings, one per grid dimension, "parallel" or
     "arbitrary" (Pallas TPU's `pltpu.PARALLEL` / `pltpu.ARBITRARY` are accepted by value)."""
     if dimension_semantics is None:
         return None
     if isinstance(dimension_semantics, str) or not isinstance(dimension_semantics, Sequence):
-        raise ValueError(f"{name}: expected a sequence with one entry per grid dimension, got {dimension_semantics!r}")
+        raise ValueError(
+            f"{name}: expected a sequence with one entry per grid dimension, got "
+            f"{dimension_semantics!r}"
+        )
     names = tuple(getattr(d, "value", d) for d in dimension_semantics)
     if len(names) != rank or any(n not in (PARALLEL, ARBITRARY) for n in names):
-        raise ValueError(f"{name}: expected {rank} of {(PARALLEL, ARBITRARY)} (or pltpu.PARALLEL / "
-                         f"pltpu.ARBITRARY), one per grid dimension, got {tuple(dimension_semantics)!r}")
+        raise ValueError(
+            f"{name}: expected {rank} of {(PARALLEL, ARBITRARY)} (or pltpu.PARALLEL / "
+            f"pltpu.ARBITRARY), one per grid dimension, got {tuple(dimension_semantics)!r}"
+        )
     return names
 
 
-def partition_grid(grid: Sequence[Int], semantics: Sequence[str], num_cores: int,
-                   core_id: Int) -> tuple[tuple[Int, ...], tuple[Int, ...]]:
+def partition_grid(
+    grid: Sequence[Int], semantics: Sequence[str], num_cores: int, core_id: Int
+) -> tuple[tuple[Int, ...], tuple[Int, ...]]:
     """Megacore: the part of `grid` that core `core_id` of `num_cores` runs, as (its grid, the
     offset of its indices in the whole grid). Upstream Pallas's rule, so a ported kernel splits
     its work the same way:
@@ -62,8 +70,10 @@ def partition_grid(grid: Sequence[Int], semantics: Sequence[str], num_cores: int
         return grid, tuple(offsets)
     parallel = [d for d, s in enumerate(semantics) if s == PARALLEL]
     if not parallel:
-        raise ValueError(f"dimension_semantics {semantics}: splitting the grid over {num_cores} cores needs a "
-                         f"'parallel' dimension (one whose steps are independent); mark one parallel")
+        raise ValueError(
+            f"dimension_semantics {semantics}: splitting the grid over {num_cores} cores needs a "
+            "'parallel' dimension (one whose steps are independent); mark one parallel"
+        )
     divisible = [d for d in parallel if isinstance(grid[d], int) and grid[d] % num_cores == 0]
     if divisible:
         d = divisible[0]
@@ -74,8 +84,10 @@ def partition_grid(grid: Sequence[Int], semantics: Sequence[str], num_cores: int
     dynamic = [d for d in parallel if not isinstance(grid[d], int)]
     static = [d for d in parallel if isinstance(grid[d], int)]
     if len(dynamic) > 1:
-        raise ValueError(f"dimension_semantics {semantics}: cannot split a grid over {num_cores} cores along several "
-                         f"dynamic parallel dimensions ({dynamic}); mark at most one of them parallel")
+        raise ValueError(
+            f"dimension_semantics {semantics}: cannot split a grid over {num_cores} cores along "
+            f"several dynamic parallel dimensions ({dynamic}); mark at most one of them parallel"
+        )
     d = dynamic[0] if dynamic and not static else max(static, key=lambda i: (grid[i], -i))
     base, extra = grid[d] // num_cores, grid[d] % num_cores
     if all(isinstance(x, int) for x in (core_id, base, extra)):

@@ -18,6 +18,7 @@ across a reduction axis) and is written back when the next step's index differs,
 step; it then moves to the other of its two slots so the write-back can overlap the next step.
 Index-invariant outputs are written once, at the end.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,9 +33,26 @@ from conveyor import _compat
 from conveyor.jaxprs import args_reaching_outputs
 from conveyor.plans import fetch as fetch_lib
 from conveyor.plans.grid import ARBITRARY, Int, normalize_semantics, partition_grid, unravel
-from conveyor.plans.program import Action, check_in_flight_steps, Compute, Copy, Program, Read, Wait, Write, program
-from conveyor.plans.specs import (WHOLE_ARRAY, as_block_spec, block_dimensions, flatten_specs,
-                                  pallas_options, PallasOptions, zeros_map)
+from conveyor.plans.program import (
+    Action,
+    check_in_flight_steps,
+    Compute,
+    Copy,
+    Program,
+    Read,
+    Wait,
+    Write,
+    program,
+)
+from conveyor.plans.specs import (
+    WHOLE_ARRAY,
+    as_block_spec,
+    block_dimensions,
+    flatten_specs,
+    pallas_options,
+    PallasOptions,
+    zeros_map,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,15 +64,17 @@ class OperandPlan:
     wgmma wants). The rule elsewhere: xla has no on-chip memory, so its body sees the plain logical
     block (the same values); mosaic_tpu refuses them by name (VMEM has its own tiling).
     """
+
     name: str
     block_shape: tuple[int | None, ...]
     index_map: Callable[..., tuple[Int, ...]]
-    invariant: bool       # the index map ignores the grid: fetched / written exactly once
+    invariant: bool  # the index map ignores the grid: fetched / written exactly once
     num_slots: int
     transforms: tuple[Any, ...] = ()
     # Dimensions whose index-map entry is an element offset (`pl.Element(n)`), not a block index.
     element_dims: tuple[int, ...] = ()
-    # Dimensions whose index-map entry is `pl.ds(start, size)`, size <= the block's (`pl.BoundedSlice`).
+    # Dimensions whose index-map entry is `pl.ds(start, size)`, size <= the block's
+    # (`pl.BoundedSlice`).
     bounded_dims: tuple[int, ...] = ()
     # A whole-array spec (no block_shape): its block is the whole array, block_shape is () until
     # `PipelinePlan.with_array_shapes` gives it the array's shape.
@@ -84,21 +104,22 @@ class GridPoint:
     need the indices (`block_indices`, `window`, `offsets`, `block_key`; not `block_changes` or
     `writes_back`, which look at the next step). The xla executor's batched steps use it: there
     each index is batched along its own axis, which a linear step would mix."""
+
     indices: tuple[Int, ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Event:
     """One step of the schedule, for the checker and the simulator (pure data)."""
-    step: int            # grid step at which it happens (-1: prologue, num_steps: epilogue)
+
+    step: int  # grid step at which it happens (-1: prologue, num_steps: epilogue)
     # "fetch" | "wait_fetch" | "compute" | "writeback" | "wait_writeback", or "read_prefetched": the
-    # step starts a block the caller put in `slot` (`OperandPlan.prefetched`), with no copy to wait for
+    # step starts a block the caller put in `slot` (`OperandPlan.prefetched`), with no copy to wait
+    # for
     kind: str
     operand: str | None
     slot: int | None
-    target_step: int     # the grid step whose block it moves / computes
-
-
+    target_step: int  # the grid step whose block it moves / computes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -106,6 +127,7 @@ class PipelinePlan:
     """The schedule of one pipeline. `grid` holds Python ints and, for a dynamic grid, traced int32
     scalars (known only inside the kernel); then `num_steps` is traced too, and the executors run
     a loop of dynamic length whose prologue fetches are predicated on the steps existing."""
+
     grid: tuple[Int, ...]
     inputs: tuple[OperandPlan, ...]
     outputs: tuple[OperandPlan, ...]
@@ -131,7 +153,11 @@ class PipelinePlan:
     def inputs_changing_every_step(self) -> frozenset[str]:
         """The inputs whose block changes at every step of this (static) grid: they need no
         per-step test (`conveyor.plans.fetch.changes_every_step`). Computed once per plan."""
-        return frozenset(op.name for op in self.inputs if not op.invariant and fetch_lib.enumerate_changes(self, op))
+        return frozenset(
+            op.name
+            for op in self.inputs
+            if not op.invariant and fetch_lib.enumerate_changes(self, op)
+        )
 
     @property
     def is_static(self) -> bool:
@@ -144,7 +170,10 @@ class PipelinePlan:
         grid indices, which the index maps and the body see, are those of the whole grid.
         With Python ints it is a concrete plan the checker and the simulator take."""
         if isinstance(num_cores, bool) or not isinstance(num_cores, int) or num_cores < 1:
-            raise ValueError(f"num_cores: expected a static int >= 1 (the size of the core axis), got {num_cores!r}")
+            raise ValueError(
+                "num_cores: expected a static int >= 1 (the size of the core axis), got "
+                f"{num_cores!r}"
+            )
         if self.grid_offsets:
             raise ValueError("for_core: this plan is already one core's part of a pipeline")
         if isinstance(core_id, int) and not 0 <= core_id < num_cores:
@@ -156,7 +185,11 @@ class PipelinePlan:
     @property
     def unresolved(self) -> tuple[str, ...]:
         """The operands with a whole-array spec whose array shape is not known yet."""
-        return tuple(op.name for op in self.inputs + self.outputs if op.whole_array and op.block_shape == WHOLE_ARRAY)
+        return tuple(
+            op.name
+            for op in self.inputs + self.outputs
+            if op.whole_array and op.block_shape == WHOLE_ARRAY
+        )
 
     def with_array_shapes(self, shapes: Sequence[Sequence[int]]) -> PipelinePlan:
         """This plan with the block of every whole-array spec set to its array's shape (one shape
@@ -166,23 +199,31 @@ class PipelinePlan:
             return self
         ops = self.inputs + self.outputs
         if len(shapes) != len(ops):
-            raise ValueError(f"with_array_shapes: expected {len(ops)} shapes (one per planned operand), got {len(shapes)}")
+            raise ValueError(
+                f"with_array_shapes: expected {len(ops)} shapes (one per planned operand), got "
+                f"{len(shapes)}"
+            )
         resolved = []
         for op, shape in zip(ops, shapes):
             if op.whole_array:
                 shape = tuple(int(d) for d in shape)
                 imap = op.index_map or zeros_map(len(shape))
                 if not _is_invariant(imap, self.grid, op.name, len(shape)):
-                    raise ValueError(f"{op.name}: a whole-array spec (no block_shape) has one block, so its index_map "
-                                     f"must not depend on the grid")
+                    raise ValueError(
+                        f"{op.name}: a whole-array spec (no block_shape) has one block, so its "
+                        "index_map must not depend on the grid"
+                    )
                 op = dataclasses.replace(op, block_shape=shape, index_map=imap)
             resolved.append(op)
         n_in = len(self.inputs)
-        return dataclasses.replace(self, inputs=tuple(resolved[:n_in]), outputs=tuple(resolved[n_in:]))
+        return dataclasses.replace(
+            self, inputs=tuple(resolved[:n_in]), outputs=tuple(resolved[n_in:])
+        )
 
     @property
     def prefetched_inputs(self) -> tuple[str, ...]:
-        """The inputs whose first blocks the caller puts in their slots (`OperandPlan.prefetched`)."""
+        """The inputs whose first blocks the caller puts in their slots
+        (`OperandPlan.prefetched`)."""
         return tuple(op.name for op in self.inputs if op.prefetched)
 
     def fetching_every_block(self) -> PipelinePlan:
@@ -191,25 +232,36 @@ class PipelinePlan:
         prefetches are read from the input, which must hold the same values (the contract)."""
         if not self.prefetched_inputs:
             return self
-        return dataclasses.replace(self, inputs=tuple(dataclasses.replace(op, prefetched=0) for op in self.inputs))
+        return dataclasses.replace(
+            self, inputs=tuple(dataclasses.replace(op, prefetched=0) for op in self.inputs)
+        )
 
     def require_static(self, api: str) -> None:
         """Refuse a dynamic grid where a concrete schedule is needed (checker, simulator, events),
         and whole-array blocks whose shape is not known yet."""
         if self.unresolved:
-            raise ValueError(f"{api}: {', '.join(self.unresolved)} have whole-array specs (no block_shape), whose "
-                             f"block shape is their array's: give the arrays' shapes with "
-                             f"plan.with_array_shapes([...])")
+            raise ValueError(
+                f"{api}: {', '.join(self.unresolved)} have whole-array specs (no block_shape), "
+                "whose block shape is their array's: give the arrays' shapes with "
+                "plan.with_array_shapes([...])"
+            )
         if not self.is_static:
             sizes = ", ".join(str(g) if isinstance(g, int) else "<traced>" for g in self.grid)
-            raise ValueError(f"{api}: the pipeline's grid ({sizes}) has sizes known only when the kernel runs; "
-                             f"check or simulate it at a concrete size: plan.with_grid((...))")
+            raise ValueError(
+                f"{api}: the pipeline's grid ({sizes}) has sizes known only when the kernel runs; "
+                "check or simulate it at a concrete size: plan.with_grid((...))"
+            )
 
     def with_grid(self, grid: Sequence[int]) -> PipelinePlan:
-        """This plan with concrete grid sizes (e.g. a dynamic grid's, for the checker and simulator)."""
+        """This plan with concrete grid sizes (e.g. a dynamic grid's, for the checker and
+        simulator)."""
         grid = tuple(grid) if isinstance(grid, (tuple, list)) else (grid,)
-        if len(grid) != len(self.grid) or any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in grid):
-            raise ValueError(f"grid: expected {len(self.grid)} ints >= 0 (one per grid dimension), got {grid!r}")
+        if len(grid) != len(self.grid) or any(
+            isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in grid
+        ):
+            raise ValueError(
+                f"grid: expected {len(self.grid)} ints >= 0 (one per grid dimension), got {grid!r}"
+            )
         return dataclasses.replace(self, grid=grid)
 
     def before_end(self, step: Int) -> Any:
@@ -235,8 +287,10 @@ class PipelinePlan:
         for `pl.Element` dimensions, a `pl.ds(start, size)` for `pl.BoundedSlice` ones."""
         out = self.block_indices_of(op.index_map, step)
         if len(out) != len(op.block_shape):
-            raise ValueError(f"{op.name}: index_map returned {len(out)} indices for a "
-                             f"{len(op.block_shape)}-d block_shape {op.block_shape}")
+            raise ValueError(
+                f"{op.name}: index_map returned {len(out)} indices for a {len(op.block_shape)}-d "
+                f"block_shape {op.block_shape}"
+            )
         for d, entry in enumerate(out):
             _check_entry(op.name, d, entry, op.bounded_dims, op.block_dims[d])
             if d in op.bounded_dims:
@@ -267,8 +321,11 @@ class PipelinePlan:
     def block_key(self, op: OperandPlan, step: Int) -> tuple[Int, ...]:
         """What identifies `op`'s block at `step`: its index-map entries, a bounded window's as
         (start, size). Equal keys at two steps: the same block (no new fetch, no write-back)."""
-        return tuple(x for entry in self.block_indices(op, step)
-                     for x in ((entry.start, entry.size) if _is_slice(entry) else (entry,)))
+        return tuple(
+            x
+            for entry in self.block_indices(op, step)
+            for x in ((entry.start, entry.size) if _is_slice(entry) else (entry,))
+        )
 
     def slot(self, op: OperandPlan, step: Int) -> Int:
         """The buffer slot the body uses for input `op` at `step` under the every-step fetch rule
@@ -282,7 +339,8 @@ class PipelinePlan:
         return op.num_slots - self.delay_release
 
     def prologue_steps(self, op: OperandPlan) -> range:
-        """Steps whose blocks of input `op` are fetched before step 0 runs. With a dynamic grid these
+        """Steps whose blocks of input `op` are fetched before step 0 runs. With a dynamic grid
+        these
         are the steps that may exist: lowerings predicate each fetch on `before_end(step)`."""
         count = 1 if op.invariant else self.input_lookahead(op)
         return range(min(count, self.num_steps) if self.is_static else count)
@@ -303,7 +361,11 @@ class PipelinePlan:
         if op.invariant:
             return False
         n = self.num_steps
-        nxt = min(step + 1, n - 1) if isinstance(step, int) and isinstance(n, int) else jnp.minimum(step + 1, n - 1)
+        nxt = (
+            min(step + 1, n - 1)
+            if isinstance(step, int) and isinstance(n, int)
+            else jnp.minimum(step + 1, n - 1)
+        )
         a, b = self.block_key(op, step), self.block_key(op, nxt)
         if all(isinstance(x, int) for x in a + b):
             return a != b
@@ -313,7 +375,8 @@ class PipelinePlan:
         return diff
 
     def writes_back(self, op: OperandPlan, step: Int) -> Any:
-        """An output block is written back after `step` when its index changes next, or at the end."""
+        """An output block is written back after `step` when its index changes next, or at the
+        end."""
         last = step == self.num_steps - 1
         if op.invariant:
             return last
@@ -330,7 +393,8 @@ class PipelinePlan:
     def events(self) -> tuple[Event, ...]:
         """The whole schedule with concrete steps (for the checker and the simulator).
 
-        Per step: wait for the inputs' copies (of the inputs whose block changes); compute; issue write-backs, each followed by the
+        Per step: wait for the inputs' copies (of the inputs whose block changes); compute; issue
+        write-backs, each followed by the
         wait for the write-back that last used the output's other slot (the one the body writes
         next); issue the next fetches. The epilogue waits for the write-backs still in flight."""
         self.require_static("the pipeline's events")
@@ -339,9 +403,11 @@ class PipelinePlan:
 
         def fetcher(at: int, op: OperandPlan):
             return lambda t, slot: ev.append(Event(at, "fetch", op.name, slot, t))
+
         cursors = {op.name: fetch_lib.prologue(self, op, fetcher(-1, op)) for op in self.inputs}
         wb_count = {op.name: 0 for op in self.outputs}
-        in_flight: dict[tuple[str, int], int] = {}   # (output, slot) -> step of its pending write-back
+        # (output, slot) -> step of its pending write-back
+        in_flight: dict[tuple[str, int], int] = {}
         for s in range(n):
             for op in self.inputs:
                 cursors[op.name], waits, slot = fetch_lib.begin_step(self, op, cursors[op.name], s)
@@ -363,26 +429,44 @@ class PipelinePlan:
                     # lowerings do (at most one write-back per output stays in flight).
                     following = (op.name, self.output_slot(op, wb_count[op.name]))
                     if following in in_flight and following[1] != slot:
-                        ev.append(Event(s, "wait_writeback", op.name, following[1], in_flight.pop(following)))
+                        ev.append(
+                            Event(
+                                s, "wait_writeback", op.name, following[1], in_flight.pop(following)
+                            )
+                        )
             for op in self.inputs:
-                cursors[op.name] = fetch_lib.after_step(self, op, cursors[op.name], s, fetcher(s, op))
+                cursors[op.name] = fetch_lib.after_step(
+                    self, op, cursors[op.name], s, fetcher(s, op)
+                )
         for (name, slot), target in in_flight.items():
             ev.append(Event(n, "wait_writeback", name, slot, target))
         return tuple(ev)
 
-
-    def body_actions(self, step: int, tag: str, writebacks: dict[str, int], open_reads: dict[int, list[Read]],
-                     in_flight_steps: int, in_slots: dict[str, int] | None = None) -> list[Action]:
+    def body_actions(
+        self,
+        step: int,
+        tag: str,
+        writebacks: dict[str, int],
+        open_reads: dict[int, list[Read]],
+        in_flight_steps: int,
+        in_slots: dict[str, int] | None = None,
+    ) -> list[Action]:
         """The body of `step` in a program: it reads its input slots (`in_slots` per input, else the
         every-step rule's), computes and writes its output slots (per output, the slot of its
         write-back count so far). The reads of step `step - in_flight_steps` end here; `open_reads`
         keeps the ones still open."""
-        reads = [Read((op.name, self.slot(op, step) if in_slots is None else in_slots[op.name]), tag)
-                 for op in self.inputs]
+        reads = [
+            Read((op.name, self.slot(op, step) if in_slots is None else in_slots[op.name]), tag)
+            for op in self.inputs
+        ]
         acts: list[Action] = [*reads, Compute(step, tag)]
-        acts += [Write((op.name, self.output_slot(op, writebacks[op.name])), tag) for op in self.outputs]
+        acts += [
+            Write((op.name, self.output_slot(op, writebacks[op.name])), tag) for op in self.outputs
+        ]
         open_reads[step] = reads
-        return acts + [dataclasses.replace(r, end=True) for r in open_reads.pop(step - in_flight_steps, [])]
+        return acts + [
+            dataclasses.replace(r, end=True) for r in open_reads.pop(step - in_flight_steps, [])
+        ]
 
     def program(self, in_flight_steps: int = 0) -> Program:
         """The schedule as an event program with one actor, "thread", following `events()`.
@@ -394,31 +478,63 @@ class PipelinePlan:
         acts: list[Action] = []
         open_reads: dict[int, list[Read]] = {}
         writebacks = {op.name: 0 for op in self.outputs}
-        reading = {op.name: 0 for op in self.inputs}  # the slot each input's body reads: its last wait's
+        # the slot each input's body reads: its last wait's
+        reading = {op.name: 0 for op in self.inputs}
         for e in self.events():
             if e.kind == "fetch":
-                acts.append(Copy(f"{e.operand}@step{e.target_step}", writes=((e.operand, e.slot),),
-                                 signals=(("landed", e.operand, e.target_step),), operand=e.operand))
-            elif e.kind == "read_prefetched":   # the caller's block, in place: nothing to wait for
+                acts.append(
+                    Copy(
+                        f"{e.operand}@step{e.target_step}",
+                        writes=((e.operand, e.slot),),
+                        signals=(("landed", e.operand, e.target_step),),
+                        operand=e.operand,
+                    )
+                )
+            elif e.kind == "read_prefetched":  # the caller's block, in place: nothing to wait for
                 reading[e.operand] = e.slot
             elif e.kind == "wait_fetch":
                 reading[e.operand] = e.slot
-                acts.append(Wait(("landed", e.operand, e.target_step), what=f"copy {e.operand}@step{e.target_step}"))
+                acts.append(
+                    Wait(
+                        ("landed", e.operand, e.target_step),
+                        what=f"copy {e.operand}@step{e.target_step}",
+                    )
+                )
             elif e.kind == "wait_writeback":
-                acts.append(Wait(("stored", e.operand, e.target_step),
-                                 what=f"write-back {e.operand}@step{e.target_step}"))
+                acts.append(
+                    Wait(
+                        ("stored", e.operand, e.target_step),
+                        what=f"write-back {e.operand}@step{e.target_step}",
+                    )
+                )
             elif e.kind == "compute":
-                acts += self.body_actions(e.step, f"body of step {e.step}", writebacks, open_reads, in_flight_steps,
-                                          dict(reading))
+                acts += self.body_actions(
+                    e.step,
+                    f"body of step {e.step}",
+                    writebacks,
+                    open_reads,
+                    in_flight_steps,
+                    dict(reading),
+                )
             elif e.kind == "writeback":
-                acts.append(Copy(f"{e.operand}@step{e.target_step}->hbm", writes=(("hbm", e.operand, e.target_step),),
-                                 reads=((e.operand, e.slot),), signals=(("stored", e.operand, e.target_step),),
-                                 queue="stores", operand=e.operand))
+                acts.append(
+                    Copy(
+                        f"{e.operand}@step{e.target_step}->hbm",
+                        writes=(("hbm", e.operand, e.target_step),),
+                        reads=((e.operand, e.slot),),
+                        signals=(("stored", e.operand, e.target_step),),
+                        queue="stores",
+                        operand=e.operand,
+                    )
+                )
                 writebacks[e.operand] += 1
         for reads in open_reads.values():
             acts += [dataclasses.replace(r, end=True) for r in reads]
-        subject = (f"pipeline grid={self.grid} max_concurrent_steps={self.max_concurrent_steps} "
-                   f"delay_release={self.delay_release}{f' body in flight {in_flight_steps} step(s)' if in_flight_steps else ''}")
+        in_flight = f" body in flight {in_flight_steps} step(s)" if in_flight_steps else ""
+        subject = (
+            f"pipeline grid={self.grid} max_concurrent_steps={self.max_concurrent_steps} "
+            f"delay_release={self.delay_release}{in_flight}"
+        )
         return program(subject, {"thread": acts})
 
 
@@ -427,12 +543,19 @@ def _is_slice(entry: Any) -> bool:
     return isinstance(entry, _compat.Slice)
 
 
-def _check_entry(name: str, d: int, entry: Any, bounded_dims: tuple[int, ...], block: int | None) -> None:
+def _check_entry(
+    name: str, d: int, entry: Any, bounded_dims: tuple[int, ...], block: int | None
+) -> None:
     """Index-map entry d is a pl.ds exactly when dimension d is a pl.BoundedSlice."""
     if (d in bounded_dims) != _is_slice(entry):
-        raise ValueError(f"{name}: index_map entry {d} is {entry!r}: "
-                         + (f"a pl.BoundedSlice({block}) dimension takes pl.ds(start, size)"
-                            if d in bounded_dims else "pl.ds is only for pl.BoundedSlice dimensions"))
+        raise ValueError(
+            f"{name}: index_map entry {d} is {entry!r}: "
+            + (
+                f"a pl.BoundedSlice({block}) dimension takes pl.ds(start, size)"
+                if d in bounded_dims
+                else "pl.ds is only for pl.BoundedSlice dimensions"
+            )
+        )
 
 
 def _check_bounded(op: OperandPlan, d: int, entry: Any) -> None:
@@ -440,25 +563,39 @@ def _check_bounded(op: OperandPlan, d: int, entry: Any) -> None:
     that range makes the block out of bounds: `conveyor.pipeline.lowering`)."""
     limit = op.block_dims[d]
     if getattr(entry, "stride", 1) != 1:
-        raise ValueError(f"{op.name}: index_map entry {d} is {entry!r}: a pl.BoundedSlice window takes stride 1")
+        raise ValueError(
+            f"{op.name}: index_map entry {d} is {entry!r}: a pl.BoundedSlice window takes stride 1"
+        )
     if isinstance(entry.size, int) and not 0 <= entry.size <= limit:
-        raise ValueError(f"{op.name}: index_map entry {d} is {entry!r}: its size must be in [0, {limit}] "
-                         f"(pl.BoundedSlice({limit}))")
+        raise ValueError(
+            f"{op.name}: index_map entry {d} is {entry!r}: its size must be in [0, {limit}] "
+            f"(pl.BoundedSlice({limit}))"
+        )
 
 
-def _is_invariant(index_map: Callable, grid: tuple[int, ...], name: str, rank: int,
-                  bounded_dims: tuple[int, ...] = (), block_dims: tuple[Any, ...] = ()) -> bool:
+def _is_invariant(
+    index_map: Callable,
+    grid: tuple[int, ...],
+    name: str,
+    rank: int,
+    bounded_dims: tuple[int, ...] = (),
+    block_dims: tuple[Any, ...] = (),
+) -> bool:
     """Does the index map ignore the grid? Decided exactly: the map is traced on symbolic grid
     indices and invariant iff none of its results depends on any of them (a map that uses a grid
     index only in some steps, e.g. through `jnp.where`, is grid-dependent). The same answer inside
     and outside jit; errors of the map itself propagate, named."""
+
     def flat_map(*indices):  # a pl.ds entry (BoundedSlice) counts as its start and size
         out = index_map(*indices)
         out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         if len(out) == rank:
             for d, entry in enumerate(out):
                 _check_entry(name, d, entry, bounded_dims, block_dims[d] if block_dims else None)
-        return tuple(jnp.asarray(x) for e in out for x in ((e.start, e.size) if _is_slice(e) else (e,)))
+        return tuple(
+            jnp.asarray(x) for e in out for x in ((e.start, e.size) if _is_slice(e) else (e,))
+        )
+
     slices = len(bounded_dims)
     try:
         num_outputs, used = args_reaching_outputs(flat_map, len(grid))
@@ -466,13 +603,26 @@ def _is_invariant(index_map: Callable, grid: tuple[int, ...], name: str, rank: i
         e.add_note(f"(raised by the index_map of {name}, traced on {len(grid)} int32 grid indices)")
         raise
     if num_outputs != rank + slices:
-        raise ValueError(f"{name}: index_map returned {num_outputs - slices} indices for a {rank}-d block_shape"
-                         + (f" ({slices} pl.BoundedSlice dimension(s), each a pl.ds(start, size))" if slices else ""))
+        raise ValueError(
+            f"{name}: index_map returned {num_outputs - slices} indices for a {rank}-d block_shape"
+            + (
+                f" ({slices} pl.BoundedSlice dimension(s), each a pl.ds(start, size))"
+                if slices
+                else ""
+            )
+        )
     return not used
 
 
-def _slot_count(name: str, is_input: bool, invariant: bool, count: int | None, max_concurrent_steps: int,
-                delay_release: int, no_pipelining: bool) -> int:
+def _slot_count(
+    name: str,
+    is_input: bool,
+    invariant: bool,
+    count: int | None,
+    max_concurrent_steps: int,
+    delay_release: int,
+    no_pipelining: bool,
+) -> int:
     """An operand's slots: 1 when index-invariant (fetched once: a `pl.Buffered(n)` asks for slots
     it would never use, as upstream accepts) or under no_pipelining; else its own
     `pl.Buffered(count)` when given and workable (an input needs count > delay_release, an output
@@ -488,12 +638,18 @@ def _slot_count(name: str, is_input: bool, invariant: bool, count: int | None, m
         return count
     else:
         slots = max_concurrent_steps if is_input else 2
-        rule = (f"an input needs more than delay_release={delay_release}, so a slot is free to prefetch into"
-                if is_input else "an output takes 1 or 2")
+        rule = (
+            f"an input needs more than delay_release={delay_release}, so a slot is free to "
+            "prefetch into"
+            if is_input
+            else "an output takes 1 or 2"
+        )
     if count is not None and count != slots:
-        raise ValueError(f"{name}: pipeline_mode=Buffered({count}) is not supported for this "
-                         f"{'input' if is_input else 'output'} ({rule}); "
-                         f"it gets {slots} slot(s): drop pipeline_mode or change the count")
+        raise ValueError(
+            f"{name}: pipeline_mode=Buffered({count}) is not supported for this "
+            f"{'input' if is_input else 'output'} ({rule}); it gets {slots} slot(s): drop "
+            "pipeline_mode or change the count"
+        )
     return slots
 
 
@@ -501,8 +657,10 @@ def _fetch_rule(name: str, options: PallasOptions, reuse_unchanged_blocks: bool)
     if not isinstance(reuse_unchanged_blocks, bool):
         raise ValueError(f"reuse_unchanged_blocks: expected a bool, got {reuse_unchanged_blocks!r}")
     if options.use_lookahead and not reuse_unchanged_blocks:
-        raise ValueError(f"{name}: pl.Buffered(use_lookahead=True) fetches only the blocks that change, which "
-                         f"reuse_unchanged_blocks=False forbids; drop one of them")
+        raise ValueError(
+            f"{name}: pl.Buffered(use_lookahead=True) fetches only the blocks that change, which "
+            "reuse_unchanged_blocks=False forbids; drop one of them"
+        )
     if options.use_lookahead:
         return fetch_lib.LOOKAHEAD
     return fetch_lib.ON_CHANGE if reuse_unchanged_blocks else fetch_lib.EVERY_STEP
@@ -515,17 +673,29 @@ def _grid_size(size: Any, grid: tuple) -> Int:
         raise ValueError(f"grid: expected positive ints or integer scalars, got {grid!r}")
     if isinstance(size, int):
         if size <= 0:
-            raise ValueError(f"grid: static sizes must be positive ints, got {grid!r} (a size that may be 0 must be "
-                             f"dynamic: an int32 scalar computed or read inside the kernel)")
+            raise ValueError(
+                f"grid: static sizes must be positive ints, got {grid!r} (a size that may be 0 "
+                "must be dynamic: an int32 scalar computed or read inside the kernel)"
+            )
         return size
-    if getattr(size, "shape", None) == () and jnp.issubdtype(getattr(size, "dtype", None), jnp.integer):
+    if getattr(size, "shape", None) == () and jnp.issubdtype(
+        getattr(size, "dtype", None), jnp.integer
+    ):
         return jnp.maximum(jnp.asarray(size, jnp.int32), 0)
     raise ValueError(f"grid: expected positive ints or integer scalars, got {grid!r}")
 
 
-def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequence[Any] = (),
-         max_concurrent_steps: int = 1, delay_release: int = 0, no_pipelining: bool = False,
-         dimension_semantics: Sequence[Any] | None = None, reuse_unchanged_blocks: bool = True) -> PipelinePlan:
+def plan(
+    *,
+    grid: Sequence[Int],
+    in_specs: Sequence[Any] = (),
+    out_specs: Sequence[Any] = (),
+    max_concurrent_steps: int = 1,
+    delay_release: int = 0,
+    no_pipelining: bool = False,
+    dimension_semantics: Sequence[Any] | None = None,
+    reuse_unchanged_blocks: bool = True,
+) -> PipelinePlan:
     """Build the pipeline plan (see the module docstring for the schedule it encodes).
 
     `grid` may mix static ints with dynamic sizes (integer scalars traced inside the kernel; see
@@ -554,15 +724,19 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
     grid = tuple(_grid_size(g, grid) for g in grid)
     semantics = normalize_semantics(dimension_semantics, len(grid))
     if not isinstance(max_concurrent_steps, int) or max_concurrent_steps < 1:
-        raise ValueError(f"max_concurrent_steps: expected an int >= 1, got {max_concurrent_steps!r}")
+        raise ValueError(
+            f"max_concurrent_steps: expected an int >= 1, got {max_concurrent_steps!r}"
+        )
     if not isinstance(delay_release, int) or delay_release < 0:
         raise ValueError(f"delay_release: expected an int >= 0, got {delay_release!r}")
     if not isinstance(no_pipelining, bool):
         raise ValueError(f"no_pipelining: expected a bool, got {no_pipelining!r}")
     if no_pipelining and (max_concurrent_steps, delay_release) != (1, 0):
-        raise ValueError(f"no_pipelining=True runs one step at a time with one slot per operand; it cannot be combined "
-                         f"with max_concurrent_steps={max_concurrent_steps}, delay_release={delay_release} "
-                         f"(leave them at 1 and 0)")
+        raise ValueError(
+            "no_pipelining=True runs one step at a time with one slot per operand; it cannot be "
+            f"combined with max_concurrent_steps={max_concurrent_steps}, "
+            f"delay_release={delay_release} (leave them at 1 and 0)"
+        )
     in_specs, in_names, in_trees = flatten_specs(in_specs, "in")
     out_specs, out_names, out_trees = flatten_specs(out_specs, "out")
     in_windowed = tuple(spec is not None for spec in in_specs)
@@ -576,10 +750,11 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
     delay_release = max([delay_release] + [o.delay_release for o in in_options])
     if max_concurrent_steps <= delay_release:
         raise ValueError(
-            f"max_concurrent_steps={max_concurrent_steps} must be greater than delay_release={delay_release} (the "
-            f"largest of the pipeline's and its input BlockSpecs'): "
-            f"a slot is held for delay_release steps after its use, so with max_concurrent_steps <= "
-            f"delay_release no slot is ever free to prefetch into")
+            f"max_concurrent_steps={max_concurrent_steps} must be greater than "
+            f"delay_release={delay_release} (the largest of the pipeline's and its input "
+            "BlockSpecs'): a slot is held for delay_release steps after its use, so with "
+            "max_concurrent_steps <= delay_release no slot is ever free to prefetch into"
+        )
     steps = math.prod(grid)
     if isinstance(steps, int) and max_concurrent_steps > steps:
         # Documented: no more slots than steps (as upstream), but at least delay_release + 1 so a
@@ -594,20 +769,49 @@ def plan(*, grid: Sequence[Int], in_specs: Sequence[Any] = (), out_specs: Sequen
             # A whole-array block is the only block: fetched or written once (its map is checked
             # once its rank is known, in with_array_shapes).
             sizes, elements, bounded = block_dimensions(bs.block_shape, name)
-            inv = whole or _is_invariant(bs.index_map, grid, name, len(bs.block_shape), bounded, sizes)
-            slots = _slot_count(name, is_input, inv, opts.buffer_count, max_concurrent_steps, delay_release,
-                                no_pipelining)
+            inv = whole or _is_invariant(
+                bs.index_map, grid, name, len(bs.block_shape), bounded, sizes
+            )
+            slots = _slot_count(
+                name,
+                is_input,
+                inv,
+                opts.buffer_count,
+                max_concurrent_steps,
+                delay_release,
+                no_pipelining,
+            )
             if opts.prefetched_count > slots:  # an invariant input's single slot
-                raise ValueError(f"{name}: prefetched_count={opts.prefetched_count} but this index-invariant "
-                                 f"input is fetched once into {slots} slot: at most {slots} can be prefetched")
-            ops.append(OperandPlan(name=name, block_shape=sizes, index_map=bs.index_map, invariant=inv,
-                                   num_slots=slots, transforms=opts.transforms, element_dims=elements, bounded_dims=bounded, whole_array=whole,
-                                   fetch_rule=_fetch_rule(name, opts, reuse_unchanged_blocks),
-                                   prefetched=opts.prefetched_count))
+                raise ValueError(
+                    f"{name}: prefetched_count={opts.prefetched_count} but this index-invariant "
+                    f"input is fetched once into {slots} slot: at most {slots} can be prefetched"
+                )
+            ops.append(
+                OperandPlan(
+                    name=name,
+                    block_shape=sizes,
+                    index_map=bs.index_map,
+                    invariant=inv,
+                    num_slots=slots,
+                    transforms=opts.transforms,
+                    element_dims=elements,
+                    bounded_dims=bounded,
+                    whole_array=whole,
+                    fetch_rule=_fetch_rule(name, opts, reuse_unchanged_blocks),
+                    prefetched=opts.prefetched_count,
+                )
+            )
         return tuple(ops)
 
-    return PipelinePlan(grid=grid, inputs=build(in_specs, in_names, in_options, True),
-                        outputs=build(out_specs, out_names, out_options, False),
-                        max_concurrent_steps=max_concurrent_steps, delay_release=delay_release,
-                        in_trees=in_trees, out_trees=out_trees, in_windowed=in_windowed,
-                        out_windowed=out_windowed, dimension_semantics=semantics)
+    return PipelinePlan(
+        grid=grid,
+        inputs=build(in_specs, in_names, in_options, True),
+        outputs=build(out_specs, out_names, out_options, False),
+        max_concurrent_steps=max_concurrent_steps,
+        delay_release=delay_release,
+        in_trees=in_trees,
+        out_trees=out_trees,
+        in_windowed=in_windowed,
+        out_windowed=out_windowed,
+        dimension_semantics=semantics,
+    )

@@ -22,20 +22,23 @@ Counters start at 0:
 A barrier with N arrivals per phase is a counter of arrivals: phase p completes at N * (p + 1),
 so a wait for phase p waits for that count.
 """
+
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-Counter = tuple[Any, ...]   # e.g. ("produced", "in[0]", 1): a barrier of input in[0], slot 1
-Slot = tuple[Any, ...]      # e.g. ("in[0]", 1), or ("hbm", "out[0]", 3) for a block in global memory
+Counter = tuple[Any, ...]  # e.g. ("produced", "in[0]", 1): a barrier of input in[0], slot 1
+Slot = tuple[Any, ...]  # e.g. ("in[0]", 1), or ("hbm", "out[0]", 3) for a block in global memory
 
 
 @dataclasses.dataclass(frozen=True)
 class Copy:
     """Issue an asynchronous copy that may land at any moment until it completes. On completion it
     adds 1 to each counter in `signals`. `queue` names what carries it ("loads", "stores",
-    "link right", "link left"). `operand` names whose block it moves, so the simulator can size it."""
+    "link right", "link left"). `operand` names whose block it moves, so the simulator can size
+    it."""
+
     name: str
     writes: tuple[Slot, ...]
     reads: tuple[Slot, ...] = ()
@@ -48,6 +51,7 @@ class Copy:
 class Wait:
     """Block until `counter` >= `amount`; then subtract `amount` if `consume` (a semaphore), or
     leave the counter (a barrier phase, a copy's completion)."""
+
     counter: Counter
     amount: int = 1
     consume: bool = False
@@ -57,6 +61,7 @@ class Wait:
 @dataclasses.dataclass(frozen=True)
 class Signal:
     """Add `amount` to `counter`: a barrier arrival, a semaphore signal, a credit grant."""
+
     counter: Counter
     amount: int = 1
     what: str = ""
@@ -65,6 +70,7 @@ class Signal:
 @dataclasses.dataclass(frozen=True)
 class Read:
     """Begin (`end=False`) or end a read of `slot` by this actor; `tag` names it in reports."""
+
     slot: Slot
     tag: str
     end: bool = False
@@ -73,6 +79,7 @@ class Read:
 @dataclasses.dataclass(frozen=True)
 class Write:
     """The actor writes `slot` (the body filling an output block)."""
+
     slot: Slot
     tag: str
 
@@ -83,6 +90,7 @@ class Compute:
     the simulator. The checker skips it: the Reads and Writes around it are what it checks.
     `stream` names which of a step's computations it is (a ring direction), and `work` what it does
     ("body"; a ring: "matmul" or a reduce-scatter's "accumulate"), for the timing."""
+
     step: int
     tag: str
     stream: str = ""
@@ -95,6 +103,7 @@ Action = Copy | Wait | Signal | Read | Write | Compute
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Program:
     """Per actor, its actions in order. `subject` says what the program is, in reports."""
+
     subject: str
     actors: tuple[tuple[str, tuple[Action, ...]], ...]
 
@@ -115,10 +124,16 @@ class Program:
 
 def program(subject: str, actors: dict[str, list[Action]]) -> Program:
     """A Program from a dict of actor -> actions (in the dict's order)."""
-    return Program(subject=subject, actors=tuple((name, tuple(acts)) for name, acts in actors.items()))
+    return Program(
+        subject=subject, actors=tuple((name, tuple(acts)) for name, acts in actors.items())
+    )
 
 
 def check_in_flight_steps(in_flight_steps: int) -> None:
     """`in_flight_steps` (how many steps a body's asynchronous reads outlive it) is an int >= 0."""
-    if isinstance(in_flight_steps, bool) or not isinstance(in_flight_steps, int) or in_flight_steps < 0:
+    if (
+        isinstance(in_flight_steps, bool)
+        or not isinstance(in_flight_steps, int)
+        or in_flight_steps < 0
+    ):
         raise ValueError(f"in_flight_steps: expected an int >= 0, got {in_flight_steps!r}")

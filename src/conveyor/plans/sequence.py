@@ -7,6 +7,7 @@ slot or a counter. A `Prefetched(plan, before=j)` issues its prologue's copies j
 pipeline j starts (default: the pipeline before it), and then runs without them, as the TPU
 lowering does with `prefetched=`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,6 +22,7 @@ from conveyor.plans.program import Action, Copy, Program, program
 class Prefetched:
     """A pipeline of a sequence whose prologue copies are issued just before pipeline `before`
     starts (None: the one before it)."""
+
     plan: PipelinePlan
     before: int | None = None
 
@@ -56,12 +58,14 @@ def operand_sizes(items: Sequence[PipelinePlan | Prefetched], itemsize: int) -> 
 def _renamed(action: Action, names: frozenset[str], prefix: str) -> Action:
     """`action` with every operand name in it (slots, counters, copy operands) prefixed, and its
     labels prefixed too."""
+
     def rename(x: Any) -> Any:
         if isinstance(x, str):
             return prefix + x if x in names else x
         if isinstance(x, tuple):
             return tuple(rename(v) for v in x)
         return x
+
     changes = {f.name: rename(getattr(action, f.name)) for f in dataclasses.fields(action)}
     for label in ("name", "tag", "what"):
         if label in changes and changes[label]:
@@ -69,7 +73,9 @@ def _renamed(action: Action, names: frozenset[str], prefix: str) -> Action:
     return dataclasses.replace(action, **changes)
 
 
-def sequence_program(items: Sequence[PipelinePlan | Prefetched], in_flight_steps: int = 0) -> Program:
+def sequence_program(
+    items: Sequence[PipelinePlan | Prefetched], in_flight_steps: int = 0
+) -> Program:
     """One actor running the pipelines in order; a `Prefetched` one's prologue copies move to just
     before the pipeline named by its `before`."""
     items = list(items)
@@ -83,9 +89,11 @@ def sequence_program(items: Sequence[PipelinePlan | Prefetched], in_flight_steps
         if isinstance(item, Prefetched):
             before = k - 1 if item.before is None else item.before
             if isinstance(before, bool) or not isinstance(before, int) or not 0 <= before < k:
-                raise ValueError(f"Prefetched(before={item.before!r}) of pipeline {k}: expected the index of an "
-                                 f"earlier pipeline of the sequence (0..{k - 1}); a pipeline prefetches only while "
-                                 f"an earlier one runs")
+                raise ValueError(
+                    f"Prefetched(before={item.before!r}) of pipeline {k}: expected the index of an "
+                    f"earlier pipeline of the sequence (0..{k - 1}); a pipeline prefetches only "
+                    "while an earlier one runs"
+                )
             prologue = sum(1 for e in p.events() if e.step == -1)
             if not all(isinstance(a, Copy) for a in actions[:prologue]):
                 raise AssertionError("a pipeline program starts with its prologue copies")
@@ -95,5 +103,6 @@ def sequence_program(items: Sequence[PipelinePlan | Prefetched], in_flight_steps
     acts = [a for k, body in enumerate(bodies) for a in early.get(k, []) + body]
     subject = "sequence of pipelines " + ", ".join(
         f"p{k}{' (prefetched)' if isinstance(item, Prefetched) else ''} grid={_plan(item).grid}"
-        for k, item in enumerate(items))
+        for k, item in enumerate(items)
+    )
     return program(subject, {"thread": acts})

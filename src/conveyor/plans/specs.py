@@ -2,6 +2,7 @@
 `plgpu.BlockSpec`, their block-dimension kinds (`pl.Element`, `pl.BoundedSlice`, squeezed) and the
 fields Conveyor honours (`pallas_options`) or refuses by name. `plans.pipeline.plan` reads its
 specs through this module; nothing here decides a schedule."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ from jax.experimental import pallas as pl
 
 from conveyor import _compat
 from conveyor.plans.grid import Int
+
 
 @dataclasses.dataclass(frozen=True)
 class BlockSpec:
@@ -29,6 +31,7 @@ class BlockSpec:
     `transforms`: the block's shared-memory layout on mosaic_gpu (`plgpu.TilingTransform`,
     `plgpu.SwizzleTransform`, ...), as `plgpu.BlockSpec(transforms=...)`; see `OperandPlan`.
     """
+
     block_shape: tuple[int | None, ...] | None
     index_map: Callable[..., tuple[Int, ...]] | None = None
     transforms: tuple[Any, ...] = ()
@@ -39,7 +42,10 @@ def as_block_spec(spec: Any, name: str) -> BlockSpec:
 
     Fields of Pallas BlockSpecs beyond those two are honoured or refused (`pallas_options`)."""
     if not (hasattr(spec, "block_shape") and hasattr(spec, "index_map")):
-        raise TypeError(f"{name}: expected a cv.BlockSpec or pl.BlockSpec with block_shape and index_map, got {spec!r}")
+        raise TypeError(
+            f"{name}: expected a cv.BlockSpec or pl.BlockSpec with block_shape and index_map, got "
+            f"{spec!r}"
+        )
     shape, imap = spec.block_shape, spec.index_map
     transforms = tuple(spec.transforms) if isinstance(spec, BlockSpec) else ()
     if shape is None:  # the whole array: its shape is known when the pipeline is called
@@ -55,8 +61,9 @@ def _positive_int(dim: Any) -> bool:
         return False
 
 
-def block_dimensions(shape: Sequence[Any], name: str) -> tuple[tuple[int | None, ...], tuple[int, ...],
-                                                                 tuple[int, ...]]:
+def block_dimensions(
+    shape: Sequence[Any], name: str
+) -> tuple[tuple[int | None, ...], tuple[int, ...], tuple[int, ...]]:
     """A block shape's sizes (None: squeezed), the dimensions whose index-map entry is an element
     offset (`pl.Element(n)`) rather than a block index, and those whose entry is a `pl.ds(start,
     size)` window of at most n elements (`pl.BoundedSlice(n)`). Refused by name: `pl.Element` with
@@ -67,8 +74,10 @@ def block_dimensions(shape: Sequence[Any], name: str) -> tuple[tuple[int | None,
             sizes.append(None)
         elif isinstance(dim, pl.Element):
             if tuple(dim.padding) != (0, 0):
-                raise NotImplementedError(f"{name}: block dimension {d} is {dim}: pl.Element with padding is not "
-                                          f"supported; pad the array instead")
+                raise NotImplementedError(
+                    f"{name}: block dimension {d} is {dim}: pl.Element with padding is not "
+                    "supported; pad the array instead"
+                )
             sizes.append(int(dim.block_size))
             elements.append(d)
         elif isinstance(dim, pl.Blocked):
@@ -79,11 +88,15 @@ def block_dimensions(shape: Sequence[Any], name: str) -> tuple[tuple[int | None,
         elif _positive_int(dim):
             sizes.append(int(dim))
         elif isinstance(dim, pl.Indirect):
-            raise NotImplementedError(f"{name}: block dimension {d} is {dim}: pl.Indirect (a gather / scatter "
-                                      f"window) is not supported; gather the rows into a contiguous array first")
+            raise NotImplementedError(
+                f"{name}: block dimension {d} is {dim}: pl.Indirect (a gather / scatter window) is "
+                "not supported; gather the rows into a contiguous array first"
+            )
         else:
-            raise ValueError(f"{name}: block dimension {d} is {dim!r}: expected a positive int, None / pl.squeezed, "
-                             f"pl.Element(n) or pl.BoundedSlice(n)")
+            raise ValueError(
+                f"{name}: block dimension {d} is {dim!r}: expected a positive int, None / "
+                "pl.squeezed, pl.Element(n) or pl.BoundedSlice(n)"
+            )
     return tuple(sizes), tuple(elements), tuple(bounded)
 
 
@@ -99,6 +112,7 @@ def zeros_map(rank: int) -> Callable[..., tuple[int, ...]]:
 class PallasOptions:
     """What a Pallas BlockSpec asks of the pipeline beyond its block: its release delay (inputs),
     the buffer count of its `pipeline_mode` (None: not asked) and its GPU layout transforms."""
+
     delay_release: int = 0
     buffer_count: int | None = None
     use_lookahead: bool = False
@@ -140,8 +154,10 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
         where = f"{name}: {type(spec).__name__}.{field.name}={value!r}"
         if field.name == "delay_release":
             if not is_input:
-                raise ValueError(f"{where}: delay_release applies to inputs (it delays refilling an input slot); "
-                                 f"an output has nothing to release")
+                raise ValueError(
+                    f"{where}: delay_release applies to inputs (it delays refilling an input "
+                    "slot); an output has nothing to release"
+                )
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{where}: expected an int >= 0")
             delay = value
@@ -153,14 +169,23 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
             transforms = tuple(value)
         elif field.name == "memory_space":
             if onchip_backend(value) is None:
-                raise ValueError(f"{where} is not supported: Conveyor pipelines copy every block into the "
-                                 f"backend's on-chip memory (pltpu.VMEM on TPU, plgpu.SMEM on GPU); name that "
-                                 f"space or leave memory_space unset")
+                raise ValueError(
+                    f"{where} is not supported: Conveyor pipelines copy every block into the "
+                    "backend's on-chip memory (pltpu.VMEM on TPU, plgpu.SMEM on GPU); name that "
+                    "space or leave memory_space unset"
+                )
         else:
-            raise ValueError(f"{where} is not supported by Conveyor pipelines (it would be ignored); "
-                             f"leave it unset")
-    return PallasOptions(delay_release=delay, buffer_count=count, use_lookahead=lookahead,
-                         prefetched_count=prefetched, transforms=transforms)
+            raise ValueError(
+                f"{where} is not supported by Conveyor pipelines (it would be ignored); leave it "
+                "unset"
+            )
+    return PallasOptions(
+        delay_release=delay,
+        buffer_count=count,
+        use_lookahead=lookahead,
+        prefetched_count=prefetched,
+        transforms=transforms,
+    )
 
 
 # plgpu.OOBFillMode values the zero rule honours: ZEROS is it, PROMISE_IN_BOUNDS promises no
@@ -172,9 +197,11 @@ def onchip_backend(memory_space: Any) -> str | None:
     """The Mosaic backend whose on-chip memory `memory_space` names (`pltpu.VMEM`: mosaic_tpu,
     `plgpu.SMEM`: mosaic_gpu), or None."""
     from jax.experimental.pallas import tpu as pltpu
+
     if memory_space is pltpu.VMEM:
         return "mosaic_tpu"
     from jax.experimental.pallas import mosaic_gpu as plgpu
+
     if memory_space is plgpu.SMEM:
         return "mosaic_gpu"
     return None
@@ -187,26 +214,43 @@ def _buffering(mode: Any, where: str, is_input: bool) -> tuple[int, bool, int]:
     refused by name."""
     count = getattr(mode, "buffer_count", None)
     if not isinstance(count, int) or isinstance(count, bool):
-        raise ValueError(f"{where} is not supported: only pl.Buffered(buffer_count) pipeline modes are")
+        raise ValueError(
+            f"{where} is not supported: only pl.Buffered(buffer_count) pipeline modes are"
+        )
     lookahead = bool(getattr(mode, "use_lookahead", False))
     if lookahead and not is_input:
-        raise ValueError(f"{where}: use_lookahead applies to inputs (it fetches future blocks early); an output "
-                         f"has nothing to fetch")
+        raise ValueError(
+            f"{where}: use_lookahead applies to inputs (it fetches future blocks early); an output "
+            "has nothing to fetch"
+        )
     prefetched = getattr(mode, "prefetched_count", 0)
     if isinstance(prefetched, bool) or not isinstance(prefetched, int) or prefetched < 0:
         raise ValueError(f"{where}: prefetched_count must be an int >= 0, got {prefetched!r}")
     if prefetched and not is_input:
-        raise ValueError(f"{where}: prefetched_count applies to inputs (slots the caller filled before the "
-                         f"pipeline); an output has nothing to fetch")
+        raise ValueError(
+            f"{where}: prefetched_count applies to inputs (slots the caller filled before the "
+            "pipeline); an output has nothing to fetch"
+        )
     if prefetched > count:
-        raise ValueError(f"{where}: prefetched_count={prefetched} must be at most buffer_count={count} (the "
-                         f"prefetched blocks sit in the input's first slots)")
+        raise ValueError(
+            f"{where}: prefetched_count={prefetched} must be at most buffer_count={count} (the "
+            "prefetched blocks sit in the input's first slots)"
+        )
     known = ("buffer_count", "use_lookahead", "prefetched_count")
-    extra = [f.name for f in dataclasses.fields(mode) if f.name not in known
-             and not _is_default(getattr(mode, f.name), f)] if dataclasses.is_dataclass(mode) else []
+    extra = (
+        [
+            f.name
+            for f in dataclasses.fields(mode)
+            if f.name not in known and not _is_default(getattr(mode, f.name), f)
+        ]
+        if dataclasses.is_dataclass(mode)
+        else []
+    )
     if extra:
-        raise ValueError(f"{where}: Buffered options {extra} are not supported; only buffer_count, use_lookahead "
-                         f"and prefetched_count are")
+        raise ValueError(
+            f"{where}: Buffered options {extra} are not supported; only buffer_count, "
+            "use_lookahead and prefetched_count are"
+        )
     return count, lookahead, prefetched
 
 
@@ -229,13 +273,20 @@ def _unwindowed(spec: Any, name: str) -> bool:
         return False
     if getattr(spec, "memory_space", None) is None:
         return False  # a whole-array spec: one block, the array's shape
-    if getattr(spec, "index_map", None) is not None or getattr(spec, "pipeline_mode", None) is not None:
-        raise ValueError(f"{name}: an unwindowed spec (memory_space={spec.memory_space}, no block_shape) takes no "
-                         f"index_map or pipeline_mode: the body gets the whole ref as it is")
+    if (
+        getattr(spec, "index_map", None) is not None
+        or getattr(spec, "pipeline_mode", None) is not None
+    ):
+        raise ValueError(
+            f"{name}: an unwindowed spec (memory_space={spec.memory_space}, no block_shape) takes "
+            "no index_map or pipeline_mode: the body gets the whole ref as it is"
+        )
     return True
 
 
-def flatten_specs(specs: Any, side: str) -> tuple[tuple[Any, ...], tuple[str, ...], tuple[Any, ...]]:
+def flatten_specs(
+    specs: Any, side: str
+) -> tuple[tuple[Any, ...], tuple[str, ...], tuple[Any, ...]]:
     """Pytree specs, as upstream Pallas takes them: a sequence with one entry per operand (a
     single spec or pytree counts as one operand), each entry a pytree of block specs. Returns the
     flat specs (None for an unwindowed leaf: see `_unwindowed`), their names (`in[1]['w']`:
@@ -244,7 +295,8 @@ def flatten_specs(specs: Any, side: str) -> tuple[tuple[Any, ...], tuple[str, ..
     flat, names, trees = [], [], []
     for i, tree in enumerate(operands):
         leaves, treedef = jax.tree_util.tree_flatten_with_path(
-            tree, is_leaf=lambda x: x is None or _is_spec(x) or _is_no_block_spec(x))
+            tree, is_leaf=lambda x: x is None or _is_spec(x) or _is_no_block_spec(x)
+        )
         for path, leaf in leaves:
             name = f"{side}[{i}]{jax.tree_util.keystr(path)}"
             flat.append(None if _unwindowed(leaf, name) else leaf)

@@ -1,4 +1,5 @@
-"""The warp-specialized pipeline plan: the pipeline schedule split by role, with its barrier protocol.
+"""The warp-specialized pipeline plan: the pipeline schedule split by role, with its barrier
+protocol.
 
 One memory thread issues every input fetch; `num_compute_wgs` compute threads run the body. The
 protocol, per input slot (all rules work on Python ints and traced int32 scalars):
@@ -15,6 +16,7 @@ protocol, per input slot (all rules work on Python ints and traced int32 scalars
   disjoint parts of one output block without racing, and a block stays resident while its index
   does not change (accumulation across a reduction axis works as in `emit_pipeline`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,7 +29,17 @@ import jax.numpy as jnp
 from conveyor.plans.grid import Int
 from conveyor.plans import fetch
 from conveyor.plans.pipeline import PipelinePlan
-from conveyor.plans.program import Action, check_in_flight_steps, Copy, Counter, Program, Read, Signal, Wait, program
+from conveyor.plans.program import (
+    Action,
+    check_in_flight_steps,
+    Copy,
+    Counter,
+    Program,
+    Read,
+    Signal,
+    Wait,
+    program,
+)
 
 # A warpgroup thread's register budget: PTX `setmaxnreg` takes multiples of 8 in [24, 256].
 MIN_REGISTERS, MAX_REGISTERS = 24, 256
@@ -39,6 +51,7 @@ class PipelineState(enum.IntEnum):
     allocations (upstream's `plgpu.PipelinePipeline`, whose values are the same): START fetches its
     prologue and leaves its last slots in flight; STEADY fetches its first blocks as the previous
     pipeline's last steps release their slots; STOP does that and drains at the end."""
+
     START = 0
     STEADY = 1
     STOP = 2
@@ -50,9 +63,11 @@ def _every_step(p: PipelinePlan) -> PipelinePlan:
     inputs are refused by name."""
     ahead = [op.name for op in p.inputs if op.fetch_rule == fetch.LOOKAHEAD]
     if ahead:
-        raise NotImplementedError(f"{', '.join(ahead)}: pl.Buffered(use_lookahead=True) is not supported by "
-                                  f"warp-specialized pipelines: their compute threads wait for a copy at every step, "
-                                  f"so every step is fetched; drop use_lookahead (cv.emit_pipeline supports it)")
+        raise NotImplementedError(
+            f"{', '.join(ahead)}: pl.Buffered(use_lookahead=True) is not supported by "
+            "warp-specialized pipelines: their compute threads wait for a copy at every step, so "
+            "every step is fetched; drop use_lookahead (cv.emit_pipeline supports it)"
+        )
     inputs = tuple(dataclasses.replace(op, fetch_rule=fetch.EVERY_STEP) for op in p.inputs)
     return p if inputs == p.inputs else dataclasses.replace(p, inputs=inputs)
 
@@ -62,6 +77,7 @@ class WarpSpecializedPlan:
     """A pipeline plan split over one memory thread and `num_compute_wgs` compute threads (the
     warpgroups along the kernel's thread axis `wg_axis`). Validated on construction;
     `memory_thread_idx=None` means the last thread."""
+
     pipeline: PipelinePlan
     num_compute_wgs: int
     wg_axis: str = "wg"
@@ -71,12 +87,17 @@ class WarpSpecializedPlan:
     # The body waits on each input's produced barrier itself (`cv.wait_produced`), e.g. to start
     # on one input before another has landed; the program still models the wait before the reads.
     manual_produced_barriers: bool = False
-    # A chain of pipelines (`PipelineState`, its int value, or a traced int32 scalar): None runs alone.
+    # A chain of pipelines (`PipelineState`, its int value, or a traced int32 scalar): None runs
+    # alone.
     pipeline_state: Any = None
 
     def __post_init__(self):
-        idx = check_options(memory_registers=self.memory_registers, num_compute_wgs=self.num_compute_wgs,
-                            wg_axis=self.wg_axis, memory_thread_idx=self.memory_thread_idx)
+        idx = check_options(
+            memory_registers=self.memory_registers,
+            num_compute_wgs=self.num_compute_wgs,
+            wg_axis=self.wg_axis,
+            memory_thread_idx=self.memory_thread_idx,
+        )
         object.__setattr__(self, "memory_thread_idx", idx)
         object.__setattr__(self, "pipeline", _every_step(self.pipeline))
         for option in ("manual_consumed_barriers", "manual_produced_barriers"):
@@ -85,9 +106,11 @@ class WarpSpecializedPlan:
         fetched_once = [op.name for op in self.pipeline.inputs if op.invariant]
         if self.manual_produced_barriers and fetched_once:
             raise NotImplementedError(
-                f"manual_produced_barriers=True with index-invariant inputs ({', '.join(fetched_once)}) is not "
-                f"supported: such a block is fetched once, so its barrier completes one phase only and a wait at "
-                f"every step would hang. Pass the block unwindowed, or leave manual_produced_barriers off")
+                "manual_produced_barriers=True with index-invariant inputs "
+                f"({', '.join(fetched_once)}) is not supported: such a block is fetched once, so "
+                "its barrier completes one phase only and a wait at every step would hang. Pass "
+                "the block unwindowed, or leave manual_produced_barriers off"
+            )
         if self.pipeline_state is not None:
             self._check_chainable(fetched_once)
 
@@ -96,30 +119,48 @@ class WarpSpecializedPlan:
         static grid whose steps are a multiple of the slots, no delay_release, no invariant input
         (`fetched_once`)."""
         p, state = self.pipeline, self.pipeline_state
-        if isinstance(state, bool) or not (isinstance(state, int) or getattr(state, "shape", None) == ()):
-            raise ValueError(f"pipeline_state: expected PipelineState.START / STEADY / STOP (or "
-                             f"plgpu.PipelinePipeline, or an int32 scalar), got {state!r}")
+        if isinstance(state, bool) or not (
+            isinstance(state, int) or getattr(state, "shape", None) == ()
+        ):
+            raise ValueError(
+                "pipeline_state: expected PipelineState.START / STEADY / STOP (or "
+                f"plgpu.PipelinePipeline, or an int32 scalar), got {state!r}"
+            )
         if isinstance(state, int) and state not in tuple(PipelineState):
-            raise ValueError(f"pipeline_state: expected 0 (START), 1 (STEADY) or 2 (STOP), got {state!r}")
+            raise ValueError(
+                f"pipeline_state: expected 0 (START), 1 (STEADY) or 2 (STOP), got {state!r}"
+            )
         where = f"pipeline_state={state!r}"
         if not p.is_static:
-            raise NotImplementedError(f"{where}: chained pipelines need a static grid, got {p.grid}")
+            raise NotImplementedError(
+                f"{where}: chained pipelines need a static grid, got {p.grid}"
+            )
         if p.num_steps % p.max_concurrent_steps:
-            raise NotImplementedError(f"{where}: chained pipelines need a number of steps (here {p.num_steps}, grid "
-                                      f"{p.grid}) divisible by max_concurrent_steps={p.max_concurrent_steps}, so "
-                                      f"each pipeline ends on the last slot")
+            raise NotImplementedError(
+                f"{where}: chained pipelines need a number of steps (here {p.num_steps}, grid "
+                f"{p.grid}) divisible by max_concurrent_steps={p.max_concurrent_steps}, so each "
+                "pipeline ends on the last slot"
+            )
         if p.delay_release:
-            raise NotImplementedError(f"{where}: chained pipelines do not support delay_release "
-                                      f"(got {p.delay_release})")
+            raise NotImplementedError(
+                f"{where}: chained pipelines do not support delay_release (got {p.delay_release})"
+            )
         if fetched_once:
-            raise NotImplementedError(f"{where}: chained pipelines need every input to depend on the grid; "
-                                      f"{', '.join(fetched_once)} are index-invariant (the next pipeline would "
-                                      f"refill their one slot while this one reads it)")
+            raise NotImplementedError(
+                f"{where}: chained pipelines need every input to depend on the grid; "
+                f"{', '.join(fetched_once)} are index-invariant (the next pipeline would refill "
+                "their one slot while this one reads it)"
+            )
 
     @property
     def drains(self) -> Any:
-        """Whether the memory thread drains the releases at the end (alone, or the STOP of a chain)."""
-        return True if self.pipeline_state is None else _equals(self.pipeline_state, PipelineState.STOP)
+        """Whether the memory thread drains the releases at the end (alone, or the STOP of a
+        chain)."""
+        return (
+            True
+            if self.pipeline_state is None
+            else _equals(self.pipeline_state, PipelineState.STOP)
+        )
 
     @property
     def num_threads(self) -> int:
@@ -137,7 +178,8 @@ class WarpSpecializedPlan:
 
     @property
     def compute_registers(self) -> int:
-        """What is left of the register file after the memory thread, split evenly, rounded down to 8."""
+        """What is left of the register file after the memory thread, split evenly, rounded down to
+        8."""
         share = (REGISTER_FILE_PER_THREAD - self.memory_registers) // self.num_compute_wgs
         return max(MIN_REGISTERS, min(MAX_REGISTERS, share // 8 * 8))
 
@@ -146,7 +188,8 @@ class WarpSpecializedPlan:
         return dataclasses.replace(self, pipeline=self.pipeline.with_grid(grid))
 
     def released_slot(self, step: Int) -> Int:
-        """The input slot a compute thread releases after `step` (valid when `releases_after(step)`)."""
+        """The input slot a compute thread releases after `step` (valid when
+        `releases_after(step)`)."""
         p = self.pipeline
         return (step - p.delay_release) % p.max_concurrent_steps
 
@@ -176,12 +219,14 @@ class WarpSpecializedPlan:
         return (("shared",), {cycling[0]: "shared"}) if cycling else ((), {})
 
     def program(self, in_flight_steps: int = 0) -> Program:
-        """The protocol the Mosaic GPU lowering runs, as an event program: "memory thread" and one actor
+        """The protocol the Mosaic GPU lowering runs, as an event program: "memory thread" and one
+        actor
         per compute thread ("compute[t]").
 
         Barriers are counted in arrivals; phase p of a barrier with N arrivals per phase completes
         at N * (p + 1):
-        - produced (input, slot): a copy into the slot arrives once; step s waits for phase s // slots.
+        - produced (input, slot): a copy into the slot arrives once; step s waits for phase s //
+          slots.
         - consumed (barrier, slot): every compute thread arrives after step s on the slot of step
           s - delay_release. The memory thread waits for the release of step t - slots before
           refilling for step t. After its loop it drains the releases it did not wait for, so
@@ -193,10 +238,14 @@ class WarpSpecializedPlan:
         return chain_program([dataclasses.replace(self, pipeline_state=None)], in_flight_steps)
 
     def _consumed_phase(self, barrier: str, step: int) -> Wait:
-        """Wait until every compute thread released the slot of `step` (counted over the chain) on `barrier`."""
+        """Wait until every compute thread released the slot of `step` (counted over the chain) on
+        `barrier`."""
         slots = self.pipeline.max_concurrent_steps
-        return Wait(("consumed", barrier, step % slots), self.num_compute_wgs * (step // slots + 1),
-                    what=f"consumed barrier {barrier} slot {step % slots} (release of step {step})")
+        return Wait(
+            ("consumed", barrier, step % slots),
+            self.num_compute_wgs * (step // slots + 1),
+            what=f"consumed barrier {barrier} slot {step % slots} (release of step {step})",
+        )
 
     def _memory_actions(self, waited_on: dict[str, str], offset: int) -> list[Action]:
         """The memory thread's part of one pipeline whose steps follow `offset` earlier steps of a
@@ -206,8 +255,12 @@ class WarpSpecializedPlan:
 
         def fetch(op, t):
             slot = p.slot(op, t)
-            return Copy(f"{op.name}@step{offset + t}", writes=((op.name, slot),), signals=(("produced", op.name, slot),),
-                        operand=op.name)
+            return Copy(
+                f"{op.name}@step{offset + t}",
+                writes=((op.name, slot),),
+                signals=(("produced", op.name, slot),),
+                operand=op.name,
+            )
 
         def fetch_round(t):
             acts: list[Action] = []
@@ -226,31 +279,53 @@ class WarpSpecializedPlan:
                 acts += fetch_round(t)
         if self.drains:
             for barrier in waited_on.values():
-                acts += [self._consumed_phase(barrier, offset + u) for u in range(max(0, n - slots), n - p.delay_release)]
+                acts += [
+                    self._consumed_phase(barrier, offset + u)
+                    for u in range(max(0, n - slots), n - p.delay_release)
+                ]
         return acts
 
-    def _compute_actions(self, thread: int, arrived_on: tuple[str, ...], in_flight_steps: int, offset: int,
-                         barrier_phase: int) -> tuple[list[Action], int]:
+    def _compute_actions(
+        self,
+        thread: int,
+        arrived_on: tuple[str, ...],
+        in_flight_steps: int,
+        offset: int,
+        barrier_phase: int,
+    ) -> tuple[list[Action], int]:
         """A compute thread's part of one pipeline after `offset` steps of a chain, whose output
-        barrier has completed `barrier_phase` phases; returns its actions and the phases after it."""
+        barrier has completed `barrier_phase` phases; returns its actions and the phases after
+        it."""
         p = self.pipeline
         leader = thread == self.leader
         acts: list[Action] = []
         open_reads: dict[int, list[Read]] = {}
         writebacks = {op.name: 0 for op in p.outputs}
-        stores: list[Counter] = []       # the leader's stores not yet awaited
+        stores: list[Counter] = []  # the leader's stores not yet awaited
         for s in range(p.num_steps):
             g = offset + s
             for op in p.inputs:
                 if not op.invariant or s == 0:
                     slot = p.slot(op, s)
-                    acts.append(Wait(("produced", op.name, slot), 1 if op.invariant else g // op.num_slots + 1,
-                                     what=f"produced barrier {op.name} slot {slot} (step {g})"))
-            acts += p.body_actions(s, f"compute[{thread}] body of step {g}", writebacks, open_reads, in_flight_steps)
+                    acts.append(
+                        Wait(
+                            ("produced", op.name, slot),
+                            1 if op.invariant else g // op.num_slots + 1,
+                            what=f"produced barrier {op.name} slot {slot} (step {g})",
+                        )
+                    )
+            acts += p.body_actions(
+                s, f"compute[{thread}] body of step {g}", writebacks, open_reads, in_flight_steps
+            )
             if self.releases_after(s):
                 slot = self.released_slot(s)
-                acts += [Signal(("consumed", b, slot), what=f"release slot {slot} (step {g - p.delay_release}) on {b}")
-                         for b in arrived_on]
+                acts += [
+                    Signal(
+                        ("consumed", b, slot),
+                        what=f"release slot {slot} (step {g - p.delay_release}) on {b}",
+                    )
+                    for b in arrived_on
+                ]
             stored = [op for op in p.outputs if p.writes_back(op, s)]
             if not stored:
                 continue
@@ -258,15 +333,27 @@ class WarpSpecializedPlan:
                 acts += [Wait(c, what=f"store {c[1]}@step{c[2]}") for c in stores]
                 stores.clear()
             acts.append(Signal(("out_ready",), what=f"output barrier (step {g})"))
-            acts.append(Wait(("out_ready",), self.num_compute_wgs * (barrier_phase + 1),
-                             what=f"output barrier phase {barrier_phase} (step {g})"))
+            acts.append(
+                Wait(
+                    ("out_ready",),
+                    self.num_compute_wgs * (barrier_phase + 1),
+                    what=f"output barrier phase {barrier_phase} (step {g})",
+                )
+            )
             barrier_phase += 1
             for op in stored:
                 if leader:
                     done = ("stored", op.name, g)
-                    acts.append(Copy(f"{op.name}@step{g}->hbm", writes=(("hbm", op.name, g),),
-                                     reads=((op.name, p.output_slot(op, writebacks[op.name])),), signals=(done,),
-                                     queue="stores", operand=op.name))
+                    acts.append(
+                        Copy(
+                            f"{op.name}@step{g}->hbm",
+                            writes=(("hbm", op.name, g),),
+                            reads=((op.name, p.output_slot(op, writebacks[op.name])),),
+                            signals=(done,),
+                            queue="stores",
+                            operand=op.name,
+                        )
+                    )
                     stores.append(done)
                 writebacks[op.name] += 1
         for reads in open_reads.values():
@@ -276,14 +363,18 @@ class WarpSpecializedPlan:
 
 
 def as_chain(plan: Any) -> list[WarpSpecializedPlan] | None:
-    """A list or tuple of warp-specialized plans (or of the functions `emit_pipeline_warp_specialized`
+    """A list or tuple of warp-specialized plans (or of the functions
+    `emit_pipeline_warp_specialized`
     returned) as the chain it describes; None for anything else."""
     if not isinstance(plan, (list, tuple)):
         return None
     plans = [getattr(x, "plan", x) for x in plan]
     if not plans or not all(isinstance(x, WarpSpecializedPlan) for x in plans):
-        raise TypeError(f"a chain of pipelines: expected a non-empty list of WarpSpecializedPlans (or the functions "
-                        f"emit_pipeline_warp_specialized returned), got {[type(x).__name__ for x in plans]}")
+        raise TypeError(
+            "a chain of pipelines: expected a non-empty list of WarpSpecializedPlans (or the "
+            "functions emit_pipeline_warp_specialized returned), got "
+            f"{[type(x).__name__ for x in plans]}"
+        )
     return plans
 
 
@@ -300,18 +391,29 @@ def chain_program(plans: Sequence[WarpSpecializedPlan], in_flight_steps: int = 0
     for k, wp in enumerate(plans):
         wp.pipeline.require_static(f"pipeline {k} of the chain")
     if len(plans) > 1:  # each plan in its role (this checks upstream's conditions too)
-        roles = [PipelineState.START] + [PipelineState.STEADY] * (len(plans) - 2) + [PipelineState.STOP]
+        roles = (
+            [PipelineState.START] + [PipelineState.STEADY] * (len(plans) - 2) + [PipelineState.STOP]
+        )
         plans = [dataclasses.replace(wp, pipeline_state=role) for wp, role in zip(plans, roles)]
     first = plans[0]
 
     def shared(wp: WarpSpecializedPlan) -> tuple:
         """What the pipelines of a chain share with their allocations: threads, slots, barriers."""
-        return (wp.num_compute_wgs, wp.memory_thread_idx, wp.pipeline.max_concurrent_steps,
-                wp.manual_consumed_barriers, len(wp.pipeline.inputs), len(wp.pipeline.outputs))
+        return (
+            wp.num_compute_wgs,
+            wp.memory_thread_idx,
+            wp.pipeline.max_concurrent_steps,
+            wp.manual_consumed_barriers,
+            len(wp.pipeline.inputs),
+            len(wp.pipeline.outputs),
+        )
+
     for k, wp in enumerate(plans):
         if shared(wp) != shared(first):
-            raise ValueError(f"chain_program: pipeline {k} differs from pipeline 0 in its threads, slots, barriers or "
-                             f"number of operands; a chain shares one set of allocations")
+            raise ValueError(
+                f"chain_program: pipeline {k} differs from pipeline 0 in its threads, slots, "
+                "barriers or number of operands; a chain shares one set of allocations"
+            )
     actors: dict[str, list[Action]] = {"memory thread": []}
     phases = {c: 0 for c in first.compute_threads}
     offset = 0
@@ -324,29 +426,47 @@ def chain_program(plans: Sequence[WarpSpecializedPlan], in_flight_steps: int = 0
         offset += wp.pipeline.num_steps
     p = first.pipeline
     grids = " + ".join(str(wp.pipeline.grid) for wp in plans)
-    subject = (f"warp-specialized ({first.num_compute_wgs} compute) pipeline{'s' if len(plans) > 1 else ''} "
-               f"grid={grids if len(plans) > 1 else p.grid} max_concurrent_steps={p.max_concurrent_steps} "
-               f"delay_release={p.delay_release}"
-               f"{f' body in flight {in_flight_steps} step(s)' if in_flight_steps else ''}")
+    in_flight = f" body in flight {in_flight_steps} step(s)" if in_flight_steps else ""
+    subject = (
+        f"warp-specialized ({first.num_compute_wgs} compute) "
+        f"pipeline{'s' if len(plans) > 1 else ''} grid={grids if len(plans) > 1 else p.grid} "
+        f"max_concurrent_steps={p.max_concurrent_steps} "
+        f"delay_release={p.delay_release}{in_flight}"
+    )
     return program(subject, actors)
 
 
 def check_options(*, memory_registers, num_compute_wgs, wg_axis, memory_thread_idx) -> int:
     """Validate the warp-specialization options; returns the memory thread's index."""
-    if isinstance(num_compute_wgs, bool) or not isinstance(num_compute_wgs, int) or num_compute_wgs < 1:
+    if (
+        isinstance(num_compute_wgs, bool)
+        or not isinstance(num_compute_wgs, int)
+        or num_compute_wgs < 1
+    ):
         raise ValueError(f"num_compute_wgs: expected an int >= 1, got {num_compute_wgs!r}")
     if not isinstance(wg_axis, str):
         raise ValueError(f"wg_axis: expected the kernel's thread_name (a str), got {wg_axis!r}")
-    if (isinstance(memory_registers, bool) or not isinstance(memory_registers, int)
-            or not MIN_REGISTERS <= memory_registers <= MAX_REGISTERS or memory_registers % 8):
-        raise ValueError(f"memory_registers: expected a multiple of 8 in [{MIN_REGISTERS}, {MAX_REGISTERS}] "
-                         f"(PTX setmaxnreg), got {memory_registers!r}")
+    if (
+        isinstance(memory_registers, bool)
+        or not isinstance(memory_registers, int)
+        or not MIN_REGISTERS <= memory_registers <= MAX_REGISTERS
+        or memory_registers % 8
+    ):
+        raise ValueError(
+            f"memory_registers: expected a multiple of 8 in [{MIN_REGISTERS}, {MAX_REGISTERS}] "
+            f"(PTX setmaxnreg), got {memory_registers!r}"
+        )
     if memory_thread_idx is None:
         return num_compute_wgs
-    if (isinstance(memory_thread_idx, bool) or not isinstance(memory_thread_idx, int)
-            or not 0 <= memory_thread_idx <= num_compute_wgs):
-        raise ValueError(f"memory_thread_idx: expected an int in [0, {num_compute_wgs}] (there are "
-                         f"{num_compute_wgs + 1} threads), got {memory_thread_idx!r}")
+    if (
+        isinstance(memory_thread_idx, bool)
+        or not isinstance(memory_thread_idx, int)
+        or not 0 <= memory_thread_idx <= num_compute_wgs
+    ):
+        raise ValueError(
+            f"memory_thread_idx: expected an int in [0, {num_compute_wgs}] (there are "
+            f"{num_compute_wgs + 1} threads), got {memory_thread_idx!r}"
+        )
     return memory_thread_idx
 
 

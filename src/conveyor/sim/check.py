@@ -1,4 +1,5 @@
-"""The protocol checker: run a plan's event program under every interleaving; report races and deadlocks.
+"""The protocol checker: run a plan's event program under every interleaving; report races and
+deadlocks.
 
 A plan's `program()` (conveyor.plans.program) gives its actors: a pipeline's thread, a
 warp-specialized pipeline's memory and compute threads, a ring's devices. They issue asynchronous
@@ -16,10 +17,12 @@ remembered). Found:
 
 Each finding carries the shortest trace the search saw. The search stops at a state budget
 (then samples random interleavings) or a time budget, and says so with what it found so far;
-`progress=True` draws a progress bar (states explored against the budget). Bodies that leave asynchronous work in
+`progress=True` draws a progress bar (states explored against the budget). Bodies that leave
+asynchronous work in
 flight (an un-awaited matmul reading its input slots) are modelled with `in_flight_steps`: the
 reads of step s end during step s + in_flight_steps.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,13 +40,15 @@ from conveyor.progress import bar as progress_bar
 
 @dataclasses.dataclass(frozen=True)
 class Finding:
-    kind: str            # "race" | "deadlock"
+    kind: str  # "race" | "deadlock"
     message: str
     trace: tuple[str, ...]
 
     def __str__(self, last: int = 15) -> str:
         skipped = max(0, len(self.trace) - last)
-        steps = "\n".join(f"    {skipped + i + 1:3d}. {t}" for i, t in enumerate(self.trace[skipped:]))
+        steps = "\n".join(
+            f"    {skipped + i + 1:3d}. {t}" for i, t in enumerate(self.trace[skipped:])
+        )
         more = f"    ... ({skipped} earlier steps)\n" if skipped else ""
         return f"{self.kind.upper()}: {self.message}\n  trace:\n{more}{steps}"
 
@@ -54,9 +59,13 @@ class CheckReport:
     findings: tuple[Finding, ...]
     states: int
     exhaustive: bool
-    state_budget_reached: bool = False      # the exhaustive phase hit max_states (then samples were drawn)
-    samples: int = 0                        # random interleavings replayed after that
-    stopped_by_time: float | None = None    # the time budget (s) that cut the search short, if one did
+    state_budget_reached: bool = (
+        False  # the exhaustive phase hit max_states (then samples were drawn)
+    )
+    samples: int = 0  # random interleavings replayed after that
+    stopped_by_time: float | None = (
+        None  # the time budget (s) that cut the search short, if one did
+    )
 
     @property
     def ok(self) -> bool:
@@ -67,7 +76,9 @@ class CheckReport:
         if self.state_budget_reached:
             parts.append(f"state budget reached, then {self.samples} random interleavings")
         if self.stopped_by_time is not None:
-            parts.append(f"stopped at the {self.stopped_by_time:g} s time budget with what was found so far")
+            parts.append(
+                f"stopped at the {self.stopped_by_time:g} s time budget with what was found so far"
+            )
         how = "; ".join(parts)
         head = f"{self.subject}: {self.states} states explored ({how}): "
         if self.ok:
@@ -94,7 +105,8 @@ def _fmt(keys) -> str:
 
 
 def _unwind(trace) -> tuple[str, ...]:
-    """A trace is a linked list (line, earlier) so that extending it costs O(1); this lists it in order."""
+    """A trace is a linked list (line, earlier) so that extending it costs O(1); this lists it in
+    order."""
     lines = []
     while trace is not None:
         line, trace = trace
@@ -102,8 +114,15 @@ def _unwind(trace) -> tuple[str, ...]:
     return tuple(reversed(lines))
 
 
-def explore(prog: Program, *, max_states: int = 200_000, samples: int = 2_000, seed: int = 0,
-            max_seconds: float | None = None, progress: bool = False) -> CheckReport:
+def explore(
+    prog: Program,
+    *,
+    max_states: int = 200_000,
+    samples: int = 2_000,
+    seed: int = 0,
+    max_seconds: float | None = None,
+    progress: bool = False,
+) -> CheckReport:
     """Search the interleavings of an event program's actors; exhaustive up to `max_states`, then
     sampled. `Compute` actions are skipped: the reads and writes around them are what is checked.
 
@@ -113,12 +132,16 @@ def explore(prog: Program, *, max_states: int = 200_000, samples: int = 2_000, s
     if max_states < 1:
         raise ValueError(f"check: max_states must be >= 1, got {max_states}")
     if max_seconds is not None and not max_seconds > 0:
-        raise ValueError(f"check: max_seconds must be > 0 (or None for no time budget), got {max_seconds}")
+        raise ValueError(
+            f"check: max_seconds must be > 0 (or None for no time budget), got {max_seconds}"
+        )
     deadline = None if max_seconds is None else time.monotonic() + max_seconds
     out_of_time = lambda: deadline is not None and time.monotonic() > deadline
     subject = prog.subject
     names = prog.names
-    progs = tuple(tuple(a for a in actions if not isinstance(a, Compute)) for _, actions in prog.actors)
+    progs = tuple(
+        tuple(a for a in actions if not isinstance(a, Compute)) for _, actions in prog.actors
+    )
     findings: dict[tuple[str, str], Finding] = {}
 
     def enabled(state):
@@ -141,33 +164,48 @@ def explore(prog: Program, *, max_states: int = 200_000, samples: int = 2_000, s
             c = move[1]
             for k in c.signals:
                 counters[k] = counters.get(k, 0) + 1
-            return (pcs, frozenset(counters.items()), pending - {c}, reads), \
-                (f"copy {c.name} lands", trace)
+            return (pcs, frozenset(counters.items()), pending - {c}, reads), (
+                f"copy {c.name} lands",
+                trace,
+            )
         i = move[1]
         a = progs[i][pcs[i]]
         proc = names[i]
         trace = (_describe(proc, a), trace)
         if isinstance(a, Copy):
             for slot in a.writes:
-                for (rslot, who, tag) in reads:
+                for rslot, who, tag in reads:
                     if rslot == slot:
-                        return Finding("race", f"copy {a.name} into {_fmt((slot,))} was issued while {who} still "
-                                       f"reads it ({tag}): the slot is refilled while still read", _unwind(trace))
+                        return Finding(
+                            "race",
+                            f"copy {a.name} into {_fmt((slot,))} was issued while {who} still "
+                            f"reads it ({tag}): the slot is refilled while still read",
+                            _unwind(trace),
+                        )
                 for other in pending:
                     if slot in other.reads:
-                        return Finding("race", f"copy {a.name} writes {_fmt((slot,))} while copy {other.name} "
-                                       f"may still be reading it", _unwind(trace))
+                        return Finding(
+                            "race",
+                            f"copy {a.name} writes {_fmt((slot,))} while copy {other.name} may "
+                            "still be reading it",
+                            _unwind(trace),
+                        )
             for slot in a.reads:
                 for other in pending:
                     if slot in other.writes:
-                        return Finding("race", f"copy {a.name} reads {_fmt((slot,))} while copy {other.name} "
-                                       f"may still be landing in it", _unwind(trace))
+                        return Finding(
+                            "race",
+                            f"copy {a.name} reads {_fmt((slot,))} while copy {other.name} may "
+                            "still be landing in it",
+                            _unwind(trace),
+                        )
             pending = pending | {a}
         elif isinstance(a, Wait):
             if a.consume:
                 counters[a.counter] -= a.amount
                 if not counters[a.counter]:
-                    del counters[a.counter]   # a missing counter reads 0: the state stays small and canonical
+                    # a missing counter reads 0: the state stays small and canonical
+                    del counters[a.counter]
         elif isinstance(a, Signal):
             counters[a.counter] = counters.get(a.counter, 0) + a.amount
         elif isinstance(a, Read):
@@ -177,21 +215,33 @@ def explore(prog: Program, *, max_states: int = 200_000, samples: int = 2_000, s
             else:
                 for c in pending:
                     if a.slot in c.writes:
-                        return Finding("race", f"{proc} reads {_fmt((a.slot,))} ({a.tag}) before copy {c.name} "
-                                       f"into it completed", _unwind(trace))
+                        return Finding(
+                            "race",
+                            f"{proc} reads {_fmt((a.slot,))} ({a.tag}) before copy {c.name} into "
+                            "it completed",
+                            _unwind(trace),
+                        )
                 reads = reads | {entry}
         elif isinstance(a, Write):
             for c in pending:
                 if a.slot in c.reads or a.slot in c.writes:
-                    return Finding("race", f"{proc} writes {_fmt((a.slot,))} ({a.tag}) while copy {c.name} may "
-                                   f"still be using it", _unwind(trace))
-        new_pcs = pcs[:i] + (pcs[i] + 1,) + pcs[i + 1:]
+                    return Finding(
+                        "race",
+                        f"{proc} writes {_fmt((a.slot,))} ({a.tag}) while copy {c.name} may still "
+                        "be using it",
+                        _unwind(trace),
+                    )
+        new_pcs = pcs[:i] + (pcs[i] + 1,) + pcs[i + 1 :]
         return (new_pcs, frozenset(counters.items()), pending, reads), trace
 
     def stuck(state, trace):
         pcs = state[0]
-        waiting = [f"{names[i]} waits {_describe(names[i], progs[i][pc]).split(': wait ', 1)[-1]} "
-                   f"(step {pc + 1} of {len(progs[i])})" for i, pc in enumerate(pcs) if pc < len(progs[i])]
+        waiting = [
+            f"{names[i]} waits {_describe(names[i], progs[i][pc]).split(': wait ', 1)[-1]} (step "
+            f"{pc + 1} of {len(progs[i])})"
+            for i, pc in enumerate(pcs)
+            if pc < len(progs[i])
+        ]
         return Finding("deadlock", "nothing can move: " + "; ".join(waiting), _unwind(trace))
 
     def record(f: Finding):
@@ -252,12 +302,27 @@ def explore(prog: Program, *, max_states: int = 200_000, samples: int = 2_000, s
                     break
                 state, trace = nxt
         bar.close()
-    return CheckReport(subject, tuple(findings.values()), len(seen), exhaustive, not exhaustive and not dfs_timed_out,
-                       sampled, max_seconds if timed_out else None)
+    return CheckReport(
+        subject,
+        tuple(findings.values()),
+        len(seen),
+        exhaustive,
+        not exhaustive and not dfs_timed_out,
+        sampled,
+        max_seconds if timed_out else None,
+    )
 
 
-def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_states: int = 200_000,
-          seed: int = 0, max_seconds: float | None = None, progress: bool = False) -> CheckReport:
+def check(
+    plan: Any,
+    *,
+    in_flight_steps: int = 0,
+    credits: bool = True,
+    max_states: int = 200_000,
+    seed: int = 0,
+    max_seconds: float | None = None,
+    progress: bool = False,
+) -> CheckReport:
     """Check a `PipelinePlan`, a `WarpSpecializedPlan`, a list of warp-specialized plans chained on
     one set of allocations (`pipeline_state`: the first is the START, the last the STOP), a list
     of plain plans run one after another (some `cv.sim.Prefetched`: `conveyor.plans.sequence`) or
@@ -280,13 +345,17 @@ def check(plan: Any, *, in_flight_steps: int = 0, credits: bool = True, max_stat
     chain = as_chain(plan)
     if chain is not None:
         return explore(chain_program(chain, in_flight_steps), **budget)
-    if hasattr(plan, "plan") and not isinstance(plan, (PipelinePlan, WarpSpecializedPlan, RingPlan)):
-        plan = plan.plan   # the function returned by emit_pipeline(...)
+    if hasattr(plan, "plan") and not isinstance(
+        plan, (PipelinePlan, WarpSpecializedPlan, RingPlan)
+    ):
+        plan = plan.plan  # the function returned by emit_pipeline(...)
     if isinstance(plan, (PipelinePlan, WarpSpecializedPlan)):
         (plan if isinstance(plan, PipelinePlan) else plan.pipeline).require_static("cv.sim.check")
     if isinstance(plan, (PipelinePlan, WarpSpecializedPlan)):
         return explore(plan.program(in_flight_steps), **budget)
     if isinstance(plan, RingPlan):
         return explore(plan.program(credits), **budget)
-    raise TypeError(f"check: expected a PipelinePlan, WarpSpecializedPlan or RingPlan, got {type(plan).__name__}")
-
+    raise TypeError(
+        "check: expected a PipelinePlan, WarpSpecializedPlan or RingPlan, got "
+        f"{type(plan).__name__}"
+    )

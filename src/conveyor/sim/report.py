@@ -1,4 +1,5 @@
 """A simulation report: predicted time, roofline, bottleneck, busy fractions, and the timeline."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -12,10 +13,11 @@ from conveyor.sim.timeline import actor_order, draw
 @dataclasses.dataclass(frozen=True)
 class Box:
     """One interval on one actor's row of the timeline."""
-    actor: str      # "copy engine", "memory thread", "compute[0]", "link right", "compute", ...
-    kind: str       # "copy" | "compute" | "wait" | "barrier" | "link"
+
+    actor: str  # "copy engine", "memory thread", "compute[0]", "link right", "compute", ...
+    kind: str  # "copy" | "compute" | "wait" | "barrier" | "link"
     label: str
-    start: float    # seconds
+    start: float  # seconds
     end: float
 
 
@@ -31,7 +33,9 @@ class Report:
     config: dict[str, Any]
     boxes: tuple[Box, ...]
     notes: tuple[str, ...] = ()
-    floor_s: float | None = None  # the workload's own roofline time, when the chip-level one does not apply
+    floor_s: float | None = (
+        None  # the workload's own roofline time, when the chip-level one does not apply
+    )
 
     @property
     def time_us(self) -> float:
@@ -48,7 +52,11 @@ class Report:
         memory = self.hbm_bytes / hw.hbm_bandwidth.value
         devices = self.config.get("devices", 1)
         links = 2 if self.config.get("bidirectional") else 1
-        link = self.link_bytes / (hw.link_bandwidth.value * links) if self.link_bytes and devices > 1 else 0.0
+        link = (
+            self.link_bytes / (hw.link_bandwidth.value * links)
+            if self.link_bytes and devices > 1
+            else 0.0
+        )
         return max(compute, memory, link)
 
     @property
@@ -66,13 +74,17 @@ class Report:
             actors = {b.actor for b in self.boxes if b.kind == kind}
             if not actors:
                 continue
-            per_actor = [sum(b.end - b.start for b in self.boxes if b.actor == a and b.kind == kind) for a in actors]
+            per_actor = [
+                sum(b.end - b.start for b in self.boxes if b.actor == a and b.kind == kind)
+                for a in actors
+            ]
             out[kind] = min(1.0, max(per_actor) / span)
         return out
 
     @property
     def bottleneck(self) -> str:
-        """The resource the time is spent on: compute, memory, interconnect, or latency/synchronization
+        """The resource the time is spent on: compute, memory, interconnect, or
+        latency/synchronization
         when no resource is busy for most of the time (fill, drain, waits)."""
         names = {"compute": "compute", "copy": "memory", "link": "interconnect"}
         busy = self.busy
@@ -90,18 +102,29 @@ class Report:
         parts = []
         if end < 0.99 * self.time_s:
             why = [n for n in self.notes if n.startswith("replayed")]
-            parts.append(f"shows the first {end * 1e6:.1f} us of the {self.time_us:.1f} us run"
-                         + (f" ({why[0]})" if why else ""))
+            parts.append(
+                f"shows the first {end * 1e6:.1f} us of the {self.time_us:.1f} us run"
+                + (f" ({why[0]})" if why else "")
+            )
         if len(kept) < len(boxes):
             parts.append(f"the first {len(kept)} of {len(boxes)} intervals drawn")
         return "timeline " + "; ".join(parts) if parts else None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"workload": self.workload, "hardware": self.hardware.name, "time_us": self.time_us,
-                "utilization": self.utilization, "bottleneck": self.bottleneck, "busy": self.busy,
-                "roofline_us": self.roofline_s * 1e6, "tflops": self.flops / self.time_s / 1e12 if self.flops else 0.0,
-                "onchip_bytes": self.onchip_bytes, "config": self.config, "notes": list(self.notes),
-                "timeline_coverage": self.timeline_coverage()}
+        return {
+            "workload": self.workload,
+            "hardware": self.hardware.name,
+            "time_us": self.time_us,
+            "utilization": self.utilization,
+            "bottleneck": self.bottleneck,
+            "busy": self.busy,
+            "roofline_us": self.roofline_s * 1e6,
+            "tflops": self.flops / self.time_s / 1e12 if self.flops else 0.0,
+            "onchip_bytes": self.onchip_bytes,
+            "config": self.config,
+            "notes": list(self.notes),
+            "timeline_coverage": self.timeline_coverage(),
+        }
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str)
@@ -109,15 +132,32 @@ class Report:
     def save_trace(self, path) -> None:
         """Chrome / Perfetto trace (open in ui.perfetto.dev or chrome://tracing)."""
         actors = sorted({b.actor for b in self.boxes}, key=actor_order)
-        events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": a}}
-                  for i, a in enumerate(actors)]
+        events = [
+            {"name": "thread_name", "ph": "M", "pid": 0, "tid": i, "args": {"name": a}}
+            for i, a in enumerate(actors)
+        ]
         tid = {a: i for i, a in enumerate(actors)}
-        events += [{"name": b.label, "cat": b.kind, "ph": "X", "pid": 0, "tid": tid[b.actor],
-                    "ts": b.start * 1e6, "dur": max(b.end - b.start, 0.0) * 1e6} for b in self.boxes]
+        events += [
+            {
+                "name": b.label,
+                "cat": b.kind,
+                "ph": "X",
+                "pid": 0,
+                "tid": tid[b.actor],
+                "ts": b.start * 1e6,
+                "dur": max(b.end - b.start, 0.0) * 1e6,
+            }
+            for b in self.boxes
+        ]
         with open(path, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ns",
-                       "otherData": {"workload": self.workload, "hardware": self.hardware.name}}, f)
+            json.dump(
+                {
+                    "traceEvents": events,
+                    "displayTimeUnit": "ns",
+                    "otherData": {"workload": self.workload, "hardware": self.hardware.name},
+                },
+                f,
+            )
 
     def save_png(self, path, *, max_boxes: int = 4000, title: str | None = None) -> None:
         draw(self, path, max_boxes=max_boxes, title=title)
-

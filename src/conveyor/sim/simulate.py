@@ -10,6 +10,7 @@ run the ring plan's event program on every device of the ring (the records the T
 run): per step a chunk matmul on the whole chip (itself simulated as a pipelined matmul) and one
 shard per link direction.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,45 +59,67 @@ class DoesNotFit(ValueError):
 @dataclasses.dataclass(frozen=True)
 class StepCosts:
     """What one pipeline step moves and computes, per operand (bytes) and in total (flops)."""
+
     in_bytes: tuple[float, ...]
     out_bytes: tuple[float, ...]
     flops: float
-    compute_rate: float      # FLOP/s of one core
-    load_bandwidth: float    # B/s of one core's loads
-    store_bandwidth: float   # B/s of one core's stores
+    compute_rate: float  # FLOP/s of one core
+    load_bandwidth: float  # B/s of one core's loads
+    store_bandwidth: float  # B/s of one core's stores
 
 
-def _timing(p: PipelinePlan, costs: StepCosts, hw: Hardware, warp_specialized: bool,
-            sizes: dict[str, float] | None = None) -> Timing:
+def _timing(
+    p: PipelinePlan,
+    costs: StepCosts,
+    hw: Hardware,
+    warp_specialized: bool,
+    sizes: dict[str, float] | None = None,
+) -> Timing:
     """The cost of each action of a pipeline's program on one core. A step's body costs its flops
     at the core's rate plus one synchronization; a warp-specialized step's work is split over the
     compute threads, which run at once (each at its share of the rate), so each takes as long. A
     warp-specialized memory thread spends a quarter synchronization issuing each copy. `sizes`:
     bytes per copied operand (default: `p`'s blocks, from `costs`)."""
     if sizes is None:
-        sizes = dict(zip([op.name for op in p.inputs + p.outputs], costs.in_bytes + costs.out_bytes))
+        sizes = dict(
+            zip([op.name for op in p.inputs + p.outputs], costs.in_bytes + costs.out_bytes)
+        )
     step_s = costs.flops / costs.compute_rate + hw.sync_latency.value
-    return Timing(copy_s=lambda c: sizes[c.operand] / (costs.store_bandwidth if c.queue == "stores"
-                                                       else costs.load_bandwidth),
-                  compute_s=lambda action, actor: step_s, latency_s=hw.copy_latency.value,
-                  issue_s=hw.sync_latency.value / 4 if warp_specialized else 0.0,
-                  signal_latency_s=hw.sync_latency.value)
+    return Timing(
+        copy_s=lambda c: (
+            sizes[c.operand]
+            / (costs.store_bandwidth if c.queue == "stores" else costs.load_bandwidth)
+        ),
+        compute_s=lambda action, actor: step_s,
+        latency_s=hw.copy_latency.value,
+        issue_s=hw.sync_latency.value / 4 if warp_specialized else 0.0,
+        signal_latency_s=hw.sync_latency.value,
+    )
 
 
-def run_plan(plan: PipelinePlan | WarpSpecializedPlan, costs: StepCosts, hw: Hardware) -> tuple[float, list[Box]]:
+def run_plan(
+    plan: PipelinePlan | WarpSpecializedPlan, costs: StepCosts, hw: Hardware
+) -> tuple[float, list[Box]]:
     """Run a pipeline's (or warp-specialized pipeline's) event program on one core."""
     warp = isinstance(plan, WarpSpecializedPlan)
     return timed.run(plan.program(), _timing(plan.pipeline if warp else plan, costs, hw, warp))
 
 
 # ---- workloads --------------------------------------------------------------------------------
-def _matmul_plan(tiles: int, k_steps: int, tile: tuple[int, int, int], stages: int,
-                 delay_release: int = 0) -> PipelinePlan:
+def _matmul_plan(
+    tiles: int, k_steps: int, tile: tuple[int, int, int], stages: int, delay_release: int = 0
+) -> PipelinePlan:
     bm, bn, bk = tile
-    return make_plan(grid=(tiles, k_steps),
-                     in_specs=[BlockSpec((bm, bk), lambda t, kk: (t, kk)), BlockSpec((bk, bn), lambda t, kk: (t, kk))],
-                     out_specs=[BlockSpec((bm, bn), lambda t, kk: (t, 0))],
-                     max_concurrent_steps=stages, delay_release=delay_release)
+    return make_plan(
+        grid=(tiles, k_steps),
+        in_specs=[
+            BlockSpec((bm, bk), lambda t, kk: (t, kk)),
+            BlockSpec((bk, bn), lambda t, kk: (t, kk)),
+        ],
+        out_specs=[BlockSpec((bm, bn), lambda t, kk: (t, 0))],
+        max_concurrent_steps=stages,
+        delay_release=delay_release,
+    )
 
 
 def _onchip(tile, stages, in_b, out_b, staging_bytes=None) -> int:
@@ -108,35 +131,83 @@ def _onchip(tile, stages, in_b, out_b, staging_bytes=None) -> int:
     return stages * (bm * bk + bk * bn) * in_b + staging
 
 
-def simulate_matmul(m: int, k: int, n: int, *, dtype: str = "bf16", hardware: str | Hardware = "h100",
-                    tiling: Sequence[int] | None = None, stages: int | None = None, warp_specialized: bool = False,
-                    compute_threads: int = 2, delay_release: int = 0) -> Report:
+def simulate_matmul(
+    m: int,
+    k: int,
+    n: int,
+    *,
+    dtype: str = "bf16",
+    hardware: str | Hardware = "h100",
+    tiling: Sequence[int] | None = None,
+    stages: int | None = None,
+    warp_specialized: bool = False,
+    compute_threads: int = 2,
+    delay_release: int = 0,
+) -> Report:
     """A pipelined matmul [m, k] @ [k, n]: output tiles spread over the cores, K pipelined.
 
     `tiling` is (tm, tk, tn), the order of `cv.gmm`'s tiling; without `tiling`/`stages` a small
     search picks the fastest configuration that fits (reported in `config["searched"]`).
     """
-    _check_positive("simulate_matmul", m=m, k=k, n=n, stages=stages, compute_threads=compute_threads)
-    return _matmul(m, k, n, dtype=dtype, hardware=hardware, tile=_tiling_to_tile(tiling, "simulate_matmul"),
-                   stages=stages, warp_specialized=warp_specialized, compute_threads=compute_threads,
-                   delay_release=delay_release)
+    _check_positive(
+        "simulate_matmul", m=m, k=k, n=n, stages=stages, compute_threads=compute_threads
+    )
+    return _matmul(
+        m,
+        k,
+        n,
+        dtype=dtype,
+        hardware=hardware,
+        tile=_tiling_to_tile(tiling, "simulate_matmul"),
+        stages=stages,
+        warp_specialized=warp_specialized,
+        compute_threads=compute_threads,
+        delay_release=delay_release,
+    )
 
 
-def _matmul(m: int, k: int, n: int, *, dtype: str, hardware: str | Hardware, tile: tuple[int, int, int] | None,
-            stages: int | None, warp_specialized: bool = False, compute_threads: int = 2, delay_release: int = 0,
-            tiles: int | None = None, cores: int | None = None, staging_bytes: int | None = None) -> Report:
+def _matmul(
+    m: int,
+    k: int,
+    n: int,
+    *,
+    dtype: str,
+    hardware: str | Hardware,
+    tile: tuple[int, int, int] | None,
+    stages: int | None,
+    warp_specialized: bool = False,
+    compute_threads: int = 2,
+    delay_release: int = 0,
+    tiles: int | None = None,
+    cores: int | None = None,
+    staging_bytes: int | None = None,
+) -> Report:
     """simulate_matmul on the model's own tile order (bm, bn, bk); `tiles` overrides the tile count
     (gmm), `staging_bytes` the output staging buffer's size (see `_onchip`)."""
     hw = get_hardware(hardware)
     if tile is None or stages is None:
-        return _search(m, k, n, dtype=dtype, hw=hw, tile=tile, stages=stages, warp_specialized=warp_specialized,
-                       compute_threads=compute_threads, tiles=tiles, cores=cores, delay_release=delay_release)
+        return _search(
+            m,
+            k,
+            n,
+            dtype=dtype,
+            hw=hw,
+            tile=tile,
+            stages=stages,
+            warp_specialized=warp_specialized,
+            compute_threads=compute_threads,
+            tiles=tiles,
+            cores=cores,
+            delay_release=delay_release,
+        )
     bm, bn, bk = (int(x) for x in tile)
     in_b = out_b = dtypes.itemsize(dtype)
     used = _onchip((bm, bn, bk), stages, in_b, out_b, staging_bytes)
     if used > hw.onchip_bytes.value:
-        raise DoesNotFit(f"tiling (tm, tk, tn)=({bm}, {bk}, {bn}) with {stages} stages needs {used / 1024:.0f} KiB "
-                         f"of on-chip memory per core; {hw.name} has {hw.onchip_bytes.value / 1024:.0f} KiB")
+        raise DoesNotFit(
+            f"tiling (tm, tk, tn)=({bm}, {bk}, {bn}) with {stages} stages needs {used / 1024:.0f} "
+            f"KiB of on-chip memory per core; {hw.name} has {hw.onchip_bytes.value / 1024:.0f} KiB"
+        )
     ncores = cores or int(hw.cores.value)
     total_tiles = tiles if tiles is not None else math.ceil(m / bm) * math.ceil(n / bn)
     per_core = max(1, math.ceil(total_tiles / ncores))
@@ -145,11 +216,21 @@ def _matmul(m: int, k: int, n: int, *, dtype: str, hardware: str | Hardware, til
     rate = hw.matrix_rate(dtype) / int(hw.cores.value)
     load_bw = hw.reuse_bandwidth.value / active
     store_bw = hw.hbm_bandwidth.value * hw.hbm_efficiency.value / active
-    costs = StepCosts(((bm * bk) * in_b, (bk * bn) * in_b), (bm * bn * out_b,), 2.0 * bm * bn * bk, rate, load_bw, store_bw)
+    costs = StepCosts(
+        ((bm * bk) * in_b, (bk * bn) * in_b),
+        (bm * bn * out_b,),
+        2.0 * bm * bn * bk,
+        rate,
+        load_bw,
+        store_bw,
+    )
+
     def replay(n_tiles):
         p = _matmul_plan(n_tiles, k_steps, (bm, bn, bk), stages, delay_release)
         if warp_specialized:
-            return run_plan(WarpSpecializedPlan(pipeline=p, num_compute_wgs=compute_threads), costs, hw)
+            return run_plan(
+                WarpSpecializedPlan(pipeline=p, num_compute_wgs=compute_threads), costs, hw
+            )
         return run_plan(p, costs, hw)
 
     notes = []
@@ -158,7 +239,10 @@ def _matmul(m: int, k: int, n: int, *, dtype: str, hardware: str | Hardware, til
         before, _ = replay(REPLAYED_TILES - 1)
         time, boxes = replay(REPLAYED_TILES)
         time += (per_core - REPLAYED_TILES) * (time - before)
-        notes.append(f"replayed {REPLAYED_TILES} of {per_core} tiles per core, the rest extrapolated (periodic)")
+        notes.append(
+            f"replayed {REPLAYED_TILES} of {per_core} tiles per core, the rest extrapolated "
+            "(periodic)"
+        )
     else:
         time, boxes = replay(per_core)
     # Every operand crosses HBM at least once: a chip-wide floor under the per-core replay.
@@ -169,26 +253,72 @@ def _matmul(m: int, k: int, n: int, *, dtype: str, hardware: str | Hardware, til
         boxes.append(Box("copy engine (loads)", "copy", "HBM-bound remainder", time, floor))
         time = floor
     flops = 2.0 * m * n * k
-    config = {"m": m, "k": k, "n": n, "dtype": dtype, "tiling": [bm, bk, bn], "stages": stages,
-              "delay_release": delay_release,
-              "warp_specialized": warp_specialized, "compute_threads": compute_threads if warp_specialized else 0,
-              "tiles": total_tiles, "tiles_per_core": per_core, "waves_efficiency": total_tiles / (per_core * ncores),
-              "cores": ncores}
-    return Report("matmul", hw, time, flops, hbm_bytes, 0.0, used, config, tuple(boxes), tuple(notes))
+    config = {
+        "m": m,
+        "k": k,
+        "n": n,
+        "dtype": dtype,
+        "tiling": [bm, bk, bn],
+        "stages": stages,
+        "delay_release": delay_release,
+        "warp_specialized": warp_specialized,
+        "compute_threads": compute_threads if warp_specialized else 0,
+        "tiles": total_tiles,
+        "tiles_per_core": per_core,
+        "waves_efficiency": total_tiles / (per_core * ncores),
+        "cores": ncores,
+    }
+    return Report(
+        "matmul", hw, time, flops, hbm_bytes, 0.0, used, config, tuple(boxes), tuple(notes)
+    )
 
 
-TILES = ((128, 128, 64), (128, 256, 64), (256, 128, 64), (128, 256, 128), (256, 256, 64), (64, 256, 64),
-         (512, 512, 512), (256, 512, 512), (512, 1024, 512))
+TILES = (
+    (128, 128, 64),
+    (128, 256, 64),
+    (256, 128, 64),
+    (128, 256, 128),
+    (256, 256, 64),
+    (64, 256, 64),
+    (512, 512, 512),
+    (256, 512, 512),
+    (512, 1024, 512),
+)
 
 
-def _search(m, k, n, *, dtype, hw, tile, stages, warp_specialized, compute_threads, tiles, cores, delay_release=0):
+def _search(
+    m,
+    k,
+    n,
+    *,
+    dtype,
+    hw,
+    tile,
+    stages,
+    warp_specialized,
+    compute_threads,
+    tiles,
+    cores,
+    delay_release=0,
+):
     best, tried = None, []
-    for t in ([tuple(tile)] if tile else TILES):
-        for st in ([stages] if stages else tuple(s for s in (2, 3, 4, 5) if s > delay_release)):
+    for t in [tuple(tile)] if tile else TILES:
+        for st in [stages] if stages else tuple(s for s in (2, 3, 4, 5) if s > delay_release):
             try:
-                r = _matmul(m, k, n, dtype=dtype, hardware=hw, tile=t, stages=st,
-                                    warp_specialized=warp_specialized, compute_threads=compute_threads,
-                                    tiles=tiles, cores=cores, delay_release=delay_release)
+                r = _matmul(
+                    m,
+                    k,
+                    n,
+                    dtype=dtype,
+                    hardware=hw,
+                    tile=t,
+                    stages=st,
+                    warp_specialized=warp_specialized,
+                    compute_threads=compute_threads,
+                    tiles=tiles,
+                    cores=cores,
+                    delay_release=delay_release,
+                )
             except DoesNotFit:
                 continue
             tried.append((t, st, r.time_s))
@@ -200,24 +330,44 @@ def _search(m, k, n, *, dtype, hw, tile, stages, warp_specialized, compute_threa
     return dataclasses.replace(best, config=config)
 
 
-def simulate_copy(nbytes: float, *, hardware: str | Hardware = "h100", block_bytes: float = 64 * 1024,
-                  stages: int = 4) -> Report:
+def simulate_copy(
+    nbytes: float,
+    *,
+    hardware: str | Hardware = "h100",
+    block_bytes: float = 64 * 1024,
+    stages: int = 4,
+) -> Report:
     """A pipelined device-to-device copy of `nbytes` (read + write), spread over the cores."""
     hw = get_hardware(hardware)
     ncores = int(hw.cores.value)
     blocks = math.ceil(nbytes / block_bytes)
     per_core = max(1, math.ceil(blocks / ncores))
     bw = hw.hbm_bandwidth.value * hw.hbm_efficiency.value / min(ncores, blocks)
-    costs = StepCosts((block_bytes,), (block_bytes,), 0.0, 1.0, bw / 2, bw / 2)  # reads and writes share HBM
-    p = make_plan(grid=(per_core,), in_specs=[BlockSpec((1,), lambda i: (i,))],
-                  out_specs=[BlockSpec((1,), lambda i: (i,))], max_concurrent_steps=stages)
+    # reads and writes share HBM
+    costs = StepCosts((block_bytes,), (block_bytes,), 0.0, 1.0, bw / 2, bw / 2)
+    p = make_plan(
+        grid=(per_core,),
+        in_specs=[BlockSpec((1,), lambda i: (i,))],
+        out_specs=[BlockSpec((1,), lambda i: (i,))],
+        max_concurrent_steps=stages,
+    )
     time, boxes = run_plan(p, costs, hw)
     config = {"bytes": nbytes, "block_bytes": block_bytes, "stages": stages, "dtype": "bf16"}
-    return Report("copy", hw, time, 0.0, 2 * nbytes, 0.0, int(2 * stages * block_bytes), config, tuple(boxes))
+    return Report(
+        "copy", hw, time, 0.0, 2 * nbytes, 0.0, int(2 * stages * block_bytes), config, tuple(boxes)
+    )
 
 
-def _grouped_kernel(hw: Hardware, tiling, stages, kernel_tiling, *, block_elems: int, staging_elems: int,
-                    itemsize: int) -> dict[str, Any]:
+def _grouped_kernel(
+    hw: Hardware,
+    tiling,
+    stages,
+    kernel_tiling,
+    *,
+    block_elems: int,
+    staging_elems: int,
+    itemsize: int,
+) -> dict[str, Any]:
     """The kernel configuration a grouped-matmul simulation replays: on GPU hardware without
     `tiling`/`stages`, the cv.gmm/tgmm mosaic_gpu kernel's (its tiles, warpgroups, delay_release,
     and the slots that fit beside its output staging buffer, as the kernel counts them from a
@@ -225,13 +375,29 @@ def _grouped_kernel(hw: Hardware, tiling, stages, kernel_tiling, *, block_elems:
     searched tiles and slots of a plain pipeline."""
     if hw.kind == "gpu" and tiling is None and stages is None:
         staging = staging_elems * itemsize
-        kernel_stages = MOSAIC_GPU.stages_that_fit(block_bytes=block_elems * itemsize, staging_bytes=staging,
-                                                   budget_bytes=int(hw.onchip_bytes.value))
-        return dict(tiling=kernel_tiling, stages=kernel_stages, warp_specialized=True, staging_bytes=staging,
-                    compute_threads=MOSAIC_GPU.compute_threads, delay_release=MOSAIC_GPU.delay_release,
-                    kernel="cv mosaic_gpu")
-    return dict(tiling=tiling, stages=stages, warp_specialized=False, compute_threads=2, delay_release=0,
-                staging_bytes=None, kernel="searched" if tiling is None or stages is None else "given")
+        kernel_stages = MOSAIC_GPU.stages_that_fit(
+            block_bytes=block_elems * itemsize,
+            staging_bytes=staging,
+            budget_bytes=int(hw.onchip_bytes.value),
+        )
+        return dict(
+            tiling=kernel_tiling,
+            stages=kernel_stages,
+            warp_specialized=True,
+            staging_bytes=staging,
+            compute_threads=MOSAIC_GPU.compute_threads,
+            delay_release=MOSAIC_GPU.delay_release,
+            kernel="cv mosaic_gpu",
+        )
+    return dict(
+        tiling=tiling,
+        stages=stages,
+        warp_specialized=False,
+        compute_threads=2,
+        delay_release=0,
+        staging_bytes=None,
+        kernel="searched" if tiling is None or stages is None else "given",
+    )
 
 
 # The operand dtypes the cv.gmm / cv.tgmm kernels take, per hardware kind: mosaic_gpu multiplies
@@ -246,29 +412,57 @@ def _grouped_dtype(where: str, dtype: str, hw: Hardware, hypothetical: bool) -> 
     if name in GROUPED_KERNEL_DTYPES[hw.kind]:
         return False
     if not hypothetical:
-        raise ValueError(f"{where}: no cv.gmm/cv.tgmm kernel takes {name} operands on {hw.name} (its kernels take "
-                         f"{', '.join(GROUPED_KERNEL_DTYPES[hw.kind])}); pass hypothetical=True (the CLI's "
-                         f"--hypothetical) to price a kernel that does not exist, labelled as one")
+        raise ValueError(
+            f"{where}: no cv.gmm/cv.tgmm kernel takes {name} operands on {hw.name} (its kernels "
+            f"take {', '.join(GROUPED_KERNEL_DTYPES[hw.kind])}); pass hypothetical=True (the CLI's "
+            "--hypothetical) to price a kernel that does not exist, labelled as one"
+        )
     return True
 
 
 def _check_sizes(where: str, group_sizes: Sequence[int]) -> int:
     if any(int(g) < 0 for g in group_sizes) or not sum(int(g) for g in group_sizes) > 0:
-        raise ValueError(f"{where}: group_sizes must be non-negative with a positive sum, got {list(group_sizes)}")
+        raise ValueError(
+            f"{where}: group_sizes must be non-negative with a positive sum, got "
+            f"{list(group_sizes)}"
+        )
     return int(sum(int(g) for g in group_sizes))
 
 
-def _grouped(where: str, m: int, k: int, n: int, *, dtype: str, hw: Hardware, cfg: dict[str, Any],
-             tiles_for, hbm_bytes: float, workload: str, extra: dict[str, Any]) -> Report:
+def _grouped(
+    where: str,
+    m: int,
+    k: int,
+    n: int,
+    *,
+    dtype: str,
+    hw: Hardware,
+    cfg: dict[str, Any],
+    tiles_for,
+    hbm_bytes: float,
+    workload: str,
+    extra: dict[str, Any],
+) -> Report:
     """The best (or the given) configuration's replay with `tiles_for(bm, bn)` output tiles, held
     under the floor of moving `hbm_bytes` once."""
     tile = _tiling_to_tile(cfg["tiling"], where)
     best = None
-    for t in ([tuple(tile)] if tile else TILES):
+    for t in [tuple(tile)] if tile else TILES:
         try:
-            r = _matmul(m, k, n, dtype=dtype, hardware=hw, tile=t, stages=cfg["stages"], tiles=tiles_for(t[0], t[1]),
-                        warp_specialized=cfg["warp_specialized"], compute_threads=cfg["compute_threads"],
-                        delay_release=cfg["delay_release"], staging_bytes=cfg["staging_bytes"])
+            r = _matmul(
+                m,
+                k,
+                n,
+                dtype=dtype,
+                hardware=hw,
+                tile=t,
+                stages=cfg["stages"],
+                tiles=tiles_for(t[0], t[1]),
+                warp_specialized=cfg["warp_specialized"],
+                compute_threads=cfg["compute_threads"],
+                delay_release=cfg["delay_release"],
+                staging_bytes=cfg["staging_bytes"],
+            )
         except DoesNotFit:
             continue
         if best is None or r.time_s < best.time_s:
@@ -277,12 +471,22 @@ def _grouped(where: str, m: int, k: int, n: int, *, dtype: str, hw: Hardware, cf
         raise DoesNotFit(f"no configuration fits {hw.name}")
     time = max(best.time_s, hbm_bytes / (hw.hbm_bandwidth.value * hw.hbm_efficiency.value))
     config = dict(best.config, kernel=cfg["kernel"], **extra)
-    return dataclasses.replace(best, workload=workload, time_s=time, hbm_bytes=hbm_bytes, config=config)
+    return dataclasses.replace(
+        best, workload=workload, time_s=time, hbm_bytes=hbm_bytes, config=config
+    )
 
 
-def simulate_gmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf16",
-                 hardware: str | Hardware = "h100", tiling: Sequence[int] | None = None,
-                 stages: int | None = None, hypothetical: bool = False) -> Report:
+def simulate_gmm(
+    group_sizes: Sequence[int],
+    k: int,
+    n: int,
+    *,
+    dtype: str = "bf16",
+    hardware: str | Hardware = "h100",
+    tiling: Sequence[int] | None = None,
+    stages: int | None = None,
+    hypothetical: bool = False,
+) -> Report:
     """Grouped matmul over the tile schedule every Conveyor backend runs (`make_group_metadata`):
     one visit per (row tile, group) pair that intersect, so a tile shared by two groups is computed
     twice and a partial tile costs a whole one; visits times column tiles spread over the cores;
@@ -297,20 +501,45 @@ def simulate_gmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf
     imagined = _grouped_dtype("simulate_gmm", dtype, hw, hypothetical)
     b = dtypes.itemsize(dtype)
     tm, tk, tn = MOSAIC_GPU.gmm_tiles_for(k, n)
-    cfg = _grouped_kernel(hw, tiling, stages, (tm, tk, tn), block_elems=tm * tk + tk * tn,
-                          staging_elems=math.prod(MOSAIC_GPU.staging_shape(tm, tn)), itemsize=b)
+    cfg = _grouped_kernel(
+        hw,
+        tiling,
+        stages,
+        (tm, tk, tn),
+        block_elems=tm * tk + tk * tn,
+        staging_elems=math.prod(MOSAIC_GPU.staging_shape(tm, tn)),
+        itemsize=b,
+    )
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b
     if imagined:
         cfg["kernel"] = f"hypothetical ({cfg['kernel']} with {dtypes.canonical(dtype)} operands)"
-    return _grouped("simulate_gmm", m, k, n, dtype=dtype, hw=hw, cfg=cfg, hbm_bytes=hbm, workload="gmm",
-                    tiles_for=lambda bm, bn: count_visits(group_sizes, bm) * math.ceil(n / bn),
-                    extra=dict(groups=len(group_sizes), m=m))
+    return _grouped(
+        "simulate_gmm",
+        m,
+        k,
+        n,
+        dtype=dtype,
+        hw=hw,
+        cfg=cfg,
+        hbm_bytes=hbm,
+        workload="gmm",
+        tiles_for=lambda bm, bn: count_visits(group_sizes, bm) * math.ceil(n / bn),
+        extra=dict(groups=len(group_sizes), m=m),
+    )
 
 
-def simulate_tgmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "bf16",
-                  hardware: str | Hardware = "h100", tiling: Sequence[int] | None = None,
-                  stages: int | None = None, hypothetical: bool = False) -> Report:
+def simulate_tgmm(
+    group_sizes: Sequence[int],
+    k: int,
+    n: int,
+    *,
+    dtype: str = "bf16",
+    hardware: str | Hardware = "h100",
+    tiling: Sequence[int] | None = None,
+    stages: int | None = None,
+    hypothetical: bool = False,
+) -> Report:
     """Transposed grouped matmul ([k, m] x [m, n] -> [G, k, n], the weight gradient): one output
     tile per (group, k-tile, n-tile), whose pipeline reduces over the tm-row blocks its group's
     rows touch (`metadata.count_row_blocks`: a block shared by two groups is read by both). The
@@ -323,41 +552,72 @@ def simulate_tgmm(group_sizes: Sequence[int], k: int, n: int, *, dtype: str = "b
     _check_positive("simulate_tgmm", k=k, n=n, stages=stages)
     imagined = _grouped_dtype("simulate_tgmm", dtype, hw, hypothetical)
     tm, tk, tn = MOSAIC_GPU.tgmm_tiles_for(n)
-    cfg = _grouped_kernel(hw, tiling, stages, (tm, tk, tn), block_elems=tk * tm + tm * tn,
-                          staging_elems=math.prod(MOSAIC_GPU.staging_shape(tk, tn)), itemsize=dtypes.itemsize(dtype))
+    cfg = _grouped_kernel(
+        hw,
+        tiling,
+        stages,
+        (tm, tk, tn),
+        block_elems=tk * tm + tm * tn,
+        staging_elems=math.prod(MOSAIC_GPU.staging_shape(tk, tn)),
+        itemsize=dtypes.itemsize(dtype),
+    )
     if imagined:
         cfg["kernel"] = f"hypothetical ({cfg['kernel']} with {dtypes.canonical(dtype)} operands)"
     if cfg["tiling"] is None:
-        cfg["tiling"] = (128, 128, 128)   # the tgmm reduction block is tm: no search over it
+        cfg["tiling"] = (128, 128, 128)  # the tgmm reduction block is tm: no search over it
     tm = int(cfg["tiling"][0])
     blocks = count_row_blocks(group_sizes, tm)
     busy = sum(1 for c in blocks if c)
     steps = math.ceil(sum(blocks) / busy)
     b = dtypes.itemsize(dtype)
-    hbm = (sum(blocks) * tm * (k + n) + len(group_sizes) * k * n) * b   # blocks read, outputs written
+    # blocks read, outputs written
+    hbm = (sum(blocks) * tm * (k + n) + len(group_sizes) * k * n) * b
     # The model's matmul is [k, steps * tm] @ [steps * tm, n] per group: rows are tgmm's k, the
     # reduction its row blocks.
-    report = _grouped("simulate_tgmm", k, steps * tm, n, dtype=dtype, hw=hw,
-                      cfg=dict(cfg, tiling=(cfg["tiling"][1], tm, cfg["tiling"][2])), hbm_bytes=hbm,
-                      workload="tgmm", tiles_for=lambda bm, bn: busy * math.ceil(k / bm) * math.ceil(n / bn),
-                      extra=dict(groups=len(group_sizes), m=m, row_blocks=sum(blocks), steps_per_tile=steps))
+    report = _grouped(
+        "simulate_tgmm",
+        k,
+        steps * tm,
+        n,
+        dtype=dtype,
+        hw=hw,
+        cfg=dict(cfg, tiling=(cfg["tiling"][1], tm, cfg["tiling"][2])),
+        hbm_bytes=hbm,
+        workload="tgmm",
+        tiles_for=lambda bm, bn: busy * math.ceil(k / bm) * math.ceil(n / bn),
+        extra=dict(groups=len(group_sizes), m=m, row_blocks=sum(blocks), steps_per_tile=steps),
+    )
     flops = 2.0 * m * k * n
-    return dataclasses.replace(report, flops=flops, config=dict(report.config, k=k, tiling=list(cfg["tiling"])))
+    return dataclasses.replace(
+        report, flops=flops, config=dict(report.config, k=k, tiling=list(cfg["tiling"]))
+    )
 
 
-def simulate_collective_matmul(kind: str, m: int, k: int, n: int, devices: int, *, dtype: str = "bf16",
-                               hardware: str | Hardware = "h100", bidirectional: bool = True, buffering: int = 2,
-                               unfused: bool = False) -> Report:
+def simulate_collective_matmul(
+    kind: str,
+    m: int,
+    k: int,
+    n: int,
+    devices: int,
+    *,
+    dtype: str = "bf16",
+    hardware: str | Hardware = "h100",
+    bidirectional: bool = True,
+    buffering: int = 2,
+    unfused: bool = False,
+) -> Report:
     """`all_gather_matmul` (gather rows: m rows per device, [k, n] local) or `matmul_reduce_scatter`
     (m output rows per device, local [devices*m, k] @ [k, n]); ring, or the unfused baseline
     (the collective, then the matmul). Each step's chunk matmul runs on the whole chip."""
     if kind not in ("all_gather_matmul", "matmul_reduce_scatter"):
-        raise ValueError(f"kind: expected 'all_gather_matmul' or 'matmul_reduce_scatter', got {kind!r}")
+        raise ValueError(
+            f"kind: expected 'all_gather_matmul' or 'matmul_reduce_scatter', got {kind!r}"
+        )
     if devices < 1:
         raise ValueError(f"devices: expected >= 1, got {devices}")
     hw = get_hardware(hardware)
     b = dtypes.itemsize(dtype)
-    shard = m * (k if kind == "all_gather_matmul" else n) * b       # what travels per hop
+    shard = m * (k if kind == "all_gather_matmul" else n) * b  # what travels per hop
     link_bw = hw.link_bandwidth.value * hw.link_efficiency.value
     hop = shard / link_bw + hw.link_latency.value
     full = simulate_matmul(m * devices, k, n, dtype=dtype, hardware=hw)
@@ -391,19 +651,38 @@ def simulate_collective_matmul(kind: str, m: int, k: int, n: int, devices: int, 
             t += full.time_s
         time = t
     else:
-        plan = ring_plan(collective="gather" if kind == "all_gather_matmul" else "scatter", num_devices=devices,
-                         bidirectional=bidirectional, buffering=buffering)
+        plan = ring_plan(
+            collective="gather" if kind == "all_gather_matmul" else "scatter",
+            num_devices=devices,
+            bidirectional=bidirectional,
+            buffering=buffering,
+        )
         bidi = plan.bidirectional
         time, boxes = _run_ring(plan, chunk.time_s, hop, hw.overlap_slowdown.value, accumulate_s)
-    config = {"kind": kind, "m": m, "k": k, "n": n, "devices": devices, "dtype": dtype, "bidirectional": bidi,
-              "buffering": buffering, "unfused": unfused, "chunk_tiling": chunk.config["tiling"],
-              "chunk_us": chunk.time_s * 1e6, "hop_us": hop * 1e6, "accumulate_us": accumulate_s * 1e6}
+    config = {
+        "kind": kind,
+        "m": m,
+        "k": k,
+        "n": n,
+        "devices": devices,
+        "dtype": dtype,
+        "bidirectional": bidi,
+        "buffering": buffering,
+        "unfused": unfused,
+        "chunk_tiling": chunk.config["tiling"],
+        "chunk_us": chunk.time_s * 1e6,
+        "hop_us": hop * 1e6,
+        "accumulate_us": accumulate_s * 1e6,
+    }
     hbm = (m * devices * k + k * n + m * devices * n) * b
-    return Report(kind, hw, time, flops, hbm, shard * (devices - 1), chunk.onchip_bytes, config, tuple(boxes))
+    return Report(
+        kind, hw, time, flops, hbm, shard * (devices - 1), chunk.onchip_bytes, config, tuple(boxes)
+    )
 
 
-def _run_ring(plan: RingPlan, chunk_s: float, hop_s: float, slowdown: float = 0.0,
-              accumulate_s: float = 0.0) -> tuple[float, list[Box]]:
+def _run_ring(
+    plan: RingPlan, chunk_s: float, hop_s: float, slowdown: float = 0.0, accumulate_s: float = 0.0
+) -> tuple[float, list[Box]]:
     """Run the ring's event program (every device; the TPU kernels run the same records) and keep
     device 0's timeline: its matmuls on a "compute" row and its sends on one row per link.
 
@@ -411,13 +690,16 @@ def _run_ring(plan: RingPlan, chunk_s: float, hop_s: float, slowdown: float = 0.
     splits the columns), `slowdown` longer when a send of the same stream runs meanwhile
     (transfers share HBM / SMs); a reduce-scatter's accumulate takes `accumulate_s` (halved
     likewise); a hop takes `hop_s` (halved likewise) on the sender's link."""
-    halves = plan.collective == "scatter" and plan.bidirectional   # each stream carries half the columns
+    # each stream carries half the columns
+    halves = plan.collective == "scatter" and plan.bidirectional
     share = 0.5 if halves else 1.0
     dur, hop, acc = chunk_s * share, hop_s * share, accumulate_s * share
     records = {(r.step, r.direction): r for rs in plan.steps() for r in rs}
     # gather forwards the shard it multiplies; scatter forwards the previous step's sum meanwhile
-    overlapped = {key: (r.sends if plan.collective == "gather" else r.awaits_send_of is not None)
-                  for key, r in records.items()}
+    overlapped = {
+        key: (r.sends if plan.collective == "gather" else r.awaits_send_of is not None)
+        for key, r in records.items()
+    }
 
     def compute_s(action, actor):
         base = acc if action.work == "accumulate" else dur
@@ -428,8 +710,9 @@ def _run_ring(plan: RingPlan, chunk_s: float, hop_s: float, slowdown: float = 0.
     return time, [dataclasses.replace(b, actor=rows[b.actor]) for b in boxes if b.actor in rows]
 
 
-def _simulate_sequence(pipelines: list, hw: Hardware, dtype: str, flops_per_step: float,
-                       active_cores: int | None) -> Report:
+def _simulate_sequence(
+    pipelines: list, hw: Hardware, dtype: str, flops_per_step: float, active_cores: int | None
+) -> Report:
     """Plain pipelines one after another on one core, each on its own slots (all allocated at once,
     as nested `with_allocations` scopes hold them), some prefetched (`conveyor.plans.sequence`)."""
     plans = [getattr(x, "plan", x) for x in pipelines]
@@ -438,31 +721,69 @@ def _simulate_sequence(pipelines: list, hw: Hardware, dtype: str, flops_per_step
     b = dtypes.itemsize(dtype)
     cores = active_cores or int(hw.cores.value)
     sizes = operand_sizes(pipelines, b)
-    used = sum(sizes[f"p{k}.{op.name}"] * op.num_slots for k, p in enumerate(plans) for op in p.inputs + p.outputs)
+    used = sum(
+        sizes[f"p{k}.{op.name}"] * op.num_slots
+        for k, p in enumerate(plans)
+        for op in p.inputs + p.outputs
+    )
     if used > hw.onchip_bytes.value:
-        raise DoesNotFit(f"the pipelines' slots need {used / 1024:.0f} KiB of on-chip memory; {hw.name} has "
-                         f"{hw.onchip_bytes.value / 1024:.0f} KiB per core")
-    costs = StepCosts((), (), float(flops_per_step), hw.matrix_rate(dtype) / int(hw.cores.value),
-                      hw.reuse_bandwidth.value / cores, hw.hbm_bandwidth.value * hw.hbm_efficiency.value / cores)
+        raise DoesNotFit(
+            f"the pipelines' slots need {used / 1024:.0f} KiB of on-chip memory; {hw.name} has "
+            f"{hw.onchip_bytes.value / 1024:.0f} KiB per core"
+        )
+    costs = StepCosts(
+        (),
+        (),
+        float(flops_per_step),
+        hw.matrix_rate(dtype) / int(hw.cores.value),
+        hw.reuse_bandwidth.value / cores,
+        hw.hbm_bandwidth.value * hw.hbm_efficiency.value / cores,
+    )
     prog = sequence_program(pipelines)
     time, boxes = timed.run(prog, _timing(plans[0], costs, hw, False, sizes))
     steps = sum(p.num_steps for p in plans)
     moved = sum(sizes[c.operand] for c in prog.copies())
-    config = {"grid": [list(p.grid) for p in plans], "prefetched": [isinstance(x, Prefetched) for x in pipelines],
-              "dtype": dtype, "flops_per_step": flops_per_step, "active_cores": cores, "warp_specialized": False}
-    floor = max(float(flops_per_step) * steps / (hw.matrix_peak_rate(dtype) / int(hw.cores.value)),
-                moved / (hw.reuse_bandwidth.value / cores))
-    return Report("pipeline", hw, time, float(flops_per_step) * steps, moved, 0.0, int(used), config, tuple(boxes),
-                  floor_s=floor)
+    config = {
+        "grid": [list(p.grid) for p in plans],
+        "prefetched": [isinstance(x, Prefetched) for x in pipelines],
+        "dtype": dtype,
+        "flops_per_step": flops_per_step,
+        "active_cores": cores,
+        "warp_specialized": False,
+    }
+    floor = max(
+        float(flops_per_step) * steps / (hw.matrix_peak_rate(dtype) / int(hw.cores.value)),
+        moved / (hw.reuse_bandwidth.value / cores),
+    )
+    return Report(
+        "pipeline",
+        hw,
+        time,
+        float(flops_per_step) * steps,
+        moved,
+        0.0,
+        int(used),
+        config,
+        tuple(boxes),
+        floor_s=floor,
+    )
 
 
-def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16", flops_per_step: float = 0.0,
-             active_cores: int | None = None, **collective: Any) -> Report:
+def simulate(
+    plan: Any,
+    hardware: str | Hardware = "h100",
+    *,
+    dtype: str = "bf16",
+    flops_per_step: float = 0.0,
+    active_cores: int | None = None,
+    **collective: Any,
+) -> Report:
     """Replay a plan on a hardware model.
 
     - `PipelinePlan` / `WarpSpecializedPlan` (or the function `emit_pipeline` returned), or a list
       of warp-specialized plans chained on one set of allocations (`pipeline_state`; they share
-      block shapes): one core runs the plan; block bytes come from the block shapes and `dtype`, each step computes
+      block shapes): one core runs the plan; block bytes come from the block shapes and `dtype`,
+      each step computes
       `flops_per_step`; `active_cores` cores share the load bandwidth (default: all of them).
     - a list of plain plans run one after another, each on its own slots, some wrapped in
       `cv.sim.Prefetched` (their first copies issued during an earlier pipeline, as
@@ -476,40 +797,82 @@ def simulate(plan: Any, hardware: str | Hardware = "h100", *, dtype: str = "bf16
     chain = as_chain(plan)
     if chain is not None:
         plan = chain[0]
-    if hasattr(plan, "plan") and not isinstance(plan, (PipelinePlan, WarpSpecializedPlan, RingPlan)):
+    if hasattr(plan, "plan") and not isinstance(
+        plan, (PipelinePlan, WarpSpecializedPlan, RingPlan)
+    ):
         plan = plan.plan
     if isinstance(plan, RingPlan):
-        return simulate_collective_matmul(collective.pop("kind", "all_gather_matmul" if plan.collective == "gather"
-                                                         else "matmul_reduce_scatter"),
-                                          collective.pop("m"), collective.pop("k"), collective.pop("n"),
-                                          plan.num_devices, dtype=dtype, hardware=hw,
-                                          bidirectional=plan.bidirectional, buffering=plan.buffering, **collective)
+        return simulate_collective_matmul(
+            collective.pop(
+                "kind",
+                "all_gather_matmul" if plan.collective == "gather" else "matmul_reduce_scatter",
+            ),
+            collective.pop("m"),
+            collective.pop("k"),
+            collective.pop("n"),
+            plan.num_devices,
+            dtype=dtype,
+            hardware=hw,
+            bidirectional=plan.bidirectional,
+            buffering=plan.buffering,
+            **collective,
+        )
     if not isinstance(plan, (PipelinePlan, WarpSpecializedPlan)):
-        raise TypeError(f"simulate: expected a PipelinePlan, WarpSpecializedPlan or RingPlan, got {type(plan).__name__}")
+        raise TypeError(
+            "simulate: expected a PipelinePlan, WarpSpecializedPlan or RingPlan, got "
+            f"{type(plan).__name__}"
+        )
     p = plan.pipeline if isinstance(plan, WarpSpecializedPlan) else plan
     for wp in chain or [plan]:
-        (wp.pipeline if isinstance(wp, WarpSpecializedPlan) else wp).require_static("cv.sim.simulate")
+        (wp.pipeline if isinstance(wp, WarpSpecializedPlan) else wp).require_static(
+            "cv.sim.simulate"
+        )
     b = dtypes.itemsize(dtype)
     cores = active_cores or int(hw.cores.value)
     in_bytes = tuple(math.prod(op.block_dims) * b for op in p.inputs)
     out_bytes = tuple(math.prod(op.block_dims) * b for op in p.outputs)
     used = sum(x * op.num_slots for x, op in zip(in_bytes + out_bytes, p.inputs + p.outputs))
     if used > hw.onchip_bytes.value:
-        raise DoesNotFit(f"the plan's slots need {used / 1024:.0f} KiB of on-chip memory; {hw.name} has "
-                         f"{hw.onchip_bytes.value / 1024:.0f} KiB per core")
-    costs = StepCosts(in_bytes, out_bytes, float(flops_per_step), hw.matrix_rate(dtype) / int(hw.cores.value),
-                      hw.reuse_bandwidth.value / cores, hw.hbm_bandwidth.value * hw.hbm_efficiency.value / cores)
-    prog = chain_program(chain) if chain else plan.program()   # built once: run, then counted
+        raise DoesNotFit(
+            f"the plan's slots need {used / 1024:.0f} KiB of on-chip memory; {hw.name} has "
+            f"{hw.onchip_bytes.value / 1024:.0f} KiB per core"
+        )
+    costs = StepCosts(
+        in_bytes,
+        out_bytes,
+        float(flops_per_step),
+        hw.matrix_rate(dtype) / int(hw.cores.value),
+        hw.reuse_bandwidth.value / cores,
+        hw.hbm_bandwidth.value * hw.hbm_efficiency.value / cores,
+    )
+    prog = chain_program(chain) if chain else plan.program()  # built once: run, then counted
     steps = sum(wp.pipeline.num_steps for wp in chain) if chain else p.num_steps
     time, boxes = timed.run(prog, _timing(p, costs, hw, isinstance(plan, WarpSpecializedPlan)))
     sizes = dict(zip([op.name for op in p.inputs + p.outputs], in_bytes + out_bytes))
     moved = sum(sizes[c.operand] for c in prog.copies())
-    config = {"grid": [list(wp.pipeline.grid) for wp in chain] if chain else list(p.grid),
-              "max_concurrent_steps": p.max_concurrent_steps, "delay_release": p.delay_release,
-              "dtype": dtype, "flops_per_step": flops_per_step, "active_cores": cores,
-              "warp_specialized": isinstance(plan, WarpSpecializedPlan)}
+    config = {
+        "grid": [list(wp.pipeline.grid) for wp in chain] if chain else list(p.grid),
+        "max_concurrent_steps": p.max_concurrent_steps,
+        "delay_release": p.delay_release,
+        "dtype": dtype,
+        "flops_per_step": flops_per_step,
+        "active_cores": cores,
+        "warp_specialized": isinstance(plan, WarpSpecializedPlan),
+    }
     # One core's roofline: its share of the matrix peak, and its share of the load bandwidth.
-    floor = max(float(flops_per_step) * steps / (hw.matrix_peak_rate(dtype) / int(hw.cores.value)),
-                moved / (hw.reuse_bandwidth.value / cores))
-    return Report("pipeline", hw, time, float(flops_per_step) * steps, moved, 0.0,
-                  int(used), config, tuple(boxes), floor_s=floor)
+    floor = max(
+        float(flops_per_step) * steps / (hw.matrix_peak_rate(dtype) / int(hw.cores.value)),
+        moved / (hw.reuse_bandwidth.value / cores),
+    )
+    return Report(
+        "pipeline",
+        hw,
+        time,
+        float(flops_per_step) * steps,
+        moved,
+        0.0,
+        int(used),
+        config,
+        tuple(boxes),
+        floor_s=floor,
+    )

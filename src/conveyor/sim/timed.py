@@ -19,6 +19,7 @@ The actions cost time as follows:
 A program that stops with actors still waiting is a deadlock: a ValueError says who waits on what
 (the checker finds these with a trace).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -32,11 +33,12 @@ from conveyor.sim.report import Box
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Timing:
     """What each action costs (seconds)."""
+
     copy_s: Callable[[Copy], float]
     compute_s: Callable[[Compute, str], float]
-    latency_s: float = 0.0          # from a copy's transfer end to its landing
-    issue_s: float = 0.0            # the issuing actor's time per copy
-    signal_latency_s: float = 0.0   # from a Signal to its visibility
+    latency_s: float = 0.0  # from a copy's transfer end to its landing
+    issue_s: float = 0.0  # the issuing actor's time per copy
+    signal_latency_s: float = 0.0  # from a Signal to its visibility
 
 
 def run(prog: Program, timing: Timing) -> tuple[float, list[Box]]:
@@ -48,7 +50,7 @@ def run(prog: Program, timing: Timing) -> tuple[float, list[Box]]:
     blocked_since: list[float | None] = [None] * len(names)
     counters: dict = {}
     queue_free: dict[str, float] = {}
-    pending: list = []          # (time, seq, counters to add 1 to (or amount), amount)
+    pending: list = []  # (time, seq, counters to add 1 to (or amount), amount)
     boxes: list[Box] = []
     seq = 0
 
@@ -80,7 +82,9 @@ def run(prog: Program, timing: Timing) -> tuple[float, list[Box]]:
             end = start + timing.copy_s(a)
             queue_free[a.queue] = end
             row = a.queue if a.queue.startswith("link") else f"copy engine ({a.queue})"
-            boxes.append(Box(row, "link" if a.queue.startswith("link") else "copy", a.name, start, end))
+            boxes.append(
+                Box(row, "link" if a.queue.startswith("link") else "copy", a.name, start, end)
+            )
             post(end + timing.latency_s, a.signals)
         elif isinstance(a, Signal):
             post(clock[i] + timing.signal_latency_s, (a.counter,), a.amount)
@@ -100,7 +104,9 @@ def run(prog: Program, timing: Timing) -> tuple[float, list[Box]]:
                 pc[i] += 1
 
     while True:
-        runnable = [i for i in range(len(names)) if pc[i] < len(actions[i]) and blocked_since[i] is None]
+        runnable = [
+            i for i in range(len(names)) if pc[i] < len(actions[i]) and blocked_since[i] is None
+        ]
         next_actor = min(runnable, key=lambda i: clock[i], default=None)
         if pending and (next_actor is None or pending[0][0] <= clock[next_actor]):
             time, _, keys, amount = heapq.heappop(pending)
@@ -111,8 +117,15 @@ def run(prog: Program, timing: Timing) -> tuple[float, list[Box]]:
             step(next_actor)
         else:
             break
-    stuck = [f"{names[i]} waits {actions[i][pc[i]].what or actions[i][pc[i]].counter}"
-             for i in range(len(names)) if pc[i] < len(actions[i])]
+    stuck = [
+        f"{names[i]} waits {actions[i][pc[i]].what or actions[i][pc[i]].counter}"
+        for i in range(len(names))
+        if pc[i] < len(actions[i])
+    ]
     if stuck:
-        raise ValueError(f"simulate: {prog.subject} deadlocks: " + "; ".join(stuck) + " (cv.sim.check shows a trace)")
+        raise ValueError(
+            f"simulate: {prog.subject} deadlocks: "
+            + "; ".join(stuck)
+            + " (cv.sim.check shows a trace)"
+        )
     return max(clock + list(queue_free.values()) + [0.0]), boxes

@@ -5,6 +5,7 @@ predicted within `TOLERANCE`. Calibration entries fitted a model constant and ar
 counted.
 Regenerate the docs table: `python -m conveyor.sim.validation`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,8 +20,8 @@ TOLERANCE = 0.15
 class Measurement:
     name: str
     hardware: str
-    measured: float          # in `unit`
-    unit: str                # "us" or "TFLOP/s" or "TB/s"
+    measured: float  # in `unit`
+    unit: str  # "us" or "TFLOP/s" or "TB/s"
     source: str
     predict: Callable[[], float]
     role: str = "validation"  # or "calibration"
@@ -41,17 +42,37 @@ def _flux(kind, unfused):
     # device of a [4096, 12288] lhs against a local [12288, 6144] slice; GEMM x reduce-scatter
     # multiplies a local [4096, 6144] slice by [6144, 12288] and scatters 512 rows per device.
     if kind == "all_gather_matmul":
-        r = simulate_collective_matmul(kind, 512, 12288, 6144, 8, dtype="f16", hardware="h800",
-                                         bidirectional=False, unfused=unfused)
+        r = simulate_collective_matmul(
+            kind,
+            512,
+            12288,
+            6144,
+            8,
+            dtype="f16",
+            hardware="h800",
+            bidirectional=False,
+            unfused=unfused,
+        )
     else:
-        r = simulate_collective_matmul(kind, 512, 6144, 12288, 8, dtype="f16", hardware="h800",
-                                         bidirectional=False, unfused=unfused)
+        r = simulate_collective_matmul(
+            kind,
+            512,
+            6144,
+            12288,
+            8,
+            dtype="f16",
+            hardware="h800",
+            bidirectional=False,
+            unfused=unfused,
+        )
     return r.time_us
 
 
 FLUX = "ByteDance Flux README: 8xH800, TP=8, fp16, M=4096, K=12288, N=49152 (shared FACTS)"
-SCALING_BOOK = ("How To Scale Your Model, 'Programming TPUs in JAX': TPU v5e-8, mesh 2x4, B, D, F = 1024, 2048, "
-                "8192, int32 (arange) data, all-gather over the 4-chip Y axis (shared FACTS)")
+SCALING_BOOK = (
+    "How To Scale Your Model, 'Programming TPUs in JAX': TPU v5e-8, mesh 2x4, B, D, F = 1024, "
+    "2048, 8192, int32 (arange) data, all-gather over the 4-chip Y axis (shared FACTS)"
+)
 
 
 def _scaling_book(kind: str) -> float:
@@ -59,33 +80,112 @@ def _scaling_book(kind: str) -> float:
     # W[D, F/Y] = [2048, 2048] stays; out [512, 2048]. As rows x K-block x n: 512, 512, 2048.
     if kind == "unsharded":
         return simulate_matmul(512, 2048, 2048, dtype="int32", hardware="v5e").time_us
-    return simulate_collective_matmul("all_gather_matmul", 512, 512, 2048, 4, dtype="int32", hardware="v5e",
-                                      bidirectional=False, unfused=kind == "blocking").time_us
+    return simulate_collective_matmul(
+        "all_gather_matmul",
+        512,
+        512,
+        2048,
+        4,
+        dtype="int32",
+        hardware="v5e",
+        bidirectional=False,
+        unfused=kind == "blocking",
+    ).time_us
 
 
 MEASUREMENTS: tuple[Measurement, ...] = (
-    Measurement("8192^3 bf16 matmul", "h100", 798.0, "TFLOP/s", "shared FACTS (H100 SXM, PyTorch, 2026)",
-                lambda: _matmul_tflops("h100"), role="calibration"),
-    Measurement("device-to-device copy", "h100", 3.0, "TB/s", "shared FACTS (H100 SXM, read + write)",
-                lambda: _copy_tbs("h100"), role="calibration"),
-    Measurement("8192^3 bf16 matmul", "h200", 790.0, "TFLOP/s", "shared FACTS (H200, about 790 TFLOP/s)",
-                lambda: _matmul_tflops("h200")),
-    Measurement("device-to-device copy", "h200", 4.3, "TB/s", "shared FACTS (H200, about 4.3 TB/s)",
-                lambda: _copy_tbs("h200")),
-    Measurement("all-gather then GEMM (unfused)", "h800", 1429.0, "us", FLUX,
-                lambda: _flux("all_gather_matmul", True)),
-    Measurement("all-gather x GEMM, fused ring", "h800", 957.0, "us", FLUX,
-                lambda: _flux("all_gather_matmul", False), role="calibration"),
-    Measurement("GEMM then reduce-scatter (unfused)", "h800", 1408.0, "us", FLUX,
-                lambda: _flux("matmul_reduce_scatter", True)),
-    Measurement("GEMM x reduce-scatter, fused ring", "h800", 932.0, "us", FLUX,
-                lambda: _flux("matmul_reduce_scatter", False)),
-    Measurement("matmul without the sharded contraction", "v5e", 224.0, "us", SCALING_BOOK,
-                lambda: _scaling_book("unsharded"), role="calibration"),
-    Measurement("blocking all-gather then matmul", "v5e", 311.0, "us", SCALING_BOOK,
-                lambda: _scaling_book("blocking")),
-    Measurement("collective matmul, unidirectional ring", "v5e", 244.0, "us", SCALING_BOOK,
-                lambda: _scaling_book("ring")),
+    Measurement(
+        "8192^3 bf16 matmul",
+        "h100",
+        798.0,
+        "TFLOP/s",
+        "shared FACTS (H100 SXM, PyTorch, 2026)",
+        lambda: _matmul_tflops("h100"),
+        role="calibration",
+    ),
+    Measurement(
+        "device-to-device copy",
+        "h100",
+        3.0,
+        "TB/s",
+        "shared FACTS (H100 SXM, read + write)",
+        lambda: _copy_tbs("h100"),
+        role="calibration",
+    ),
+    Measurement(
+        "8192^3 bf16 matmul",
+        "h200",
+        790.0,
+        "TFLOP/s",
+        "shared FACTS (H200, about 790 TFLOP/s)",
+        lambda: _matmul_tflops("h200"),
+    ),
+    Measurement(
+        "device-to-device copy",
+        "h200",
+        4.3,
+        "TB/s",
+        "shared FACTS (H200, about 4.3 TB/s)",
+        lambda: _copy_tbs("h200"),
+    ),
+    Measurement(
+        "all-gather then GEMM (unfused)",
+        "h800",
+        1429.0,
+        "us",
+        FLUX,
+        lambda: _flux("all_gather_matmul", True),
+    ),
+    Measurement(
+        "all-gather x GEMM, fused ring",
+        "h800",
+        957.0,
+        "us",
+        FLUX,
+        lambda: _flux("all_gather_matmul", False),
+        role="calibration",
+    ),
+    Measurement(
+        "GEMM then reduce-scatter (unfused)",
+        "h800",
+        1408.0,
+        "us",
+        FLUX,
+        lambda: _flux("matmul_reduce_scatter", True),
+    ),
+    Measurement(
+        "GEMM x reduce-scatter, fused ring",
+        "h800",
+        932.0,
+        "us",
+        FLUX,
+        lambda: _flux("matmul_reduce_scatter", False),
+    ),
+    Measurement(
+        "matmul without the sharded contraction",
+        "v5e",
+        224.0,
+        "us",
+        SCALING_BOOK,
+        lambda: _scaling_book("unsharded"),
+        role="calibration",
+    ),
+    Measurement(
+        "blocking all-gather then matmul",
+        "v5e",
+        311.0,
+        "us",
+        SCALING_BOOK,
+        lambda: _scaling_book("blocking"),
+    ),
+    Measurement(
+        "collective matmul, unidirectional ring",
+        "v5e",
+        244.0,
+        "us",
+        SCALING_BOOK,
+        lambda: _scaling_book("ring"),
+    ),
 )
 
 
@@ -94,21 +194,37 @@ def compare() -> list[dict]:
     for m in MEASUREMENTS:
         predicted = m.predict()
         err = predicted / m.measured - 1.0
-        rows.append({"name": m.name, "hardware": m.hardware, "measured": m.measured, "predicted": predicted,
-                     "unit": m.unit, "error": err, "role": m.role, "within": abs(err) <= TOLERANCE,
-                     "source": m.source})
+        rows.append(
+            {
+                "name": m.name,
+                "hardware": m.hardware,
+                "measured": m.measured,
+                "predicted": predicted,
+                "unit": m.unit,
+                "error": err,
+                "role": m.role,
+                "within": abs(err) <= TOLERANCE,
+                "source": m.source,
+            }
+        )
     return rows
 
 
 def markdown(rows: list[dict] | None = None) -> str:
-    """The comparison as the table in docs/simulator.md (`rows`: compare()'s, computed here if not given)."""
-    lines = ["| measurement | hardware | measured | predicted | error | role | source |",
-             "|---|---|---|---|---|---|---|"]
+    """The comparison as the table in docs/simulator.md (`rows`: compare()'s, computed here if not
+    given)."""
+    lines = [
+        "| measurement | hardware | measured | predicted | error | role | source |",
+        "|---|---|---|---|---|---|---|",
+    ]
     rows = compare() if rows is None else rows
     for r in rows:
         flag = "" if r["within"] or r["role"] == "calibration" else " **miss**"
-        lines.append(f"| {r['name']} | {r['hardware']} | {r['measured']:g} {r['unit']} | {r['predicted']:.4g} "
-                     f"{r['unit']} | {r['error']:+.1%}{flag} | {r['role']} | {r['source']} |")
+        lines.append(
+            f"| {r['name']} | {r['hardware']} | {r['measured']:g} {r['unit']} | "
+            f"{r['predicted']:.4g} {r['unit']} | {r['error']:+.1%}{flag} | {r['role']} | "
+            f"{r['source']} |"
+        )
     return "\n".join(lines) + "\n"
 
 

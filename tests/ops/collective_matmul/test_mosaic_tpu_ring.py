@@ -3,6 +3,7 @@
 A race makes the interpreter raise; both DMA execution modes are run because a race can hide in
 one of them (the upstream ring example is wrong in on_wait mode only).
 """
+
 import functools
 
 import jax
@@ -21,7 +22,11 @@ def _with_modes(configs):
     """Each config in both DMA modes, except on 8 devices: the same protocol as on 4 with more
     steps, run in on_wait mode only (the mode where the upstream ring example's race shows), to
     keep the suite's time in budget."""
-    return [(*c, mode) for c in configs for mode in (("on_wait",) if c[0] == 8 else ("on_wait", "eager"))]
+    return [
+        (*c, mode)
+        for c in configs
+        for mode in (("on_wait",) if c[0] == 8 else ("on_wait", "eager"))
+    ]
 
 
 def _run(ring, mode, buffering=2, grad=False, bidirectional=False):
@@ -31,18 +36,36 @@ def _run(ring, mode, buffering=2, grad=False, bidirectional=False):
     ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
 
     def local(a, b):
-        f = lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", bidirectional=bidirectional, buffering=buffering,
-                                              backend="mosaic_tpu", interpret=ip)
+        f = lambda a, b: cv.all_gather_matmul(
+            a,
+            b,
+            axis_name="x",
+            bidirectional=bidirectional,
+            buffering=buffering,
+            backend="mosaic_tpu",
+            interpret=ip,
+        )
         if grad:
             return jax.grad(lambda a: jnp.sum(f(a, b) ** 2))(a)[None]
         return f(a, b)[None]
 
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, "x"), P()), out_specs=P("x"), check_vma=False))
-    out = np.asarray(fn(jax.device_put(x, NamedSharding(mesh, P(None, "x"))), jax.device_put(w, NamedSharding(mesh, P()))))
+    fn = jax.jit(
+        jax.shard_map(
+            local, mesh=mesh, in_specs=(P(None, "x"), P()), out_specs=P("x"), check_vma=False
+        )
+    )
+    out = np.asarray(
+        fn(
+            jax.device_put(x, NamedSharding(mesh, P(None, "x"))),
+            jax.device_put(w, NamedSharding(mesh, P())),
+        )
+    )
     return out, x, w
 
 
-@pytest.mark.parametrize("ring, bidirectional, mode", _with_modes([(r, b) for r in (2, 4, 8) for b in (False, True)]))
+@pytest.mark.parametrize(
+    "ring, bidirectional, mode", _with_modes([(r, b) for r in (2, 4, 8) for b in (False, True)])
+)
 def test_ring_is_correct_and_race_free(ring, mode, bidirectional):
     out, x, w = _run(ring, mode, bidirectional=bidirectional)
     for d in range(ring):
@@ -62,74 +85,135 @@ def test_gradient_through_the_kernel():
     full = np.asarray(4 * 2 * (x @ w) @ w.T)
     # f32 sums of 512 products: summation-order error ~ eps * sqrt(512) * the largest magnitude
     atol = 4 * np.finfo(np.float32).eps * np.sqrt(512) * np.abs(full).max()
-    np.testing.assert_allclose(out.reshape(4, 8, -1), np.stack(np.split(full, 4, axis=1)), rtol=1e-5, atol=atol)
+    np.testing.assert_allclose(
+        out.reshape(4, 8, -1), np.stack(np.split(full, 4, axis=1)), rtol=1e-5, atol=atol
+    )
 
 
 def test_unsupported_configurations_are_refused_when_named():
     mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
     x = jax.device_put(jnp.ones((8, 256)), NamedSharding(mesh, P(None, "x")))
-    bad = jax.shard_map(lambda a, b: cv.matmul_reduce_scatter(a, b, axis_name="x", backend="mosaic_tpu",
-                                                               interpret=True),
-                        mesh=mesh, in_specs=(P(None, "x"), P()), out_specs=P(), check_vma=False)
+    bad = jax.shard_map(
+        lambda a, b: cv.matmul_reduce_scatter(
+            a, b, axis_name="x", backend="mosaic_tpu", interpret=True
+        ),
+        mesh=mesh,
+        in_specs=(P(None, "x"), P()),
+        out_specs=P(),
+        check_vma=False,
+    )
     with pytest.raises(NotImplementedError, match="needs an even count; pass bidirectional=False"):
         jax.jit(bad)(x, jax.device_put(jnp.ones((128, 127)), NamedSharding(mesh, P())))
-    bad1 = jax.shard_map(lambda a, b: cv.matmul_reduce_scatter(a, b, axis_name="x", scatter_dim=1,
-                                                               backend="mosaic_tpu", interpret=True),
-                         mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P(None, "x"), check_vma=False)
-    with pytest.raises(NotImplementedError, match="splits each device's 3 output columns in halves"):
+    bad1 = jax.shard_map(
+        lambda a, b: cv.matmul_reduce_scatter(
+            a, b, axis_name="x", scatter_dim=1, backend="mosaic_tpu", interpret=True
+        ),
+        mesh=mesh,
+        in_specs=(P(None, "x"), P("x", None)),
+        out_specs=P(None, "x"),
+        check_vma=False,
+    )
+    with pytest.raises(
+        NotImplementedError, match="splits each device's 3 output columns in halves"
+    ):
         jax.jit(bad1)(x, jax.device_put(jnp.ones((256, 6)), NamedSharding(mesh, P("x", None))))
     # 32 columns per device: HBM is sliced in whole 128-lane tiles by the real Mosaic TPU lowering
     # (the interpreter would run it), so it is refused before lowering, in interpret mode too.
-    with pytest.raises(NotImplementedError, match=r"slice rhs \[128, 64\] in HBM at 16-column ranges \(each "
-                                                  r"device's 32 output columns in halves\).*128-lane tiles"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"slice rhs \[128, 64\] in HBM at 16-column ranges \(each "
+        r"device's 32 output columns in halves\).*128-lane tiles",
+    ):
         jax.jit(bad1)(x, jax.device_put(jnp.ones((256, 64)), NamedSharding(mesh, P("x", None))))
     # bf16 row blocks of 8 rows per device: not whole (16, 128) tiles
     xb = jax.device_put(jnp.ones((16, 256), jnp.bfloat16), NamedSharding(mesh, P(None, "x")))
-    with pytest.raises(NotImplementedError, match=r"lhs \(each device's row block\) out of HBM in blocks of 8 "
-                                                  r"rows per device; .* bfloat16 in whole tiles of 16 rows"):
-        jax.jit(bad)(xb, jax.device_put(jnp.ones((128, 256), jnp.bfloat16), NamedSharding(mesh, P())))
+    with pytest.raises(
+        NotImplementedError,
+        match=r"lhs \(each device's row block\) out of HBM in blocks of 8 "
+        r"rows per device; .* bfloat16 in whole tiles of 16 rows",
+    ):
+        jax.jit(bad)(
+            xb, jax.device_put(jnp.ones((128, 256), jnp.bfloat16), NamedSharding(mesh, P()))
+        )
 
 
 def test_exports_for_tpu():
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-    mesh = AbstractMesh((4,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice("TPU v5 lite", 4, "tpu"))
-    f = jax.jit(jax.shard_map(
-        lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", bidirectional=False, backend="mosaic_tpu"),
-        mesh=mesh, in_specs=(P(None, "x"), P()), out_specs=P(), check_vma=False))
-    exported = jax.export.export(f, platforms=["tpu"])(jax.ShapeDtypeStruct((8, 512), jnp.float32),
-                                                       jax.ShapeDtypeStruct((512, 128), jnp.float32))
+
+    mesh = AbstractMesh(
+        (4,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice("TPU v5 lite", 4, "tpu")
+    )
+    f = jax.jit(
+        jax.shard_map(
+            lambda a, b: cv.all_gather_matmul(
+                a, b, axis_name="x", bidirectional=False, backend="mosaic_tpu"
+            ),
+            mesh=mesh,
+            in_specs=(P(None, "x"), P()),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+    exported = jax.export.export(f, platforms=["tpu"])(
+        jax.ShapeDtypeStruct((8, 512), jnp.float32), jax.ShapeDtypeStruct((512, 128), jnp.float32)
+    )
     assert exported.platforms == ("tpu",)
     assert "tpu_custom_call" in exported.mlir_module()
 
 
-@pytest.mark.parametrize("ring, bidirectional, mode",
-                         _with_modes([(r, b) for r in (2, 3, 4, 8) for b in (False, True)]))
+@pytest.mark.parametrize(
+    "ring, bidirectional, mode", _with_modes([(r, b) for r in (2, 3, 4, 8) for b in (False, True)])
+)
 def test_reduce_scatter_ring_is_correct_and_race_free(ring, mode, bidirectional):
     mesh = Mesh(np.array(jax.devices()[:ring]), ("x",))
     a = jnp.asarray(RNG.standard_normal((8 * ring, 128 * ring)), jnp.float32)
     b = jnp.asarray(RNG.standard_normal((128 * ring, 128)), jnp.float32)
     ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
-    fn = jax.jit(jax.shard_map(
-        lambda l, r: cv.matmul_reduce_scatter(l, r, axis_name="x", bidirectional=bidirectional,
-                                              backend="mosaic_tpu", interpret=ip),
-        mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P("x", None), check_vma=False))
-    out = fn(jax.device_put(a, NamedSharding(mesh, P(None, "x"))), jax.device_put(b, NamedSharding(mesh, P("x", None))))
+    fn = jax.jit(
+        jax.shard_map(
+            lambda l, r: cv.matmul_reduce_scatter(
+                l, r, axis_name="x", bidirectional=bidirectional, backend="mosaic_tpu", interpret=ip
+            ),
+            mesh=mesh,
+            in_specs=(P(None, "x"), P("x", None)),
+            out_specs=P("x", None),
+            check_vma=False,
+        )
+    )
+    out = fn(
+        jax.device_put(a, NamedSharding(mesh, P(None, "x"))),
+        jax.device_put(b, NamedSharding(mesh, P("x", None))),
+    )
     np.testing.assert_allclose(np.asarray(out), np.asarray(a @ b), rtol=1e-5, atol=1e-4)
 
 
 def test_reduce_scatter_exports_for_tpu():
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
-    mesh = AbstractMesh((4,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice("TPU v5 lite", 4, "tpu"))
-    f = jax.jit(jax.shard_map(
-        lambda a, b: cv.matmul_reduce_scatter(a, b, axis_name="x", bidirectional=False, backend="mosaic_tpu"),
-        mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P("x", None), check_vma=False))
-    exported = jax.export.export(f, platforms=["tpu"])(jax.ShapeDtypeStruct((32, 512), jnp.float32),
-                                                       jax.ShapeDtypeStruct((512, 128), jnp.float32))
+
+    mesh = AbstractMesh(
+        (4,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice("TPU v5 lite", 4, "tpu")
+    )
+    f = jax.jit(
+        jax.shard_map(
+            lambda a, b: cv.matmul_reduce_scatter(
+                a, b, axis_name="x", bidirectional=False, backend="mosaic_tpu"
+            ),
+            mesh=mesh,
+            in_specs=(P(None, "x"), P("x", None)),
+            out_specs=P("x", None),
+            check_vma=False,
+        )
+    )
+    exported = jax.export.export(f, platforms=["tpu"])(
+        jax.ShapeDtypeStruct((32, 512), jnp.float32), jax.ShapeDtypeStruct((512, 128), jnp.float32)
+    )
     assert "tpu_custom_call" in exported.mlir_module()
 
 
-@pytest.mark.parametrize("ring, bidirectional, mode",
-                         _with_modes([(2, False), (4, False), (8, False), (3, True), (4, True), (8, True)]))
+@pytest.mark.parametrize(
+    "ring, bidirectional, mode",
+    _with_modes([(2, False), (4, False), (8, False), (3, True), (4, True), (8, True)]),
+)
 def test_row_gather_and_column_scatter_rings(ring, bidirectional, mode):
     """gather_dim=0 (each computing record writes the output row block of its shard's source)
     and scatter_dim=1 (rhs column windows per step; bidi: column halves per direction)."""
@@ -137,22 +221,57 @@ def test_row_gather_and_column_scatter_rings(ring, bidirectional, mode):
     ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
     x = jnp.asarray(RNG.standard_normal((8 * ring, 128)), jnp.float32)
     w = jnp.asarray(RNG.standard_normal((128, 128)), jnp.float32)
-    ag = jax.jit(jax.shard_map(
-        lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", gather_dim=0, bidirectional=bidirectional,
-                                          backend="mosaic_tpu", interpret=ip)[None],
-        mesh=mesh, in_specs=(P("x", None), P()), out_specs=P("x"), check_vma=False))
-    out = np.asarray(ag(jax.device_put(x, NamedSharding(mesh, P("x", None))), jax.device_put(w, NamedSharding(mesh, P()))))
+    ag = jax.jit(
+        jax.shard_map(
+            lambda a, b: cv.all_gather_matmul(
+                a,
+                b,
+                axis_name="x",
+                gather_dim=0,
+                bidirectional=bidirectional,
+                backend="mosaic_tpu",
+                interpret=ip,
+            )[None],
+            mesh=mesh,
+            in_specs=(P("x", None), P()),
+            out_specs=P("x"),
+            check_vma=False,
+        )
+    )
+    out = np.asarray(
+        ag(
+            jax.device_put(x, NamedSharding(mesh, P("x", None))),
+            jax.device_put(w, NamedSharding(mesh, P())),
+        )
+    )
     for d in range(ring):
         np.testing.assert_allclose(out[d], x @ w, rtol=1e-5, atol=1e-4)
-    cols = 256 if bidirectional else 128   # bidirectional halves stay 128 lanes wide
+    cols = 256 if bidirectional else 128  # bidirectional halves stay 128 lanes wide
     a = jnp.asarray(RNG.standard_normal((8, 128 * ring)), jnp.float32)
     b = jnp.asarray(RNG.standard_normal((128 * ring, cols * ring)), jnp.float32)
-    rs = jax.jit(jax.shard_map(
-        lambda l, r: cv.matmul_reduce_scatter(l, r, axis_name="x", scatter_dim=1, bidirectional=bidirectional,
-                                              backend="mosaic_tpu", interpret=ip),
-        mesh=mesh, in_specs=(P(None, "x"), P("x", None)), out_specs=P(None, "x"), check_vma=False))
-    got = rs(jax.device_put(a, NamedSharding(mesh, P(None, "x"))), jax.device_put(b, NamedSharding(mesh, P("x", None))))
-    # f32 sums of up to 1024 products of unit normals (|values| ~ 32): 4 * eps * sqrt(1024) * 32 ~ 5e-4
+    rs = jax.jit(
+        jax.shard_map(
+            lambda l, r: cv.matmul_reduce_scatter(
+                l,
+                r,
+                axis_name="x",
+                scatter_dim=1,
+                bidirectional=bidirectional,
+                backend="mosaic_tpu",
+                interpret=ip,
+            ),
+            mesh=mesh,
+            in_specs=(P(None, "x"), P("x", None)),
+            out_specs=P(None, "x"),
+            check_vma=False,
+        )
+    )
+    got = rs(
+        jax.device_put(a, NamedSharding(mesh, P(None, "x"))),
+        jax.device_put(b, NamedSharding(mesh, P("x", None))),
+    )
+    # f32 sums of up to 1024 products of unit normals (|values| ~ 32): 4 * eps * sqrt(1024) * 32 ~
+    # 5e-4
     np.testing.assert_allclose(np.asarray(got), np.asarray(a @ b), rtol=1e-5, atol=1e-3)
 
 
@@ -164,17 +283,23 @@ def test_inner_pipelines_of_several_blocks(op, dim):
     mesh = Mesh(np.array(jax.devices()[:ring]), ("x",))
     ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode="eager")
     if op == "gather":
-        x = jnp.asarray(RNG.standard_normal((16, 256 * ring) if dim == 1 else (16 * ring, 256)), jnp.float32)
+        x = jnp.asarray(
+            RNG.standard_normal((16, 256 * ring) if dim == 1 else (16 * ring, 256)), jnp.float32
+        )
         w = jnp.asarray(RNG.standard_normal((256 * ring if dim == 1 else 256, 256)), jnp.float32)
         specs, out_spec = ((P(None, "x") if dim == 1 else P("x")), P()), P()
         f = functools.partial(cv.all_gather_matmul, gather_dim=dim)
     else:
         x = jnp.asarray(RNG.standard_normal((16 * ring, 256 * ring)), jnp.float32)
-        w = jnp.asarray(RNG.standard_normal((256 * ring, 512 * ring if dim == 1 else 512)), jnp.float32)
+        w = jnp.asarray(
+            RNG.standard_normal((256 * ring, 512 * ring if dim == 1 else 512)), jnp.float32
+        )
         specs, out_spec = (P(None, "x"), P("x", None)), (P("x", None) if dim == 0 else P(None, "x"))
         f = functools.partial(cv.matmul_reduce_scatter, scatter_dim=dim)
     local = functools.partial(f, axis_name="x", backend="mosaic_tpu", interpret=ip, blocks=blocks)
-    fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False))
+    fn = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=out_spec, check_vma=False)
+    )
     out = fn(*(jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)))
     want = np.asarray(x @ w)
     # float32 sums of up to 768 products in a different order: eps * sqrt(terms) * magnitude
@@ -186,18 +311,42 @@ def test_ring_blocks_are_validated_and_refused_where_ignored():
     with pytest.raises(ValueError, match="RingBlocks: depth must be an int >= 1, got 0"):
         cv.RingBlocks(depth=0)
     with pytest.raises(TypeError):
-        cv.RingBlocks(512, 512, 512)   # keyword-only
+        cv.RingBlocks(512, 512, 512)  # keyword-only
     mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
     x = jax.device_put(jnp.ones((8, 256)), NamedSharding(mesh, P(None, "x")))
     w = jax.device_put(jnp.ones((256, 128)), NamedSharding(mesh, P()))
     for backend in ("xla", "reference"):
-        f = jax.shard_map(lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", backend=backend,  # noqa: B023
-                                                            blocks=cv.RingBlocks(rows=8)),
-                          mesh=mesh, in_specs=(P(None, "x"), P()), out_specs=P(), check_vma=False)
-        with pytest.raises(ValueError, match=f"blocks: only the mosaic_tpu ring kernels have VMEM blocks; "
-                                             f"backend='{backend}' would ignore"):
+        f = jax.shard_map(
+            lambda a, b: cv.all_gather_matmul(
+                a,
+                b,
+                axis_name="x",
+                backend=backend,  # noqa: B023
+                blocks=cv.RingBlocks(rows=8),
+            ),
+            mesh=mesh,
+            in_specs=(P(None, "x"), P()),
+            out_specs=P(),
+            check_vma=False,
+        )
+        with pytest.raises(
+            ValueError,
+            match=(
+                f"blocks: only the mosaic_tpu ring kernels have VMEM blocks; backend='{backend}' "
+                "would ignore"
+            ),
+        ):
             jax.jit(f)(x, w)
-    g = jax.shard_map(lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", backend="mosaic_tpu", blocks=(8, 8, 8)),
-                      mesh=mesh, in_specs=(P(None, "x"), P()), out_specs=P(), check_vma=False)
-    with pytest.raises(TypeError, match=r"blocks: expected a cv.RingBlocks or None, got \(8, 8, 8\)"):
+    g = jax.shard_map(
+        lambda a, b: cv.all_gather_matmul(
+            a, b, axis_name="x", backend="mosaic_tpu", blocks=(8, 8, 8)
+        ),
+        mesh=mesh,
+        in_specs=(P(None, "x"), P()),
+        out_specs=P(),
+        check_vma=False,
+    )
+    with pytest.raises(
+        TypeError, match=r"blocks: expected a cv.RingBlocks or None, got \(8, 8, 8\)"
+    ):
         jax.jit(g)(x, w)

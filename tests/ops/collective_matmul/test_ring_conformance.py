@@ -8,6 +8,7 @@ within a step is the plan's `phases()`, which the checker and the simulator run.
 accumulate runs one inner `cv.emit_pipeline` over VMEM blocks, which reports its own copies
 (kinds not in SLOT_FIELD; their schedule is the pipeline's, checked by tests/pipeline).
 """
+
 import collections
 
 import jax
@@ -30,7 +31,11 @@ def _expected(plan: RingPlan) -> collections.Counter:
     """One device's operations per the plan: (step, operation, stream, slot)."""
     out = collections.Counter()
     for op, r in plan.operations():
-        slot = plan.slot(r.awaits_send_of) if SLOT_FIELD[op] == "awaits_slot" else getattr(r, SLOT_FIELD[op])
+        slot = (
+            plan.slot(r.awaits_send_of)
+            if SLOT_FIELD[op] == "awaits_slot"
+            else getattr(r, SLOT_FIELD[op])
+        )
         out[(r.step, op, r.direction, slot)] += 1
     return out
 
@@ -42,15 +47,32 @@ def _run(collective, ring, bidirectional, buffering):
     if collective == "gather":
         x = jnp.asarray(rng.standard_normal((8, 128 * ring)), jnp.float32)
         w = jnp.asarray(rng.standard_normal((128 * ring, 128)), jnp.float32)
-        f = lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", bidirectional=bidirectional,  # noqa: E731
-                                              buffering=buffering, backend="mosaic_tpu", interpret=ip)[None]
+        f = lambda a, b: cv.all_gather_matmul(
+            a,
+            b,
+            axis_name="x",
+            bidirectional=bidirectional,  # noqa: E731
+            buffering=buffering,
+            backend="mosaic_tpu",
+            interpret=ip,
+        )[None]
         specs, expect = (P(None, "x"), P()), lambda out: [np.asarray(x @ w)] * ring
     else:
         x = jnp.asarray(rng.standard_normal((8 * ring, 128 * ring)), jnp.float32)
         w = jnp.asarray(rng.standard_normal((128 * ring, 256)), jnp.float32)
-        f = lambda a, b: cv.matmul_reduce_scatter(a, b, axis_name="x", bidirectional=bidirectional,  # noqa: E731
-                                                  buffering=buffering, backend="mosaic_tpu", interpret=ip)[None]
-        specs, expect = (P(None, "x"), P("x", None)), lambda out: np.split(np.asarray(x @ w), ring, axis=0)
+        f = lambda a, b: cv.matmul_reduce_scatter(
+            a,
+            b,
+            axis_name="x",
+            bidirectional=bidirectional,  # noqa: E731
+            buffering=buffering,
+            backend="mosaic_tpu",
+            interpret=ip,
+        )[None]
+        specs, expect = (
+            (P(None, "x"), P("x", None)),
+            lambda out: np.split(np.asarray(x @ w), ring, axis=0),
+        )
     fn = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=specs, out_specs=P("x"), check_vma=False))
     args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, w), specs)]
     with record_issued() as log:
@@ -61,13 +83,25 @@ def _run(collective, ring, bidirectional, buffering):
     return log
 
 
-@pytest.mark.parametrize("collective, ring, bidirectional, buffering", [
-    ("gather", 4, False, 2), ("gather", 5, True, 2), ("gather", 4, True, 3),
-    ("scatter", 4, False, 2), ("scatter", 3, True, 2), ("scatter", 4, False, 3)])
+@pytest.mark.parametrize(
+    "collective, ring, bidirectional, buffering",
+    [
+        ("gather", 4, False, 2),
+        ("gather", 5, True, 2),
+        ("gather", 4, True, 3),
+        ("scatter", 4, False, 2),
+        ("scatter", 3, True, 2),
+        ("scatter", 4, False, 3),
+    ],
+)
 def test_ring_kernel_does_what_the_records_say(collective, ring, bidirectional, buffering):
     log = _run(collective, ring, bidirectional, buffering)
-    plan = ring_plan(collective=collective, num_devices=ring, bidirectional=bidirectional, buffering=buffering)
-    got = collections.Counter((at, kind, stream, slot) for at, kind, stream, slot, _ in log if kind in SLOT_FIELD)
+    plan = ring_plan(
+        collective=collective, num_devices=ring, bidirectional=bidirectional, buffering=buffering
+    )
+    got = collections.Counter(
+        (at, kind, stream, slot) for at, kind, stream, slot, _ in log if kind in SLOT_FIELD
+    )
     want = collections.Counter({key: n * ring for key, n in _expected(plan).items()})
     assert got == want, (sorted((got - want).items()), sorted((want - got).items()))
     # one inner pipeline (here of one block: one write-back) per compute and per accumulate
@@ -78,10 +112,27 @@ def test_ring_kernel_does_what_the_records_say(collective, ring, bidirectional, 
 def test_records_of_a_unidirectional_gather():
     plan = ring_plan(collective="gather", num_devices=4, bidirectional=False, buffering=2)
     (first,), (second,), _, (last,) = plan.steps()
-    assert (first.receives, first.computes, first.source, first.sends, first.send_slot) == (False, True, 0, True, 1)
-    assert (second.receives, second.slot, second.source, second.grants_credit) == (True, 1, -1, True)
+    assert (first.receives, first.computes, first.source, first.sends, first.send_slot) == (
+        False,
+        True,
+        0,
+        True,
+        1,
+    )
+    assert (second.receives, second.slot, second.source, second.grants_credit) == (
+        True,
+        1,
+        -1,
+        True,
+    )
     # the last shard is neither forwarded nor followed by another: no send, no credit
-    assert (last.slot, last.source, last.sends, last.awaits_send_of, last.grants_credit) == (1, -3, False, None, False)
+    assert (last.slot, last.source, last.sends, last.awaits_send_of, last.grants_credit) == (
+        1,
+        -3,
+        False,
+        None,
+        False,
+    )
 
 
 def test_both_directions_are_in_flight_at_once():
@@ -89,13 +140,25 @@ def test_both_directions_are_in_flight_at_once():
     for them only after both matmuls."""
     plan = ring_plan(collective="gather", num_devices=5, bidirectional=True, buffering=2)
     acts = [a for a in plan.program()["dev0"] if isinstance(a, (Copy, Compute, Wait))]
-    step1 = [a for a in acts if (isinstance(a, Compute) and a.step == 1) or
-             (isinstance(a, Copy) and a.name.endswith("#2")) or (isinstance(a, Wait) and a.counter[0] == "sent"
-                                                                   and a.counter[-1] == 1)]
-    kinds = [type(a).__name__ + ("" if isinstance(a, Wait) else f" {getattr(a, 'stream', '') or a.name}")
-             for a in step1]
-    assert kinds == ["Copy dev0->dev1 right #2", "Copy dev0->dev4 left #2", "Compute right", "Compute left",
-                     "Wait", "Wait"], kinds
+    step1 = [
+        a
+        for a in acts
+        if (isinstance(a, Compute) and a.step == 1)
+        or (isinstance(a, Copy) and a.name.endswith("#2"))
+        or (isinstance(a, Wait) and a.counter[0] == "sent" and a.counter[-1] == 1)
+    ]
+    kinds = [
+        type(a).__name__ + ("" if isinstance(a, Wait) else f" {getattr(a, 'stream', '') or a.name}")
+        for a in step1
+    ]
+    assert kinds == [
+        "Copy dev0->dev1 right #2",
+        "Copy dev0->dev4 left #2",
+        "Compute right",
+        "Compute left",
+        "Wait",
+        "Wait",
+    ], kinds
 
 
 def test_a_reduce_scatter_hop_overlaps_the_next_partial_product():
@@ -104,7 +167,11 @@ def test_a_reduce_scatter_hop_overlaps_the_next_partial_product():
     acts = plan.program()["dev0"]
     send0 = next(i for i, a in enumerate(acts) if isinstance(a, Copy) and a.name.endswith("#1"))
     compute1 = next(i for i, a in enumerate(acts) if isinstance(a, Compute) and a.step == 1)
-    wait0 = next(i for i, a in enumerate(acts) if isinstance(a, Wait) and a.counter == ("sent", "right", 0, 0))
+    wait0 = next(
+        i
+        for i, a in enumerate(acts)
+        if isinstance(a, Wait) and a.counter == ("sent", "right", 0, 0)
+    )
     assert send0 < compute1 < wait0
     assert [r.awaits_send_of for (r,) in plan.steps()] == [None, 0, 1, 2]
 
@@ -121,7 +188,9 @@ def test_the_table_holds_the_records():
 
 
 def test_ring_plan_normalizes_and_refuses_bad_fields():
-    assert not ring_plan(collective="gather", num_devices=2, bidirectional=True, buffering=4).bidirectional
+    assert not ring_plan(
+        collective="gather", num_devices=2, bidirectional=True, buffering=4
+    ).bidirectional
     p = ring_plan(collective="scatter", num_devices=2, bidirectional=True, buffering=4)
     assert p.bidirectional and p.buffering == 2
     with pytest.raises(ValueError, match="buffering must be an int >= 1, got 0"):
@@ -129,4 +198,4 @@ def test_ring_plan_normalizes_and_refuses_bad_fields():
     with pytest.raises(ValueError, match="collective must be one of"):
         RingPlan(num_devices=4, bidirectional=False, buffering=2, collective="reduce")
     with pytest.raises(TypeError):
-        RingPlan(4, False, 2)   # keyword-only: positional fields are easy to swap
+        RingPlan(4, False, 2)  # keyword-only: positional fields are easy to swap

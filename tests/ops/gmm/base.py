@@ -4,6 +4,7 @@ A backend's test file subclasses `GmmBackendTests` and sets `backend` (and may n
 Tolerances come from `tolerance()`: both sides accumulate in float32 (or float64), so they differ
 by summation order (~sqrt(k) ulps of the accumulator) plus one rounding of the output dtype.
 """
+
 from __future__ import annotations
 
 import jax
@@ -18,7 +19,8 @@ from tests.ops.gmm.problems import numpy_gmm, numpy_tgmm, operands, skewed_sizes
 
 
 def tolerance(expected, k: int, out_dtype, acc_dtype=jnp.float32):
-    """Elementwise bound on |actual - expected| for a k-long f32-accumulated dot rounded to out_dtype
+    """Elementwise bound on |actual - expected| for a k-long f32-accumulated dot rounded to
+    out_dtype
     (tests/tolerance.py; the partial sums of these random operands stay within the largest output
     magnitude, at least 1)."""
     expected = np.asarray(expected, np.float64)
@@ -34,27 +36,39 @@ def assert_close(actual, expected, k, out_dtype):
     bound = tolerance(expected, k, out_dtype)
     err = np.abs(actual - expected)
     worst = np.unravel_index(np.argmax(err - bound), err.shape)
-    assert (err <= bound).all(), f"max excess at {worst}: |{actual[worst]} - {expected[worst]}| > {bound[worst]}"
+    assert (err <= bound).all(), (
+        f"max excess at {worst}: |{actual[worst]} - {expected[worst]}| > {bound[worst]}"
+    )
 
 
 def size_patterns(m: int, groups: int):
     """Hypothesis strategy of adversarial group-size vectors summing to at most m."""
+
     def build(seed, pattern, total_frac):
         rng = np.random.default_rng(seed)
         total = int(m * total_frac)
         sizes = skewed_sizes(rng, m, groups, alpha=0.5, total=total)
         if pattern == "first_empty" and groups > 1:
-            sizes[1] += sizes[0]; sizes[0] = 0
+            sizes[1] += sizes[0]
+            sizes[0] = 0
         elif pattern == "last_empty" and groups > 1:
-            sizes[-2] += sizes[-1]; sizes[-1] = 0
+            sizes[-2] += sizes[-1]
+            sizes[-1] = 0
         elif pattern == "middle_empty" and groups > 2:
-            mid = groups // 2; sizes[mid - 1] += sizes[mid]; sizes[mid] = 0
+            mid = groups // 2
+            sizes[mid - 1] += sizes[mid]
+            sizes[mid] = 0
         elif pattern == "one_group":
-            sizes[:] = 0; sizes[rng.integers(groups)] = total
+            sizes[:] = 0
+            sizes[rng.integers(groups)] = total
         return sizes
-    return st.builds(build, st.integers(0, 2**31 - 1),
-                     st.sampled_from(["skewed", "first_empty", "last_empty", "middle_empty", "one_group"]),
-                     st.sampled_from([1.0, 1.0, 0.7]))
+
+    return st.builds(
+        build,
+        st.integers(0, 2**31 - 1),
+        st.sampled_from(["skewed", "first_empty", "last_empty", "middle_empty", "one_group"]),
+        st.sampled_from([1.0, 1.0, 0.7]),
+    )
 
 
 class GmmBackendTests:
@@ -65,7 +79,7 @@ class GmmBackendTests:
     tiling = (16, 128, 128)
     groups = (1, 3, 8)
     half_dtypes = (jnp.bfloat16, jnp.float16)
-    grad_dtype = jnp.float32      # the dtype gradients are rounded to (the tolerance of their checks)
+    grad_dtype = jnp.float32  # the dtype gradients are rounded to (the tolerance of their checks)
 
     # ---- helpers ----
     def gmm(self, *args, **kw):
@@ -86,7 +100,10 @@ class GmmBackendTests:
         return x
 
     def operands(self, rng, m, k, n, groups, transpose_rhs=False):
-        return tuple(self.exact(a) for a in operands(rng, m, k, n, groups, jnp.float32, transpose_rhs=transpose_rhs))
+        return tuple(
+            self.exact(a)
+            for a in operands(rng, m, k, n, groups, jnp.float32, transpose_rhs=transpose_rhs)
+        )
 
     def normal(self, rng, shape):
         return self.exact(jnp.asarray(rng.standard_normal(shape), jnp.float32))
@@ -110,7 +127,7 @@ class GmmBackendTests:
         lhs, rhs = self.operands(rng, self.m, self.k, self.n, groups)
         out = self.gmm(lhs, rhs, jnp.asarray(sizes))
         assert_close(out, numpy_gmm(lhs, rhs, sizes), self.k, jnp.float32)
-        np.testing.assert_array_equal(out[int(sizes.sum()):], 0.0)
+        np.testing.assert_array_equal(out[int(sizes.sum()) :], 0.0)
 
     @pytest.mark.parametrize("groups", [1, 3, 8])
     @given(data=st.data())
@@ -130,7 +147,7 @@ class GmmBackendTests:
         """Rows outside groups: exactly existing_out; NaN lhs rows there must not leak anywhere."""
         rng = np.random.default_rng(1)
         a, b = self.m // 3, self.m // 2
-        used = a + b                   # rows [used, m) belong to no group
+        used = a + b  # rows [used, m) belong to no group
         sizes = np.array([0, a, 0, b], np.int32)  # empty first and middle groups
         lhs, rhs = self.operands(rng, self.m, self.k, self.n, 4)
         lhs = lhs.at[used:].set(jnp.nan)
@@ -195,7 +212,8 @@ class GmmBackendTests:
             assert (self.m, self.k, self.n) in seen
 
     def test_group_offset_shards_reassemble(self):
-        """Expert parallelism: shards of 2 groups chained through existing_out give the full result."""
+        """Expert parallelism: shards of 2 groups chained through existing_out give the full
+        result."""
         rng = np.random.default_rng(6)
         groups, per_shard = 6, 2
         sizes = skewed_sizes(rng, self.m, groups, total=self.m - 5)
@@ -205,12 +223,18 @@ class GmmBackendTests:
         parts = []
         for shard in range(groups // per_shard):
             lo = shard * per_shard
-            out = self.gmm(lhs, rhs[lo:lo + per_shard], gs, group_offset=jnp.int32(lo), existing_out=out)
-            parts.append(self.tgmm(lhs.T, self.exact(out), gs, group_offset=lo, num_actual_groups=per_shard))
+            out = self.gmm(
+                lhs, rhs[lo : lo + per_shard], gs, group_offset=jnp.int32(lo), existing_out=out
+            )
+            parts.append(
+                self.tgmm(lhs.T, self.exact(out), gs, group_offset=lo, num_actual_groups=per_shard)
+            )
         assert_close(out, numpy_gmm(lhs, rhs, sizes), self.k, jnp.float32)
-        np.testing.assert_array_equal(out[self.m - 5:], 0.0)
+        np.testing.assert_array_equal(out[self.m - 5 :], 0.0)
         # Each shard's tgmm saw the output so far: its own groups' rows were final by then.
-        assert_close(jnp.concatenate(parts), numpy_tgmm(lhs.T, self.exact(out), sizes), self.m, jnp.float32)
+        assert_close(
+            jnp.concatenate(parts), numpy_tgmm(lhs.T, self.exact(out), sizes), self.m, jnp.float32
+        )
 
     def test_jit_traced_sizes_and_offset(self):
         rng = np.random.default_rng(7)
@@ -223,7 +247,8 @@ class GmmBackendTests:
             assert_close(out, expect, self.k, jnp.float32)
 
     def test_traced_sizes_clip_at_m(self):
-        """Documented behaviour for traced sizes: negatives count as 0, the total is clipped at m."""
+        """Documented behaviour for traced sizes: negatives count as 0, the total is clipped at
+        m."""
         rng = np.random.default_rng(8)
         lhs, rhs = self.operands(rng, self.m, self.k, self.n, 3)
         bad = jnp.asarray([self.m - 10, -4, 30], jnp.int32)  # sum > m, one negative

@@ -1,4 +1,5 @@
 """Group-size generators and random operands shared by the gmm tests."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -7,12 +8,17 @@ import jax.numpy as jnp
 from conveyor.problems import dirichlet_split
 
 
-def skewed_sizes(rng: np.random.Generator, m: int, groups: int, alpha: float = 0.5, total: int | None = None):
-    """Dirichlet-skewed split of `total` (default m) rows into `groups` groups (some may be empty)."""
+def skewed_sizes(
+    rng: np.random.Generator, m: int, groups: int, alpha: float = 0.5, total: int | None = None
+):
+    """Dirichlet-skewed split of `total` (default m) rows into `groups` groups (some may be
+    empty)."""
     return dirichlet_split(rng, m if total is None else total, groups, alpha)
 
 
-def operands(rng: np.random.Generator, m: int, k: int, n: int, groups: int, dtype, transpose_rhs=False):
+def operands(
+    rng: np.random.Generator, m: int, k: int, n: int, groups: int, dtype, transpose_rhs=False
+):
     lhs = rng.standard_normal((m, k)).astype(np.float32)
     rhs_shape = (groups, n, k) if transpose_rhs else (groups, k, n)
     rhs = (rng.standard_normal(rhs_shape) / np.sqrt(k)).astype(np.float32)
@@ -25,7 +31,11 @@ def numpy_gmm(lhs, rhs, sizes, transpose_rhs=False, existing=None, offset=0):
     rhs = np.asarray(rhs, np.float64)
     if transpose_rhs:
         rhs = np.swapaxes(rhs, 1, 2)
-    out = np.zeros((lhs.shape[0], rhs.shape[2])) if existing is None else np.array(existing, np.float64)
+    out = (
+        np.zeros((lhs.shape[0], rhs.shape[2]))
+        if existing is None
+        else np.array(existing, np.float64)
+    )
     bounds = np.concatenate([[0], np.cumsum(sizes)])
     for i in range(rhs.shape[0]):
         s, e = bounds[offset + i], bounds[offset + i + 1]

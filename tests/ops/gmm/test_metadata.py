@@ -1,4 +1,6 @@
-"""Group bounds against a plain-Python definition, for every offset a traced group_offset can take."""
+"""Group bounds against a plain-Python definition, for every offset a traced group_offset can
+take."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np

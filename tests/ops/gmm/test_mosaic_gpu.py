@@ -4,6 +4,7 @@ detection on) against the float64 reference on bfloat16 inputs, and exported for
 About 1 s per call under the interpreter, so the cases are few and small: empty groups first,
 middle and last; tiles shared by two groups; rows past sum(sizes); existing_out rows kept
 exactly; group_offset shards; transpose_rhs; traced sizes."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +16,7 @@ from tests.ops.gmm.base import GmmBackendTests, assert_close
 from tests.ops.gmm.problems import numpy_gmm, operands, skewed_sizes
 from tests.platform import gpu_interpret
 
-M, K, N = 200, 128, 128        # m is not a multiple of the 128-row tile; two K blocks of 64
+M, K, N = 200, 128, 128  # m is not a multiple of the 128-row tile; two K blocks of 64
 
 
 def _bf16_if_f32(x):
@@ -26,6 +27,7 @@ class TestMosaicGpuInterpreter(GmmBackendTests):
     """The shared suite on the GPU kernels. Its test data are rounded to bfloat16 values (`exact`)
     and float32 operands cast to bfloat16 on the way in, which is lossless for them: the float64
     oracles see exactly what wgmma multiplies. Gradients come out in the operands' bfloat16."""
+
     backend = "mosaic_gpu"
     interpret = gpu_interpret(detect_races=True)
     m, k, n = M, K, N
@@ -37,8 +39,7 @@ class TestMosaicGpuInterpreter(GmmBackendTests):
         return x.astype(jnp.bfloat16).astype(x.dtype)
 
     def tgmm_tiling(self, tiling):
-        return None     # tgmm's GPU tiles differ from gmm's: (64, 128, tn), its default
-
+        return None  # tgmm's GPU tiles differ from gmm's: (64, 128, tn), its default
 
     def gmm(self, lhs, rhs, *args, **kw):
         return super().gmm(_bf16_if_f32(lhs), _bf16_if_f32(rhs), *args, **kw)
@@ -47,12 +48,16 @@ class TestMosaicGpuInterpreter(GmmBackendTests):
         return super().tgmm(_bf16_if_f32(lhs), _bf16_if_f32(rhs), *args, **kw)
 
     @staticmethod
-    def ref_gmm(lhs, rhs, *args, **kw):     # the same bfloat16 operands, multiplied exactly
+    def ref_gmm(lhs, rhs, *args, **kw):  # the same bfloat16 operands, multiplied exactly
         return cv.gmm(_bf16_if_f32(lhs), _bf16_if_f32(rhs), *args, backend="reference", **kw)
 
     # ~1 s per interpreted call: fewer random size patterns than the fast backends draw.
-    test_gmm_matches_reference = settings(max_examples=4)(GmmBackendTests.test_gmm_matches_reference)
-    test_tgmm_matches_reference = settings(max_examples=4)(GmmBackendTests.test_tgmm_matches_reference)
+    test_gmm_matches_reference = settings(max_examples=4)(
+        GmmBackendTests.test_gmm_matches_reference
+    )
+    test_tgmm_matches_reference = settings(max_examples=4)(
+        GmmBackendTests.test_tgmm_matches_reference
+    )
 
     @pytest.mark.parametrize("tiling", [(128, 64, 128), (128, 128, 128), None])
     def test_tilings_that_do_not_divide(self, tiling):
@@ -61,9 +66,11 @@ class TestMosaicGpuInterpreter(GmmBackendTests):
         super().test_tilings_that_do_not_divide(tiling)
 
     def test_tgmm_gradients_and_second_order(self):
-        pytest.skip("a nonlinear loss sends float32 cotangents, which the GPU kernels round to bfloat16 (the "
-                    "documented rule) and the reference does not, so the float32 tolerance does not apply; "
-                    "gradients through both GPU kernels: test_mosaic_gpu_tgmm.py")
+        pytest.skip(
+            "a nonlinear loss sends float32 cotangents, which the GPU kernels round to bfloat16 "
+            "(the documented rule) and the reference does not, so the float32 tolerance does not "
+            "apply; gradients through both GPU kernels: test_mosaic_gpu_tgmm.py"
+        )
 
     def test_forward_over_reverse(self):
         self.test_tgmm_gradients_and_second_order()
@@ -73,16 +80,20 @@ def _gmm(*args, **kw):
     return cv.gmm(*args, backend="mosaic_gpu", interpret=gpu_interpret(detect_races=True), **kw)
 
 
-@pytest.mark.parametrize("sizes", [[0, 70, 0, 100], [60, 90, 0], [150, 20, 30]],
-                         ids=["empty-first-and-middle", "empty-last", "all-rows"])
+@pytest.mark.parametrize(
+    "sizes",
+    [[0, 70, 0, 100], [60, 90, 0], [150, 20, 30]],
+    ids=["empty-first-and-middle", "empty-last", "all-rows"],
+)
 def test_matches_the_reference_with_existing_out_kept_exactly(sizes):
     rng = np.random.default_rng(4703)
     lhs, rhs = operands(rng, M, K, N, len(sizes), jnp.bfloat16)
     used = sum(sizes)
-    lhs = lhs.at[used:].set(jnp.nan)                        # rows no group owns must not leak
+    lhs = lhs.at[used:].set(jnp.nan)  # rows no group owns must not leak
     sentinel = jnp.full((M, N), 7.25, jnp.float32)
-    out = jax.jit(lambda a, b, s, e: _gmm(a, b, s, existing_out=e))(lhs, rhs, jnp.asarray(sizes, jnp.int32),
-                                                                     sentinel)
+    out = jax.jit(lambda a, b, s, e: _gmm(a, b, s, existing_out=e))(
+        lhs, rhs, jnp.asarray(sizes, jnp.int32), sentinel
+    )
     np.testing.assert_array_equal(out[used:], 7.25)
     assert_close(out[:used], numpy_gmm(lhs[:used], rhs, np.asarray(sizes)), K, jnp.float32)
 
@@ -91,7 +102,9 @@ def test_bfloat16_output_and_transpose_rhs():
     rng = np.random.default_rng(11)
     sizes = skewed_sizes(rng, M, 3)
     lhs, rhs = operands(rng, M, K, N, 3, jnp.bfloat16, transpose_rhs=True)
-    out = _gmm(lhs, rhs, jnp.asarray(sizes), transpose_rhs=True, preferred_element_type=jnp.bfloat16)
+    out = _gmm(
+        lhs, rhs, jnp.asarray(sizes), transpose_rhs=True, preferred_element_type=jnp.bfloat16
+    )
     assert out.dtype == jnp.bfloat16
     assert_close(out, numpy_gmm(lhs, rhs, sizes, transpose_rhs=True), K, jnp.bfloat16)
 
@@ -103,9 +116,9 @@ def test_group_offset_shards_chained_through_existing_out():
     gs = jnp.asarray(sizes)
     out = jnp.zeros((M, N), jnp.float32)
     for lo in (0, 2):
-        out = _gmm(lhs, rhs[lo:lo + 2], gs, group_offset=jnp.int32(lo), existing_out=out)
+        out = _gmm(lhs, rhs[lo : lo + 2], gs, group_offset=jnp.int32(lo), existing_out=out)
     assert_close(out, numpy_gmm(lhs, rhs, sizes), K, jnp.float32)
-    np.testing.assert_array_equal(out[M - 9:], 0.0)
+    np.testing.assert_array_equal(out[M - 9 :], 0.0)
 
 
 def test_traced_sizes_under_jit_reuse_one_compilation():
@@ -113,8 +126,12 @@ def test_traced_sizes_under_jit_reuse_one_compilation():
     lhs, rhs = operands(rng, M, K, N, 3, jnp.bfloat16)
     f = jax.jit(lambda a, b, s: _gmm(a, b, s))
     for sizes in ([64, 64, 72], [0, 199, 1]):
-        assert_close(f(lhs, rhs, jnp.asarray(sizes, jnp.int32)), numpy_gmm(lhs, rhs, np.asarray(sizes)), K,
-                     jnp.float32)
+        assert_close(
+            f(lhs, rhs, jnp.asarray(sizes, jnp.int32)),
+            numpy_gmm(lhs, rhs, np.asarray(sizes)),
+            K,
+            jnp.float32,
+        )
 
 
 @pytest.mark.parametrize("groups", [8, 64, 256])
@@ -122,36 +139,56 @@ def test_exports_for_cuda_at_moe_sizes(groups):
     """Mixtral-like m=8192, k=4096, n=14336 in bf16: the compile checks shared memory and wgmma
     shapes, which the interpreter does not."""
     m, k, n = 8192, 4096, 14336
-    f = jax.jit(lambda a, b, s: cv.gmm(a, b, s, backend="mosaic_gpu", preferred_element_type=jnp.bfloat16))
+    f = jax.jit(
+        lambda a, b, s: cv.gmm(a, b, s, backend="mosaic_gpu", preferred_element_type=jnp.bfloat16)
+    )
     exported = jax.export.export(f, platforms=["cuda"])(
-        jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16),
-        jax.ShapeDtypeStruct((groups,), jnp.int32))
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((groups,), jnp.int32),
+    )
     assert exported.platforms == ("cuda",)
 
 
-@pytest.mark.parametrize("k, n, transpose_rhs, tiles", [
-    (4096, 14336, False, (128, 64, 256)),       # Mixtral: the configured tiles
-    (2880, 2880, False, (128, 64, 64)),         # gpt-oss: 2880 = 45 * 64
-    (48, 96, False, (128, 16, 32)),
-    (64, 200, True, (128, 64, 8)),              # transposed rhs: tn's blocks are rows, any multiple of 8
-    (64, 200, False, (128, 64, 256)),           # no tile divides: kept, and refused by the kernel
-])
+@pytest.mark.parametrize(
+    "k, n, transpose_rhs, tiles",
+    [
+        (4096, 14336, False, (128, 64, 256)),  # Mixtral: the configured tiles
+        (2880, 2880, False, (128, 64, 64)),  # gpt-oss: 2880 = 45 * 64
+        (48, 96, False, (128, 16, 32)),
+        (64, 200, True, (128, 64, 8)),  # transposed rhs: tn's blocks are rows, any multiple of 8
+        (64, 200, False, (128, 64, 256)),  # no tile divides: kept, and refused by the kernel
+    ],
+)
 def test_default_tiles_halve_until_they_divide_the_weight(k, n, transpose_rhs, tiles):
     from conveyor.ops.gmm.tiling import MOSAIC_GPU
+
     assert MOSAIC_GPU.gmm_tiles_for(k, n, transpose_rhs=transpose_rhs) == tiles
 
 
-@pytest.mark.parametrize("k, n, transpose_rhs", [(48, 96, False), (64, 40, True)], ids=["k48-n96", "transposed-n40"])
+@pytest.mark.parametrize(
+    "k, n, transpose_rhs", [(48, 96, False), (64, 40, True)], ids=["k48-n96", "transposed-n40"]
+)
 def test_default_tiles_that_halve_match_the_reference(k, n, transpose_rhs):
     """k=48 and n=96 run with tk=16 and tn=32 (32- and 64-byte swizzled rows); a transposed
     n=40 with tn=8. Poisoned existing_out rows outside the groups are kept."""
     rng = np.random.default_rng(4704)
     sizes = skewed_sizes(rng, M, 3, total=M - 5)
     lhs, rhs = operands(rng, M, k, n, 3, jnp.bfloat16, transpose_rhs=transpose_rhs)
-    out = _gmm(lhs, rhs, jnp.asarray(sizes), transpose_rhs=transpose_rhs,
-               existing_out=jnp.full((M, n), 7.25, jnp.float32))
-    assert_close(out[:M - 5], numpy_gmm(lhs, rhs, sizes, transpose_rhs=transpose_rhs)[:M - 5], k, jnp.float32)
-    np.testing.assert_array_equal(out[M - 5:], 7.25)
+    out = _gmm(
+        lhs,
+        rhs,
+        jnp.asarray(sizes),
+        transpose_rhs=transpose_rhs,
+        existing_out=jnp.full((M, n), 7.25, jnp.float32),
+    )
+    assert_close(
+        out[: M - 5],
+        numpy_gmm(lhs, rhs, sizes, transpose_rhs=transpose_rhs)[: M - 5],
+        k,
+        jnp.float32,
+    )
+    np.testing.assert_array_equal(out[M - 5 :], 7.25)
 
 
 @pytest.mark.parametrize("transpose_rhs", [False, True], ids=["rhs", "transposed-rhs"])
@@ -163,10 +200,20 @@ def test_column_split_tiles_match_the_reference(transpose_rhs):
     rng = np.random.default_rng(4705)
     sizes = np.asarray([0, 70, 0, M - 5 - 70], np.int32)
     lhs, rhs = operands(rng, M, K, n, 4, jnp.bfloat16, transpose_rhs=transpose_rhs)
-    out = _gmm(lhs, rhs, jnp.asarray(sizes), transpose_rhs=transpose_rhs,
-               existing_out=jnp.full((M, n), 7.25, jnp.float32))
-    assert_close(out[:M - 5], numpy_gmm(lhs, rhs, sizes, transpose_rhs=transpose_rhs)[:M - 5], K, jnp.float32)
-    np.testing.assert_array_equal(out[M - 5:], 7.25)
+    out = _gmm(
+        lhs,
+        rhs,
+        jnp.asarray(sizes),
+        transpose_rhs=transpose_rhs,
+        existing_out=jnp.full((M, n), 7.25, jnp.float32),
+    )
+    assert_close(
+        out[: M - 5],
+        numpy_gmm(lhs, rhs, sizes, transpose_rhs=transpose_rhs)[: M - 5],
+        K,
+        jnp.float32,
+    )
+    np.testing.assert_array_equal(out[M - 5 :], 7.25)
 
 
 @pytest.mark.parametrize("column_tiles, visits", [(56, 71), (45, 9), (7, 3), (1, 5)])
@@ -174,6 +221,7 @@ def test_banded_grid_visits_every_tile_once_a_band_at_a_time(column_tiles, visit
     """The 1-D grid's (column tile, visit) map is a bijection, and the blocks of one band use only
     that band's column tiles."""
     from conveyor.ops.gmm.mosaic_gpu import banded_tile, grid_band
+
     band = grid_band(column_tiles)
     assert column_tiles % band == 0 and band <= 8
     pids = np.arange(column_tiles * visits)
@@ -188,9 +236,14 @@ def test_exports_for_cuda_at_gpt_oss_sizes(n):
     """gpt-oss-like hidden size 2880 (not a multiple of the 128-column tile), 128 experts, in bf16,
     forward (tn=64 / 128) and the input gradient's transposed-rhs gmm."""
     m, k, groups = 8192, 2880, 128
-    args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16),
-            jax.ShapeDtypeStruct((groups,), jnp.int32))
-    fwd = jax.jit(lambda a, b, s: cv.gmm(a, b, s, backend="mosaic_gpu", preferred_element_type=jnp.bfloat16))
+    args = (
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((groups,), jnp.int32),
+    )
+    fwd = jax.jit(
+        lambda a, b, s: cv.gmm(a, b, s, backend="mosaic_gpu", preferred_element_type=jnp.bfloat16)
+    )
     assert jax.export.export(fwd, platforms=["cuda"])(*args).platforms == ("cuda",)
     dlhs = jax.jit(lambda c, b, s: cv.gmm(c, b, s, backend="mosaic_gpu", transpose_rhs=True))
     dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
@@ -204,40 +257,97 @@ def test_what_the_gpu_kernel_cannot_do_is_refused_by_name():
     with pytest.raises(NotImplementedError, match="wgmma takes bfloat16 or float16 operands"):
         cv.gmm(lhs, rhs, gs, backend="mosaic_gpu", interpret=True)
     with pytest.raises(ValueError, match="tiling: mosaic_gpu gmm uses tm=128"):
-        cv.gmm(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True,
-               tiling=(64, 64, 128))
+        cv.gmm(
+            lhs.astype(jnp.bfloat16),
+            rhs.astype(jnp.bfloat16),
+            gs,
+            backend="mosaic_gpu",
+            interpret=True,
+            tiling=(64, 64, 128),
+        )
     with pytest.raises(ValueError, match="tn to divide n=128"):
-        cv.gmm(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True,
-               tiling=(128, 64, 96))
+        cv.gmm(
+            lhs.astype(jnp.bfloat16),
+            rhs.astype(jnp.bfloat16),
+            gs,
+            backend="mosaic_gpu",
+            interpret=True,
+            tiling=(128, 64, 96),
+        )
     with pytest.raises(ValueError, match="at most 256, got tn=512"):
-        cv.gmm(lhs.astype(jnp.bfloat16), jnp.zeros((2, 64, 512), jnp.bfloat16), gs, backend="mosaic_gpu",
-               interpret=True, tiling=(128, 64, 512))
+        cv.gmm(
+            lhs.astype(jnp.bfloat16),
+            jnp.zeros((2, 64, 512), jnp.bfloat16),
+            gs,
+            backend="mosaic_gpu",
+            interpret=True,
+            tiling=(128, 64, 512),
+        )
     # Above 128 columns each warpgroup takes half the columns: whole 128-byte swizzled rows.
     with pytest.raises(ValueError, match="be a multiple of 128 and at most 256, got tn=192"):
-        cv.gmm(lhs.astype(jnp.bfloat16), jnp.zeros((2, 64, 384), jnp.bfloat16), gs, backend="mosaic_gpu",
-               interpret=True, tiling=(128, 64, 192))
+        cv.gmm(
+            lhs.astype(jnp.bfloat16),
+            jnp.zeros((2, 64, 384), jnp.bfloat16),
+            gs,
+            backend="mosaic_gpu",
+            interpret=True,
+            tiling=(128, 64, 192),
+        )
     with pytest.raises(NotImplementedError, match="wgmma takes bfloat16 or float16 operands"):
-        cv.gmm(lhs.astype(jnp.float16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True)
-    with pytest.raises(ValueError, match="k: mosaic_gpu gmm needs k to be a multiple of 16 .*got k=1000"):
-        cv.gmm(jnp.zeros((128, 1000), jnp.bfloat16), jnp.zeros((2, 1000, 128), jnp.bfloat16), gs, backend="mosaic_gpu",
-               interpret=True)
-    with pytest.raises(ValueError, match="n: mosaic_gpu gmm needs n to be a multiple of 16 .*got n=200"):
-        cv.gmm(lhs.astype(jnp.bfloat16), jnp.zeros((2, 64, 200), jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True)
+        cv.gmm(
+            lhs.astype(jnp.float16),
+            rhs.astype(jnp.bfloat16),
+            gs,
+            backend="mosaic_gpu",
+            interpret=True,
+        )
+    with pytest.raises(
+        ValueError, match="k: mosaic_gpu gmm needs k to be a multiple of 16 .*got k=1000"
+    ):
+        cv.gmm(
+            jnp.zeros((128, 1000), jnp.bfloat16),
+            jnp.zeros((2, 1000, 128), jnp.bfloat16),
+            gs,
+            backend="mosaic_gpu",
+            interpret=True,
+        )
+    with pytest.raises(
+        ValueError, match="n: mosaic_gpu gmm needs n to be a multiple of 16 .*got n=200"
+    ):
+        cv.gmm(
+            lhs.astype(jnp.bfloat16),
+            jnp.zeros((2, 64, 200), jnp.bfloat16),
+            gs,
+            backend="mosaic_gpu",
+            interpret=True,
+        )
     # A [tk, 8] block is a 16-byte row: the interpreter ran it, Mosaic's compile refused it.
     with pytest.raises(ValueError, match="be a multiple of 16 and at most 256, got tn=8"):
-        cv.gmm(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True,
-               tiling=(128, 64, 8))
+        cv.gmm(
+            lhs.astype(jnp.bfloat16),
+            rhs.astype(jnp.bfloat16),
+            gs,
+            backend="mosaic_gpu",
+            interpret=True,
+            tiling=(128, 64, 8),
+        )
 
 
 def test_wide_tiles_take_the_slots_that_fit_and_a_tile_over_the_budget_is_refused():
     """tk=128 with a float32 output: 4 slots of 64 KiB do not fit beside the 64 KiB staging buffer,
     2 do, and the kernel compiles with them. With tk=256 not even 2 slots fit: refused before
     Mosaic's compile would be, naming the slots and the kernel's scratch."""
-    args = (jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16), jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16),
-            jax.ShapeDtypeStruct((8,), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((1024, 1024), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8, 1024, 1024), jnp.bfloat16),
+        jax.ShapeDtypeStruct((8,), jnp.int32),
+    )
     fits = jax.jit(lambda a, b, s: cv.gmm(a, b, s, backend="mosaic_gpu", tiling=(128, 128, 128)))
     assert jax.export.export(fits, platforms=["cuda"])(*args).platforms == ("cuda",)
     over = jax.jit(lambda a, b, s: cv.gmm(a, b, s, backend="mosaic_gpu", tiling=(128, 256, 128)))
-    with pytest.raises(ValueError, match=r"needs 327728 B of shared memory.*2 slot\(s\).*the kernel's scratch_shapes "
-                                         r"65536 B"):
+    with pytest.raises(
+        ValueError,
+        match=r"needs 327728 B of shared memory.*2 slot\(s\).*the kernel's scratch_shapes "
+        r"65536 B",
+    ):
         jax.export.export(over, platforms=["cuda"])(*args)

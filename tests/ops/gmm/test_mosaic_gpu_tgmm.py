@@ -4,6 +4,7 @@ cuda at MoE sizes (the compile checks shared memory and wgmma shapes; the interp
 
 About 1 s per kernel call under the interpreter, so the shapes are small: m=200 is not a multiple
 of the 64-row reduction block, k=128 is one output row tile, n=128 one column tile."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,8 +34,11 @@ def _f64(x):
     return np.asarray(x, np.float64)
 
 
-@pytest.mark.parametrize("sizes", [[0, 70, 0, 100], [60, 90, 0], [10, 20, 150, 20]],
-                         ids=["empty-first-and-middle", "empty-last", "two-groups-inside-one-block"])
+@pytest.mark.parametrize(
+    "sizes",
+    [[0, 70, 0, 100], [60, 90, 0], [10, 20, 150, 20]],
+    ids=["empty-first-and-middle", "empty-last", "two-groups-inside-one-block"],
+)
 def test_tgmm_matches_the_reference_and_empty_groups_are_exact_zeros(sizes):
     rng = np.random.default_rng(4706)
     used = sum(sizes)
@@ -52,14 +56,24 @@ def test_tgmm_group_offset_num_actual_groups_existing_out_and_16bit_output():
     sizes = skewed_sizes(rng, M, 4, total=M - 9)
     x, y = _bf16(rng, (K, M)), _bf16(rng, (M, N))
     ex = _bf16(rng, (2, K, N))
-    out = _tgmm(x, y, jnp.asarray(sizes), group_offset=1, num_actual_groups=2, existing_out=ex,
-                preferred_element_type=jnp.bfloat16)
+    out = _tgmm(
+        x,
+        y,
+        jnp.asarray(sizes),
+        group_offset=1,
+        num_actual_groups=2,
+        existing_out=ex,
+        preferred_element_type=jnp.bfloat16,
+    )
     assert out.dtype == jnp.bfloat16 and out.shape == (2, K, N)
     prod = numpy_tgmm(x, y, sizes, num_groups=2, offset=1)
     want = prod + _f64(ex)
     # existing_out is added after the kernel: the product is rounded to bfloat16 once more before
-    # the sum (the documented rule), up to half an ulp of the product beyond one rounding of the sum.
-    bound = tolerance(want, M, jnp.bfloat16) + 0.5 * float(jnp.finfo(jnp.bfloat16).eps) * np.abs(prod)
+    # the sum (the documented rule), up to half an ulp of the product beyond one rounding of the
+    # sum.
+    bound = tolerance(want, M, jnp.bfloat16) + 0.5 * float(jnp.finfo(jnp.bfloat16).eps) * np.abs(
+        prod
+    )
     assert (np.abs(_f64(out) - want) <= bound).all()
 
 
@@ -74,7 +88,8 @@ def test_tgmm_traced_sizes_reuse_one_compilation():
 
 
 def test_gmm_gradients_run_both_gpu_kernels():
-    """Reverse mode of gmm: d lhs is gmm(ct, rhs^T), d rhs is tgmm(lhs^T, ct), both on mosaic_gpu."""
+    """Reverse mode of gmm: d lhs is gmm(ct, rhs^T), d rhs is tgmm(lhs^T, ct), both on
+    mosaic_gpu."""
     rng = np.random.default_rng(23)
     sizes = skewed_sizes(rng, M, 3, total=M - 7)
     lhs, rhs = operands(rng, M, K, N, 3, jnp.bfloat16)
@@ -82,13 +97,15 @@ def test_gmm_gradients_run_both_gpu_kernels():
     gs = jnp.asarray(sizes)
 
     def loss(l, r):
-        return jnp.vdot(_gmm(l, r, gs, preferred_element_type=jnp.bfloat16).astype(jnp.float32),
-                        ct.astype(jnp.float32))
+        return jnp.vdot(
+            _gmm(l, r, gs, preferred_element_type=jnp.bfloat16).astype(jnp.float32),
+            ct.astype(jnp.float32),
+        )
 
     d_lhs, d_rhs = jax.jit(jax.grad(loss, argnums=(0, 1)))(lhs, rhs)
     assert d_lhs.dtype == d_rhs.dtype == jnp.bfloat16
     assert_close(d_lhs, numpy_gmm(ct, rhs, sizes, transpose_rhs=True), N, jnp.bfloat16)
-    np.testing.assert_array_equal(d_lhs[M - 7:], 0.0)      # rows of no group: exactly 0
+    np.testing.assert_array_equal(d_lhs[M - 7 :], 0.0)  # rows of no group: exactly 0
     assert_close(d_rhs, numpy_tgmm(lhs.T, ct, sizes), M, jnp.bfloat16)
 
 
@@ -114,8 +131,10 @@ def test_tgmm_gradients_run_gmm_with_transposed_weights():
     gs = jnp.asarray(sizes)
 
     def loss(a, b):
-        return jnp.vdot(_tgmm(a, b, gs, preferred_element_type=jnp.bfloat16).astype(jnp.float32),
-                        ct.astype(jnp.float32))
+        return jnp.vdot(
+            _tgmm(a, b, gs, preferred_element_type=jnp.bfloat16).astype(jnp.float32),
+            ct.astype(jnp.float32),
+        )
 
     d_x, d_y = jax.grad(loss, argnums=(0, 1))(x, y)
     # d x[:, rows_i] = ct[i] @ y[rows_i]^T and d y[rows_i] = x[:, rows_i]^T @ ct[i]
@@ -135,16 +154,29 @@ def test_tgmm_exports_for_cuda_at_moe_sizes(groups):
     between the compute warpgroups), with a float32 output too (the pipeline takes the slots that
     fit beside the staging buffer), and tn=128 (split by rows)."""
     m, k, n = 8192, 4096, 14336
-    args = (jax.ShapeDtypeStruct((k, m), jnp.bfloat16), jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
-            jax.ShapeDtypeStruct((groups,), jnp.int32))
-    for tiling, out_dtype in ((None, jnp.bfloat16), ((64, 128, 256), jnp.float32), ((64, 128, 128), jnp.bfloat16)):
-        f = jax.jit(lambda a, b, s: cv.tgmm(a, b, s, backend="mosaic_gpu", tiling=tiling,
-                                            preferred_element_type=out_dtype))
+    args = (
+        jax.ShapeDtypeStruct((k, m), jnp.bfloat16),
+        jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((groups,), jnp.int32),
+    )
+    for tiling, out_dtype in (
+        (None, jnp.bfloat16),
+        ((64, 128, 256), jnp.float32),
+        ((64, 128, 128), jnp.bfloat16),
+    ):
+        f = jax.jit(
+            lambda a, b, s: cv.tgmm(
+                a, b, s, backend="mosaic_gpu", tiling=tiling, preferred_element_type=out_dtype
+            )
+        )
         assert jax.export.export(f, platforms=["cuda"])(*args).platforms == ("cuda",)
 
 
-@pytest.mark.parametrize("k, n, sizes", [(96, 64, [0, 70, 0, 100]), (200, 192, [10, 20, 150, 20])],
-                         ids=["k96-n64", "k200-n192"])
+@pytest.mark.parametrize(
+    "k, n, sizes",
+    [(96, 64, [0, 70, 0, 100]), (200, 192, [10, 20, 150, 20])],
+    ids=["k96-n64", "k200-n192"],
+)
 def test_tgmm_with_k_past_the_row_tile_and_64_column_tiles_matches_the_reference(k, n, sizes):
     """k=96 and k=200 end inside a 128-row output tile (lhs gets zero rows; only rows below k are
     stored, in power-of-two chunks); n=64 and n=192 run with tn=64, whose boundary rhs blocks
@@ -179,31 +211,53 @@ def test_tgmm_column_split_tiles_match_the_reference(k):
 
 def test_default_tgmm_tiles_narrow_to_64_columns_where_128_do_not_divide():
     from conveyor.ops.gmm.tiling import MOSAIC_GPU
+
     assert MOSAIC_GPU.tgmm_tiles_for(14336) == (64, 128, 256)
     assert MOSAIC_GPU.tgmm_tiles_for(2880) == (64, 128, 64)
-    assert MOSAIC_GPU.tgmm_tiles_for(96) == (64, 128, 256)    # none divides: kept, and refused by the kernel
+    # none divides: kept, and refused by the kernel
+    assert MOSAIC_GPU.tgmm_tiles_for(96) == (
+        64,
+        128,
+        256,
+    )
 
 
 def test_what_the_gpu_tgmm_cannot_do_is_refused_by_name():
     x, y = jnp.zeros((128, 128), jnp.bfloat16), jnp.zeros((128, 256), jnp.bfloat16)
     gs = jnp.asarray([64, 64], jnp.int32)
-    with pytest.raises(NotImplementedError, match="mosaic_gpu tgmm: wgmma takes bfloat16 or float16"):
-        cv.tgmm(x.astype(jnp.float32), y.astype(jnp.float32), gs, backend="mosaic_gpu", interpret=True)
+    with pytest.raises(
+        NotImplementedError, match="mosaic_gpu tgmm: wgmma takes bfloat16 or float16"
+    ):
+        cv.tgmm(
+            x.astype(jnp.float32), y.astype(jnp.float32), gs, backend="mosaic_gpu", interpret=True
+        )
     with pytest.raises(ValueError, match="tiling: mosaic_gpu tgmm reduces tm=64 rows per step"):
         cv.tgmm(x, y, gs, backend="mosaic_gpu", interpret=True, tiling=(128, 128, 128))
     with pytest.raises(ValueError, match="tiling: mosaic_gpu tgmm uses tk=128"):
         cv.tgmm(x, y, gs, backend="mosaic_gpu", interpret=True, tiling=(64, 64, 128))
-    with pytest.raises(ValueError, match="n: mosaic_gpu tgmm needs n to be a multiple of 64 .*got n=96"):
+    with pytest.raises(
+        ValueError, match="n: mosaic_gpu tgmm needs n to be a multiple of 64 .*got n=96"
+    ):
         cv.tgmm(x, y[:, :96], gs, backend="mosaic_gpu", interpret=True)
     with pytest.raises(ValueError, match="tn to divide n=256, be a multiple of 64"):
         cv.tgmm(x, y, gs, backend="mosaic_gpu", interpret=True, tiling=(64, 128, 32))
     # Above 128 columns each compute warpgroup takes half: whole 128-byte swizzled rows.
-    with pytest.raises(ValueError, match="tn to divide n=384, be a multiple of 128 and at most 256, got tn=192"):
-        cv.tgmm(x, jnp.zeros((128, 384), jnp.bfloat16), gs, backend="mosaic_gpu", interpret=True,
-                tiling=(64, 128, 192))
+    with pytest.raises(
+        ValueError, match="tn to divide n=384, be a multiple of 128 and at most 256, got tn=192"
+    ):
+        cv.tgmm(
+            x,
+            jnp.zeros((128, 384), jnp.bfloat16),
+            gs,
+            backend="mosaic_gpu",
+            interpret=True,
+            tiling=(64, 128, 192),
+        )
 
 
-@pytest.mark.parametrize("k, n, groups", [(4096, 14336, 8), (2880, 2880, 128)], ids=["mixtral", "gpt-oss"])
+@pytest.mark.parametrize(
+    "k, n, groups", [(4096, 14336, 8), (2880, 2880, 128)], ids=["mixtral", "gpt-oss"]
+)
 def test_the_backward_pass_exports_for_cuda_at_moe_sizes(k, n, groups):
     """jax.grad of a bf16 gmm with m=8192 tokens: the transposed-weight gmm (d lhs) and the tgmm
     (d rhs) compile as two Mosaic GPU kernels. Mixtral-like k=4096, n=14336, G=8; gpt-oss-like
@@ -216,6 +270,11 @@ def test_the_backward_pass_exports_for_cuda_at_moe_sizes(k, n, groups):
         return jnp.vdot(out.astype(jnp.float32), ct)
 
     exported = jax.export.export(jax.jit(jax.grad(loss, argnums=(0, 1))), platforms=["cuda"])(
-        jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16),
-        jax.ShapeDtypeStruct((groups,), jnp.int32), jax.ShapeDtypeStruct((m, n), jnp.float32))
-    assert exported.mlir_module().count("custom_call @mosaic_gpu") == 2, "d lhs and d rhs: one Mosaic GPU kernel each"
+        jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+        jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16),
+        jax.ShapeDtypeStruct((groups,), jnp.int32),
+        jax.ShapeDtypeStruct((m, n), jnp.float32),
+    )
+    assert exported.mlir_module().count("custom_call @mosaic_gpu") == 2, (
+        "d lhs and d rhs: one Mosaic GPU kernel each"
+    )

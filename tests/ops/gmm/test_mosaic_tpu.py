@@ -3,6 +3,7 @@
 The interpreter costs milliseconds per grid step, so this backend runs the shared suite on small
 shapes with G in (1, 3) plus a few kernel-specific checks.
 """
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +18,7 @@ from tests.ops.gmm.problems import numpy_gmm, numpy_tgmm, operands
 class TestMosaicTpuInterpreter(GmmBackendTests):
     backend = "mosaic_tpu"
     interpret = True
-    m, k, n = 40, 136, 24      # k = 128 + 8: exercises the in-kernel k-remainder mask
+    m, k, n = 40, 136, 24  # k = 128 + 8: exercises the in-kernel k-remainder mask
     tiling = (16, 128, 128)
     groups = (3,)
     half_dtypes = (jnp.bfloat16,)
@@ -32,20 +33,53 @@ def test_race_detector_finds_nothing():
     sizes = np.array([5, 0, 20, 7], np.int32)
     lhs, rhs = operands(rng, 40, 136, 24, 4, jnp.float32)
     params = pltpu.InterpretParams(detect_races=True)
-    out = cv.gmm(lhs, rhs, jnp.asarray(sizes), backend="mosaic_tpu", interpret=params, tiling=(16, 128, 128))
+    out = cv.gmm(
+        lhs, rhs, jnp.asarray(sizes), backend="mosaic_tpu", interpret=params, tiling=(16, 128, 128)
+    )
     assert_close(out, numpy_gmm(lhs, rhs, sizes), 136, jnp.float32)
-    t = cv.tgmm(lhs.T, out, jnp.asarray(sizes), backend="mosaic_tpu", interpret=params, tiling=(128, 128, 128))
+    t = cv.tgmm(
+        lhs.T,
+        out,
+        jnp.asarray(sizes),
+        backend="mosaic_tpu",
+        interpret=params,
+        tiling=(128, 128, 128),
+    )
     assert_close(t, numpy_tgmm(lhs.T, out, sizes), 40, jnp.float32)
 
 
 def test_misaligned_tiles_are_refused_clearly():
     lhs, rhs = operands(np.random.default_rng(41), 40, 300, 24, 2, jnp.float32)
-    with pytest.raises(ValueError, match=r"gmm needs tk to be a multiple of 128 for float32 \(or >= k=300\), got tk=100"):
-        cv.gmm(lhs, rhs, jnp.asarray([20, 20]), backend="mosaic_tpu", interpret=True, tiling=(8, 100, 128))
+    with pytest.raises(
+        ValueError,
+        match=r"gmm needs tk to be a multiple of 128 for float32 \(or >= k=300\), got tk=100",
+    ):
+        cv.gmm(
+            lhs,
+            rhs,
+            jnp.asarray([20, 20]),
+            backend="mosaic_tpu",
+            interpret=True,
+            tiling=(8, 100, 128),
+        )
     with pytest.raises(ValueError, match=r"needs tm to be a multiple of 8"):
-        cv.gmm(lhs, rhs, jnp.asarray([20, 20]), backend="mosaic_tpu", interpret=True, tiling=(12, 128, 128))
+        cv.gmm(
+            lhs,
+            rhs,
+            jnp.asarray([20, 20]),
+            backend="mosaic_tpu",
+            interpret=True,
+            tiling=(12, 128, 128),
+        )
     with pytest.raises(ValueError, match=r"tgmm needs tm to be a multiple of 128"):
-        cv.tgmm(lhs.T, lhs, jnp.asarray([20, 20]), backend="mosaic_tpu", interpret=True, tiling=(16, 128, 128))
+        cv.tgmm(
+            lhs.T,
+            lhs,
+            jnp.asarray([20, 20]),
+            backend="mosaic_tpu",
+            interpret=True,
+            tiling=(16, 128, 128),
+        )
 
 
 def test_float16_is_refused_not_miscomputed():
@@ -60,10 +94,18 @@ def test_exports_for_tpu(op):
     gs = jax.ShapeDtypeStruct((g,), jnp.int32)
     if op == "gmm":
         fn = lambda l, r, s: cv.gmm(l, r, s, backend="mosaic_tpu")
-        args = (jax.ShapeDtypeStruct((m, k), jnp.bfloat16), jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16), gs)
+        args = (
+            jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+            jax.ShapeDtypeStruct((g, k, n), jnp.bfloat16),
+            gs,
+        )
     else:
         fn = lambda l, r, s: cv.tgmm(l, r, s, backend="mosaic_tpu")
-        args = (jax.ShapeDtypeStruct((k, m), jnp.bfloat16), jax.ShapeDtypeStruct((m, n), jnp.bfloat16), gs)
+        args = (
+            jax.ShapeDtypeStruct((k, m), jnp.bfloat16),
+            jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
+            gs,
+        )
     exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(*args)
     text = exported.mlir_module()
     assert "tpu_custom_call" in text

@@ -1,5 +1,6 @@
 """cv.ragged_dot as a drop-in for jax.lax.ragged_dot: same signature, results and output dtype
 on random inputs, and the documented differences (group_offset, negative sizes, out_sharding)."""
+
 import inspect
 
 import jax
@@ -23,18 +24,29 @@ def operands(seed, dtype=jnp.float32, groups=G, total=M - 7):
 
 
 def test_signature_is_lax_ragged_dot_s():
-    assert list(inspect.signature(cv.ragged_dot).parameters) == list(inspect.signature(jax.lax.ragged_dot).parameters)
+    assert list(inspect.signature(cv.ragged_dot).parameters) == list(
+        inspect.signature(jax.lax.ragged_dot).parameters
+    )
 
 
-@pytest.mark.parametrize("lhs_dtype, rhs_dtype, preferred", [
-    (jnp.float32, jnp.float32, None), (jnp.bfloat16, jnp.bfloat16, None), (jnp.bfloat16, jnp.float32, None),
-    (jnp.bfloat16, jnp.bfloat16, jnp.float32), (jnp.float32, jnp.float32, jnp.bfloat16)])
+@pytest.mark.parametrize(
+    "lhs_dtype, rhs_dtype, preferred",
+    [
+        (jnp.float32, jnp.float32, None),
+        (jnp.bfloat16, jnp.bfloat16, None),
+        (jnp.bfloat16, jnp.float32, None),
+        (jnp.bfloat16, jnp.bfloat16, jnp.float32),
+        (jnp.float32, jnp.float32, jnp.bfloat16),
+    ],
+)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_matches_lax_ragged_dot(lhs_dtype, rhs_dtype, preferred, seed):
     x, w, sizes = operands(seed)
     x, w = x.astype(lhs_dtype), w.astype(rhs_dtype)
     ours = jax.jit(lambda *a: cv.ragged_dot(*a, preferred_element_type=preferred))(x, w, sizes)
-    theirs = jax.jit(lambda *a: jax.lax.ragged_dot(*a, preferred_element_type=preferred))(x, w, sizes)
+    theirs = jax.jit(lambda *a: jax.lax.ragged_dot(*a, preferred_element_type=preferred))(
+        x, w, sizes
+    )
     assert ours.dtype == theirs.dtype
     # Both accumulate the k-long dots in float32 and round once to the output dtype: they differ by
     # summation order plus one rounding each; compared against float64 with the shared bound.
@@ -55,7 +67,9 @@ def test_precision_is_accepted_and_bad_values_are_named():
 def test_group_offset_computes_the_local_groups_only():
     x, w, sizes = operands(3)
     local = w[1:3]
-    out = jax.jit(lambda x, w, s, o: cv.ragged_dot(x, w, s, group_offset=o))(x, local, sizes, jnp.array([1], jnp.int32))
+    out = jax.jit(lambda x, w, s, o: cv.ragged_dot(x, w, s, group_offset=o))(
+        x, local, sizes, jnp.array([1], jnp.int32)
+    )
     assert_close(out, numpy_gmm(x, local, np.asarray(sizes), offset=1), K, jnp.float32)
 
 

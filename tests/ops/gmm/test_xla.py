@@ -1,4 +1,5 @@
 """gmm/tgmm XLA backend (the CPU default) against the reference."""
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,10 +27,12 @@ class TestXla(GmmBackendTests):
     def test_default_backend_on_cpu_is_xla(self):
         """backend=None lowered for CPU runs xla: the same sums in the same order."""
         import jax
+
         rng = np.random.default_rng(21)
         lhs, rhs = operands(rng, 9, 4, 3, 2, jnp.float32)
         sizes = jnp.asarray([4, 5], jnp.int32)
-        auto = jax.jit(lambda a, b, s: cv.gmm(a, b, s))(lhs, rhs, sizes)   # a fresh trace and lowering
+        # a fresh trace and lowering
+        auto = jax.jit(lambda a, b, s: cv.gmm(a, b, s))(lhs, rhs, sizes)
         np.testing.assert_array_equal(auto, cv.gmm(lhs, rhs, sizes, backend="xla"))
 
     def test_tiny_m_smaller_than_remainder_tile(self):
@@ -45,19 +48,24 @@ class TestXla(GmmBackendTests):
         then the tile loop) against numpy: groups larger and smaller than the capacity, empty
         groups, NaN rows outside every group and a non-zero existing_out."""
         from conveyor.ops.gmm import xla
+
         rng = np.random.default_rng(23)
         k, n = 24, 16
-        for m, g in ((301, 8), (600, 3)):  # 37 rows per group on average: capacity 40; 200: loop only
+        # 37 rows per group on average: capacity 40; 200: loop only
+        for m, g in (
+            (301, 8),
+            (600, 3),
+        ):
             capacity = xla.tgmm_capacity(m, g)
             assert (capacity > 0) == (m / g <= xla.CAPACITY_MAX_AVG)
             sizes = skewed_sizes(rng, m, g, alpha=0.5, total=m - 7)
             sizes[1] = 0
             assert sizes.max() > max(capacity, 1)  # some group overflows into the tile loop
-            x = jnp.asarray(rng.standard_normal((k, m)), jnp.float32).at[:, m - 7:].set(jnp.nan)
-            y = jnp.asarray(rng.standard_normal((m, n)), jnp.float32).at[m - 7:].set(jnp.nan)
+            x = jnp.asarray(rng.standard_normal((k, m)), jnp.float32).at[:, m - 7 :].set(jnp.nan)
+            y = jnp.asarray(rng.standard_normal((m, n)), jnp.float32).at[m - 7 :].set(jnp.nan)
             ex = jnp.asarray(rng.standard_normal((g, k, n)), jnp.float32)
             out = cv.tgmm(x, y, jnp.asarray(sizes), existing_out=ex)
-            want = numpy_tgmm(x[:, :m - 7], y[:m - 7], sizes) + np.asarray(ex, np.float64)
+            want = numpy_tgmm(x[:, : m - 7], y[: m - 7], sizes) + np.asarray(ex, np.float64)
             assert_close(out, want, m, jnp.float32)
 
 
@@ -71,21 +79,26 @@ def _cover(m, windows, writable):
         def tile(at, size, mask, c):
             hits, masked, count = c
             window = jax.lax.dynamic_slice_in_dim(hits, at, size)
-            ours = jnp.ones(size, jnp.int32) if mask is None else mask.astype(jnp.int32)   # None: a full window
+            # None: a full window
+            ours = jnp.ones(size, jnp.int32) if mask is None else mask.astype(jnp.int32)
             hits = jax.lax.dynamic_update_slice_in_dim(hits, window + ours, at, 0)
             flags = jnp.zeros(size, jnp.int32) if mask is None else jnp.ones(size, jnp.int32)
             masked = jax.lax.dynamic_update_slice_in_dim(masked, flags, at, 0)
             return hits, masked, count + 1
+
         init = (jnp.zeros(m, jnp.int32), jnp.zeros(m, jnp.int32), 0)
-        return xla.cover_rows_in_windows(start, end, m, windows, init, tile,
-                                         writable_end=writable_end if writable else None)
+        return xla.cover_rows_in_windows(
+            start, end, m, windows, init, tile, writable_end=writable_end if writable else None
+        )
+
     return jax.jit(cover)
 
 
 @pytest.mark.parametrize("windows", [(8, 64), (8, 16, 64)])
 def test_windows_cover_each_row_once_with_few_tiles(windows):
     """tgmm's covering: every row of [start, end) in exactly one window (a full one, or the
-    masked last one), no other row, windows inside [0, m), and the windows the rule gives (the largest one the rows left fill,
+    masked last one), no other row, windows inside [0, m), and the windows the rule gives (the
+    largest one the rows left fill,
     else the smallest): each tgmm tile is a pass over the group's [k, n] block, each masked row a
     wasted row of its dot."""
     m = 200
@@ -99,7 +112,18 @@ def test_windows_cover_each_row_once_with_few_tiles(windows):
 
     run = _cover(m, windows, writable=False)
     rng = np.random.default_rng(4709)
-    cases = [(0, 0), (0, 1), (0, 8), (0, 9), (0, 64), (0, 65), (5, 200), (190, 200), (199, 200), (0, 200)]
+    cases = [
+        (0, 0),
+        (0, 1),
+        (0, 8),
+        (0, 9),
+        (0, 64),
+        (0, 65),
+        (5, 200),
+        (190, 200),
+        (199, 200),
+        (0, 200),
+    ]
     cases += [tuple(sorted(rng.integers(0, m + 1, 2))) for _ in range(20)]
     for start, end in cases:
         hits, _, count = run(jnp.int32(start), jnp.int32(end), jnp.int32(end))
@@ -107,7 +131,7 @@ def test_windows_cover_each_row_once_with_few_tiles(windows):
         want[start:end] = 1
         np.testing.assert_array_equal(hits, want, err_msg=f"rows [{start}, {end})")
         assert int(count) == windows_needed(end - start), (start, end, int(count))
-    assert windows_needed(40) == (5 if windows == (8, 64) else 3)   # 8 * 5; 16 + 16 + 8
+    assert windows_needed(40) == (5 if windows == (8, 64) else 3)  # 8 * 5; 16 + 16 + 8
 
 
 def test_windows_run_unmasked_into_writable_rows():
@@ -118,17 +142,27 @@ def test_windows_run_unmasked_into_writable_rows():
     m, windows = 200, (8, 32, 128)
     run = _cover(m, windows, writable=True)
     rng = np.random.default_rng(4710)
-    cases = [(0, 1, 200), (0, 1, 1), (0, 1, 5), (190, 197, 200), (195, 197, 200), (0, 40, 45), (3, 3, 9)]
+    cases = [
+        (0, 1, 200),
+        (0, 1, 1),
+        (0, 1, 5),
+        (190, 197, 200),
+        (195, 197, 200),
+        (0, 40, 45),
+        (3, 3, 9),
+    ]
     for _ in range(30):
         start, end, writable_end = sorted(rng.integers(0, m + 1, 3))
         cases.append((start, end, writable_end))
     for start, end, writable_end in cases:
-        hits, masked, count = (np.asarray(v) for v in run(jnp.int32(start), jnp.int32(end), jnp.int32(writable_end)))
+        hits, masked, count = (
+            np.asarray(v) for v in run(jnp.int32(start), jnp.int32(end), jnp.int32(writable_end))
+        )
         ours = np.arange(m)
         ours = (ours >= start) & (ours < end)
         where = f"rows [{start}, {end}), writable to {writable_end}"
         np.testing.assert_array_equal(hits[ours], 1, err_msg=where)
-        assert not hits[:start].any() and not hits[max(writable_end, end):].any(), where
+        assert not hits[:start].any() and not hits[max(writable_end, end) :].any(), where
         rows = end - start
         full = 0
         while rows >= windows[0]:
@@ -148,27 +182,35 @@ def test_gmm_windows_past_a_group_do_not_leak():
     m, k, n, g = 307, 16, 24, 12
     sizes = skewed_sizes(rng, m, g, alpha=0.5, total=m - 11)
     lhs, rhs = operands(rng, m, k, n, g, jnp.float32)
-    lhs = lhs.at[m - 11:].set(jnp.nan)   # rows of no group
+    lhs = lhs.at[m - 11 :].set(jnp.nan)  # rows of no group
     existing = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
     out = existing
-    for offset in (0, 5):              # two shards: groups 0-4, then 5-11
-        shard = rhs[offset:offset + 7] if offset else rhs[:5]
-        out = cv.gmm(lhs, shard, jnp.asarray(sizes), group_offset=jnp.int32(offset), existing_out=out,
-                     tiling=(32, k, n), backend="xla")
-    want = numpy_gmm(lhs[:m - 11], rhs, sizes)
-    assert_close(out[:m - 11], want, k, jnp.float32)
-    np.testing.assert_array_equal(out[m - 11:], existing[m - 11:])
+    for offset in (0, 5):  # two shards: groups 0-4, then 5-11
+        shard = rhs[offset : offset + 7] if offset else rhs[:5]
+        out = cv.gmm(
+            lhs,
+            shard,
+            jnp.asarray(sizes),
+            group_offset=jnp.int32(offset),
+            existing_out=out,
+            tiling=(32, k, n),
+            backend="xla",
+        )
+    want = numpy_gmm(lhs[: m - 11], rhs, sizes)
+    assert_close(out[: m - 11], want, k, jnp.float32)
+    np.testing.assert_array_equal(out[m - 11 :], existing[m - 11 :])
 
 
 def test_window_sizes():
     from conveyor.ops.gmm import xla
+
     assert xla.gmm_windows(512, 4096) == (8, 32, 128, 512)
-    assert xla.gmm_windows(64, 4096) == (8, 16, 64)       # at least a sublane tile, no duplicates
-    assert xla.gmm_windows(512, 100) == (8, 32, 100)      # at most m
+    assert xla.gmm_windows(64, 4096) == (8, 16, 64)  # at least a sublane tile, no duplicates
+    assert xla.gmm_windows(512, 100) == (8, 32, 100)  # at most m
     assert xla.tgmm_windows(512, 4096) == (64, 128, 512)
     assert xla.tgmm_windows(128, 4096) == (16, 32, 128)
-    assert xla.tgmm_windows(16, 4096) == (8, 16)      # at least a sublane tile, no duplicates
-    assert xla.tgmm_windows(512, 100) == (64, 100)    # at most m
+    assert xla.tgmm_windows(16, 4096) == (8, 16)  # at least a sublane tile, no duplicates
+    assert xla.tgmm_windows(512, 100) == (64, 100)  # at most m
 
 
 def test_forward_and_backward_program_stays_small():
@@ -181,6 +223,7 @@ def test_forward_and_backward_program_stays_small():
     0.266 -> 0.287 s (G=8) and 0.280 -> 0.315 s (G=256) to lower and compile (medians of 5) for
     5-19% less run time at G=8 bf16 and G >= 64 (see `xla.gmm_xla`)."""
     from conveyor.bench.gmm import compile_cost
+
     gmm = lambda a, b, s: cv.gmm(a, b, s)  # noqa: E731
     assert compile_cost(gmm, 1, groups=8)["chars"] <= 38_000
     assert compile_cost(gmm, 1, groups=256)["chars"] <= 44_000

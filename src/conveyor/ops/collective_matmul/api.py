@@ -3,6 +3,7 @@
 The VJP of each is built from the other: the gradient of an all-gather matmul is a matmul
 reduce-scatter (and an all-gather matmul for the stationary operand), and vice versa.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -26,20 +27,25 @@ class RingConfig:
     """One collective matmul call's configuration, validated by the public functions before it is
     built. Hashable: it is the static argument of the custom VJPs, and the backward pass derives
     its own (another dim and dtype, the same ring) with `derived`."""
+
     axis_name: Any
-    size: int              # devices on the ring
-    dim: int               # gather_dim or scatter_dim
-    bidirectional: bool    # as requested; `plan` decides whether two directions are used
-    buffering: int         # receive slots per stream (kernel backends)
+    size: int  # devices on the ring
+    dim: int  # gather_dim or scatter_dim
+    bidirectional: bool  # as requested; `plan` decides whether two directions are used
+    buffering: int  # receive slots per stream (kernel backends)
     out_dtype: Any
     backend: str
     interpret: Any = None  # mosaic_tpu: None, or the interpreter's parameters
-    blocks: RingBlocks = RingBlocks()   # mosaic_tpu: the VMEM blocks of each step's pipelines
+    blocks: RingBlocks = RingBlocks()  # mosaic_tpu: the VMEM blocks of each step's pipelines
 
     def plan(self, collective: str) -> RingPlan:
         """The ring plan every backend of this call follows."""
-        return ring_plan(collective=collective, num_devices=self.size, bidirectional=self.bidirectional,
-                         buffering=self.buffering)
+        return ring_plan(
+            collective=collective,
+            num_devices=self.size,
+            bidirectional=self.bidirectional,
+            buffering=self.buffering,
+        )
 
     def derived(self, dim: int, dtype) -> RingConfig:
         """The same ring (backend included) for a derived op: another dim and output dtype."""
@@ -50,7 +56,9 @@ def _axis_size(axis_name) -> int:
     try:
         return lax.axis_size(axis_name)
     except (NameError, KeyError, ValueError) as e:
-        raise ValueError(f"axis_name: {axis_name!r} is not a mesh axis of the enclosing shard_map ({e})") from e
+        raise ValueError(
+            f"axis_name: {axis_name!r} is not a mesh axis of the enclosing shard_map ({e})"
+        ) from e
 
 
 def _choose(backend, interpret, registry: Registry) -> str:
@@ -59,10 +67,15 @@ def _choose(backend, interpret, registry: Registry) -> str:
     direction runs on every backend."""
     if backend is None and interpret:
         backend = "mosaic_tpu"
-    impl = registry.get(backend) if backend is not None else registry.get(
-        backends.default_backend(registry.names))
+    impl = (
+        registry.get(backend)
+        if backend is not None
+        else registry.get(backends.default_backend(registry.names))
+    )
     if interpret and not impl.interprets:
-        raise ValueError(f"interpret: only the mosaic_tpu backend has an interpreter, got backend={impl.name!r}")
+        raise ValueError(
+            f"interpret: only the mosaic_tpu backend has an interpreter, got backend={impl.name!r}"
+        )
     return impl.name
 
 
@@ -72,10 +85,13 @@ def _lowered_as_chosen(out, backend_arg, backend: str):
     if backend_arg is not None or backend != "xla":
         return out
     platforms = backends.platforms_defaulting_to("xla", AGM.names)
-    return only_for(out, platforms, "the collective matmul's backend=None chose the xla ring for this process's "
-                                    "platform; lowered for {platform}, it would run that ring, not the Mosaic "
-                                    "kernel. Pass backend='mosaic_tpu', or backend='xla' to export the ring on "
-                                    "purpose")
+    return only_for(
+        out,
+        platforms,
+        "the collective matmul's backend=None chose the xla ring for this process's platform; "
+        "lowered for {platform}, it would run that ring, not the Mosaic kernel. Pass "
+        "backend='mosaic_tpu', or backend='xla' to export the ring on purpose",
+    )
 
 
 def _check_blocks(blocks, backend: str) -> RingBlocks:
@@ -85,26 +101,46 @@ def _check_blocks(blocks, backend: str) -> RingBlocks:
     if not isinstance(blocks, RingBlocks):
         raise TypeError(f"blocks: expected a cv.RingBlocks or None, got {blocks!r}")
     if backend != "mosaic_tpu":
-        raise ValueError(f"blocks: only the mosaic_tpu ring kernels have VMEM blocks; backend={backend!r} "
-                         f"would ignore blocks={blocks!r}")
+        raise ValueError(
+            f"blocks: only the mosaic_tpu ring kernels have VMEM blocks; backend={backend!r} would "
+            f"ignore blocks={blocks!r}"
+        )
     return blocks
 
 
 def _check_common(lhs, rhs, buffering, op):
     for name, x in (("lhs", lhs), ("rhs", rhs)):
         if not hasattr(x, "ndim") or x.ndim != 2:
-            raise ValueError(f"{name}: expected a 2-D array, got shape {getattr(x, 'shape', type(x).__name__)}")
+            raise ValueError(
+                f"{name}: expected a 2-D array, got shape {getattr(x, 'shape', type(x).__name__)}"
+            )
     if isinstance(buffering, bool) or not isinstance(buffering, int) or buffering < 1:
-        raise ValueError(f"buffering: expected an int >= 1 (receive buffers per direction), got {buffering!r}")
+        raise ValueError(
+            f"buffering: expected an int >= 1 (receive buffers per direction), got {buffering!r}"
+        )
 
 
 def _out_dtype(lhs, rhs, preferred_element_type):
-    return jnp.dtype(preferred_element_type) if preferred_element_type is not None else jnp.result_type(lhs, rhs)
+    return (
+        jnp.dtype(preferred_element_type)
+        if preferred_element_type is not None
+        else jnp.result_type(lhs, rhs)
+    )
 
 
-def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, *, axis_name, gather_dim: int = 1, bidirectional: bool = True,
-                      buffering: int = 2, preferred_element_type=None, backend: str | None = None,
-                      interpret=False, blocks: RingBlocks | None = None) -> jax.Array:
+def all_gather_matmul(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    *,
+    axis_name,
+    gather_dim: int = 1,
+    bidirectional: bool = True,
+    buffering: int = 2,
+    preferred_element_type=None,
+    backend: str | None = None,
+    interpret=False,
+    blocks: RingBlocks | None = None,
+) -> jax.Array:
     """`jnp.dot(lax.all_gather(lhs, axis_name, axis=gather_dim, tiled=True), rhs)` as a ring.
 
     Call inside `shard_map` over `axis_name` (other mesh axes give independent rings).
@@ -123,18 +159,44 @@ def all_gather_matmul(lhs: jax.Array, rhs: jax.Array, *, axis_name, gather_dim: 
     size = _axis_size(axis_name)
     want = size * lhs.shape[1] if gather_dim == 1 else lhs.shape[1]
     if rhs.shape[0] != want:
-        what = f"{size} devices x lhs.shape[1]={lhs.shape[1]}" if gather_dim == 1 else f"lhs.shape[1]={lhs.shape[1]}"
-        raise ValueError(f"rhs: contraction size rhs.shape[0] must be {want} ({what}), got rhs shape {tuple(rhs.shape)}")
-    cfg = RingConfig(axis_name=axis_name, size=size, dim=gather_dim, bidirectional=bool(bidirectional),
-                     buffering=buffering, out_dtype=_out_dtype(lhs, rhs, preferred_element_type), backend=backend,
-                     interpret=interpret or None, blocks=_check_blocks(blocks, backend))
+        what = (
+            f"{size} devices x lhs.shape[1]={lhs.shape[1]}"
+            if gather_dim == 1
+            else f"lhs.shape[1]={lhs.shape[1]}"
+        )
+        raise ValueError(
+            f"rhs: contraction size rhs.shape[0] must be {want} ({what}), got rhs shape "
+            f"{tuple(rhs.shape)}"
+        )
+    cfg = RingConfig(
+        axis_name=axis_name,
+        size=size,
+        dim=gather_dim,
+        bidirectional=bool(bidirectional),
+        buffering=buffering,
+        out_dtype=_out_dtype(lhs, rhs, preferred_element_type),
+        backend=backend,
+        interpret=interpret or None,
+        blocks=_check_blocks(blocks, backend),
+    )
     return _lowered_as_chosen(_agm(cfg, lhs, rhs), backend_arg, backend)
 
 
-def matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, *, axis_name, scatter_dim: int = 0,
-                          bidirectional: bool = True, buffering: int = 2, preferred_element_type=None,
-                          backend: str | None = None, interpret=False, blocks: RingBlocks | None = None) -> jax.Array:
-    """`lax.psum_scatter(lhs @ rhs, axis_name, scatter_dimension=scatter_dim, tiled=True)` as a ring.
+def matmul_reduce_scatter(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    *,
+    axis_name,
+    scatter_dim: int = 0,
+    bidirectional: bool = True,
+    buffering: int = 2,
+    preferred_element_type=None,
+    backend: str | None = None,
+    interpret=False,
+    blocks: RingBlocks | None = None,
+) -> jax.Array:
+    """`lax.psum_scatter(lhs @ rhs, axis_name, scatter_dimension=scatter_dim, tiled=True)` as a
+    ring.
 
     Partial sums travel the ring: each device adds its partial for the block passing by. With
     `bidirectional`, the other output dimension is split in two halves travelling opposite ways
@@ -146,48 +208,109 @@ def matmul_reduce_scatter(lhs: jax.Array, rhs: jax.Array, *, axis_name, scatter_
         raise ValueError(f"scatter_dim: expected 0 or 1, got {scatter_dim!r}")
     backend_arg, backend = backend, _choose(backend, interpret, MRS)
     if lhs.shape[1] != rhs.shape[0]:
-        raise ValueError(f"rhs: contraction size rhs.shape[0] must match lhs.shape[1]={lhs.shape[1]}, "
-                         f"got rhs shape {tuple(rhs.shape)}")
+        raise ValueError(
+            f"rhs: contraction size rhs.shape[0] must match lhs.shape[1]={lhs.shape[1]}, got rhs "
+            f"shape {tuple(rhs.shape)}"
+        )
     size = _axis_size(axis_name)
     dim = (lhs.shape[0], rhs.shape[1])[scatter_dim]
     if dim % size:
-        raise ValueError(f"scatter_dim: the scattered dimension ({dim}) must be divisible by the ring size {size}")
-    cfg = RingConfig(axis_name=axis_name, size=size, dim=scatter_dim, bidirectional=bool(bidirectional),
-                     buffering=buffering, out_dtype=_out_dtype(lhs, rhs, preferred_element_type), backend=backend,
-                     interpret=interpret or None, blocks=_check_blocks(blocks, backend))
+        raise ValueError(
+            f"scatter_dim: the scattered dimension ({dim}) must be divisible by the ring size "
+            f"{size}"
+        )
+    cfg = RingConfig(
+        axis_name=axis_name,
+        size=size,
+        dim=scatter_dim,
+        bidirectional=bool(bidirectional),
+        buffering=buffering,
+        out_dtype=_out_dtype(lhs, rhs, preferred_element_type),
+        backend=backend,
+        interpret=interpret or None,
+        blocks=_check_blocks(blocks, backend),
+    )
     return _lowered_as_chosen(_mrs(cfg, lhs, rhs), backend_arg, backend)
 
 
 def _agm_mosaic_tpu(cfg: RingConfig, lhs, rhs):
     from conveyor.ops.collective_matmul import mosaic_tpu
-    return mosaic_tpu.all_gather_matmul_mosaic_tpu(lhs, rhs, axis_name=cfg.axis_name, plan=cfg.plan("gather"),
-                                                   out_dtype=cfg.out_dtype, interpret=cfg.interpret,
-                                                   gather_dim=cfg.dim, blocks=cfg.blocks)
+
+    return mosaic_tpu.all_gather_matmul_mosaic_tpu(
+        lhs,
+        rhs,
+        axis_name=cfg.axis_name,
+        plan=cfg.plan("gather"),
+        out_dtype=cfg.out_dtype,
+        interpret=cfg.interpret,
+        gather_dim=cfg.dim,
+        blocks=cfg.blocks,
+    )
 
 
 def _mrs_mosaic_tpu(cfg: RingConfig, lhs, rhs):
     from conveyor.ops.collective_matmul import mosaic_tpu
-    return mosaic_tpu.matmul_reduce_scatter_mosaic_tpu(lhs, rhs, axis_name=cfg.axis_name, plan=cfg.plan("scatter"),
-                                                       out_dtype=cfg.out_dtype, interpret=cfg.interpret,
-                                                       scatter_dim=cfg.dim, blocks=cfg.blocks)
+
+    return mosaic_tpu.matmul_reduce_scatter_mosaic_tpu(
+        lhs,
+        rhs,
+        axis_name=cfg.axis_name,
+        plan=cfg.plan("scatter"),
+        out_dtype=cfg.out_dtype,
+        interpret=cfg.interpret,
+        scatter_dim=cfg.dim,
+        blocks=cfg.blocks,
+    )
 
 
-AGM = Registry("all_gather_matmul", (
-    Implementation(name="xla", run=lambda cfg, lhs, rhs: xla.all_gather_matmul_xla(
-        lhs, rhs, axis_name=cfg.axis_name, size=cfg.size, gather_dim=cfg.dim, plan=cfg.plan("gather"),
-        out_dtype=cfg.out_dtype)),
-    Implementation(name="mosaic_tpu", run=_agm_mosaic_tpu, interprets=True),
-    Implementation(name="reference", run=lambda cfg, lhs, rhs: reference.all_gather_matmul_reference(
-        lhs, rhs, axis_name=cfg.axis_name, gather_dim=cfg.dim, out_dtype=cfg.out_dtype)),
-))
-MRS = Registry("matmul_reduce_scatter", (
-    Implementation(name="xla", run=lambda cfg, lhs, rhs: xla.matmul_reduce_scatter_xla(
-        lhs, rhs, axis_name=cfg.axis_name, size=cfg.size, scatter_dim=cfg.dim, plan=cfg.plan("scatter"),
-        out_dtype=cfg.out_dtype)),
-    Implementation(name="mosaic_tpu", run=_mrs_mosaic_tpu, interprets=True),
-    Implementation(name="reference", run=lambda cfg, lhs, rhs: reference.matmul_reduce_scatter_reference(
-        lhs, rhs, axis_name=cfg.axis_name, scatter_dim=cfg.dim, out_dtype=cfg.out_dtype)),
-))
+AGM = Registry(
+    "all_gather_matmul",
+    (
+        Implementation(
+            name="xla",
+            run=lambda cfg, lhs, rhs: xla.all_gather_matmul_xla(
+                lhs,
+                rhs,
+                axis_name=cfg.axis_name,
+                size=cfg.size,
+                gather_dim=cfg.dim,
+                plan=cfg.plan("gather"),
+                out_dtype=cfg.out_dtype,
+            ),
+        ),
+        Implementation(name="mosaic_tpu", run=_agm_mosaic_tpu, interprets=True),
+        Implementation(
+            name="reference",
+            run=lambda cfg, lhs, rhs: reference.all_gather_matmul_reference(
+                lhs, rhs, axis_name=cfg.axis_name, gather_dim=cfg.dim, out_dtype=cfg.out_dtype
+            ),
+        ),
+    ),
+)
+MRS = Registry(
+    "matmul_reduce_scatter",
+    (
+        Implementation(
+            name="xla",
+            run=lambda cfg, lhs, rhs: xla.matmul_reduce_scatter_xla(
+                lhs,
+                rhs,
+                axis_name=cfg.axis_name,
+                size=cfg.size,
+                scatter_dim=cfg.dim,
+                plan=cfg.plan("scatter"),
+                out_dtype=cfg.out_dtype,
+            ),
+        ),
+        Implementation(name="mosaic_tpu", run=_mrs_mosaic_tpu, interprets=True),
+        Implementation(
+            name="reference",
+            run=lambda cfg, lhs, rhs: reference.matmul_reduce_scatter_reference(
+                lhs, rhs, axis_name=cfg.axis_name, scatter_dim=cfg.dim, out_dtype=cfg.out_dtype
+            ),
+        ),
+    ),
+)
 
 
 def _run_agm(cfg: RingConfig, lhs, rhs):
@@ -216,7 +339,7 @@ def _agm_fwd(cfg, lhs, rhs):
 
 def _agm_bwd(cfg, res, ct):
     lhs, rhs = res
-    gather_dim = cfg.dim   # out = AG_gather_dim(lhs) @ rhs
+    gather_dim = cfg.dim  # out = AG_gather_dim(lhs) @ rhs
     d_lhs = _mrs(cfg.derived(gather_dim, lhs.dtype), ct, rhs.T)
     d_rhs = _agm(cfg.derived(1 - gather_dim, rhs.dtype), lhs.T, ct)
     return _match_vma(d_lhs, lhs), _match_vma(d_rhs, rhs)

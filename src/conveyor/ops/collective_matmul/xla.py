@@ -5,8 +5,10 @@ so on platforms with asynchronous collectives XLA can overlap them. XLA:CPU runs
 permutes synchronously (shared FACTS), so there the overlap cannot happen and the many small dots
 only cost: when lowered for CPU (`lax.platform_dependent`, decided per lowering platform, so an
 export for TPU or GPU keeps the per-step dots) the steps' dots are merged into one, and the
-reduce-scatter sends its accumulators one way only. The transfers are a ring of ppermutes either way.
+reduce-scatter sends its accumulators one way only. The transfers are a ring of ppermutes either
+way.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -28,9 +30,14 @@ def _dot(a, b, out_dtype):
 
 
 def _per_platform(run, lhs, rhs, **config):
-    """`run(lhs, rhs, merge=..., **config)`: merged dots when lowered for CPU, one per ring step elsewhere."""
-    return lax.platform_dependent(lhs, rhs, cpu=lambda l, r: run(l, r, merge=True, **config),
-                                  default=lambda l, r: run(l, r, merge=False, **config))
+    """`run(lhs, rhs, merge=..., **config)`: merged dots when lowered for CPU, one per ring step
+    elsewhere."""
+    return lax.platform_dependent(
+        lhs,
+        rhs,
+        cpu=lambda l, r: run(l, r, merge=True, **config),
+        default=lambda l, r: run(l, r, merge=False, **config),
+    )
 
 
 def all_gather_matmul_xla(lhs, rhs, **config):
@@ -38,7 +45,9 @@ def all_gather_matmul_xla(lhs, rhs, **config):
     return _per_platform(_all_gather_matmul, lhs, rhs, **config)
 
 
-def _all_gather_matmul(lhs, rhs, *, axis_name, size, gather_dim, plan: RingPlan, out_dtype, merge: bool):
+def _all_gather_matmul(
+    lhs, rhs, *, axis_name, size, gather_dim, plan: RingPlan, out_dtype, merge: bool
+):
     me = lax.axis_index(axis_name)
     if gather_dim == 1:
         kd = lhs.shape[1]
@@ -52,15 +61,23 @@ def _all_gather_matmul(lhs, rhs, *, axis_name, size, gather_dim, plan: RingPlan,
 
         def contribute(acc, shard, offset):
             if acc is None:
-                acc = jnp.zeros((size * mb, rhs.shape[1]), _dot(shard[:1], rhs[:, :1], out_dtype).dtype)
-            return lax.dynamic_update_slice_in_dim(acc, _dot(shard, rhs, out_dtype), ((me + offset) % size) * mb, 0)
+                acc = jnp.zeros(
+                    (size * mb, rhs.shape[1]), _dot(shard[:1], rhs[:, :1], out_dtype).dtype
+                )
+            return lax.dynamic_update_slice_in_dim(
+                acc, _dot(shard, rhs, out_dtype), ((me + offset) % size) * mb, 0
+            )
 
-    held = {d: lhs for d in plan.directions}   # step 0: every stream holds the local shard
+    held = {d: lhs for d in plan.directions}  # step 0: every stream holds the local shard
     acc = None
-    arrived = []   # (shard, offset) in ring order
+    arrived = []  # (shard, offset) in ring order
     for records in plan.steps():
         # Issue the transfers for the next step first, then compute on what is here.
-        nxt = {r.direction: _shift(held[r.direction], axis_name, size, r.direction) for r in records if r.sends}
+        nxt = {
+            r.direction: _shift(held[r.direction], axis_name, size, r.direction)
+            for r in records
+            if r.sends
+        }
         for r in records:
             if not r.computes:
                 continue
@@ -80,13 +97,18 @@ def _merged(arrived, rhs, me, size, gather_dim, out_dtype):
     if gather_dim == 1:
         kd = arrived[0][0].shape[1]
         a = jnp.concatenate([s for s, _ in arrived], axis=1)
-        w = jnp.concatenate([lax.dynamic_slice_in_dim(rhs, ((me + off) % size) * kd, kd, 0) for _, off in arrived], 0)
+        w = jnp.concatenate(
+            [lax.dynamic_slice_in_dim(rhs, ((me + off) % size) * kd, kd, 0) for _, off in arrived],
+            0,
+        )
         return _dot(a, w, out_dtype)
     mb = arrived[0][0].shape[0]
     prod = _dot(jnp.concatenate([s for s, _ in arrived], axis=0), rhs, out_dtype)
     out = jnp.zeros((size * mb, rhs.shape[1]), prod.dtype)
     for j, (_, off) in enumerate(arrived):
-        out = lax.dynamic_update_slice_in_dim(out, prod[j * mb:(j + 1) * mb], ((me + off) % size) * mb, 0)
+        out = lax.dynamic_update_slice_in_dim(
+            out, prod[j * mb : (j + 1) * mb], ((me + off) % size) * mb, 0
+        )
     return out
 
 
@@ -95,7 +117,9 @@ def matmul_reduce_scatter_xla(lhs, rhs, **config):
     return _per_platform(_matmul_reduce_scatter, lhs, rhs, **config)
 
 
-def _matmul_reduce_scatter(lhs, rhs, *, axis_name, size, scatter_dim, plan: RingPlan, out_dtype, merge: bool):
+def _matmul_reduce_scatter(
+    lhs, rhs, *, axis_name, size, scatter_dim, plan: RingPlan, out_dtype, merge: bool
+):
     me = lax.axis_index(axis_name)
     other = 1 - scatter_dim
     n_other = (lhs.shape[0], rhs.shape[1])[other]
@@ -105,29 +129,46 @@ def _matmul_reduce_scatter(lhs, rhs, *, axis_name, size, scatter_dim, plan: Ring
     if plan.bidirectional and n_other >= 2 and size > 1 and not merge:
         h = n_other // 2
         halves = [(0, h), (h, n_other - h)]
-    directions = ["right", "left"][:len(halves)]
+    directions = ["right", "left"][: len(halves)]
     blk = (lhs.shape[0] if scatter_dim == 0 else rhs.shape[1]) // size
 
     def partial(block, lo, width):
-        """This device's partial sum for output block `block`, columns/rows [lo, lo + width) of the other dim."""
+        """This device's partial sum for output block `block`, columns/rows [lo, lo + width) of the
+        other dim."""
         if scatter_dim == 0:
             a = lax.dynamic_slice_in_dim(lhs, block * blk, blk, 0)
-            return _dot(a, rhs[:, lo:lo + width], out_dtype)
+            return _dot(a, rhs[:, lo : lo + width], out_dtype)
         b = lax.dynamic_slice_in_dim(rhs, block * blk, blk, 1)
-        return _dot(lhs[lo:lo + width], b, out_dtype)
+        return _dot(lhs[lo : lo + width], b, out_dtype)
 
     results = []
     for (lo, width), direction in zip(halves, directions):
-        if merge:   # every step's partial from one dot, then the ring of accumulators
-            full = _dot(lhs, rhs[:, lo:lo + width], out_dtype) if scatter_dim == 0 else _dot(lhs[lo:lo + width], rhs, out_dtype)
-            parts = [lax.dynamic_slice_in_dim(full, ((me + plan.scatter_block(t, direction)) % size) * blk, blk,
-                                              scatter_dim) for t in range(size)]
+        if merge:  # every step's partial from one dot, then the ring of accumulators
+            full = (
+                _dot(lhs, rhs[:, lo : lo + width], out_dtype)
+                if scatter_dim == 0
+                else _dot(lhs[lo : lo + width], rhs, out_dtype)
+            )
+            parts = [
+                lax.dynamic_slice_in_dim(
+                    full, ((me + plan.scatter_block(t, direction)) % size) * blk, blk, scatter_dim
+                )
+                for t in range(size)
+            ]
         else:
             parts = None
-        acc = parts[0] if merge else partial((me + plan.scatter_block(0, direction)) % size, lo, width)
+        acc = (
+            parts[0]
+            if merge
+            else partial((me + plan.scatter_block(0, direction)) % size, lo, width)
+        )
         for t in range(1, size):
             incoming = _shift(acc, axis_name, size, direction)
-            acc = incoming + (parts[t] if merge else partial((me + plan.scatter_block(t, direction)) % size, lo, width))
+            acc = incoming + (
+                parts[t]
+                if merge
+                else partial((me + plan.scatter_block(t, direction)) % size, lo, width)
+            )
         results.append(acc)
     out = results[0] if len(results) == 1 else jnp.concatenate(results, axis=other)
     return out.astype(out_dtype)

@@ -1,4 +1,5 @@
 """Public grouped matmul: `gmm` and `tgmm` (validation, backend choice; autodiff in primitives)."""
+
 from __future__ import annotations
 
 import jax
@@ -16,12 +17,16 @@ def _check_array(x, name: str, ndim: int, shape_doc: str):
     if not hasattr(x, "shape") or not hasattr(x, "dtype"):
         raise TypeError(f"{name}: expected an array of shape {shape_doc}, got {type(x).__name__}")
     if x.ndim != ndim:
-        raise ValueError(f"{name}: expected {ndim} dimensions {shape_doc}, got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{name}: expected {ndim} dimensions {shape_doc}, got shape {tuple(x.shape)}"
+        )
 
 
 def _check_float(x, name: str):
     if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOATS]:
-        raise TypeError(f"{name}: expected dtype float32, bfloat16, float16 or float64, got {x.dtype}")
+        raise TypeError(
+            f"{name}: expected dtype float32, bfloat16, float16 or float64, got {x.dtype}"
+        )
 
 
 def _check_out_dtype(dt):
@@ -30,7 +35,9 @@ def _check_out_dtype(dt):
     except TypeError as e:
         raise TypeError(f"preferred_element_type: expected a floating dtype, got {dt!r}") from e
     if dt not in [jnp.dtype(d) for d in _FLOATS]:
-        raise TypeError(f"preferred_element_type: expected float32, bfloat16, float16 or float64, got {dt}")
+        raise TypeError(
+            f"preferred_element_type: expected float32, bfloat16, float16 or float64, got {dt}"
+        )
     return dt
 
 
@@ -41,7 +48,9 @@ def _is_concrete(x) -> bool:
 def _check_group_sizes(group_sizes, m: int):
     _check_array(group_sizes, "group_sizes", 1, "[num_groups]")
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"group_sizes: expected an integer (int32) array, got dtype {group_sizes.dtype}")
+        raise TypeError(
+            f"group_sizes: expected an integer (int32) array, got dtype {group_sizes.dtype}"
+        )
     if group_sizes.shape[0] == 0:
         raise ValueError("group_sizes: expected at least one group, got shape (0,)")
     if _is_concrete(group_sizes):
@@ -49,7 +58,9 @@ def _check_group_sizes(group_sizes, m: int):
         if (sizes < 0).any():
             raise ValueError(f"group_sizes: expected non-negative sizes, got {sizes.tolist()}")
         if int(sizes.sum()) > m:
-            raise ValueError(f"group_sizes: expected a total of at most m={m} rows, got sum={int(sizes.sum())}")
+            raise ValueError(
+                f"group_sizes: expected a total of at most m={m} rows, got sum={int(sizes.sum())}"
+            )
     return group_sizes.astype(jnp.int32)
 
 
@@ -61,21 +72,27 @@ def _check_group_offset(group_offset, total_groups: int, local_groups: int):
             raise TypeError(f"group_offset: expected an integer scalar, got {group_offset!r}")
         group_offset = jnp.asarray(group_offset, jnp.int32)
     if group_offset.shape not in ((), (1,)):
-        raise ValueError(f"group_offset: expected a scalar (shape () or (1,)), got shape {tuple(group_offset.shape)}")
+        raise ValueError(
+            "group_offset: expected a scalar (shape () or (1,)), got shape "
+            f"{tuple(group_offset.shape)}"
+        )
     if not jnp.issubdtype(group_offset.dtype, jnp.integer):
         raise TypeError(f"group_offset: expected an integer scalar, got dtype {group_offset.dtype}")
     group_offset = jnp.reshape(group_offset, ()).astype(jnp.int32)
     if _is_concrete(group_offset):
         off = int(group_offset)
         if off < 0 or off + local_groups > total_groups:
-            raise ValueError(f"group_offset: expected 0 <= group_offset and group_offset + {local_groups} local "
-                             f"groups <= {total_groups} groups in group_sizes, got {off}")
+            raise ValueError(
+                f"group_offset: expected 0 <= group_offset and group_offset + {local_groups} local "
+                f"groups <= {total_groups} groups in group_sizes, got {off}"
+            )
     return group_offset
 
 
 def _choose_backend(backend, interpret, op="gmm"):
     if backend is None and interpret:
-        backend = "mosaic_tpu"  # interpret without a backend: the TPU kernel, as before mosaic_gpu existed
+        # interpret without a backend: the TPU kernel, as before mosaic_gpu existed
+        backend = "mosaic_tpu"
     if backend is None:
         return backends.AUTO  # chosen per platform when lowered (see conveyor.backends)
     return (backend_impls.GMM if op == "gmm" else backend_impls.TGMM).get(backend).name
@@ -85,15 +102,26 @@ def _interpret_param(interpret, backend, op="gmm"):
     if not interpret:
         return None
     if not (backend_impls.GMM if op == "gmm" else backend_impls.TGMM).get(backend).interprets:
-        raise ValueError(f"interpret: only the mosaic_tpu and mosaic_gpu backends have an interpreter, "
-                         f"got backend={backend!r}")
+        raise ValueError(
+            "interpret: only the mosaic_tpu and mosaic_gpu backends have an interpreter, got "
+            f"backend={backend!r}"
+        )
     return interpret
 
 
-def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-        preferred_element_type=jnp.float32, tiling: tiling_lib.Tiling = None,
-        group_offset: jax.Array | int | None = None, existing_out: jax.Array | None = None,
-        transpose_rhs: bool = False, backend: str | None = None, interpret=False) -> jax.Array:
+def gmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    preferred_element_type=jnp.float32,
+    tiling: tiling_lib.Tiling = None,
+    group_offset: jax.Array | int | None = None,
+    existing_out: jax.Array | None = None,
+    transpose_rhs: bool = False,
+    backend: str | None = None,
+    interpret=False,
+) -> jax.Array:
     """Grouped matmul: each group of rows of `lhs` times its own weight matrix.
 
     Rows of `lhs` are sorted by group: group g owns rows [sum(sizes[:g]), sum(sizes[:g+1])).
@@ -106,12 +134,14 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
       rhs: [G, k, n] weights ([G, n, k] with `transpose_rhs=True`).
       group_sizes: int32 [G_total] rows per group; G_total == G unless `group_offset` is given.
       preferred_element_type: output dtype. 16-bit inputs accumulate in float32.
-      tiling: None (per-backend default), a (tm, tk, tn) tuple, or a callable (m, k, n) -> tuple | None.
+      tiling: None (per-backend default), a (tm, tk, tn) tuple, or a callable (m, k, n) -> tuple |
+        None.
         Any m, k, n works with any tiling: tiles larger than a dimension are clamped and partial
         tiles are masked. The xla backend uses tm (row tile) only; mosaic_tpu uses all three
         (tk, tn must be multiples of 128 or cover the whole dimension). A tuple applies to this
         call only; the ops its derivatives run use the default (a callable is asked again).
-      group_offset: scalar int, first global group of this shard (expert parallelism); may be traced.
+      group_offset: scalar int, first global group of this shard (expert parallelism); may be
+        traced.
       existing_out: [m, n] values for the rows this call does not compute (chain shards through it).
       transpose_rhs: rhs is [G, n, k] and used transposed.
       backend: "xla", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the op is
@@ -143,14 +173,22 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     m, k = lhs.shape
     num_groups, rk, n = (rhs.shape[0], rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape
     if rk != k:
-        raise ValueError(f"rhs: contraction size must match lhs's k={k} ({'rhs.shape[2]' if transpose_rhs else 'rhs.shape[1]'}), "
-                         f"got rhs shape {tuple(rhs.shape)} with transpose_rhs={transpose_rhs}")
+        raise ValueError(
+            f"rhs: contraction size must match lhs's k={k} "
+            f"({'rhs.shape[2]' if transpose_rhs else 'rhs.shape[1]'}), got rhs shape "
+            f"{tuple(rhs.shape)} with transpose_rhs={transpose_rhs}"
+        )
     group_sizes = _check_group_sizes(group_sizes, m)
     if group_offset is None and group_sizes.shape[0] != num_groups:
-        raise ValueError(f"group_sizes: expected {num_groups} groups (rhs.shape[0]) when group_offset is not "
-                         f"given, got {group_sizes.shape[0]}")
+        raise ValueError(
+            f"group_sizes: expected {num_groups} groups (rhs.shape[0]) when group_offset is not "
+            f"given, got {group_sizes.shape[0]}"
+        )
     if group_sizes.shape[0] < num_groups:
-        raise ValueError(f"group_sizes: expected at least rhs.shape[0]={num_groups} groups, got {group_sizes.shape[0]}")
+        raise ValueError(
+            f"group_sizes: expected at least rhs.shape[0]={num_groups} groups, got "
+            f"{group_sizes.shape[0]}"
+        )
     group_offset = _check_group_offset(group_offset, group_sizes.shape[0], num_groups)
     tiling_lib.check_tiling(tiling)
     if existing_out is None:
@@ -158,22 +196,43 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     else:
         _check_array(existing_out, "existing_out", 2, f"[m, n] = [{m}, {n}]")
         if tuple(existing_out.shape) != (m, n):
-            raise ValueError(f"existing_out: expected shape {(m, n)}, got {tuple(existing_out.shape)}")
+            raise ValueError(
+                f"existing_out: expected shape {(m, n)}, got {tuple(existing_out.shape)}"
+            )
         _check_float(existing_out, "existing_out")
     backend = _choose_backend(backend, interpret)
-    return bind_gmm(lhs, rhs, group_sizes, group_offset, existing_out, transpose_rhs=bool(transpose_rhs),
-                      out_dtype=out_dtype, backend=backend, tiling=_hashable(tiling),
-                      interpret=_interpret_param(interpret, backend))
+    return bind_gmm(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        existing_out,
+        transpose_rhs=bool(transpose_rhs),
+        out_dtype=out_dtype,
+        backend=backend,
+        tiling=_hashable(tiling),
+        interpret=_interpret_param(interpret, backend),
+    )
 
 
-def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-         preferred_element_type=jnp.float32, tiling: tiling_lib.Tiling = None,
-         group_offset: jax.Array | int | None = None, num_actual_groups: int | None = None,
-         existing_out: jax.Array | None = None, backend: str | None = None, interpret=False) -> jax.Array:
+def tgmm(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    *,
+    preferred_element_type=jnp.float32,
+    tiling: tiling_lib.Tiling = None,
+    group_offset: jax.Array | int | None = None,
+    num_actual_groups: int | None = None,
+    existing_out: jax.Array | None = None,
+    backend: str | None = None,
+    interpret=False,
+) -> jax.Array:
     """Transposed grouped matmul (the weight gradient of gmm): one [k, n] product per group.
 
     `out[i] = lhs[:, rows_i] @ rhs[rows_i, :] (+ existing_out[i])` for local group i (global group
-    `group_offset + i`), i < num_actual_groups. An empty group gives exact zeros (or existing_out[i]).
+    `group_offset + i`), i < num_actual_groups. An empty group gives exact zeros (or
+    existing_out[i]).
 
     Args:
       lhs: [k, m] float array (columns sorted by group).
@@ -199,7 +258,10 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     out_dtype = _check_out_dtype(preferred_element_type)
     k, m = lhs.shape
     if rhs.shape[0] != m:
-        raise ValueError(f"rhs: expected {m} rows to match lhs's m (lhs.shape[1]), got rhs shape {tuple(rhs.shape)}")
+        raise ValueError(
+            f"rhs: expected {m} rows to match lhs's m (lhs.shape[1]), got rhs shape "
+            f"{tuple(rhs.shape)}"
+        )
     n = rhs.shape[1]
     group_sizes = _check_group_sizes(group_sizes, m)
     total = group_sizes.shape[0]
@@ -209,8 +271,10 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
         raise TypeError(f"num_actual_groups: expected a static int, got {num_actual_groups!r}")
     num_actual_groups = int(num_actual_groups)
     if not 1 <= num_actual_groups <= total:
-        raise ValueError(f"num_actual_groups: expected 1 <= num_actual_groups <= {total} (len(group_sizes)), "
-                         f"got {num_actual_groups}")
+        raise ValueError(
+            f"num_actual_groups: expected 1 <= num_actual_groups <= {total} (len(group_sizes)), "
+            f"got {num_actual_groups}"
+        )
     group_offset = _check_group_offset(group_offset, total, num_actual_groups)
     tiling_lib.check_tiling(tiling)
     shape = (num_actual_groups, k, n)
@@ -219,21 +283,38 @@ def tgmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     else:
         _check_array(existing_out, "existing_out", 3, f"[num_actual_groups, k, n] = {list(shape)}")
         if tuple(existing_out.shape) != shape:
-            raise ValueError(f"existing_out: expected shape {shape}, got {tuple(existing_out.shape)}")
+            raise ValueError(
+                f"existing_out: expected shape {shape}, got {tuple(existing_out.shape)}"
+            )
         _check_float(existing_out, "existing_out")
     backend = _choose_backend(backend, interpret, "tgmm")
-    return bind_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, num_groups=num_actual_groups,
-                       out_dtype=out_dtype, backend=backend, tiling=_hashable(tiling),
-                       interpret=_interpret_param(interpret, backend, "tgmm"))
+    return bind_tgmm(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        existing_out,
+        num_groups=num_actual_groups,
+        out_dtype=out_dtype,
+        backend=backend,
+        tiling=_hashable(tiling),
+        interpret=_interpret_param(interpret, backend, "tgmm"),
+    )
 
 
 def _hashable(tiling):
     return tuple(tiling) if isinstance(tiling, list) else tiling
 
 
-def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision=None,
-               preferred_element_type=None, group_offset: jax.Array | None = None,
-               out_sharding=None) -> jax.Array:
+def ragged_dot(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    precision=None,
+    preferred_element_type=None,
+    group_offset: jax.Array | None = None,
+    out_sharding=None,
+) -> jax.Array:
     """A drop-in for `jax.lax.ragged_dot` (same signature), computed by `cv.gmm`.
 
     Same results and output dtype: `preferred_element_type`, else the promoted type of lhs and rhs
@@ -252,12 +333,20 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, precision
       - Floating inputs only (integer inputs raise a TypeError naming the operand).
     """
     if out_sharding is not None:
-        raise ValueError(f"out_sharding: not supported by cv.ragged_dot (its output sharding follows the operands' "
-                         f"through gmm's sharding rule); got {out_sharding!r}")
+        raise ValueError(
+            "out_sharding: not supported by cv.ragged_dot (its output sharding follows the "
+            f"operands' through gmm's sharding rule); got {out_sharding!r}"
+        )
     _check_precision(precision)
     if preferred_element_type is None and hasattr(lhs, "dtype") and hasattr(rhs, "dtype"):
         preferred_element_type = jnp.result_type(lhs.dtype, rhs.dtype)
-    return gmm(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, group_offset=group_offset)
+    return gmm(
+        lhs,
+        rhs,
+        group_sizes,
+        preferred_element_type=preferred_element_type,
+        group_offset=group_offset,
+    )
 
 
 def _check_precision(precision):
@@ -266,6 +355,9 @@ def _check_precision(precision):
         if p is None or isinstance(p, jax.lax.Precision):
             continue
         try:
-            jax.lax.Precision(p)  # also accepts the strings lax.dot takes ("highest", "float32", ...)
+            # also accepts the strings lax.dot takes ("highest", "float32", ...)
+            jax.lax.Precision(p)
         except (ValueError, TypeError, KeyError) as e:
-            raise ValueError(f"precision: expected None, a lax.Precision or a pair of them, got {precision!r}") from e
+            raise ValueError(
+                f"precision: expected None, a lax.Precision or a pair of them, got {precision!r}"
+            ) from e

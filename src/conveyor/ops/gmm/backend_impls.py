@@ -1,10 +1,12 @@
-"""The implementations of gmm and tgmm (the registries `backend=` names), each with its tiling resolved.
+"""The implementations of gmm and tgmm (the registries `backend=` names), each with its tiling
+resolved.
 
 Every implementation takes the primitive's operands (lhs, rhs, group_sizes, group_offset,
 existing_out) and its static params (tiling, interpret, out_dtype, plus transpose_rhs for gmm or
 num_groups for tgmm). The mosaic_gpu entries carry a `check`: the operands, shapes and tilings its
 kernels take (see `cv.gmm`'s docstring), for the day mosaic_gpu joins CUDA's default order.
 """
+
 from __future__ import annotations
 
 from conveyor import backends
@@ -14,6 +16,7 @@ from conveyor.ops.gmm import reference, tiling as tiling_lib, xla
 
 def _mosaic_tpu():
     from conveyor.ops.gmm import mosaic_tpu  # Pallas import is deferred: it costs ~1 s
+
     return mosaic_tpu
 
 
@@ -26,79 +29,196 @@ def _tgmm_dims(lhs, rhs):
     return m, k, rhs.shape[1]
 
 
-# ---- gmm ------------------------------------------------------------------------------------------
-
-def _gmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, interpret, transpose_rhs,
-                   out_dtype):
-    return reference.gmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, transpose_rhs=transpose_rhs,
-                                   out_dtype=out_dtype)
+# ---- gmm -----------------------------------------------------------------------------------------
 
 
-def _gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, interpret, transpose_rhs, out_dtype):
+def _gmm_reference(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    *,
+    tiling,
+    interpret,
+    transpose_rhs,
+    out_dtype,
+):
+    return reference.gmm_reference(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        existing_out,
+        transpose_rhs=transpose_rhs,
+        out_dtype=out_dtype,
+    )
+
+
+def _gmm_xla(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    *,
+    tiling,
+    interpret,
+    transpose_rhs,
+    out_dtype,
+):
     m, k, n = _gmm_dims(lhs, existing_out)
     t = tiling_lib.resolve(tiling, m, k, n, (xla.GMM_TM, k, n))
-    return xla.gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t, transpose_rhs=transpose_rhs,
-                       out_dtype=out_dtype)
+    return xla.gmm_xla(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        existing_out,
+        tiling=t,
+        transpose_rhs=transpose_rhs,
+        out_dtype=out_dtype,
+    )
 
 
-def _gmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, interpret, transpose_rhs,
-                    out_dtype):
+def _gmm_mosaic_tpu(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    *,
+    tiling,
+    interpret,
+    transpose_rhs,
+    out_dtype,
+):
     m, k, n = _gmm_dims(lhs, existing_out)
     t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
-    return _mosaic_tpu().gmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t,
-                                        interpret=interpret, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+    return _mosaic_tpu().gmm_mosaic_tpu(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        existing_out,
+        tiling=t,
+        interpret=interpret,
+        transpose_rhs=transpose_rhs,
+        out_dtype=out_dtype,
+    )
 
 
 def _mosaic_gpu_gmm_tile(tiling, lhs, existing_out, transpose_rhs):
     m, k, n = _gmm_dims(lhs, existing_out)
-    return tiling_lib.resolve(tiling, m, k, n, tiling_lib.MOSAIC_GPU.gmm_tiles_for(k, n, transpose_rhs=transpose_rhs))
+    return tiling_lib.resolve(
+        tiling, m, k, n, tiling_lib.MOSAIC_GPU.gmm_tiles_for(k, n, transpose_rhs=transpose_rhs)
+    )
 
 
-def _gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, interpret, transpose_rhs,
-                    out_dtype):
+def _gmm_mosaic_gpu(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    *,
+    tiling,
+    interpret,
+    transpose_rhs,
+    out_dtype,
+):
     from conveyor.ops.gmm import mosaic_gpu
+
     t = _mosaic_gpu_gmm_tile(tiling, lhs, existing_out, transpose_rhs)
-    return mosaic_gpu.gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t,
-                                     interpret=interpret, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+    return mosaic_gpu.gmm_mosaic_gpu(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        existing_out,
+        tiling=t,
+        interpret=interpret,
+        transpose_rhs=transpose_rhs,
+        out_dtype=out_dtype,
+    )
 
 
-def _gmm_mosaic_gpu_check(lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, transpose_rhs, **_):
+def _gmm_mosaic_gpu_check(
+    lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, transpose_rhs, **_
+):
     from conveyor.ops.gmm import mosaic_gpu
+
     t = _mosaic_gpu_gmm_tile(tiling, lhs, existing_out, transpose_rhs)
     try:
         mosaic_gpu.check_gmm_args(*mosaic_gpu.wgmma_operands("gmm", lhs, rhs), t, transpose_rhs)
-    except ValueError as e:   # the kernel's argument rules, refused by name when it is named explicitly
+    # the kernel's argument rules, refused by name when it is named explicitly
+    except ValueError as e:
         raise NotImplementedError(str(e)) from e
 
 
-GMM = Registry("gmm", (
-    Implementation(name="xla", run=_gmm_xla),
-    Implementation(name="mosaic_tpu", run=_gmm_mosaic_tpu, interprets=True),
-    Implementation(name="mosaic_gpu", run=_gmm_mosaic_gpu, check=_gmm_mosaic_gpu_check, interprets=True),
-    Implementation(name="reference", run=_gmm_reference),
-))
+GMM = Registry(
+    "gmm",
+    (
+        Implementation(name="xla", run=_gmm_xla),
+        Implementation(name="mosaic_tpu", run=_gmm_mosaic_tpu, interprets=True),
+        Implementation(
+            name="mosaic_gpu", run=_gmm_mosaic_gpu, check=_gmm_mosaic_gpu_check, interprets=True
+        ),
+        Implementation(name="reference", run=_gmm_reference),
+    ),
+)
 
 
-# ---- tgmm -----------------------------------------------------------------------------------------
-
-def _tgmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, interpret, num_groups, out_dtype):
-    return reference.tgmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, num_groups=num_groups,
-                                    out_dtype=out_dtype)
+# ---- tgmm ----------------------------------------------------------------------------------------
 
 
-def _tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, interpret, num_groups, out_dtype):
+def _tgmm_reference(
+    lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, interpret, num_groups, out_dtype
+):
+    return reference.tgmm_reference(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        existing_out,
+        num_groups=num_groups,
+        out_dtype=out_dtype,
+    )
+
+
+def _tgmm_xla(
+    lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, interpret, num_groups, out_dtype
+):
     m, k, n = _tgmm_dims(lhs, rhs)
     t = tiling_lib.resolve(tiling, m, k, n, (xla.default_tgmm_tm(m, num_groups), k, n))
-    return xla.tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t, num_groups=num_groups,
-                        out_dtype=out_dtype)
+    return xla.tgmm_xla(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        existing_out,
+        tiling=t,
+        num_groups=num_groups,
+        out_dtype=out_dtype,
+    )
 
 
-def _tgmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, interpret, num_groups,
-                     out_dtype):
+def _tgmm_mosaic_tpu(
+    lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, interpret, num_groups, out_dtype
+):
     m, k, n = _tgmm_dims(lhs, rhs)
     t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
-    return _mosaic_tpu().tgmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t,
-                                         interpret=interpret, num_groups=num_groups, out_dtype=out_dtype)
+    return _mosaic_tpu().tgmm_mosaic_tpu(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        existing_out,
+        tiling=t,
+        interpret=interpret,
+        num_groups=num_groups,
+        out_dtype=out_dtype,
+    )
 
 
 def _mosaic_gpu_tgmm_tile(tiling, lhs, rhs):
@@ -106,41 +226,69 @@ def _mosaic_gpu_tgmm_tile(tiling, lhs, rhs):
     return tiling_lib.resolve(tiling, m, k, n, tiling_lib.MOSAIC_GPU.tgmm_tiles_for(n))
 
 
-def _tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, interpret, num_groups,
-                     out_dtype):
+def _tgmm_mosaic_gpu(
+    lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, interpret, num_groups, out_dtype
+):
     from conveyor.ops.gmm import mosaic_gpu_tgmm
+
     t = _mosaic_gpu_tgmm_tile(tiling, lhs, rhs)
-    return mosaic_gpu_tgmm.tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, tiling=t,
-                                           interpret=interpret, num_groups=num_groups, out_dtype=out_dtype)
+    return mosaic_gpu_tgmm.tgmm_mosaic_gpu(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        existing_out,
+        tiling=t,
+        interpret=interpret,
+        num_groups=num_groups,
+        out_dtype=out_dtype,
+    )
 
 
 def _tgmm_mosaic_gpu_check(lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, **_):
     from conveyor.ops.gmm import mosaic_gpu, mosaic_gpu_tgmm
+
     try:
-        mosaic_gpu_tgmm.check_tgmm_args(*mosaic_gpu.wgmma_operands("tgmm", lhs, rhs),
-                                        _mosaic_gpu_tgmm_tile(tiling, lhs, rhs))
+        mosaic_gpu_tgmm.check_tgmm_args(
+            *mosaic_gpu.wgmma_operands("tgmm", lhs, rhs), _mosaic_gpu_tgmm_tile(tiling, lhs, rhs)
+        )
     except ValueError as e:
         raise NotImplementedError(str(e)) from e
 
 
-TGMM = Registry("tgmm", (
-    Implementation(name="xla", run=_tgmm_xla),
-    Implementation(name="mosaic_tpu", run=_tgmm_mosaic_tpu, interprets=True),
-    Implementation(name="mosaic_gpu", run=_tgmm_mosaic_gpu, check=_tgmm_mosaic_gpu_check, interprets=True),
-    Implementation(name="reference", run=_tgmm_reference),
-))
+TGMM = Registry(
+    "tgmm",
+    (
+        Implementation(name="xla", run=_tgmm_xla),
+        Implementation(name="mosaic_tpu", run=_tgmm_mosaic_tpu, interprets=True),
+        Implementation(
+            name="mosaic_gpu", run=_tgmm_mosaic_gpu, check=_tgmm_mosaic_gpu_check, interprets=True
+        ),
+        Implementation(name="reference", run=_tgmm_reference),
+    ),
+)
 
 
 def _run(registry: Registry, backend: str, platform: str, args, params):
-    impl = registry.for_platform(platform, *args, **params) if backend == backends.AUTO else registry.get(backend)
+    impl = (
+        registry.for_platform(platform, *args, **params)
+        if backend == backends.AUTO
+        else registry.get(backend)
+    )
     return impl.run(*args, **params)
 
 
-def run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, platform="cpu", **params):
+def run_gmm(
+    lhs, rhs, group_sizes, group_offset, existing_out, *, backend, platform="cpu", **params
+):
     """gmm by the named implementation, or (backend="auto") by `platform`'s default order."""
     return _run(GMM, backend, platform, (lhs, rhs, group_sizes, group_offset, existing_out), params)
 
 
-def run_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, *, backend, platform="cpu", **params):
+def run_tgmm(
+    lhs, rhs, group_sizes, group_offset, existing_out, *, backend, platform="cpu", **params
+):
     """tgmm by the named implementation, or (backend="auto") by `platform`'s default order."""
-    return _run(TGMM, backend, platform, (lhs, rhs, group_sizes, group_offset, existing_out), params)
+    return _run(
+        TGMM, backend, platform, (lhs, rhs, group_sizes, group_offset, existing_out), params
+    )

@@ -3,6 +3,7 @@
 Pure functions of `group_sizes` (concrete or traced): they define how every backend except
 `reference` maps groups to rows and tiles.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,8 +32,9 @@ def group_ends(group_sizes: jax.Array, m: int) -> jax.Array:
     return jnp.minimum(lax.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
 
 
-def local_group_boundaries(group_sizes: jax.Array, group_offset: jax.Array, num_groups: int, m: int
-                           ) -> jax.Array:
+def local_group_boundaries(
+    group_sizes: jax.Array, group_offset: jax.Array, num_groups: int, m: int
+) -> jax.Array:
     """int32[num_groups + 1]: local group i (global group `group_offset + i`) owns rows
     [b[i], b[i + 1]); out-of-range groups are empty.
 
@@ -41,22 +43,29 @@ def local_group_boundaries(group_sizes: jax.Array, group_offset: jax.Array, num_
     offset (a few ops, not a gather: this runs in every gmm/tgmm and its derivatives).
     """
     ends = group_ends(group_sizes, m)
-    padded = jnp.concatenate([jnp.zeros((num_groups + 1,), jnp.int32), ends,
-                              jnp.broadcast_to(ends[-1], (num_groups,))])
-    start = lax.clamp(jnp.int32(0), group_offset.astype(jnp.int32) + num_groups,
-                      jnp.int32(group_sizes.shape[0] + num_groups))
+    padded = jnp.concatenate(
+        [jnp.zeros((num_groups + 1,), jnp.int32), ends, jnp.broadcast_to(ends[-1], (num_groups,))]
+    )
+    start = lax.clamp(
+        jnp.int32(0),
+        group_offset.astype(jnp.int32) + num_groups,
+        jnp.int32(group_sizes.shape[0] + num_groups),
+    )
     return lax.dynamic_slice_in_dim(padded, start, num_groups + 1, allow_negative_indices=False)
 
 
-def local_group_bounds(group_sizes: jax.Array, group_offset: jax.Array, num_groups: int, m: int
-                       ) -> tuple[jax.Array, jax.Array]:
+def local_group_bounds(
+    group_sizes: jax.Array, group_offset: jax.Array, num_groups: int, m: int
+) -> tuple[jax.Array, jax.Array]:
     """Row ranges [start, end) of the `num_groups` local groups `group_offset + i`; out-of-range
     groups are empty."""
     bounds = local_group_boundaries(group_sizes, group_offset, num_groups, m)
     return bounds[:-1], bounds[1:]
 
 
-def local_row_mask(group_sizes: jax.Array, group_offset: jax.Array, num_groups: int, m: int) -> jax.Array:
+def local_row_mask(
+    group_sizes: jax.Array, group_offset: jax.Array, num_groups: int, m: int
+) -> jax.Array:
     """bool[m]: rows that belong to one of the local groups (the rows gmm writes)."""
     starts, ends = local_group_bounds(group_sizes, group_offset, num_groups, m)
     lo = jnp.min(jnp.where(ends > starts, starts, m))
@@ -83,6 +92,7 @@ class GroupMetadata:
       tile_ids: int32[max_visits], row tile index of each visit.
       num_visits: int32 scalar, how many visits are real.
     """
+
     group_starts: jax.Array
     group_ends: jax.Array
     group_ids: jax.Array
@@ -129,8 +139,14 @@ def count_row_blocks(group_sizes, tm: int, m: int | None = None) -> list[int]:
     return counts
 
 
-def make_group_metadata(group_sizes: jax.Array, m: int, tm: int, *, group_offset: jax.Array | int = 0,
-                        num_groups: int | None = None) -> GroupMetadata:
+def make_group_metadata(
+    group_sizes: jax.Array,
+    m: int,
+    tm: int,
+    *,
+    group_offset: jax.Array | int = 0,
+    num_groups: int | None = None,
+) -> GroupMetadata:
     """Build the tile visit schedule of a grouped matmul.
 
     Args:
@@ -147,8 +163,9 @@ def make_group_metadata(group_sizes: jax.Array, m: int, tm: int, *, group_offset
         raise ValueError(f"tm: expected a positive tile size, got {tm!r}")
     if num_groups is None:
         num_groups = group_sizes.shape[0]
-    starts, ends = local_group_bounds(jnp.asarray(group_sizes), jnp.asarray(group_offset, jnp.int32),
-                                      num_groups, m)
+    starts, ends = local_group_bounds(
+        jnp.asarray(group_sizes), jnp.asarray(group_offset, jnp.int32), num_groups, m
+    )
     nonempty = ends > starts
     first_tile = starts // tm
     last_tile = (jnp.maximum(ends, 1) - 1) // tm
@@ -164,5 +181,10 @@ def make_group_metadata(group_sizes: jax.Array, m: int, tm: int, *, group_offset
     group_ids = jnp.minimum(group_ids, max(num_groups - 1, 0))
     tile_ids = first_tile[group_ids] + v_real - visits_start[group_ids]
     tile_ids = jnp.where(num_visits > 0, tile_ids, 0).astype(jnp.int32)
-    return GroupMetadata(group_starts=starts, group_ends=ends, group_ids=group_ids,
-                         tile_ids=tile_ids, num_visits=jnp.asarray(num_visits, jnp.int32))
+    return GroupMetadata(
+        group_starts=starts,
+        group_ends=ends,
+        group_ids=group_ids,
+        tile_ids=tile_ids,
+        num_visits=jnp.asarray(num_visits, jnp.int32),
+    )

@@ -27,6 +27,7 @@ halve from (64, 256) until they divide k and n (`GpuKernelConfig.gmm_tiles_for`)
 only be multiples of 16 (n of 8 with transpose_rhs). Verified on CPU by the Mosaic GPU
 interpreter and by `jax.export` for cuda; not yet run on a GPU (see the benchmark notes).
 """
+
 from __future__ import annotations
 
 import jax
@@ -46,16 +47,18 @@ from conveyor.pipeline.mosaic_gpu import SMEM_BUDGET_BYTES
 
 GPU_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 COMPUTE_THREADS = MOSAIC_GPU.compute_threads
-ROWS_PER_THREAD = 64         # one wgmma M per compute warpgroup
+ROWS_PER_THREAD = 64  # one wgmma M per compute warpgroup
 TM = COMPUTE_THREADS * ROWS_PER_THREAD
-DELAY_RELEASE = MOSAIC_GPU.delay_release   # a step's wgmma stays in flight while the next is issued
+DELAY_RELEASE = MOSAIC_GPU.delay_release  # a step's wgmma stays in flight while the next is issued
 
 
 def stages_that_fit(*, block_bytes: int, staging) -> int:
-    """Up to `MOSAIC_GPU.stages` pipeline slots of `block_bytes` (one step's operand blocks), as many as fit
+    """Up to `MOSAIC_GPU.stages` pipeline slots of `block_bytes` (one step's operand blocks), as
+    many as fit
     beside the kernel's output staging buffer (`GpuKernelConfig.stages_that_fit`)."""
-    return MOSAIC_GPU.stages_that_fit(block_bytes=block_bytes, staging_bytes=smem_bytes([staging]),
-                                      budget_bytes=SMEM_BUDGET_BYTES)
+    return MOSAIC_GPU.stages_that_fit(
+        block_bytes=block_bytes, staging_bytes=smem_bytes([staging]), budget_bytes=SMEM_BUDGET_BYTES
+    )
 
 
 def smem_layout(*minor_elems: int, itemsize: int) -> tuple:
@@ -63,7 +66,10 @@ def smem_layout(*minor_elems: int, itemsize: int) -> tuple:
     as (tiling, swizzle) transforms for pipeline blocks; () when none does (plain layout)."""
     for swizzle in (128, 64, 32):
         if all((e * itemsize) % swizzle == 0 for e in minor_elems):
-            return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+            return (
+                plgpu.TilingTransform((8, swizzle // itemsize)),
+                plgpu.SwizzleTransform(swizzle),
+            )
     return ()
 
 
@@ -81,8 +87,10 @@ def wgmma_operands(op: str, lhs, rhs):
     if len(narrow) == 1 and jnp.dtype(jnp.float32) in (dl, dr):
         return lhs.astype(narrow[0]), rhs.astype(narrow[0])
     raise NotImplementedError(
-        f"mosaic_gpu {op}: wgmma takes bfloat16 or float16 operands (a float32 one beside them is rounded to "
-        f"their dtype), got lhs {dl} and rhs {dr}; cast them (accumulation stays float32) or use backend='xla'")
+        f"mosaic_gpu {op}: wgmma takes bfloat16 or float16 operands (a float32 one beside them is "
+        f"rounded to their dtype), got lhs {dl} and rhs {dr}; cast them (accumulation stays "
+        "float32) or use backend='xla'"
+    )
 
 
 def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs) -> tuple[int, int, int]:
@@ -91,22 +99,32 @@ def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs) -> tuple[int, int, int
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
     # A block's minor dimension spans a 32-byte swizzled row at least: tk always, tn unless rhs is
     # transposed (then its rows are tn, any multiple of 8). tn=8 with a [tk, tn] block passed the
-    # interpreter and failed Mosaic's compile ("No valid tiling found for SMEM reference", jax 0.12.0.1).
+    # interpreter and failed Mosaic's compile ("No valid tiling found for SMEM reference", jax
+    # 0.12.0.1).
     narrowest = {"k": MOSAIC_GPU.min_tile, "n": MOSAIC_GPU.gmm_min_tn(transpose_rhs)}
     for name, dim in (("k", k), ("n", n)):
         if dim % narrowest[name]:
-            raise ValueError(f"{name}: mosaic_gpu gmm needs {name} to be a multiple of {narrowest[name]} (its "
-                             f"narrowest tile), got {name}={dim}; pad the operands with zeros or use backend='xla'")
+            raise ValueError(
+                f"{name}: mosaic_gpu gmm needs {name} to be a multiple of {narrowest[name]} (its "
+                f"narrowest tile), got {name}={dim}; pad the operands with zeros or use "
+                "backend='xla'"
+            )
     if tm != TM:
-        raise ValueError(f"tiling: mosaic_gpu gmm uses tm={TM} (two compute warpgroups of {ROWS_PER_THREAD} rows), "
-                         f"got tm={tm}")
+        raise ValueError(
+            f"tiling: mosaic_gpu gmm uses tm={TM} (two compute warpgroups of {ROWS_PER_THREAD} "
+            f"rows), got tm={tm}"
+        )
     if k % tk or (tk * jnp.dtype(lhs.dtype).itemsize) % 32:
-        raise ValueError(f"tiling: mosaic_gpu gmm needs tk to divide k={k} and span a multiple of 32 bytes, "
-                         f"got tk={tk}")
+        raise ValueError(
+            f"tiling: mosaic_gpu gmm needs tk to divide k={k} and span a multiple of 32 bytes, got "
+            f"tk={tk}"
+        )
     step = MOSAIC_GPU.tn_multiple(tn, narrowest["n"])
     if n % tn or tn % step or tn > MOSAIC_GPU.max_tn:
-        raise ValueError(f"tiling: mosaic_gpu gmm needs tn to divide n={n}, be a multiple of {step} and at most "
-                         f"{MOSAIC_GPU.max_tn}, got tn={tn}")
+        raise ValueError(
+            f"tiling: mosaic_gpu gmm needs tn to divide n={n}, be a multiple of {step} and at most "
+            f"{MOSAIC_GPU.max_tn}, got tn={tn}"
+        )
     return tm, tk, tn
 
 
@@ -130,7 +148,7 @@ def accumulate_then_store(eval_pipeline, acc_shape: tuple[int, int], staging, st
         plgpu.wgmma_wait(0)
         done = acc[...]
         for part in range(acc_shape[0] // rows):
-            staging[...] = done[part * rows:(part + 1) * rows].astype(staging.dtype)
+            staging[...] = done[part * rows : (part + 1) * rows].astype(staging.dtype)
             plgpu.commit_smem()
             store(staging, part)
 
@@ -149,8 +167,10 @@ def store_rows(acc_smem, out_gmem, lo, hi, row0, col0, width):
 
         @pl.when(take)
         def _(chunk=chunk, start=start):
-            plgpu.copy_smem_to_gmem(acc_smem.at[pl.ds(start, chunk)],
-                                    out_gmem.at[pl.ds(row0 + start, chunk), pl.ds(col0, width)])
+            plgpu.copy_smem_to_gmem(
+                acc_smem.at[pl.ds(start, chunk)],
+                out_gmem.at[pl.ds(row0 + start, chunk), pl.ds(col0, width)],
+            )
 
         start = start + jnp.where(take, chunk, 0)
         chunk //= 2
@@ -173,8 +193,18 @@ def grid_band(column_tiles: int) -> int:
     return max(b for b in range(1, MOSAIC_GPU.grid_band + 1) if column_tiles % b == 0)
 
 
-def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, tiling,
-                   interpret):
+def gmm_mosaic_gpu(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    *,
+    transpose_rhs,
+    out_dtype,
+    tiling,
+    interpret,
+):
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -186,16 +216,32 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
     column_tiles = n // tn
     band = grid_band(column_tiles)
     rhs_block = (tn, tk) if transpose_rhs else (tk, tn)
-    layout = smem_layout(tk, *(() if transpose_rhs else (tn,)), itemsize=jnp.dtype(lhs.dtype).itemsize)
+    layout = smem_layout(
+        tk, *(() if transpose_rhs else (tn,)), itemsize=jnp.dtype(lhs.dtype).itemsize
+    )
     split_columns = MOSAIC_GPU.split_columns(tn)
     wg_rows, wg_cols = MOSAIC_GPU.thread_tile(tm, tn)
     staging = plgpu.SMEM(MOSAIC_GPU.staging_shape(tm, tn), out_dtype)
-    stages = stages_that_fit(block_bytes=(tm * tk + tk * tn) * jnp.dtype(lhs.dtype).itemsize, staging=staging)
+    stages = stages_that_fit(
+        block_bytes=(tm * tk + tk * tn) * jnp.dtype(lhs.dtype).itemsize, staging=staging
+    )
 
-    def kernel(gids_ref, tids_ref, starts_ref, ends_ref, nvis_ref, lhs_ref, rhs_ref, start_ref, out_ref, acc_smem):
+    def kernel(
+        gids_ref,
+        tids_ref,
+        starts_ref,
+        ends_ref,
+        nvis_ref,
+        lhs_ref,
+        rhs_ref,
+        start_ref,
+        out_ref,
+        acc_smem,
+    ):
         j, v = banded_tile(cv.program_id(0), column_tiles=column_tiles, visits=visits, band=band)
         wg = lax.axis_index("wg")
-        row_off, col_off = MOSAIC_GPU.thread_origin(wg, tm, tn)   # this warpgroup's wg_rows x wg_cols part
+        # this warpgroup's wg_rows x wg_cols part
+        row_off, col_off = MOSAIC_GPU.thread_origin(wg, tm, tn)
 
         @pl.when(v < nvis_ref[0])
         def _():
@@ -205,7 +251,11 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
             def mma(indices, a_blk, b_blk, acc):
                 if split_columns:
                     a = a_blk
-                    b = b_blk.at[pl.ds(col_off, wg_cols)].T if transpose_rhs else b_blk.at[:, pl.ds(col_off, wg_cols)]
+                    b = (
+                        b_blk.at[pl.ds(col_off, wg_cols)].T
+                        if transpose_rhs
+                        else b_blk.at[:, pl.ds(col_off, wg_cols)]
+                    )
                 else:
                     a = a_blk.at[pl.ds(row_off, wg_rows)]
                     b = b_blk.T if transpose_rhs else b_blk
@@ -216,28 +266,59 @@ def gmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
                     row0 = tile * tm + row_off + part * staged.shape[0]
                     lo = jnp.clip(lo_g - row0, 0, staged.shape[0])
                     hi = jnp.clip(jnp.minimum(hi_g, m) - row0, 0, staged.shape[0])
-                    store_rows(staged, out_ref, lo, jnp.maximum(hi, lo), row0, j * tn + col_off, wg_cols)
+                    store_rows(
+                        staged, out_ref, lo, jnp.maximum(hi, lo), row0, j * tn + col_off, wg_cols
+                    )
 
                 accumulate_then_store(eval_pipeline, (wg_rows, wg_cols), acc_smem.at[wg], store)
 
             cv.emit_pipeline_warp_specialized(
-                mma, grid=(k // tk,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_THREADS,
-                max_concurrent_steps=stages, delay_release=DELAY_RELEASE, compute_context=compute_context,
-                in_specs=[cv.BlockSpec((tm, tk), lambda kk: (tile, kk), transforms=layout),
-                          cv.BlockSpec(rhs_block, (lambda kk: (j, kk)) if transpose_rhs else (lambda kk: (kk, j)),
-                                       transforms=layout)],
+                mma,
+                grid=(k // tk,),
+                memory_registers=40,
+                wg_axis="wg",
+                num_compute_wgs=COMPUTE_THREADS,
+                max_concurrent_steps=stages,
+                delay_release=DELAY_RELEASE,
+                compute_context=compute_context,
+                in_specs=[
+                    cv.BlockSpec((tm, tk), lambda kk: (tile, kk), transforms=layout),
+                    cv.BlockSpec(
+                        rhs_block,
+                        (lambda kk: (j, kk)) if transpose_rhs else (lambda kk: (kk, j)),
+                        transforms=layout,
+                    ),
+                ],
             )(lhs_ref, rhs_ref.at[g])
 
-    m_pad = cdiv(m, tm) * tm      # pipeline blocks divide their arrays: whole row tiles (zero rows, never stored)
+    # pipeline blocks divide their arrays: whole row tiles (zero rows, never stored)
+    m_pad = cdiv(m, tm) * tm
     if m_pad != m:
         lhs = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))
     # The output starts as existing_out (or zeros) and the kernel writes only its groups' rows.
     start = existing_out.astype(out_dtype)
-    call = cv.kernel(kernel, jax.ShapeDtypeStruct((m, n), out_dtype), backend="mosaic_gpu", interpret=interpret,
-                     num_threads=COMPUTE_THREADS + 1, thread_name="wg", grid=(column_tiles * visits,),
-                     scratch_shapes=[staging], input_output_aliases={7: 0},
-                     cost_estimate=gpu_cost(matmul_cost(m, k, n, lhs, rhs, start)))
-    return call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, num_visits, lhs, rhs, start)
+    call = cv.kernel(
+        kernel,
+        jax.ShapeDtypeStruct((m, n), out_dtype),
+        backend="mosaic_gpu",
+        interpret=interpret,
+        num_threads=COMPUTE_THREADS + 1,
+        thread_name="wg",
+        grid=(column_tiles * visits,),
+        scratch_shapes=[staging],
+        input_output_aliases={7: 0},
+        cost_estimate=gpu_cost(matmul_cost(m, k, n, lhs, rhs, start)),
+    )
+    return call(
+        meta.group_ids,
+        meta.tile_ids,
+        meta.group_starts,
+        meta.group_ends,
+        num_visits,
+        lhs,
+        rhs,
+        start,
+    )
 
 
 def gpu_cost(estimate):
@@ -246,5 +327,16 @@ def gpu_cost(estimate):
     return estimate if gpu_kernel_takes_cost_estimate() else None
 
 
-__all__ = ["gmm_mosaic_gpu", "gpu_cost", "check_gmm_args", "smem_layout", "accumulate_then_store", "stages_that_fit",
-           "store_rows", "wgmma_operands", "wgmma_step", "banded_tile", "grid_band"]
+__all__ = [
+    "gmm_mosaic_gpu",
+    "gpu_cost",
+    "check_gmm_args",
+    "smem_layout",
+    "accumulate_then_store",
+    "stages_that_fit",
+    "store_rows",
+    "wgmma_operands",
+    "wgmma_step",
+    "banded_tile",
+    "grid_band",
+]

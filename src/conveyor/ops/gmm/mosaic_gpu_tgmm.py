@@ -9,7 +9,8 @@ runs no step and stores exact zeros). The kernel reads lhs as the tokens x = lhs
 gmm backward holds them (it passes x.T, and XLA folds the two transposes: no [k, m] copy). Three
 warpgroups: one memory thread issues the TMA copies of the x block [tm, tk] and the rhs block
 [tm, tn] (tiled, 128-byte swizzled shared memory); two compute threads accumulate `wgmma`s in
-registers, the x block read transposed from shared memory, each step's wgmma left in flight while the next
+registers, the x block read transposed from shared memory, each step's wgmma left in flight while
+the next
 is issued (`delay_release=1`). Up to tn=128 each owns 64 of the tk=128 output rows; the default
 tn=256 is split by columns (each owns all 128 rows and 128 columns, as gmm's kernel), and stores
 its rows 64 at a time through a small staging buffer, which leaves room for the pipeline's 4
@@ -18,7 +19,8 @@ slots.
 The first and last blocks of a group hold rows of the neighbouring groups. There both operands are
 zeroed outside the group with `jnp.where` (never by multiplying with a mask: `inf * 0` is NaN, and
 other groups' rows may hold anything): each compute thread masks its own 64 columns of the x
-block (its output rows) and its half of the rhs block's columns, then the two meet at a barrier so that each one's wgmma
+block (its output rows) and its half of the rhs block's columns, then the two meet at a barrier so
+that each one's wgmma
 reads the other's masked half. Interior blocks are used as they land. (The GPU interpreter does
 not race-check wgmma operand reads, jax 0.12.0.1: with that barrier removed `detect_races=True`
 reports nothing, so the barrier is kept by review, not by a test.)
@@ -28,13 +30,16 @@ XLA folds away when it is the zeros a gradient passes; with a nonzero `existing_
 output the sum is rounded twice (the product, then the sum), one ulp of the output dtype at most.
 
 Limits: bfloat16/float16 operands (float32 accumulation; see `mosaic_gpu.wgmma_operands`); tm=64
-rows per step (4 slots of blocks fit beside the staging buffer); tk=128; tn a multiple of 64 dividing n
+rows per step (4 slots of blocks fit beside the staging buffer); tk=128; tn a multiple of 64
+dividing n
 (of 128 above 128), at most 256 (the default: 256, else 128, else 64, the widest that divides n;
-with tn=64 compute thread 0 masks a boundary rhs block whole, the other waiting at the barrier). m is padded to whole row blocks
+with tn=64 compute thread 0 masks a boundary rhs block whole, the other waiting at the barrier). m
+is padded to whole row blocks
 (zero rows, outside every group); k to whole output row tiles (zero x columns; the rows past k are
 not stored: power-of-two chunks of TMA stores, as in gmm). Both pads are one copy of x.
 Verified on CPU by the Mosaic GPU interpreter and by `jax.export` for cuda; not yet run on a GPU.
 """
+
 from __future__ import annotations
 
 import jax
@@ -47,14 +52,24 @@ import conveyor as cv
 from conveyor.ops.gmm.metadata import local_group_bounds, row_block_span
 from conveyor.cost import matmul_cost
 from conveyor.ints import cdiv
-from conveyor.ops.gmm.mosaic_gpu import COMPUTE_THREADS, gpu_cost, DELAY_RELEASE, ROWS_PER_THREAD, accumulate_then_store, \
-    smem_layout, stages_that_fit, store_rows, wgmma_operands, wgmma_step
+from conveyor.ops.gmm.mosaic_gpu import (
+    COMPUTE_THREADS,
+    gpu_cost,
+    DELAY_RELEASE,
+    ROWS_PER_THREAD,
+    accumulate_then_store,
+    smem_layout,
+    stages_that_fit,
+    store_rows,
+    wgmma_operands,
+    wgmma_step,
+)
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
 
-SWIZZLE = 128                                   # bytes: the widest shared-memory swizzle
-TM = MOSAIC_GPU.tgmm_tiling[0]                  # rows reduced per step: 4 slots of blocks fit (see check_tgmm_args)
-MIN_TN = MOSAIC_GPU.tgmm_min_tn                 # one 128-byte swizzled row of 16-bit rhs columns
-TK = COMPUTE_THREADS * ROWS_PER_THREAD          # output rows (of k) per thread block
+SWIZZLE = 128  # bytes: the widest shared-memory swizzle
+TM = MOSAIC_GPU.tgmm_tiling[0]  # rows reduced per step: 4 slots of blocks fit (see check_tgmm_args)
+MIN_TN = MOSAIC_GPU.tgmm_min_tn  # one 128-byte swizzled row of 16-bit rhs columns
+TK = COMPUTE_THREADS * ROWS_PER_THREAD  # output rows (of k) per thread block
 
 
 def check_tgmm_args(lhs, rhs, tiling: Tile) -> tuple[int, int, int]:
@@ -62,19 +77,28 @@ def check_tgmm_args(lhs, rhs, tiling: Tile) -> tuple[int, int, int]:
     n = rhs.shape[1]
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
     if tm != TM:
-        raise ValueError(f"tiling: mosaic_gpu tgmm reduces tm={TM} rows per step (the size it is built and verified "
-                         f"for: 4 pipeline slots of a [{TM}, {TK}] x block and a [{TM}, tn] rhs block fit in shared "
-                         f"memory), got tm={tm}")
+        raise ValueError(
+            f"tiling: mosaic_gpu tgmm reduces tm={TM} rows per step (the size it is built and "
+            f"verified for: 4 pipeline slots of a [{TM}, {TK}] x block and a [{TM}, tn] rhs block "
+            f"fit in shared memory), got tm={tm}"
+        )
     if tk != TK:
-        raise ValueError(f"tiling: mosaic_gpu tgmm uses tk={TK} (two compute warpgroups of {ROWS_PER_THREAD} output "
-                         f"rows), got tk={tk}")
+        raise ValueError(
+            f"tiling: mosaic_gpu tgmm uses tk={TK} (two compute warpgroups of {ROWS_PER_THREAD} "
+            f"output rows), got tk={tk}"
+        )
     if n % MIN_TN:
-        raise ValueError(f"n: mosaic_gpu tgmm needs n to be a multiple of {MIN_TN} (its narrowest column tile, "
-                         f"{SWIZZLE}-byte swizzled rows), got n={n}; pad rhs with zero columns or use backend='xla'")
+        raise ValueError(
+            f"n: mosaic_gpu tgmm needs n to be a multiple of {MIN_TN} (its narrowest column tile, "
+            f"{SWIZZLE}-byte swizzled rows), got n={n}; pad rhs with zero columns or use "
+            "backend='xla'"
+        )
     step = MOSAIC_GPU.tn_multiple(tn, MIN_TN)
     if n % tn or tn % step or tn > MOSAIC_GPU.max_tn:
-        raise ValueError(f"tiling: mosaic_gpu tgmm needs tn to divide n={n}, be a multiple of {step} and at most "
-                         f"{MOSAIC_GPU.max_tn}, got tn={tn}")
+        raise ValueError(
+            f"tiling: mosaic_gpu tgmm needs tn to divide n={n}, be a multiple of {step} and at "
+            f"most {MOSAIC_GPU.max_tn}, got tn={tn}"
+        )
     return tm, tk, tn
 
 
@@ -91,17 +115,23 @@ def _zero_outside(block, first_row, lo, hi):
         chunk[...] = jnp.where((pos >= lo) & (pos < hi), vals, jnp.zeros_like(vals))
 
 
-def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling, interpret):
+def tgmm_mosaic_gpu(
+    lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling, interpret
+):
     k, m = lhs.shape
     n = rhs.shape[1]
     lhs, rhs = wgmma_operands("tgmm", lhs, rhs)
     tm, tk, tn = check_tgmm_args(lhs, rhs, tiling)
-    k_pad = cdiv(k, tk) * tk      # whole output row tiles: x gets zero columns, only rows < k are stored
-    # The kernel reads lhs as x = lhs.T [m, k] (the tokens, as the caller holds them): a gmm backward
+    # whole output row tiles: x gets zero columns, only rows < k are stored
+    k_pad = cdiv(k, tk) * tk
+    # The kernel reads lhs as x = lhs.T [m, k] (the tokens, as the caller holds them): a gmm
+    # backward
     # passes x.T, and XLA folds the two transposes, so no [k, m] copy of the tokens is made.
     x = lhs.T
-    layout = smem_layout(tk, tn, itemsize=jnp.dtype(lhs.dtype).itemsize)   # 128-byte swizzled rows
-    starts, ends = local_group_bounds(group_sizes, jnp.asarray(group_offset, jnp.int32), num_groups, m)
+    layout = smem_layout(tk, tn, itemsize=jnp.dtype(lhs.dtype).itemsize)  # 128-byte swizzled rows
+    starts, ends = local_group_bounds(
+        group_sizes, jnp.asarray(group_offset, jnp.int32), num_groups, m
+    )
     # Each compute thread masks half of a boundary rhs block's columns when the halves are whole
     # swizzled rows (tn >= 128); a 64-column block is masked whole by thread 0.
     half_n = tn // COMPUTE_THREADS
@@ -109,31 +139,38 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
     split_columns = MOSAIC_GPU.split_columns(tn)
     wg_rows, wg_cols = MOSAIC_GPU.thread_tile(tk, tn)
     staging = plgpu.SMEM(MOSAIC_GPU.staging_shape(tk, tn), out_dtype)
-    stages = stages_that_fit(block_bytes=(tk * tm + tm * tn) * jnp.dtype(lhs.dtype).itemsize, staging=staging)
+    stages = stages_that_fit(
+        block_bytes=(tk * tm + tm * tn) * jnp.dtype(lhs.dtype).itemsize, staging=staging
+    )
 
     def kernel(starts_ref, ends_ref, x_ref, rhs_ref, out_ref, out_smem, masked):
         i, kb, nb = cv.program_id(0), cv.program_id(1), cv.program_id(2)
         wg = lax.axis_index("wg")
         lo, hi = starts_ref[i], ends_ref[i]
         first_block, blocks = row_block_span(lo, hi, tm)
-        row_off, col_off = MOSAIC_GPU.thread_origin(wg, tk, tn)   # this warpgroup's wg_rows x wg_cols part
+        # this warpgroup's wg_rows x wg_cols part
+        row_off, col_off = MOSAIC_GPU.thread_origin(wg, tk, tn)
 
         def mma(indices, x_blk, b_blk, acc):
             r = first_block + indices[0]
             row0 = r * tm
 
-            @pl.when((row0 < lo) | (row0 + tm > hi))   # a block shared with a neighbouring group
+            @pl.when((row0 < lo) | (row0 + tm > hi))  # a block shared with a neighbouring group
             def _():
-                _zero_outside(x_blk.at[:, pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], row0, lo, hi)
+                _zero_outside(
+                    x_blk.at[:, pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], row0, lo, hi
+                )
                 if split_rhs:
                     _zero_outside(b_blk.at[:, pl.ds(wg * half_n, half_n)], row0, lo, hi)
                 else:
+
                     @pl.when(wg == 0)
                     def _():
                         _zero_outside(b_blk, row0, lo, hi)
+
                 plgpu.commit_smem()
-                plgpu.barrier_arrive(masked)     # (jax 0.11 has no barrier_arrive_and_wait)
-                plgpu.barrier_wait(masked)       # both operand blocks are masked whole now
+                plgpu.barrier_arrive(masked)  # (jax 0.11 has no barrier_arrive_and_wait)
+                plgpu.barrier_wait(masked)  # both operand blocks are masked whole now
 
             # wgmma reads the x block [tm, tk] transposed from shared memory: the [tk, tm] lhs block
             if split_columns:
@@ -146,31 +183,50 @@ def tgmm_mosaic_gpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
                 row0 = kb * tk + row_off + part * rows
                 col0 = nb * tn + col_off
                 if k == k_pad:
-                    plgpu.copy_smem_to_gmem(staged, out_ref.at[i, pl.ds(row0, rows), pl.ds(col0, wg_cols)])
+                    plgpu.copy_smem_to_gmem(
+                        staged, out_ref.at[i, pl.ds(row0, rows), pl.ds(col0, wg_cols)]
+                    )
                     plgpu.wait_smem_to_gmem(0)
-                else:       # the last row tile passes k: store the rows below it
-                    store_rows(staged, out_ref.at[i], 0, jnp.clip(k - row0, 0, rows), row0, col0, wg_cols)
+                else:  # the last row tile passes k: store the rows below it
+                    store_rows(
+                        staged, out_ref.at[i], 0, jnp.clip(k - row0, 0, rows), row0, col0, wg_cols
+                    )
 
             accumulate_then_store(eval_pipeline, (wg_rows, wg_cols), out_smem.at[wg], store)
 
         cv.emit_pipeline_warp_specialized(
-            mma, grid=(blocks,), memory_registers=40, wg_axis="wg", num_compute_wgs=COMPUTE_THREADS,
-            max_concurrent_steps=stages, delay_release=DELAY_RELEASE, compute_context=compute_context,
-            in_specs=[cv.BlockSpec((tm, tk), lambda r: (first_block + r, kb), transforms=layout),
-                      cv.BlockSpec((tm, tn), lambda r: (first_block + r, nb), transforms=layout)],
+            mma,
+            grid=(blocks,),
+            memory_registers=40,
+            wg_axis="wg",
+            num_compute_wgs=COMPUTE_THREADS,
+            max_concurrent_steps=stages,
+            delay_release=DELAY_RELEASE,
+            compute_context=compute_context,
+            in_specs=[
+                cv.BlockSpec((tm, tk), lambda r: (first_block + r, kb), transforms=layout),
+                cv.BlockSpec((tm, tn), lambda r: (first_block + r, nb), transforms=layout),
+            ],
         )(x_ref, rhs_ref)
 
-    m_pad = cdiv(m, tm) * tm      # whole row blocks: the padding rows belong to no group
+    m_pad = cdiv(m, tm) * tm  # whole row blocks: the padding rows belong to no group
     if m_pad != m or k_pad != k:
         x = jnp.pad(x, ((0, m_pad - m), (0, k_pad - k)))
     if m_pad != m:
         rhs = jnp.pad(rhs, ((0, m_pad - m), (0, 0)))
     scratch = [staging, plgpu.Barrier(num_arrivals=COMPUTE_THREADS)]
     out_struct = jax.ShapeDtypeStruct((num_groups, k, n), out_dtype)
-    call = cv.kernel(kernel, out_struct, backend="mosaic_gpu",
-                     interpret=interpret, num_threads=COMPUTE_THREADS + 1, thread_name="wg",
-                     grid=(num_groups, k_pad // tk, n // tn), scratch_shapes=scratch,
-                     cost_estimate=gpu_cost(matmul_cost(k, m, n, x, rhs, out_struct)))
+    call = cv.kernel(
+        kernel,
+        out_struct,
+        backend="mosaic_gpu",
+        interpret=interpret,
+        num_threads=COMPUTE_THREADS + 1,
+        thread_name="wg",
+        grid=(num_groups, k_pad // tk, n // tn),
+        scratch_shapes=scratch,
+        cost_estimate=gpu_cost(matmul_cost(k, m, n, x, rhs, out_struct)),
+    )
     computed = call(starts, ends, x, rhs)
     return existing_out.astype(out_dtype) + computed
 

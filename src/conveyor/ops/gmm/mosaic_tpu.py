@@ -8,6 +8,7 @@ are exact. A k that is not a multiple of tk is masked inside the kernel; partial
 blocks are clipped by Pallas.
 On CPU it runs through the Pallas TPU interpreter (`interpret=True` or a `pltpu.InterpretParams`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,7 +28,9 @@ from conveyor.ops.gmm.metadata import make_group_metadata
 _SUPPORTED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def check_tiles(sizes: dict[str, int], tiles: dict[str, int], sublane: str, dtype, op: str) -> dict[str, int]:
+def check_tiles(
+    sizes: dict[str, int], tiles: dict[str, int], sublane: str, dtype, op: str
+) -> dict[str, int]:
     """Clamp tiles to the problem and enforce the TPU block rules.
 
     The tile named `sublane` must be a multiple of 8 (16 for bfloat16); the others are lane
@@ -41,8 +44,10 @@ def check_tiles(sizes: dict[str, int], tiles: dict[str, int], sublane: str, dtyp
         t = min(t, full)
         unit = sub if name == sublane else 128
         if t != full and t % unit:
-            raise ValueError(f"tiling: mosaic_tpu {op} needs t{name} to be a multiple of {unit} for "
-                             f"{jnp.dtype(dtype).name} (or >= {name}={full}), got t{name}={t}")
+            raise ValueError(
+                f"tiling: mosaic_tpu {op} needs t{name} to be a multiple of {unit} for "
+                f"{jnp.dtype(dtype).name} (or >= {name}={full}), got t{name}={t}"
+            )
         out[name] = t
     return out
 
@@ -50,7 +55,9 @@ def check_tiles(sizes: dict[str, int], tiles: dict[str, int], sublane: str, dtyp
 def _compute_dtype(*dts):
     dt = jnp.result_type(*dts)
     if jnp.dtype(dt) not in _SUPPORTED:
-        raise NotImplementedError(f"mosaic_tpu: gmm supports float32 and bfloat16 operands, got {jnp.dtype(dt).name}")
+        raise NotImplementedError(
+            f"mosaic_tpu: gmm supports float32 and bfloat16 operands, got {jnp.dtype(dt).name}"
+        )
     return dt
 
 
@@ -68,8 +75,23 @@ def _k_mask(x, kk, tk, k, axis):
     return jnp.where(idx < k, x, jnp.zeros_like(x))
 
 
-def _gmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, rhs_ref, ex_ref, out_ref, acc_ref,
-                *, tm, tk, k, transpose_rhs):
+def _gmm_kernel(
+    group_ids,
+    tile_ids,
+    starts,
+    ends,
+    num_visits,
+    lhs_ref,
+    rhs_ref,
+    ex_ref,
+    out_ref,
+    acc_ref,
+    *,
+    tm,
+    tk,
+    k,
+    transpose_rhs,
+):
     v, kk = pl.program_id(1), pl.program_id(2)
     tile = tile_ids[v]
     first_visit = (v == 0) | (tile != tile_ids[jnp.maximum(v - 1, 0)])
@@ -104,23 +126,47 @@ def _vmem_limit(op: str, lhs_block, rhs_block, out_block, cdt, out_dtype) -> int
     3.5 MiB tgmm on v5e). Peak adds two float32 products of the output block's shape (the dot's
     value and the sum), which larger tilings need (docs/compile-check.md). A tiling whose
     working set is over the chip's VMEM is refused naming the bytes (`tpu_vmem.vmem_limit`)."""
-    inputs = shape_bytes(lhs_block, cdt) + shape_bytes(rhs_block, cdt) + shape_bytes(out_block, out_dtype)
+    inputs = (
+        shape_bytes(lhs_block, cdt)
+        + shape_bytes(rhs_block, cdt)
+        + shape_bytes(out_block, out_dtype)
+    )
     product = shape_bytes(out_block, jnp.float32)
     working = 2 * inputs + 2 * shape_bytes(out_block, out_dtype) + product
-    return vmem_limit(f"{op}", working=working, peak=working + 2 * product,
-                      remedy=f"pass a smaller tiling (its blocks: lhs {tuple(lhs_block)}, rhs "
-                             f"{tuple(rhs_block)}, out {tuple(out_block)})")
+    return vmem_limit(
+        f"{op}",
+        working=working,
+        peak=working + 2 * product,
+        remedy=(
+            f"pass a smaller tiling (its blocks: lhs {tuple(lhs_block)}, rhs {tuple(rhs_block)}, "
+            f"out {tuple(out_block)})"
+        ),
+    )
 
 
-def gmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, tiling,
-                   interpret):
+def gmm_mosaic_tpu(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    *,
+    transpose_rhs,
+    out_dtype,
+    tiling,
+    interpret,
+):
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     cdt = _compute_dtype(lhs.dtype, rhs.dtype)
     if jnp.dtype(out_dtype) not in _SUPPORTED:
-        raise NotImplementedError(f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}")
-    t = check_tiles(dict(m=m, k=k, n=n), dict(m=tiling.tm, k=tiling.tk, n=tiling.tn), "m", cdt, "gmm")
+        raise NotImplementedError(
+            f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}"
+        )
+    t = check_tiles(
+        dict(m=m, k=k, n=n), dict(m=tiling.tm, k=tiling.tk, n=tiling.tn), "m", cdt, "gmm"
+    )
     tm, tk, tn = t["m"], t["k"], t["n"]
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     visits = meta.group_ids.shape[0]
@@ -149,25 +195,41 @@ def gmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, transpo
         functools.partial(_gmm_kernel, tm=tm, tk=tk, k=k, transpose_rhs=transpose_rhs),
         out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5, grid=grid,
-            in_specs=[pl.BlockSpec((tm, tk), lhs_map), pl.BlockSpec(rhs_block, rhs_map),
-                      pl.BlockSpec((tm, tn), out_map)],
+            num_scalar_prefetch=5,
+            grid=grid,
+            in_specs=[
+                pl.BlockSpec((tm, tk), lhs_map),
+                pl.BlockSpec(rhs_block, rhs_map),
+                pl.BlockSpec((tm, tn), out_map),
+            ],
             out_specs=pl.BlockSpec((tm, tn), out_map),
-            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)]),
+            scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
+        ),
         input_output_aliases={7: 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=_vmem_limit("gmm", (tm, tk), rhs_block[1:], (tm, tn), cdt, out_dtype)),
+            vmem_limit_bytes=_vmem_limit("gmm", (tm, tk), rhs_block[1:], (tm, tn), cdt, out_dtype),
+        ),
         cost_estimate=matmul_cost(m, k, n, lhs, rhs, existing_out),
         interpret=tpu_params(interpret),
-        name="conveyor_gmm")
-    out = call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
-               lhs, rhs, existing_out)
+        name="conveyor_gmm",
+    )
+    out = call(
+        meta.group_ids,
+        meta.tile_ids,
+        meta.group_starts,
+        meta.group_ends,
+        meta.num_visits[None],
+        lhs,
+        rhs,
+        existing_out,
+    )
     return out[:m, :n]
 
 
-def _tgmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, rhs_ref, ex_ref, out_ref, acc_ref,
-                 *, tm):
+def _tgmm_kernel(
+    group_ids, tile_ids, starts, ends, num_visits, lhs_ref, rhs_ref, ex_ref, out_ref, acc_ref, *, tm
+):
     v = pl.program_id(2)
     last = pl.num_programs(2) - 1
     g = group_ids[v]
@@ -193,15 +255,20 @@ def _tgmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, rhs_ref
         out_ref[...] = (ex_ref[...].astype(jnp.float32) + acc_ref[...]).astype(out_ref.dtype)
 
 
-def tgmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling,
-                    interpret):
+def tgmm_mosaic_tpu(
+    lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling, interpret
+):
     k, m = lhs.shape
     n = rhs.shape[1]
     cdt = _compute_dtype(lhs.dtype, rhs.dtype)
     if jnp.dtype(out_dtype) not in _SUPPORTED:
-        raise NotImplementedError(f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}")
+        raise NotImplementedError(
+            f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}"
+        )
     # The lhs block is (tk, tm): here tm is a lane dimension (multiple of 128) and tk a sublane one.
-    t = check_tiles(dict(m=m, k=k, n=n), dict(m=tiling.tm, k=tiling.tk, n=tiling.tn), "k", cdt, "tgmm")
+    t = check_tiles(
+        dict(m=m, k=k, n=n), dict(m=tiling.tm, k=tiling.tk, n=tiling.tn), "k", cdt, "tgmm"
+    )
     tm, tk, tn = t["m"], t["k"], t["n"]
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     visits = meta.group_ids.shape[0]
@@ -226,18 +293,33 @@ def tgmm_mosaic_tpu(lhs, rhs, group_sizes, group_offset, existing_out, *, num_gr
         functools.partial(_tgmm_kernel, tm=tm),
         out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5, grid=grid,
-            in_specs=[pl.BlockSpec((tk, tm), lhs_map), pl.BlockSpec((tm, tn), rhs_map),
-                      pl.BlockSpec((None, tk, tn), out_map)],
+            num_scalar_prefetch=5,
+            grid=grid,
+            in_specs=[
+                pl.BlockSpec((tk, tm), lhs_map),
+                pl.BlockSpec((tm, tn), rhs_map),
+                pl.BlockSpec((None, tk, tn), out_map),
+            ],
             out_specs=pl.BlockSpec((None, tk, tn), out_map),
-            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)]),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
+        ),
         input_output_aliases={7: 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=_vmem_limit("tgmm", (tk, tm), (tm, tn), (tk, tn), cdt, out_dtype)),
+            vmem_limit_bytes=_vmem_limit("tgmm", (tk, tm), (tm, tn), (tk, tn), cdt, out_dtype),
+        ),
         cost_estimate=matmul_cost(k, m, n, lhs, rhs, existing_out),
         interpret=tpu_params(interpret),
-        name="conveyor_tgmm")
-    out = call(meta.group_ids, meta.tile_ids, meta.group_starts, meta.group_ends, meta.num_visits[None],
-               lhs, rhs, existing_out)
+        name="conveyor_tgmm",
+    )
+    out = call(
+        meta.group_ids,
+        meta.tile_ids,
+        meta.group_starts,
+        meta.group_ends,
+        meta.num_visits[None],
+        lhs,
+        rhs,
+        existing_out,
+    )
     return out[:, :k, :n]

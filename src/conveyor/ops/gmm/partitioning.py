@@ -18,6 +18,7 @@ mesh axes R; `n` the output features, sharded over axes N):
 Inside `shard_map` (every axis manual) and on one device, custom_partitioning calls the plain
 implementation. Interpreted kernels (effectful) are lowered without these rules.
 """
+
 from __future__ import annotations
 
 import functools
@@ -67,7 +68,9 @@ def local_group_sizes(group_sizes, row0, rows: int, m: int):
     Groups are consecutive row ranges (`metadata.group_bounds`), so the local sizes keep the
     groups' order and start at local row 0."""
     starts, ends = group_bounds(group_sizes, m)
-    return (jnp.clip(ends - row0, 0, rows) - jnp.clip(starts - row0, 0, rows)).astype(group_sizes.dtype)
+    return (jnp.clip(ends - row0, 0, rows) - jnp.clip(starts - row0, 0, rows)).astype(
+        group_sizes.dtype
+    )
 
 
 def _disjoint(first: tuple[str, ...], second: tuple[str, ...]) -> tuple[str, ...]:
@@ -78,6 +81,7 @@ def _disjoint(first: tuple[str, ...], second: tuple[str, ...]) -> tuple[str, ...
 class Layout(NamedTuple):
     """How one call is partitioned: the mesh axes of its rows and of a sharded contraction (summed
     by a psum), the specs its operands are resharded to, and its output's spec."""
+
     rows: tuple[str, ...]
     summed: tuple[str, ...]
     in_specs: tuple[P, ...]
@@ -87,14 +91,19 @@ class Layout(NamedTuple):
 def _custom_partitioned(fn, layout: Callable[[list], Layout], make_lower: Callable, **rule):
     """`fn` (five operands) under custom_partitioning: each call is resharded to `layout(its
     operand shardings)` and runs `make_lower(layout, m_total)` per device."""
+
     @custom_partitioning
     def op(lhs, rhs, group_sizes, group_offset, existing_out):
         return fn(lhs, rhs, group_sizes, group_offset, existing_out)
 
     def partition(mesh, arg_shapes, result_shape):
         lay = layout([a.sharding for a in arg_shapes])
-        return (mesh, make_lower(lay, mesh, arg_shapes), NamedSharding(mesh, lay.out_spec),
-                tuple(NamedSharding(mesh, s) for s in lay.in_specs))
+        return (
+            mesh,
+            make_lower(lay, mesh, arg_shapes),
+            NamedSharding(mesh, lay.out_spec),
+            tuple(NamedSharding(mesh, s) for s in lay.in_specs),
+        )
 
     def infer(mesh, arg_shapes, result_shape):
         return NamedSharding(mesh, layout([a.sharding for a in arg_shapes]).out_spec)
@@ -109,6 +118,7 @@ def _local_rows(lay: Layout, mesh, m: int) -> int:
 
 # ---- gmm ----------------------------------------------------------------------------------------
 
+
 def _gmm_layout(transpose_rhs: bool, arg_shardings) -> Layout:
     lhs, rhs = arg_shardings[0], arg_shardings[1]
     rows = _spec_dim(lhs, 0)
@@ -122,7 +132,8 @@ def _gmm_layout(transpose_rhs: bool, arg_shardings) -> Layout:
 @functools.lru_cache(maxsize=256)
 def _partitioned_gmm(impl, static: tuple):
     params = dict(static)
-    fn = jax.jit(functools.partial(impl, **params))  # (its constants stay inside: custom_partitioning takes none)
+    # (its constants stay inside: custom_partitioning takes none)
+    fn = jax.jit(functools.partial(impl, **params))
     acc = accumulation_dtype(jnp.dtype(params["out_dtype"]))
 
     def make_lower(lay: Layout, mesh, arg_shapes):
@@ -130,25 +141,40 @@ def _partitioned_gmm(impl, static: tuple):
         local_rows = _local_rows(lay, mesh, m)
 
         def lower(lhs, rhs, group_sizes, group_offset, existing_out):
-            local = local_group_sizes(group_sizes, _linear_index(lay.rows, mesh) * local_rows, local_rows, m)
+            local = local_group_sizes(
+                group_sizes, _linear_index(lay.rows, mesh) * local_rows, local_rows, m
+            )
             if not lay.summed:
                 return fn(lhs, rhs, local, group_offset, existing_out)
             # A sharded contraction: partial products summed over its axes; rows outside the local
             # groups keep existing_out, as the op defines.
-            partial_products = impl(lhs, rhs, local, group_offset, jnp.zeros(existing_out.shape, acc),
-                                    **dict(params, out_dtype=acc))
+            partial_products = impl(
+                lhs,
+                rhs,
+                local,
+                group_offset,
+                jnp.zeros(existing_out.shape, acc),
+                **dict(params, out_dtype=acc),
+            )
             total = lax.psum(partial_products, lay.summed).astype(params["out_dtype"])
             written = local_row_mask(local, group_offset, rhs.shape[0], local_rows)
             return jnp.where(written[:, None], total, existing_out.astype(params["out_dtype"]))
+
         return lower
 
     rhs_rule = "g n k" if params["transpose_rhs"] else "g k n"
-    return _custom_partitioned(fn, functools.partial(_gmm_layout, params["transpose_rhs"]), make_lower,
-                               sharding_rule=f"m k, {rhs_rule}, h, , m n -> m n",
-                               reduction_factors=("k",), need_replication_factors=("g", "h"))
+    return _custom_partitioned(
+        fn,
+        functools.partial(_gmm_layout, params["transpose_rhs"]),
+        make_lower,
+        sharding_rule=f"m k, {rhs_rule}, h, , m n -> m n",
+        reduction_factors=("k",),
+        need_replication_factors=("g", "h"),
+    )
 
 
 # ---- tgmm ---------------------------------------------------------------------------------------
+
 
 def _tgmm_layout(arg_shardings) -> Layout:
     lhs, rhs = arg_shardings[0], arg_shardings[1]
@@ -163,7 +189,8 @@ def _tgmm_layout(arg_shardings) -> Layout:
 @functools.lru_cache(maxsize=256)
 def _partitioned_tgmm(impl, static: tuple):
     params = dict(static)
-    fn = jax.jit(functools.partial(impl, **params))  # (its constants stay inside: custom_partitioning takes none)
+    # (its constants stay inside: custom_partitioning takes none)
+    fn = jax.jit(functools.partial(impl, **params))
     acc = accumulation_dtype(jnp.dtype(params["out_dtype"]))
 
     def make_lower(lay: Layout, mesh, arg_shapes):
@@ -173,16 +200,31 @@ def _partitioned_tgmm(impl, static: tuple):
         def lower(lhs, rhs, group_sizes, group_offset, existing_out):
             if not lay.rows:
                 return fn(lhs, rhs, group_sizes, group_offset, existing_out)
-            local = local_group_sizes(group_sizes, _linear_index(lay.rows, mesh) * local_rows, local_rows, m)
-            partial_sums = impl(lhs, rhs, local, group_offset, jnp.zeros(existing_out.shape, acc),
-                                **dict(params, out_dtype=acc))
+            local = local_group_sizes(
+                group_sizes, _linear_index(lay.rows, mesh) * local_rows, local_rows, m
+            )
+            partial_sums = impl(
+                lhs,
+                rhs,
+                local,
+                group_offset,
+                jnp.zeros(existing_out.shape, acc),
+                **dict(params, out_dtype=acc),
+            )
             total = lax.psum(partial_sums, lay.summed)
             return (existing_out.astype(acc) + total).astype(params["out_dtype"])
+
         return lower
 
-    return _custom_partitioned(fn, _tgmm_layout, make_lower, sharding_rule="k m, m n, h, , g k n -> g k n",
-                               reduction_factors=("m",),
-                               need_replication_factors=("h", "g"))  # (in order of appearance)
+    # (in order of appearance)
+    return _custom_partitioned(
+        fn,
+        _tgmm_layout,
+        make_lower,
+        sharding_rule="k m, m n, h, , g k n -> g k n",
+        reduction_factors=("m",),
+        need_replication_factors=("h", "g"),
+    )
 
 
 def gmm_out_spec(arg_shardings, params) -> P:
@@ -199,11 +241,15 @@ def gmm(impl, lhs, rhs, group_sizes, group_offset, existing_out, **params):
     """`impl(...)` lowered with gmm's sharding rule (plain when the kernel is interpreted)."""
     if params.get("interpret"):
         return impl(lhs, rhs, group_sizes, group_offset, existing_out, **params)
-    return _partitioned_gmm(impl, tuple(sorted(params.items())))(lhs, rhs, group_sizes, group_offset, existing_out)
+    return _partitioned_gmm(impl, tuple(sorted(params.items())))(
+        lhs, rhs, group_sizes, group_offset, existing_out
+    )
 
 
 def tgmm(impl, lhs, rhs, group_sizes, group_offset, existing_out, **params):
     """`impl(...)` lowered with tgmm's sharding rule (plain when the kernel is interpreted)."""
     if params.get("interpret"):
         return impl(lhs, rhs, group_sizes, group_offset, existing_out, **params)
-    return _partitioned_tgmm(impl, tuple(sorted(params.items())))(lhs, rhs, group_sizes, group_offset, existing_out)
+    return _partitioned_tgmm(impl, tuple(sorted(params.items())))(
+        lhs, rhs, group_sizes, group_offset, existing_out
+    )

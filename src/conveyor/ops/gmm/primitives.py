@@ -7,6 +7,7 @@ second-order and forward-over-reverse derivatives all come from these few rules.
 Params (all static): backend, tiling, interpret, out_dtype, plus transpose_rhs (gmm) or
 num_groups (tgmm).
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,8 +18,15 @@ from jax import lax
 
 from conveyor._compat import Primitive, Zero, ad, batching, is_undefined_primal
 
-from conveyor.spmd import (explicit_axes_spec, match_varying, per_device_tracing, register_lowering_from_function,
-                           requires_devices_during_lowering, with_explicit_spec, without_internal_ref_effects)
+from conveyor.spmd import (
+    explicit_axes_spec,
+    match_varying,
+    per_device_tracing,
+    register_lowering_from_function,
+    requires_devices_during_lowering,
+    with_explicit_spec,
+    without_internal_ref_effects,
+)
 from conveyor.ops.gmm import backend_impls, partitioning
 from conveyor.ops.gmm.metadata import local_row_mask
 
@@ -28,12 +36,17 @@ tgmm_p = Primitive("conveyor_tgmm")
 
 # ---- evaluation -------------------------------------------------------------------------------
 
+
 def _gmm_impl(lhs, rhs, group_sizes, group_offset, existing_out, platform="cpu", **params):
-    return backend_impls.run_gmm(lhs, rhs, group_sizes, group_offset, existing_out, platform=platform, **params)
+    return backend_impls.run_gmm(
+        lhs, rhs, group_sizes, group_offset, existing_out, platform=platform, **params
+    )
 
 
 def _tgmm_impl(lhs, rhs, group_sizes, group_offset, existing_out, platform="cpu", **params):
-    return backend_impls.run_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, platform=platform, **params)
+    return backend_impls.run_tgmm(
+        lhs, rhs, group_sizes, group_offset, existing_out, platform=platform, **params
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -44,6 +57,7 @@ def _jitted(prim, params):
 def _eager(prim):
     def run(*args, **params):
         return _jitted(prim, tuple(sorted(params.items())))(*args)
+
     return run
 
 
@@ -55,19 +69,29 @@ tgmm_p.def_impl(_eager(tgmm_p))
 # partitions it by rows instead of gathering the operands.
 for _platform in ("cpu", "cuda", "rocm", "tpu"):
     register_lowering_from_function(
-        gmm_p, functools.partial(partitioning.gmm, functools.partial(_gmm_impl, platform=_platform)), _platform)
+        gmm_p,
+        functools.partial(partitioning.gmm, functools.partial(_gmm_impl, platform=_platform)),
+        _platform,
+    )
     register_lowering_from_function(
-        tgmm_p, functools.partial(partitioning.tgmm, functools.partial(_tgmm_impl, platform=_platform)), _platform)
+        tgmm_p,
+        functools.partial(partitioning.tgmm, functools.partial(_tgmm_impl, platform=_platform)),
+        _platform,
+    )
 requires_devices_during_lowering(gmm_p)
 requires_devices_during_lowering(tgmm_p)
 
 
 @functools.lru_cache(maxsize=256)
 def _effects(impl, avals, params):
-    """Effects of the backend's implementation (the Pallas interpreter's callbacks are ordered IO)."""
+    """Effects of the backend's implementation (the Pallas interpreter's callbacks are ordered
+    IO)."""
     fn = functools.partial(impl, **dict(params))
-    with per_device_tracing():  # as the lowering traces it (see spmd.register_lowering_from_function)
-        effects = jax.make_jaxpr(fn)(*[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]).effects
+    # as the lowering traces it (see spmd.register_lowering_from_function)
+    with per_device_tracing():
+        effects = jax.make_jaxpr(fn)(
+            *[jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+        ).effects
     return without_internal_ref_effects(effects)
 
 
@@ -76,12 +100,18 @@ def _abstract(impl, out_spec):
         # Same shape as existing_out, and (inside shard_map) the mesh axes all operands vary over:
         # `bind_gmm` / `bind_tgmm` cast the operands to a common set first.
         out = avals[4].update(dtype=jnp.dtype(params["out_dtype"]), weak_type=False)
-        # With a mesh of Explicit axes the output's sharding is part of its type: the sharding rule's.
+        # With a mesh of Explicit axes the output's sharding is part of its type: the sharding
+        # rule's.
         if explicit_axes_spec(avals[0]) is not None:
             out = with_explicit_spec(out, avals[0], out_spec([a.sharding for a in avals], params))
         # Only interpreted kernels carry effects; skip the trace for the common case.
-        effects = _effects(impl, avals, tuple(sorted(params.items()))) if params.get("interpret") else set()
+        effects = (
+            _effects(impl, avals, tuple(sorted(params.items())))
+            if params.get("interpret")
+            else set()
+        )
         return out, effects
+
     return rule
 
 
@@ -100,6 +130,7 @@ def bind_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, **params):
 
 
 # ---- differentiation --------------------------------------------------------------------------
+
 
 def _sum_tangents(terms, like):
     terms = [t for t in terms if t is not None]
@@ -156,19 +187,37 @@ def _backend_params(params):
 def _gmm_transpose(ct, lhs, rhs, gs, go, ex, *, transpose_rhs, out_dtype, **params):
     bp = _backend_params(params)
     if type(ct) is Zero:
-        return [None if not is_undefined_primal(x) else Zero(x.aval) for x in (lhs, rhs, gs, go, ex)]
+        return [
+            None if not is_undefined_primal(x) else Zero(x.aval) for x in (lhs, rhs, gs, go, ex)
+        ]
     m = _aval(lhs).shape[0]
     num_groups = _aval(rhs).shape[0]
     ct_lhs = ct_rhs = ct_ex = None
     if is_undefined_primal(lhs):
         k = lhs.aval.shape[1]
         # d lhs[rows_i] = ct[rows_i] @ rhs[i]^T; rows outside local groups get exactly 0.
-        ct_lhs = bind_gmm(ct, rhs, gs, go, jnp.zeros((m, k), lhs.aval.dtype),
-                            transpose_rhs=not transpose_rhs, out_dtype=lhs.aval.dtype, **bp)
+        ct_lhs = bind_gmm(
+            ct,
+            rhs,
+            gs,
+            go,
+            jnp.zeros((m, k), lhs.aval.dtype),
+            transpose_rhs=not transpose_rhs,
+            out_dtype=lhs.aval.dtype,
+            **bp,
+        )
     if is_undefined_primal(rhs):
         a, b = (ct.T, lhs) if transpose_rhs else (lhs.T, ct)
-        ct_rhs = bind_tgmm(a, b, gs, go, jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
-                             num_groups=num_groups, out_dtype=rhs.aval.dtype, **bp)
+        ct_rhs = bind_tgmm(
+            a,
+            b,
+            gs,
+            go,
+            jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
+            num_groups=num_groups,
+            out_dtype=rhs.aval.dtype,
+            **bp,
+        )
     if is_undefined_primal(ex):
         keep = ~local_row_mask(gs, go, num_groups, m)
         ct_ex = jnp.where(keep[:, None], ct, 0).astype(ex.aval.dtype)
@@ -178,18 +227,36 @@ def _gmm_transpose(ct, lhs, rhs, gs, go, ex, *, transpose_rhs, out_dtype, **para
 def _tgmm_transpose(ct, lhs, rhs, gs, go, ex, *, num_groups, out_dtype, **params):
     bp = _backend_params(params)
     if type(ct) is Zero:
-        return [None if not is_undefined_primal(x) else Zero(x.aval) for x in (lhs, rhs, gs, go, ex)]
+        return [
+            None if not is_undefined_primal(x) else Zero(x.aval) for x in (lhs, rhs, gs, go, ex)
+        ]
     ct_lhs = ct_rhs = ct_ex = None
     if is_undefined_primal(lhs):
         k, m = lhs.aval.shape
         # d lhs[:, rows_i] = (rhs[rows_i] @ ct[i]^T)^T
-        ct_lhs = bind_gmm(rhs, ct, gs, go, jnp.zeros((m, k), lhs.aval.dtype),
-                            transpose_rhs=True, out_dtype=lhs.aval.dtype, **bp).T
+        ct_lhs = bind_gmm(
+            rhs,
+            ct,
+            gs,
+            go,
+            jnp.zeros((m, k), lhs.aval.dtype),
+            transpose_rhs=True,
+            out_dtype=lhs.aval.dtype,
+            **bp,
+        ).T
     if is_undefined_primal(rhs):
         m, n = rhs.aval.shape
         # d rhs[rows_i] = lhs[:, rows_i]^T @ ct[i]
-        ct_rhs = bind_gmm(lhs.T, ct, gs, go, jnp.zeros((m, n), rhs.aval.dtype),
-                            transpose_rhs=False, out_dtype=rhs.aval.dtype, **bp)
+        ct_rhs = bind_gmm(
+            lhs.T,
+            ct,
+            gs,
+            go,
+            jnp.zeros((m, n), rhs.aval.dtype),
+            transpose_rhs=False,
+            out_dtype=rhs.aval.dtype,
+            **bp,
+        )
     if is_undefined_primal(ex):
         ct_ex = ct.astype(ex.aval.dtype)
     return [ct_lhs, ct_rhs, None, None, ct_ex]
@@ -203,16 +270,17 @@ ad.primitive_transposes[tgmm_p] = _tgmm_transpose
 
 # ---- vmap: one op per batch element, run sequentially with lax.map ---------------------------
 
+
 def _batch_rule(prim):
     def rule(args, dims, **params):
-        mapped = [jnp.moveaxis(a, d, 0) if d is not None else None
-                  for a, d in zip(args, dims)]
+        mapped = [jnp.moveaxis(a, d, 0) if d is not None else None for a, d in zip(args, dims)]
 
         def one(xs):
             full = [x if x is not None else a for x, a in zip(xs, args)]
             return prim.bind(*full, **params)
 
         return lax.map(one, mapped), 0
+
     return rule
 
 

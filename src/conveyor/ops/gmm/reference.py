@@ -4,6 +4,7 @@ Slow on purpose (one dense product per group, masked); every other backend is te
 Works in float64 when x64 is enabled. Shares no code with the tiled backends but the
 accumulation dtype rule (`conveyor.dtypes.accumulation_dtype`).
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -32,7 +33,9 @@ def _local_masks(group_sizes, group_offset, num_groups, m):
     return masks
 
 
-def gmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, **_):
+def gmm_reference(
+    lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, **_
+):
     m = lhs.shape[0]
     acc = accumulation_dtype(lhs.dtype, rhs.dtype)
     out = existing_out.astype(out_dtype)
@@ -43,7 +46,9 @@ def gmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, *, transpos
     return out
 
 
-def tgmm_reference(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, **_):
+def tgmm_reference(
+    lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, **_
+):
     m = lhs.shape[1]
     acc = accumulation_dtype(lhs.dtype, rhs.dtype)
     outs = []

@@ -1,4 +1,5 @@
 """Tile sizes for gmm/tgmm: validation of the user's `tiling` and per-backend defaults."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,22 +18,23 @@ TPU_DEFAULT = (128, 512, 512)
 class GpuKernelConfig:
     """The mosaic_gpu gmm/tgmm kernels' configuration: what the kernels run, the simulator models
     (`cv.sim.simulate_gmm` / `simulate_tgmm` on GPU hardware) and the GPU benchmark reports."""
-    compute_threads: int = 2          # compute warpgroups
-    stages: int = 4                   # pipeline slots (fewer when the output staging buffer leaves no room)
-    delay_release: int = 1            # each step's wgmma stays in flight while the next is issued
+
+    compute_threads: int = 2  # compute warpgroups
+    stages: int = 4  # pipeline slots (fewer when the output staging buffer leaves no room)
+    delay_release: int = 1  # each step's wgmma stays in flight while the next is issued
     # gmm's (tm, tk, tn): one thread block's output tile. Up to tn=128 each compute warpgroup takes
     # 64 of the 128 rows (all tn columns); a wider tn is split by columns instead (each warpgroup
     # takes all 128 rows and tn / 2 columns), as upstream's Hopper matmul does: a 128 x 128
     # accumulator per warpgroup, and a 128 x 256 tile that reads 25% fewer operand bytes per flop
     # from L2 than 128 x 128.
     gmm_tiling: tuple[int, int, int] = (128, 64, 256)
-    max_tn: int = 256                 # both kernels' widest column tile: two warpgroups of 128 columns
-    epilogue_rows: int = 64           # rows of an output staging buffer per warpgroup (stored in turn)
-    grid_band: int = 8                # gmm visits column tiles in bands of this many (L2 reuse; see the kernel)
+    max_tn: int = 256  # both kernels' widest column tile: two warpgroups of 128 columns
+    epilogue_rows: int = 64  # rows of an output staging buffer per warpgroup (stored in turn)
+    grid_band: int = 8  # gmm visits column tiles in bands of this many (L2 reuse; see the kernel)
     # tgmm's (tm rows reduced per step, tk, tn): a 128 x 256 output tile, split by columns as gmm's.
     tgmm_tiling: tuple[int, int, int] = (64, 128, 256)
-    min_tile: int = 16                # elements: 32 bytes of bf16/f16, the narrowest swizzled shared-memory row
-    tgmm_min_tn: int = 64             # tgmm's narrowest column tile: one 128-byte swizzled row of bf16/f16
+    min_tile: int = 16  # elements: 32 bytes of bf16/f16, the narrowest swizzled shared-memory row
+    tgmm_min_tn: int = 64  # tgmm's narrowest column tile: one 128-byte swizzled row of bf16/f16
 
     def gmm_tiles_for(self, k: int, n: int, *, transpose_rhs: bool = False) -> tuple[int, int, int]:
         """gmm's default (tm, tk, tn) for a k x n weight: `gmm_tiling`'s tk and tn where they
@@ -41,7 +43,11 @@ class GpuKernelConfig:
         are tn). A dimension no candidate divides keeps the configured tile, which the kernel then
         refuses by name."""
         tm, tk, tn = self.gmm_tiling
-        return tm, _widest_dividing(tk, k, self.min_tile), _widest_dividing(tn, n, self.gmm_min_tn(transpose_rhs))
+        return (
+            tm,
+            _widest_dividing(tk, k, self.min_tile),
+            _widest_dividing(tn, n, self.gmm_min_tn(transpose_rhs)),
+        )
 
     def gmm_min_tn(self, transpose_rhs: bool) -> int:
         """gmm's narrowest tn: `min_tile` when tn is the rhs blocks' minor dimension (a swizzled
@@ -82,7 +88,8 @@ class GpuKernelConfig:
         fit in `budget_bytes` of shared memory beside the output staging buffer; at least 2 (a tile
         that fits no double buffer is refused, naming its bytes, by the pipeline's check)."""
         room = budget_bytes - staging_bytes
-        return max(2, min(self.stages, room // (block_bytes + 64)))   # + 64: the slot's barriers, generously
+        # + 64: the slot's barriers, generously
+        return max(2, min(self.stages, room // (block_bytes + 64)))
 
     def tgmm_tiles_for(self, n: int) -> tuple[int, int, int]:
         """tgmm's default (tm, tk, tn): `tgmm_tiling`'s tn where it divides n, else the widest
@@ -113,10 +120,15 @@ def check_tiling(tiling: Tiling, arg: str = "tiling") -> None:
 
 
 def _check_tuple(t, arg):
-    if (not isinstance(t, (tuple, list)) or len(t) != 3
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in t)):
-        raise TypeError(f"{arg}: expected None, a (tm, tk, tn) tuple of ints, or a callable "
-                        f"(m, k, n) -> tuple | None, got {t!r}")
+    if (
+        not isinstance(t, (tuple, list))
+        or len(t) != 3
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in t)
+    ):
+        raise TypeError(
+            f"{arg}: expected None, a (tm, tk, tn) tuple of ints, or a callable (m, k, n) -> tuple "
+            f"| None, got {t!r}"
+        )
     if any(v <= 0 for v in t):
         raise ValueError(f"{arg}: expected positive tile sizes (tm, tk, tn), got {tuple(t)!r}")
 
@@ -125,6 +137,7 @@ def _check_tuple(t, arg):
 class Tile:
     """The tile sizes one gmm/tgmm call runs with, resolved from the user's `tiling` (upstream's
     (tm, tk, tn) tuple or callable) and validated once: what every backend receives."""
+
     tm: int
     tk: int
     tn: int

@@ -13,6 +13,7 @@ jnp.where's wrapper, group bounds from one clamped slice, one loop per group car
 position (a loop per remainder size made XLA copy the [m, n] carry into each). Measurements:
 docs/xla-backend-notes.md.
 """
+
 from __future__ import annotations
 
 import jax.numpy as jnp
@@ -82,7 +83,7 @@ def chunk_rows(tm: int, m: int) -> int:
 def gmm_windows(tm: int, m: int) -> tuple[int, ...]:
     """gmm's window sizes, ascending: tm, tm / 4, tm / 16 and tm / 64 (8, 32, 128 and 512 rows by
     default), each at least MIN_WINDOW and at most m. Measured in `gmm_xla`."""
-    return tuple(sorted({min(max(MIN_WINDOW, tm // 4 ** i), m) for i in range(4)}))
+    return tuple(sorted({min(max(MIN_WINDOW, tm // 4**i), m) for i in range(4)}))
 
 
 def tgmm_windows(tm: int, m: int) -> tuple[int, ...]:
@@ -91,8 +92,9 @@ def tgmm_windows(tm: int, m: int) -> tuple[int, ...]:
     return tuple(sorted({chunk_rows(tm, m), min(max(MIN_WINDOW, tm // 4), m), min(tm, m)}))
 
 
-def cover_rows_in_windows(start, end, m: int, windows: tuple[int, ...], carry, tile,
-                          writable_end=None):
+def cover_rows_in_windows(
+    start, end, m: int, windows: tuple[int, ...], carry, tile, writable_end=None
+):
     """Apply `tile(window_start, size, mask, carry)` over rows [start, end) of an m-row array,
     in windows of the sizes `windows` (ascending): the largest window the rows left fill
     (`mask=None`: every row is ours), else the smallest. That last window is unmasked too when it
@@ -123,16 +125,19 @@ def cover_rows_in_windows(start, end, m: int, windows: tuple[int, ...], carry, t
     def step(state):
         pos, c = state
         left = end - pos
-        filled = sum((left >= w).astype(jnp.int32) for w in unmasked)  # the largest window left fills
-        if writable_end is not None:  # else the smallest, into rows rewritten later if it ends there
+        # the largest window left fills
+        filled = sum((left >= w).astype(jnp.int32) for w in unmasked)
+        # else the smallest, into rows rewritten later if it ends there
+        if writable_end is not None:
             filled = jnp.maximum(filled, (pos + windows[0] <= writable_end).astype(jnp.int32))
         return lax.switch(filled, branches, pos, c)
 
     return lax.while_loop(lambda state: state[0] < end, step, (start, carry))[1]
 
 
-def gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, tiling,
-            **_):
+def gmm_xla(
+    lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs, out_dtype, tiling, **_
+):
     """out[rows of g] = lhs[rows of g] @ rhs[g] for the local groups; other rows keep existing_out.
 
     One loop over groups; each covers its rows with windows of `gmm_windows` sizes (8, 32, 128
@@ -161,8 +166,9 @@ def gmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, transpose_rhs,
                 y = _where_rows(mask, y, _slice(o, s, size, 0), (0,))
             return _update(o, y, s, 0)
 
-        return cover_rows_in_windows(_index(bounds, g), _index(bounds, g + 1), m, windows, out, tile,
-                                     writable_end=bounds[-1])
+        return cover_rows_in_windows(
+            _index(bounds, g), _index(bounds, g + 1), m, windows, out, tile, writable_end=bounds[-1]
+        )
 
     return lax.fori_loop(0, num_groups, group, existing_out.astype(out_dtype))
 
@@ -174,7 +180,8 @@ def tgmm_capacity(m: int, num_groups: int) -> int:
     Small groups make tgmm output-bound (every group writes a [k, n] block however few its rows),
     and a loop that adds each tile's [k, n] product into its accumulator moves that block several
     times. One batched dot over [G, capacity] gathered rows writes every block once; the rows a
-    group has beyond its capacity are added by the tile loop. Measurements: docs/xla-backend-notes.md.
+    group has beyond its capacity are added by the tile loop. Measurements:
+    docs/xla-backend-notes.md.
     """
     avg = m / max(num_groups, 1)
     if avg > CAPACITY_MAX_AVG:
@@ -182,8 +189,9 @@ def tgmm_capacity(m: int, num_groups: int) -> int:
     return min(m, max(MIN_WINDOW, cdiv(int(avg), MIN_WINDOW) * MIN_WINDOW))
 
 
-def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling,
-             **_):
+def tgmm_xla(
+    lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling, **_
+):
     """out[g] = existing_out[g] + lhs[:, rows of g] @ rhs[rows of g] for the local groups.
 
     A batched pass over the first `tgmm_capacity` rows of every group (when groups are small),
@@ -211,7 +219,9 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
     base = existing_out
     capacity = tgmm_capacity(m, num_groups)
     if capacity:
-        base = base.astype(acc_t) + _tgmm_first_rows(lhs, rhs, bounds[:-1], bounds[1:], capacity, acc_t)
+        base = base.astype(acc_t) + _tgmm_first_rows(
+            lhs, rhs, bounds[:-1], bounds[1:], capacity, acc_t
+        )
     read_base = base.dtype != jnp.dtype(out_dtype)
 
     def tile(s, size, mask, a):
@@ -220,7 +230,8 @@ def tgmm_xla(lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, o
             x, y = _where_rows(mask, x, 0, (1,)), _where_rows(mask, y, 0, (0,))
         return a + _dot(x, y, ((1,), (0,)), acc_t)
 
-    # Windows of tm, tm / 4 and tm / 8 rows, filled exactly but for the last (masked). Four power-of-two
+    # Windows of tm, tm / 4 and tm / 8 rows, filled exactly but for the last (masked). Four
+    # power-of-two
     # sizes were a little faster but cost program size (docs/xla-backend-notes.md).
     windows = tgmm_windows(tm, m)
 
