@@ -11,7 +11,7 @@ bootstrap:
 	@VENV=$(VENV) JAX_END=$(JAX_END) bash scripts/bootstrap.sh
 
 demo: bootstrap
-	$(PY) -m conveyor demo
+	$(PY) examples/demo.py
 
 # The suite in tiers (tests/conftest.py): the fast tier first, in one process and in order
 # (plans, checker, simulator, the xla executors, references, errors), then the slow, interpreter

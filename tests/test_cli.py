@@ -35,6 +35,14 @@ def test_demo_checks_trains_and_simulates():
     assert "simulated on H100 SXM" in out and "simulated on TPU v5e" in out
 
 
+def test_demo_without_a_source_tree_says_where_it_lives(capsys, monkeypatch, tmp_path):
+    # An installed wheel has no examples/: the demo is refused in one line naming the way to run it.
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "conveyor" / "cli.py"))
+    code, _, err = _main(capsys, "demo")
+    assert code == 2
+    assert "examples/demo.py" in err and "make demo" in err and "Traceback" not in err
+
+
 def test_bench_gmm_small_with_its_own_shape(tmp_path):
     # A reduced table (G=8, f32 given by its short name, a small shape, no FFN rows) runs the whole
     # benchmark.

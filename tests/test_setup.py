@@ -24,9 +24,6 @@ LOADED_WHEN_USED = (
     "conveyor.mpmd.mosaic_gpu",
     "conveyor.bench",
     "conveyor.compile_check",
-    "conveyor.demo",
-    "conveyor.distributed",
-    "conveyor.sim.figures",
     "matplotlib",
 )
 

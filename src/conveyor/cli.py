@@ -29,7 +29,9 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
     sub = p.add_subparsers(dest="command", required=True)
     subs = {
         "demo": sub.add_parser(
-            "demo", help="MoE layer forward+backward through cv.gmm, checked and timed"
+            "demo",
+            help="run examples/demo.py of the source tree: an MoE layer through cv.gmm, checked, "
+            "timed and trained",
         )
     }
 
@@ -616,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sub = subs[args.command]
     if args.command == "demo":
-        return _run(lambda: __import__("conveyor.demo", fromlist=["run"]).run(), sub)
+        return _demo(sub)
     if args.command == "simulate":
         for name in ("png", "trace"):
             path = getattr(args, name)
@@ -659,6 +661,20 @@ def main(argv: list[str] | None = None) -> int:
         else (lambda: _check(args))
     )
     return _run(run, sub, refused=ValueError)
+
+
+def _demo(sub: _Parser) -> int:
+    """The demo is an example, not library code: run examples/demo.py of the source tree this
+    package is installed from (an editable install); an installed wheel has none."""
+    import subprocess
+
+    script = pathlib.Path(__file__).resolve().parents[2] / "examples" / "demo.py"
+    if not script.is_file():
+        sub.error(
+            f"the demo is examples/demo.py of Conveyor's source tree, not part of the installed "
+            f"package (looked for {script}); run it from a clone: `make demo`"
+        )
+    return subprocess.call([sys.executable, str(script)])
 
 
 def _run(fn, sub: _Parser, refused: type[Exception] | tuple = ()) -> int:

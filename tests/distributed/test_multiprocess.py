@@ -6,9 +6,9 @@ timeout instead of hanging.
 
 import pytest
 
-from conveyor.distributed import ProcessFailed, launch_local
+from tests.distributed.launch import ProcessFailed, launch_local
 
-WORKER = "conveyor.distributed.ring_check"
+WORKER = "tests.distributed.ring_check"
 
 
 def test_two_processes_run_both_collective_matmuls_over_eight_devices():

@@ -1,6 +1,6 @@
 """The figures of docs/pipelining.md and docs/simulator.md, drawn by the simulator.
 
-Regenerate: `python -m conveyor.sim.figures docs/figures`.
+Regenerate: `python scripts/figures.py docs/figures`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""Launch N local processes that form one JAX distributed job (CPU collectives over gloo).
+"""Launch N local processes that form one JAX distributed job (CPU collectives over gloo): the
+test harness of tests/distributed, not part of the package.
 
-Every process runs `python -m <module> --process-id I --num-processes N --port P --devices D`.
+Every process runs `python -m <module> --process-id I --num-processes N --port P --devices D`
+from the repository root (so `tests.distributed.ring_check` imports).
 The launcher waits with a deadline: when a process dies or the deadline passes, every other
 process is killed and `ProcessFailed` says which process did what, with the tail of its output.
 Nothing waits forever.
@@ -13,10 +15,14 @@ JAX detects them); only the CPU-specific XLA_FLAGS and the gloo setting are left
 from __future__ import annotations
 
 import os
+import pathlib
 import socket
 import subprocess
 import sys
 import time
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 class ProcessFailed(RuntimeError):
@@ -65,7 +71,7 @@ def launch_local(
             *extra_args,
         ]
         procs[i] = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
     deadline = time.monotonic() + timeout + 10
     outputs: dict[int, str] = {}

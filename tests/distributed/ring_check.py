@@ -1,7 +1,7 @@
 """Worker: both collective matmuls over every device of a multi-process CPU job, checked against
 NumPy.
 
-    python -m conveyor.distributed.ring_check --process-id 0 --num-processes 2 --port 12345
+    python -m tests.distributed.ring_check --process-id 0 --num-processes 2 --port 12345
     --devices 4
 Prints "OK <process> <devices>" on success; raises (non-zero exit) on a wrong shard.
 """

@@ -66,8 +66,8 @@ def train(c: Layer = Layer()) -> bool:
 
     if jax.device_count() < DEVICES:
         raise RuntimeError(
-            f"the MoE demo needs {DEVICES} devices; run it as `conveyor demo` (which sets "
-            f"XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES})"
+            f"the MoE demo needs {DEVICES} devices; run it as `python examples/demo.py` (which "
+            f"sets XLA_FLAGS=--xla_force_host_platform_device_count={DEVICES})"
         )
     mesh = Mesh(np.array(jax.devices()[:DEVICES]).reshape(MESH_SHAPE), AXES)
     rng = np.random.default_rng(1)

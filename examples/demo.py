@@ -1,4 +1,5 @@
-"""`conveyor demo`: grouped matmuls, then a Mixture-of-Experts layer trained on 8 devices.
+"""`conveyor demo` / `make demo`: grouped matmuls, then a Mixture-of-Experts layer trained on 8
+devices. Run it as a script: `python examples/demo.py`.
 
 Part 1 checks an MoE feed-forward block's values and gradients against the reference backend and
 times it next to the same block built on `jax.lax.ragged_dot`. Part 2 (`demo_moe`) trains
@@ -29,14 +30,19 @@ def moe_layer(x, w_in, w_out, group_sizes, matmul):
 FLAG = "--xla_force_host_platform_device_count=8"
 
 
-def run() -> int:
+def main() -> int:
     if FLAG not in os.environ.get("XLA_FLAGS", ""):  # jax reads it once, at backend start: restart
         env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + FLAG).strip())
         env.setdefault("JAX_PLATFORMS", "cpu")
         sys.stdout.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "conveyor", "demo"], env)
+        os.execve(sys.executable, [sys.executable, os.path.abspath(__file__)], env)
+    try:
+        import optax  # noqa: F401  (demo_moe trains with it)
+    except ModuleNotFoundError:
+        print("the demo trains with optax: pip install 'conveyor[demo]'", file=sys.stderr)
+        return 1
     ok = grouped_matmul_demo()
-    from conveyor import demo_moe
+    import demo_moe  # examples/demo_moe.py: this script's folder is on sys.path
 
     return 0 if demo_moe.train() and ok else 1
 
@@ -78,3 +84,7 @@ def grouped_matmul_demo() -> bool:
         f"{jax.default_backend()}"
     )
     return ok
+
+
+if __name__ == "__main__":
+    sys.exit(main())
