@@ -96,6 +96,23 @@ def test_verdicts():
     assert cc.verdict(_row("refused")) == "refused"
     assert cc.verdict(_row("failed")) == "failed"
     assert "| h100 | c | failed | 1.0 | E: x |" in cc.markdown([_row("failed")])
+    # The simulator must not count less on-chip memory than the compiler reported (2% slack).
+    assert cc.verdict({**_row(**ok), "simulated_onchip": 990}) == "ok"
+    assert cc.verdict({**_row(**ok), "simulated_onchip": 900}) == "sim onchip"
+    vmem = dict(vmem=2 * 2**20, vmem_default=16 * 2**20)
+    assert cc.verdict({**_row(**vmem), "simulated_onchip": 1.5 * 2**20}) == "sim onchip"
+    assert cc.verdict({**_row(**vmem), "simulated_onchip": 4 * 2**20}) == "ok"  # over: reported
+    assert "cv.sim counts 2.00 MiB" in cc.markdown([{**_row(**vmem), "simulated_onchip": 2**21}])
+
+
+def test_simulated_onchip_is_the_simulators_count_of_single_kernel_cases():
+    gmm = cc.case("gmm", m=8192, k=4096, n=14336, groups=8)
+    tgmm = cc.case("tgmm", m=8192, k=4096, n=14336, groups=8)
+    assert cc.cases.simulated_onchip(gmm, "v5e") == 2 * 2**20  # what libtpu reported
+    assert cc.cases.simulated_onchip(tgmm, "v6e") == 3.5 * 2**20
+    assert cc.cases.simulated_onchip(gmm, "h100") == 229376  # ptxas: 229489 with the barriers
+    grad = cc.case("gmm", m=8192, k=4096, n=14336, groups=8, grad=True)
+    assert cc.cases.simulated_onchip(grad, "v5e") is None
 
 
 def test_production_cases_have_unique_names_and_rings_only_on_tpu():

@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -235,9 +236,9 @@ def test_tgmm_row_blocks_are_the_kernel_schedule():
 
 
 def test_grouped_simulations_on_a_gpu_model_the_mosaic_gpu_kernels():
-    """Without tiling/stages, H100 runs the configuration the kernels run
-    (ops/gmm/tiling.MOSAIC_GPU);
-    TPU hardware and given tilings keep their own."""
+    """Without tiling/stages, H100 runs the configuration the mosaic_gpu kernels run
+    (ops/gmm/tiling.MOSAIC_GPU) and TPU hardware the mosaic_tpu kernels'; given tilings keep
+    their own."""
     from conveyor.ops.gmm.tiling import MOSAIC_GPU
 
     sizes = [1000, 24, 0, 1024]
@@ -255,7 +256,10 @@ def test_grouped_simulations_on_a_gpu_model_the_mosaic_gpu_kernels():
             r.config["warp_specialized"]
             and r.config["compute_threads"] == MOSAIC_GPU.compute_threads
         )
-        assert fn(sizes, 1024, 1024, hardware="v5e").config["kernel"] == "searched"
+        tpu = fn(sizes, 1024, 1024, hardware="v5e").config
+        # cv.gmm's TPU_DEFAULT (128, 512, 512), double-buffered as Pallas TPU pipelines are
+        assert tpu["kernel"] == "cv mosaic_tpu" and tuple(tpu["tiling"]) == (128, 512, 512)
+        assert tpu["stages"] == 2
         assert (
             fn(sizes, 1024, 1024, hardware="h100", tiling=(64, 128, 128), stages=3).config["kernel"]
             == "given"
@@ -317,3 +321,33 @@ def test_a_dtype_no_grouped_kernel_takes_is_priced_only_as_hypothetical(fn):
         fn([512] * 8, 1024, 1024, dtype="bf16", hardware="h100", hypothetical=True).config["kernel"]
         == "cv mosaic_gpu"
     )
+
+
+def _compiled_onchip() -> list[tuple[str, str, dict, float]]:
+    """(target, kind, params, MiB) of every single-kernel gmm / tgmm row of the newest committed
+    compile-check table: the on-chip memory the real compilers reported (TPU scoped VMEM)."""
+    results = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    newest = sorted(results.glob("compile-check-*.md"))[-1]
+    rows = []
+    for line in newest.read_text().splitlines():
+        m = re.match(
+            r"\| (v5e|v6e|v5p) \| (t?gmm) ([^|]*) \| ok \| [0-9.]+ \| VMEM ([0-9.]+) MiB \(", line
+        )
+        if m and "grad=True" not in m.group(3):
+            params = dict(kv.split("=") for kv in m.group(3).split())
+            rows.append((m.group(1), m.group(2), params, float(m.group(4))))
+    return rows
+
+
+def test_grouped_kernels_on_chip_memory_is_what_the_tpu_compiler_reported():
+    """The simulator's VMEM for cv.gmm / cv.tgmm's mosaic_tpu kernel is the kernel's own count
+    (ops/gmm/tpu_blocks.working_set), and that count is what libtpu's compile reported for the
+    production cases (`make compile-check`; the table prints MiB to two decimals, so within 1%)."""
+    rows = _compiled_onchip()
+    assert len(rows) >= 12, rows  # gmm and tgmm cases on v5e, v6e and v5p
+    hardware = {"v5e": "v5e", "v6e": "v5e", "v5p": "v5p"}  # v6e: the tiles do not depend on it
+    for target, kind, p, mib in rows:
+        m, k, n, groups = int(p["m"]), int(p["k"]), int(p["n"]), int(p["groups"])
+        fn = cv.sim.simulate_gmm if kind == "gmm" else cv.sim.simulate_tgmm
+        r = fn([m // groups] * groups, k, n, dtype="bf16", hardware=hardware[target])
+        assert r.onchip_bytes / 2**20 == pytest.approx(mib, rel=0.01), (target, kind, p)

@@ -286,6 +286,26 @@ def production() -> list[Case]:
     return cases
 
 
+# The simulator's hardware model for a target's kernel configuration (v6e has none: the gmm
+# kernels' tiles and VMEM do not depend on the TPU generation).
+SIM_HARDWARE = {"h100": "h100", "v5e": "v5e", "v6e": "v5e", "v5p": "v5p"}
+
+
+def simulated_onchip(c: Case, target: str) -> int | None:
+    """The on-chip bytes `cv.sim` counts for a single-kernel gmm / tgmm case (the kernel's own
+    configuration on that hardware), which the compiler's report must match; None for the cases
+    it does not model as one kernel (gradients, the MoE layers, rings, examples)."""
+    p = dict(c.params)
+    if c.kind not in ("gmm", "tgmm") or p.get("grad") or target not in SIM_HARDWARE:
+        return None
+    import conveyor as cv
+
+    fn = cv.sim.simulate_gmm if c.kind == "gmm" else cv.sim.simulate_tgmm
+    sizes = [p["m"] // p["groups"]] * p["groups"]
+    report = fn(sizes, p["k"], p["n"], dtype=p.get("dtype", "bf16"), hardware=SIM_HARDWARE[target])
+    return report.onchip_bytes
+
+
 def applies(c: Case, platform: str) -> bool:
     """Whether Conveyor has a kernel for case `c` on `platform` (rings are TPU-only; mpmd
     programs and the warp-specialized pipeline run on GPU warpgroups)."""

@@ -21,7 +21,8 @@ from typing import Any
 from conveyor import dtypes
 from conveyor.plans.ring import RingBlocks, RingPlan, ring_plan
 from conveyor.ops.gmm.metadata import count_row_blocks, count_visits
-from conveyor.ops.gmm.tiling import MOSAIC_GPU
+from conveyor.ops.gmm import tpu_blocks
+from conveyor.ops.gmm.tiling import MOSAIC_GPU, TPU_DEFAULT
 from conveyor.plans.pipeline import PipelinePlan, plan as make_plan
 from conveyor.plans.sequence import as_sequence, operand_sizes, Prefetched, sequence_program
 from conveyor.plans.specs import BlockSpec
@@ -181,9 +182,11 @@ def _matmul(
     tiles: int | None = None,
     cores: int | None = None,
     staging_bytes: int | None = None,
+    onchip_bytes: int | None = None,
 ) -> Report:
     """simulate_matmul on the model's own tile order (bm, bn, bk); `tiles` overrides the tile count
-    (gmm), `staging_bytes` the output staging buffer's size (see `_onchip`)."""
+    (gmm), `staging_bytes` the output staging buffer's size (see `_onchip`), `onchip_bytes` the
+    whole on-chip footprint where a kernel states its own (cv.gmm's mosaic_tpu kernel)."""
     hw = get_hardware(hardware)
     if tile is None or stages is None:
         return _search(
@@ -202,7 +205,7 @@ def _matmul(
         )
     bm, bn, bk = (int(x) for x in tile)
     in_b = out_b = dtypes.itemsize(dtype)
-    used = _onchip((bm, bn, bk), stages, in_b, out_b, staging_bytes)
+    used = onchip_bytes or _onchip((bm, bn, bk), stages, in_b, out_b, staging_bytes)
     if used > hw.onchip_bytes.value:
         raise DoesNotFit(
             f"tiling (tm, tk, tn)=({bm}, {bk}, {bn}) with {stages} stages needs {used / 1024:.0f} "
@@ -367,12 +370,27 @@ def _grouped_kernel(
     block_elems: int,
     staging_elems: int,
     itemsize: int,
+    tpu_kernel: tuple[tuple[int, int, int], int],
 ) -> dict[str, Any]:
     """The kernel configuration a grouped-matmul simulation replays: on GPU hardware without
     `tiling`/`stages`, the cv.gmm/tgmm mosaic_gpu kernel's (its tiles, warpgroups, delay_release,
     and the slots that fit beside its output staging buffer, as the kernel counts them from a
-    step's `block_elems` operand elements and its `staging_elems`); otherwise the given or
-    searched tiles and slots of a plain pipeline."""
+    step's `block_elems` operand elements and its `staging_elems`); on TPU hardware, the
+    mosaic_tpu kernel's (`tpu_kernel`: its clamped default tiles and its VMEM working set, both
+    from `ops.gmm.tpu_blocks`, double-buffered as Pallas TPU pipelines are); otherwise the given
+    or searched tiles and slots of a plain pipeline."""
+    if hw.kind == "tpu" and tiling is None and stages is None:
+        kernel_tiling, working_set = tpu_kernel
+        return dict(
+            tiling=kernel_tiling,
+            stages=2,
+            warp_specialized=False,
+            staging_bytes=None,
+            onchip_bytes=working_set,
+            compute_threads=2,
+            delay_release=0,
+            kernel="cv mosaic_tpu",
+        )
     if hw.kind == "gpu" and tiling is None and stages is None:
         staging = staging_elems * itemsize
         kernel_stages = MOSAIC_GPU.stages_that_fit(
@@ -385,6 +403,7 @@ def _grouped_kernel(
             stages=kernel_stages,
             warp_specialized=True,
             staging_bytes=staging,
+            onchip_bytes=None,
             compute_threads=MOSAIC_GPU.compute_threads,
             delay_release=MOSAIC_GPU.delay_release,
             kernel="cv mosaic_gpu",
@@ -396,8 +415,23 @@ def _grouped_kernel(
         compute_threads=2,
         delay_release=0,
         staging_bytes=None,
+        onchip_bytes=None,
         kernel="searched" if tiling is None or stages is None else "given",
     )
+
+
+def _tpu_kernel(op: str, m: int, k: int, n: int, dtype: str) -> tuple[tuple[int, int, int], int]:
+    """cv.gmm / cv.tgmm's mosaic_tpu kernel for this problem: its (tm, tk, tn) (the default
+    tiling, clamped as the kernel clamps it) and its VMEM working set, the output in the operands'
+    dtype (as the simulator's HBM traffic assumes)."""
+    dt = dtypes.canonical(dtype)
+    if op == "gmm":
+        tiles = tpu_blocks.gmm_tiles(m, k, n, TPU_DEFAULT, dt)
+        blocks = tpu_blocks.gmm_blocks(*tiles)
+    else:
+        tiles = tpu_blocks.tgmm_tiles(m, k, n, TPU_DEFAULT, dt)
+        blocks = tpu_blocks.tgmm_blocks(*tiles)
+    return tiles, tpu_blocks.working_set(*blocks, dt, dt)
 
 
 # The operand dtypes the cv.gmm / cv.tgmm kernels take, per hardware kind: mosaic_gpu multiplies
@@ -462,6 +496,7 @@ def _grouped(
                 compute_threads=cfg["compute_threads"],
                 delay_release=cfg["delay_release"],
                 staging_bytes=cfg["staging_bytes"],
+                onchip_bytes=cfg["onchip_bytes"],
             )
         except DoesNotFit:
             continue
@@ -509,6 +544,7 @@ def simulate_gmm(
         block_elems=tm * tk + tk * tn,
         staging_elems=math.prod(MOSAIC_GPU.staging_shape(tm, tn)),
         itemsize=b,
+        tpu_kernel=_tpu_kernel("gmm", m, k, n, dtype),
     )
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b
@@ -560,6 +596,7 @@ def simulate_tgmm(
         block_elems=tk * tm + tm * tn,
         staging_elems=math.prod(MOSAIC_GPU.staging_shape(tk, tn)),
         itemsize=dtypes.itemsize(dtype),
+        tpu_kernel=_tpu_kernel("tgmm", m, k, n, dtype),
     )
     if imagined:
         cfg["kernel"] = f"hypothetical ({cfg['kernel']} with {dtypes.canonical(dtype)} operands)"

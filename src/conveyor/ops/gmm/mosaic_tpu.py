@@ -23,33 +23,10 @@ from conveyor.cost import matmul_cost, shape_bytes
 from conveyor.ints import cdiv
 from conveyor.interpreters import tpu_params
 from conveyor.tpu_vmem import vmem_limit
+from conveyor.ops.gmm import tpu_blocks
 from conveyor.ops.gmm.metadata import make_group_metadata
 
 _SUPPORTED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-def check_tiles(
-    sizes: dict[str, int], tiles: dict[str, int], sublane: str, dtype, op: str
-) -> dict[str, int]:
-    """Clamp tiles to the problem and enforce the TPU block rules.
-
-    The tile named `sublane` must be a multiple of 8 (16 for bfloat16); the others are lane
-    dimensions of some block and must be multiples of 128. A tile covering its whole dimension is
-    always legal.
-    """
-    sub = 16 if dtype == jnp.bfloat16 else 8
-    out = {}
-    for name, t in tiles.items():
-        full = sizes[name]
-        t = min(t, full)
-        unit = sub if name == sublane else 128
-        if t != full and t % unit:
-            raise ValueError(
-                f"tiling: mosaic_tpu {op} needs t{name} to be a multiple of {unit} for "
-                f"{jnp.dtype(dtype).name} (or >= {name}={full}), got t{name}={t}"
-            )
-        out[name] = t
-    return out
 
 
 def _compute_dtype(*dts):
@@ -120,25 +97,19 @@ def _gmm_kernel(
 
 
 def _vmem_limit(op: str, lhs_block, rhs_block, out_block, cdt, out_dtype) -> int | None:
-    """`vmem_limit_bytes` for a gmm/tgmm tiling. Working set: two buffers of each input block
-    (lhs, rhs and the aliased existing output), two of the output block and the float32
-    accumulator; this is the scoped VMEM libtpu reports for the default tilings (2 MiB gmm,
-    3.5 MiB tgmm on v5e). Peak adds two float32 products of the output block's shape (the dot's
-    value and the sum), which larger tilings need (docs/compile-check.md). A tiling whose
-    working set is over the chip's VMEM is refused naming the bytes (`tpu_vmem.vmem_limit`)."""
-    inputs = (
-        shape_bytes(lhs_block, cdt)
-        + shape_bytes(rhs_block, cdt)
-        + shape_bytes(out_block, out_dtype)
-    )
-    product = shape_bytes(out_block, jnp.float32)
-    working = 2 * inputs + 2 * shape_bytes(out_block, out_dtype) + product
+    """`vmem_limit_bytes` for a gmm/tgmm tiling: the working set (`tpu_blocks.working_set`, the
+    scoped VMEM libtpu reports: 2 MiB gmm, 3.5 MiB tgmm at the default tilings). Peak adds two
+    float32 products of the output block's shape (the dot's value and the sum), which larger
+    tilings need (docs/compile-check.md). A tiling whose working set is over the chip's VMEM is
+    refused naming the bytes (`tpu_vmem.vmem_limit`)."""
+    working = tpu_blocks.working_set(lhs_block, rhs_block, out_block, cdt, out_dtype)
+    product = shape_bytes(tuple(d for d in out_block if d is not None), jnp.float32)
     return vmem_limit(
         f"{op}",
         working=working,
         peak=working + 2 * product,
         remedy=(
-            f"pass a smaller tiling (its blocks: lhs {tuple(lhs_block)}, rhs {tuple(rhs_block)}, "
+            f"pass a smaller tiling (its blocks: lhs {lhs_block}, rhs {rhs_block}, "
             f"out {tuple(out_block)})"
         ),
     )
@@ -164,10 +135,7 @@ def gmm_mosaic_tpu(
         raise NotImplementedError(
             f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}"
         )
-    t = check_tiles(
-        dict(m=m, k=k, n=n), dict(m=tiling.tm, k=tiling.tk, n=tiling.tn), "m", cdt, "gmm"
-    )
-    tm, tk, tn = t["m"], t["k"], t["n"]
+    tm, tk, tn = tpu_blocks.gmm_tiles(m, k, n, (tiling.tm, tiling.tk, tiling.tn), cdt)
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     visits = meta.group_ids.shape[0]
     grid = (cdiv(n, tn), visits, cdiv(k, tk))
@@ -190,7 +158,7 @@ def gmm_mosaic_tpu(
         lhs = _pad_to(lhs, (tm, 1))
         rhs = _pad_to(rhs, (1, tn, 1) if transpose_rhs else (1, 1, tn))
         existing_out = _pad_to(existing_out, (tm, tn))
-    rhs_block = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+    lhs_block, rhs_block, out_block = tpu_blocks.gmm_blocks(tm, tk, tn, transpose_rhs)
     call = pl.pallas_call(
         functools.partial(_gmm_kernel, tm=tm, tk=tk, k=k, transpose_rhs=transpose_rhs),
         out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),
@@ -198,17 +166,17 @@ def gmm_mosaic_tpu(
             num_scalar_prefetch=5,
             grid=grid,
             in_specs=[
-                pl.BlockSpec((tm, tk), lhs_map),
+                pl.BlockSpec(lhs_block, lhs_map),
                 pl.BlockSpec(rhs_block, rhs_map),
-                pl.BlockSpec((tm, tn), out_map),
+                pl.BlockSpec(out_block, out_map),
             ],
-            out_specs=pl.BlockSpec((tm, tn), out_map),
+            out_specs=pl.BlockSpec(out_block, out_map),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
         input_output_aliases={7: 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=_vmem_limit("gmm", (tm, tk), rhs_block[1:], (tm, tn), cdt, out_dtype),
+            vmem_limit_bytes=_vmem_limit("gmm", lhs_block, rhs_block, out_block, cdt, out_dtype),
         ),
         cost_estimate=matmul_cost(m, k, n, lhs, rhs, existing_out),
         interpret=tpu_params(interpret),
@@ -266,10 +234,8 @@ def tgmm_mosaic_tpu(
             f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}"
         )
     # The lhs block is (tk, tm): here tm is a lane dimension (multiple of 128) and tk a sublane one.
-    t = check_tiles(
-        dict(m=m, k=k, n=n), dict(m=tiling.tm, k=tiling.tk, n=tiling.tn), "k", cdt, "tgmm"
-    )
-    tm, tk, tn = t["m"], t["k"], t["n"]
+    tm, tk, tn = tpu_blocks.tgmm_tiles(m, k, n, (tiling.tm, tiling.tk, tiling.tn), cdt)
+    lhs_block, rhs_block, out_block = tpu_blocks.tgmm_blocks(tm, tk, tn)
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     visits = meta.group_ids.shape[0]
     grid = (cdiv(k, tk), cdiv(n, tn), visits)
@@ -296,17 +262,17 @@ def tgmm_mosaic_tpu(
             num_scalar_prefetch=5,
             grid=grid,
             in_specs=[
-                pl.BlockSpec((tk, tm), lhs_map),
-                pl.BlockSpec((tm, tn), rhs_map),
-                pl.BlockSpec((None, tk, tn), out_map),
+                pl.BlockSpec(lhs_block, lhs_map),
+                pl.BlockSpec(rhs_block, rhs_map),
+                pl.BlockSpec(out_block, out_map),
             ],
-            out_specs=pl.BlockSpec((None, tk, tn), out_map),
+            out_specs=pl.BlockSpec(out_block, out_map),
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
         ),
         input_output_aliases={7: 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=_vmem_limit("tgmm", (tk, tm), (tm, tn), (tk, tn), cdt, out_dtype),
+            vmem_limit_bytes=_vmem_limit("tgmm", lhs_block, rhs_block, out_block, cdt, out_dtype),
         ),
         cost_estimate=matmul_cost(k, m, n, lhs, rhs, existing_out),
         interpret=tpu_params(interpret),

@@ -1,0 +1,74 @@
+"""The Mosaic TPU gmm/tgmm kernels' tiles, blocks and VMEM working set: arithmetic the kernels
+(`ops/gmm/mosaic_tpu.py`) and the simulator (`cv.sim.simulate_gmm` on TPU hardware) share, so
+both count the same bytes. No Pallas import: the simulator loads it without the TPU backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from conveyor.cost import shape_bytes
+
+Shape = tuple[Any, ...]
+
+
+def clamp_tiles(
+    sizes: dict[str, int], tiles: dict[str, int], sublane: str, dtype, op: str
+) -> dict[str, int]:
+    """Clamp tiles to the problem and enforce the TPU block rules.
+
+    The tile named `sublane` must be a multiple of 8 (16 for bfloat16); the others are lane
+    dimensions of some block and must be multiples of 128. A tile covering its whole dimension is
+    always legal.
+    """
+    sub = 16 if jnp.dtype(dtype) == jnp.bfloat16 else 8
+    out = {}
+    for name, t in tiles.items():
+        full = sizes[name]
+        t = min(t, full)
+        unit = sub if name == sublane else 128
+        if t != full and t % unit:
+            raise ValueError(
+                f"tiling: mosaic_tpu {op} needs t{name} to be a multiple of {unit} for "
+                f"{jnp.dtype(dtype).name} (or >= {name}={full}), got t{name}={t}"
+            )
+        out[name] = t
+    return out
+
+
+def gmm_tiles(m: int, k: int, n: int, tiling: tuple[int, int, int], dtype) -> tuple[int, ...]:
+    """gmm's (tm, tk, tn) for an [m, k] x [k, n] problem: `tiling` clamped, tm the sublane tile."""
+    t = clamp_tiles(dict(m=m, k=k, n=n), dict(zip("mkn", tiling)), "m", dtype, "gmm")
+    return t["m"], t["k"], t["n"]
+
+
+def tgmm_tiles(m: int, k: int, n: int, tiling: tuple[int, int, int], dtype) -> tuple[int, ...]:
+    """tgmm's (tm, tk, tn) for [k, m] x [m, n] -> [G, k, n]: tk is the sublane tile."""
+    t = clamp_tiles(dict(m=m, k=k, n=n), dict(zip("mkn", tiling)), "k", dtype, "tgmm")
+    return t["m"], t["k"], t["n"]
+
+
+def gmm_blocks(tm: int, tk: int, tn: int, transpose_rhs: bool = False) -> tuple[Shape, ...]:
+    """gmm's VMEM blocks: lhs [tm, tk], rhs [tk, tn] ([tn, tk] transposed; group squeezed),
+    out [tm, tn]."""
+    rhs = (None, tn, tk) if transpose_rhs else (None, tk, tn)
+    return (tm, tk), rhs, (tm, tn)
+
+
+def tgmm_blocks(tm: int, tk: int, tn: int) -> tuple[Shape, ...]:
+    """tgmm's VMEM blocks: lhs^T [tk, tm], rhs [tm, tn], out [tk, tn] (group squeezed)."""
+    return (tk, tm), (tm, tn), (None, tk, tn)
+
+
+def _present(block: Shape) -> tuple[int, ...]:
+    return tuple(d for d in block if d is not None)
+
+
+def working_set(lhs_block: Shape, rhs_block: Shape, out_block: Shape, dtype, out_dtype) -> int:
+    """The kernel's VMEM: two buffers of each input block (lhs, rhs and the aliased existing
+    output), two of the output block and the float32 accumulator scratch. This is the scoped
+    VMEM libtpu reports for the kernels (benchmarks/results/compile-check-*.md)."""
+    lhs, rhs, out = _present(lhs_block), _present(rhs_block), _present(out_block)
+    inputs = shape_bytes(lhs, dtype) + shape_bytes(rhs, dtype) + shape_bytes(out, out_dtype)
+    return 2 * inputs + 2 * shape_bytes(out, out_dtype) + shape_bytes(out, jnp.float32)
