@@ -351,3 +351,55 @@ def test_grouped_kernels_on_chip_memory_is_what_the_tpu_compiler_reported():
         fn = cv.sim.simulate_gmm if kind == "gmm" else cv.sim.simulate_tgmm
         r = fn([m // groups] * groups, k, n, dtype="bf16", hardware=hardware[target])
         assert r.onchip_bytes / 2**20 == pytest.approx(mib, rel=0.01), (target, kind, p)
+
+
+def _kernel_copies(sizes, k, n, tiling):
+    """The copies cv.gmm's mosaic_tpu kernel issues, walked independently of the simulator: its
+    grid in order over the real visits of its own metadata, with its own index maps, and Pallas
+    TPU's rule (a block is copied in when its index differs from the previous step's, and an
+    output block written back when the next step's differs, or at the end)."""
+    import itertools
+
+    import jax.numpy as jnp
+
+    from conveyor.ops.gmm import tpu_blocks
+    from conveyor.ops.gmm.metadata import make_group_metadata
+
+    m = sum(sizes)
+    tm, tk, tn = tiling
+    meta = make_group_metadata(jnp.asarray(sizes, jnp.int32), m, tm)
+    visits = int(meta.num_visits)
+    gids, tids = [int(x) for x in meta.group_ids], [int(x) for x in meta.tile_ids]
+    lhs, rhs, out = tpu_blocks.gmm_index_maps()
+    grid = tpu_blocks.gmm_grid(k, n, tk, tn, visits)
+    steps = list(itertools.product(*(range(d) for d in grid)))
+    copies = {}
+    for name, index_map in (("lhs", lhs), ("rhs", rhs), ("existing_out", out), ("out", out)):
+        keys = [tuple(int(x) for x in index_map(*s, gids, tids)) for s in steps]
+        copies[name] = sum(1 for i, key in enumerate(keys) if i == 0 or key != keys[i - 1])
+    return copies
+
+
+@pytest.mark.parametrize(
+    "sizes, k, n",
+    [
+        ([100, 0, 300, 37, 75], 1024, 768),  # a group mid-tile, an empty one, 2 k tiles
+        ([256, 256, 0, 512], 512, 1536),  # one k tile: a group's weights stay over its visits
+        ([64] * 8, 1000, 640),  # a partial k tile and a partial column
+    ],
+)
+def test_gmm_on_tpu_copies_what_the_kernel_copies(sizes, k, n):
+    """simulate_gmm on TPU replays the mosaic_tpu kernel's own grid: its copy events, operand by
+    operand, are the kernel's (the conformance approach of the pipelines)."""
+    r = cv.sim.simulate_gmm(sizes, k, n, hardware="v5e")
+    assert r.config["kernel"] == "cv mosaic_tpu"
+    assert r.config["copies"] == _kernel_copies(sizes, k, n, r.config["tiling"])
+
+
+def test_gmm_on_tpu_reads_a_groups_weights_once_when_k_is_one_tile():
+    # Consecutive visits of a group keep its [k, tn] weight block: rhs is copied once per group
+    # per column, not once per visit; with 4 k tiles it is copied at every step.
+    one = cv.sim.simulate_gmm([1024] * 4, 512, 1024, hardware="v5e").config
+    assert one["copies"]["rhs"] == 4 * 2 and one["grid"] == [2, 32, 1]
+    four = cv.sim.simulate_gmm([1024] * 4, 2048, 1024, hardware="v5e").config
+    assert four["copies"]["rhs"] == 2 * 32 * 4

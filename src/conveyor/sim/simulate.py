@@ -24,6 +24,7 @@ from conveyor.ops.gmm.metadata import count_row_blocks, count_visits
 from conveyor.ops.gmm import tpu_blocks
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, TPU_DEFAULT
 from conveyor.plans.pipeline import PipelinePlan, plan as make_plan
+from conveyor.plans.program import Copy
 from conveyor.plans.sequence import as_sequence, operand_sizes, Prefetched, sequence_program
 from conveyor.plans.specs import BlockSpec
 from conveyor.plans.warp import as_chain, chain_program, WarpSpecializedPlan
@@ -548,8 +549,12 @@ def simulate_gmm(
     )
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b
+    if cfg["onchip_bytes"] is not None:  # the mosaic_tpu kernel, on its own grid
+        report = _gmm_tpu_kernel(group_sizes, m, k, n, dtype=dtype, hw=hw, cfg=cfg)
     if imagined:
         cfg["kernel"] = f"hypothetical ({cfg['kernel']} with {dtypes.canonical(dtype)} operands)"
+    if cfg["onchip_bytes"] is not None:
+        return dataclasses.replace(report, config=dict(report.config, kernel=cfg["kernel"]))
     return _grouped(
         "simulate_gmm",
         m,
@@ -562,6 +567,130 @@ def simulate_gmm(
         workload="gmm",
         tiles_for=lambda bm, bn: count_visits(group_sizes, bm) * math.ceil(n / bn),
         extra=dict(groups=len(group_sizes), m=m),
+    )
+
+
+# The Mosaic TPU gmm kernel's copied operands, in its pallas_call's order; the output last.
+GMM_OPERANDS = ("lhs", "rhs", "existing_out", "out")
+
+
+class _Table:
+    """A scalar-prefetched table (the visits' group ids, row tiles) for index maps the plan calls
+    with Python ints (each step's block) and with tracers (its invariance check)."""
+
+    def __init__(self, values):
+        self.values = [int(x) for x in values]
+        self.array = None
+
+    def __getitem__(self, i):
+        if isinstance(i, int):
+            return self.values[i]
+        import jax.numpy as jnp
+
+        if self.array is None:
+            self.array = jnp.asarray(self.values, jnp.int32)
+        return self.array[i]
+
+
+# Grid columns replayed per core before the rest is extrapolated: every column of the kernel's
+# grid repeats the same visits, so after the first the columns cost the same.
+REPLAYED_COLUMNS = 2
+
+
+def _gmm_tpu_kernel(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
+    """cv.gmm's Mosaic TPU kernel replayed on its own grid (`tpu_blocks.gmm_grid`: n tiles split
+    over the cores, then the (row tile, group) visits of `make_group_metadata`, then k tiles) with
+    its own index maps (`tpu_blocks.gmm_index_maps`): a step whose block index equals the previous
+    step's fetches nothing (Pallas TPU's rule, the plan's too), so a group's weight block is
+    re-read per visit unless k is one tile. The visits padded past the last real one (the grid is
+    sized for traced group sizes) do no copy and no matmul: each costs one step's sync."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from conveyor.ops.gmm.metadata import make_group_metadata, max_visits
+
+    tm, tk, tn = cfg["tiling"]
+    b = dtypes.itemsize(dtype)
+    meta = make_group_metadata(jnp.asarray(group_sizes, jnp.int32), m, tm)
+    visits = int(meta.num_visits)
+    gids = _Table(np.asarray(meta.group_ids)[:visits])
+    tids = _Table(np.asarray(meta.tile_ids)[:visits])
+    lhs_map, rhs_map, out_map = tpu_blocks.gmm_index_maps()
+    lhs_block, rhs_block, out_block = tpu_blocks.gmm_blocks(tm, tk, tn)
+    n_cols, _, k_steps = tpu_blocks.gmm_grid(k, n, tk, tn, visits)
+    cores = min(int(hw.cores.value), n_cols)
+    per_core = math.ceil(n_cols / cores)
+
+    def spec(block, index_map):
+        return BlockSpec(block, lambda j, v, kk: index_map(j, v, kk, gids, tids))
+
+    def replay(columns: int):
+        p = make_plan(
+            grid=(columns, visits, k_steps),
+            in_specs=[
+                spec(lhs_block, lhs_map),
+                spec(rhs_block, rhs_map),
+                spec(out_block, out_map),  # existing_out, aliased to the output
+            ],
+            out_specs=[spec(out_block, out_map)],
+            max_concurrent_steps=cfg["stages"],
+        )
+        costs = StepCosts(
+            (tm * tk * b, tk * tn * b, tm * tn * b),
+            (tm * tn * b,),
+            2.0 * tm * tn * tk,
+            hw.matrix_rate(dtype) / int(hw.cores.value),
+            hw.reuse_bandwidth.value / cores,
+            hw.hbm_bandwidth.value * hw.hbm_efficiency.value / cores,
+        )
+        prog = p.program()
+        time, boxes = timed.run(prog, _timing(p, costs, hw, False))
+        names = [o.name for o in p.inputs + p.outputs]
+        counts = {name: 0 for name in names}
+        for _, acts in prog.actors:
+            for a in acts:
+                if isinstance(a, Copy):
+                    counts[a.operand] += 1
+        return time, boxes, dict(zip(GMM_OPERANDS, (counts[name] for name in names)))
+
+    shown = min(per_core, REPLAYED_COLUMNS)
+    time, boxes, copies = replay(shown)
+    notes = []
+    if per_core > shown:
+        before, _, copies_before = replay(shown - 1)
+        time += (per_core - shown) * (time - before)
+        copies = {op: c + (per_core - shown) * (c - copies_before[op]) for op, c in copies.items()}
+        notes.append(f"replayed {shown} of {per_core} grid columns per core, the rest extrapolated")
+    padded = max_visits(m, tm, len(group_sizes)) - visits
+    time += per_core * padded * k_steps * hw.sync_latency.value
+    sizes = dict(zip(GMM_OPERANDS, (tm * tk * b, tk * tn * b, tm * tn * b, tm * tn * b)))
+    # the cores share the n_cols columns; each column copies what a replayed one does
+    copies = {op: round(c * n_cols / per_core) for op, c in copies.items()}
+    hbm = sum(sizes[op] * c for op, c in copies.items())
+    floor = hbm / (hw.hbm_bandwidth.value * hw.hbm_efficiency.value)
+    if floor > time:
+        notes.append(f"HBM floor {floor * 1e6:.1f} us exceeds the core replay {time * 1e6:.1f} us")
+        time = floor
+    config = {
+        "m": m,
+        "k": k,
+        "n": n,
+        "dtype": dtype,
+        "tiling": [tm, tk, tn],
+        "stages": cfg["stages"],
+        "delay_release": 0,
+        "warp_specialized": False,
+        "compute_threads": 0,
+        "grid": [n_cols, visits, k_steps],
+        "padded_visits": padded,
+        "copies": copies,
+        "cores": cores,
+        "kernel": cfg["kernel"],
+        "groups": len(group_sizes),
+    }
+    flops = 2.0 * m * k * n
+    return Report(
+        "gmm", hw, time, flops, hbm, 0.0, cfg["onchip_bytes"], config, tuple(boxes), tuple(notes)
     )
 
 

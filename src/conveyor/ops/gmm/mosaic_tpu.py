@@ -138,17 +138,9 @@ def gmm_mosaic_tpu(
     tm, tk, tn = tpu_blocks.gmm_tiles(m, k, n, (tiling.tm, tiling.tk, tiling.tn), cdt)
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     visits = meta.group_ids.shape[0]
-    grid = (cdiv(n, tn), visits, cdiv(k, tk))
+    grid = tpu_blocks.gmm_grid(k, n, tk, tn, visits)
 
-    def lhs_map(j, v, kk, gids, tids, *_):
-        return tids[v], kk
-
-    def rhs_map(j, v, kk, gids, tids, *_):
-        return (gids[v], j, kk) if transpose_rhs else (gids[v], kk, j)
-
-    def out_map(j, v, kk, gids, tids, *_):
-        return tids[v], j
-
+    lhs_map, rhs_map, out_map = tpu_blocks.gmm_index_maps(transpose_rhs)
     lhs, rhs, existing_out = lhs.astype(cdt), rhs.astype(cdt), existing_out.astype(out_dtype)
     if interpret:
         # jax 0.12's TPU interpreter returns an aliased output padded to whole blocks when its edge

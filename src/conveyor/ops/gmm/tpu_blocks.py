@@ -72,3 +72,26 @@ def working_set(lhs_block: Shape, rhs_block: Shape, out_block: Shape, dtype, out
     lhs, rhs, out = _present(lhs_block), _present(rhs_block), _present(out_block)
     inputs = shape_bytes(lhs, dtype) + shape_bytes(rhs, dtype) + shape_bytes(out, out_dtype)
     return 2 * inputs + 2 * shape_bytes(out, out_dtype) + shape_bytes(out, jnp.float32)
+
+
+def gmm_index_maps(transpose_rhs: bool = False):
+    """gmm's block index maps over its grid (n tile j, visit v, k tile kk), reading the visits'
+    group ids and row tiles (`make_group_metadata`); the kernel's BlockSpecs and the simulator's
+    replay of its grid (`cv.sim.simulate_gmm` on TPU) both use them. Returns (lhs, rhs, out)."""
+
+    def lhs(j, v, kk, group_ids, tile_ids, *_):
+        return tile_ids[v], kk
+
+    def rhs(j, v, kk, group_ids, tile_ids, *_):
+        return (group_ids[v], j, kk) if transpose_rhs else (group_ids[v], kk, j)
+
+    def out(j, v, kk, group_ids, tile_ids, *_):
+        return tile_ids[v], j
+
+    return lhs, rhs, out
+
+
+def gmm_grid(k: int, n: int, tk: int, tn: int, visits: int) -> tuple[int, int, int]:
+    """gmm's grid: n tiles (parallel: split over a chip's cores), then the (row tile, group)
+    visits in order, then k tiles innermost (the output block stays resident over them)."""
+    return -(-n // tn), visits, -(-k // tk)
