@@ -353,11 +353,11 @@ def test_grouped_kernels_on_chip_memory_is_what_the_tpu_compiler_reported():
         assert r.onchip_bytes / 2**20 == pytest.approx(mib, rel=0.01), (target, kind, p)
 
 
-def _kernel_copies(sizes, k, n, tiling):
-    """The copies cv.gmm's mosaic_tpu kernel issues, walked independently of the simulator: its
-    grid in order over the real visits of its own metadata, with its own index maps, and Pallas
-    TPU's rule (a block is copied in when its index differs from the previous step's, and an
-    output block written back when the next step's differs, or at the end)."""
+def _kernel_copies(op, sizes, k, n, tiling):
+    """The copies cv.gmm's (or cv.tgmm's) mosaic_tpu kernel issues, walked independently of the
+    simulator: its grid in order over the real visits of its own metadata, with its own index
+    maps, and Pallas TPU's rule (a block is copied in when its index differs from the previous
+    step's, and an output block written back when the next step's differs, or at the end)."""
     import itertools
 
     import jax.numpy as jnp
@@ -370,8 +370,12 @@ def _kernel_copies(sizes, k, n, tiling):
     meta = make_group_metadata(jnp.asarray(sizes, jnp.int32), m, tm)
     visits = int(meta.num_visits)
     gids, tids = [int(x) for x in meta.group_ids], [int(x) for x in meta.tile_ids]
-    lhs, rhs, out = tpu_blocks.gmm_index_maps()
-    grid = tpu_blocks.gmm_grid(k, n, tk, tn, visits)
+    if op == "gmm":
+        lhs, rhs, out = tpu_blocks.gmm_index_maps()
+        grid = tpu_blocks.gmm_grid(k, n, tk, tn, visits)
+    else:
+        lhs, rhs, out = tpu_blocks.tgmm_index_maps()
+        grid = tpu_blocks.tgmm_grid(k, n, tk, tn, visits)
     steps = list(itertools.product(*(range(d) for d in grid)))
     copies = {}
     for name, index_map in (("lhs", lhs), ("rhs", rhs), ("existing_out", out), ("out", out)):
@@ -388,12 +392,14 @@ def _kernel_copies(sizes, k, n, tiling):
         ([64] * 8, 1000, 640),  # a partial k tile and a partial column
     ],
 )
-def test_gmm_on_tpu_copies_what_the_kernel_copies(sizes, k, n):
-    """simulate_gmm on TPU replays the mosaic_tpu kernel's own grid: its copy events, operand by
-    operand, are the kernel's (the conformance approach of the pipelines)."""
-    r = cv.sim.simulate_gmm(sizes, k, n, hardware="v5e")
+@pytest.mark.parametrize("op", ["gmm", "tgmm"])
+def test_grouped_matmuls_on_tpu_copy_what_the_kernels_copy(op, sizes, k, n):
+    """simulate_gmm / simulate_tgmm on TPU replay the mosaic_tpu kernel's own grid: their copy
+    events, operand by operand, are the kernel's (the conformance approach of the pipelines)."""
+    fn = cv.sim.simulate_gmm if op == "gmm" else cv.sim.simulate_tgmm
+    r = fn(sizes, k, n, hardware="v5e")
     assert r.config["kernel"] == "cv mosaic_tpu"
-    assert r.config["copies"] == _kernel_copies(sizes, k, n, r.config["tiling"])
+    assert r.config["copies"] == _kernel_copies(op, sizes, k, n, r.config["tiling"])
 
 
 def test_gmm_on_tpu_reads_a_groups_weights_once_when_k_is_one_tile():

@@ -550,7 +550,7 @@ def simulate_gmm(
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b
     if cfg["onchip_bytes"] is not None:  # the mosaic_tpu kernel, on its own grid
-        report = _gmm_tpu_kernel(group_sizes, m, k, n, dtype=dtype, hw=hw, cfg=cfg)
+        report = _tpu_kernel_replay("gmm", group_sizes, m, k, n, dtype=dtype, hw=hw, cfg=cfg)
     if imagined:
         cfg["kernel"] = f"hypothetical ({cfg['kernel']} with {dtypes.canonical(dtype)} operands)"
     if cfg["onchip_bytes"] is not None:
@@ -570,8 +570,8 @@ def simulate_gmm(
     )
 
 
-# The Mosaic TPU gmm kernel's copied operands, in its pallas_call's order; the output last.
-GMM_OPERANDS = ("lhs", "rhs", "existing_out", "out")
+# The Mosaic TPU gmm/tgmm kernels' copied operands, in their pallas_calls' order; the output last.
+TPU_KERNEL_OPERANDS = ("lhs", "rhs", "existing_out", "out")
 
 
 class _Table:
@@ -597,13 +597,14 @@ class _Table:
 REPLAYED_COLUMNS = 2
 
 
-def _gmm_tpu_kernel(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
-    """cv.gmm's Mosaic TPU kernel replayed on its own grid (`tpu_blocks.gmm_grid`: n tiles split
-    over the cores, then the (row tile, group) visits of `make_group_metadata`, then k tiles) with
-    its own index maps (`tpu_blocks.gmm_index_maps`): a step whose block index equals the previous
-    step's fetches nothing (Pallas TPU's rule, the plan's too), so a group's weight block is
-    re-read per visit unless k is one tile. The visits padded past the last real one (the grid is
-    sized for traced group sizes) do no copy and no matmul: each costs one step's sync."""
+def _tpu_kernel_replay(op: str, group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
+    """cv.gmm's or cv.tgmm's Mosaic TPU kernel replayed on its own grid with its own index maps
+    (`ops/gmm/tpu_blocks.py`) over the real visits of its metadata (`make_group_metadata`). gmm's
+    grid is (n tiles, visits, k tiles), tgmm's (k tiles, n tiles, visits); the leading tiles
+    ("columns") are shared by the cores. A step whose block index equals the previous step's
+    copies nothing (Pallas TPU's rule, the plan's too), so gmm re-reads a group's weight block per
+    visit unless k is one tile. Visits padded past the last real one (the grid is sized for
+    traced group sizes) do no copy and no matmul: each costs one step's sync."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -615,30 +616,51 @@ def _gmm_tpu_kernel(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
     visits = int(meta.num_visits)
     gids = _Table(np.asarray(meta.group_ids)[:visits])
     tids = _Table(np.asarray(meta.tile_ids)[:visits])
-    lhs_map, rhs_map, out_map = tpu_blocks.gmm_index_maps()
-    lhs_block, rhs_block, out_block = tpu_blocks.gmm_blocks(tm, tk, tn)
-    n_cols, _, k_steps = tpu_blocks.gmm_grid(k, n, tk, tn, visits)
-    cores = min(int(hw.cores.value), n_cols)
-    per_core = math.ceil(n_cols / cores)
+    if op == "gmm":
+        maps, blocks = tpu_blocks.gmm_index_maps(), tpu_blocks.gmm_blocks(tm, tk, tn)
+        grid = tpu_blocks.gmm_grid(k, n, tk, tn, visits)
+        columns, steps_per_visit = grid[0], grid[2]
 
-    def spec(block, index_map):
-        return BlockSpec(block, lambda j, v, kk: index_map(j, v, kk, gids, tids))
+        def replay_grid(shown):
+            return (
+                shown,
+                visits,
+                steps_per_visit,
+            ), lambda imap: lambda j, v, kk: imap(j, v, kk, gids, tids)
+    else:
+        maps, blocks = tpu_blocks.tgmm_index_maps(), tpu_blocks.tgmm_blocks(tm, tk, tn)
+        grid = tpu_blocks.tgmm_grid(k, n, tk, tn, visits)
+        columns, steps_per_visit = grid[0] * grid[1], 1
 
-    def replay(columns: int):
+        def replay_grid(shown):  # the (k tile, n tile) pairs flattened, in the grid's order
+            return (
+                shown,
+                visits,
+            ), lambda imap: lambda c, v: imap(c // grid[1], c % grid[1], v, gids, tids)
+
+    sizes = [math.prod(d for d in block if d is not None) * b for block in blocks]
+    sizes = dict(zip(TPU_KERNEL_OPERANDS, (sizes[0], sizes[1], sizes[2], sizes[2])))
+    cores = min(int(hw.cores.value), columns)
+    per_core = math.ceil(columns / cores)
+
+    def replay(shown: int):
+        replayed, bind = replay_grid(shown)
+        lhs_map, rhs_map, out_map = maps
+        lhs_block, rhs_block, out_block = blocks
         p = make_plan(
-            grid=(columns, visits, k_steps),
+            grid=replayed,
             in_specs=[
-                spec(lhs_block, lhs_map),
-                spec(rhs_block, rhs_map),
-                spec(out_block, out_map),  # existing_out, aliased to the output
+                BlockSpec(lhs_block, bind(lhs_map)),
+                BlockSpec(rhs_block, bind(rhs_map)),
+                BlockSpec(out_block, bind(out_map)),  # existing_out, aliased to the output
             ],
-            out_specs=[spec(out_block, out_map)],
+            out_specs=[BlockSpec(out_block, bind(out_map))],
             max_concurrent_steps=cfg["stages"],
         )
         costs = StepCosts(
-            (tm * tk * b, tk * tn * b, tm * tn * b),
-            (tm * tn * b,),
-            2.0 * tm * tn * tk,
+            (sizes["lhs"], sizes["rhs"], sizes["existing_out"]),
+            (sizes["out"],),
+            2.0 * tm * tk * tn,
             hw.matrix_rate(dtype) / int(hw.cores.value),
             hw.reuse_bandwidth.value / cores,
             hw.hbm_bandwidth.value * hw.hbm_efficiency.value / cores,
@@ -651,7 +673,7 @@ def _gmm_tpu_kernel(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
             for a in acts:
                 if isinstance(a, Copy):
                     counts[a.operand] += 1
-        return time, boxes, dict(zip(GMM_OPERANDS, (counts[name] for name in names)))
+        return time, boxes, dict(zip(TPU_KERNEL_OPERANDS, (counts[name] for name in names)))
 
     shown = min(per_core, REPLAYED_COLUMNS)
     time, boxes, copies = replay(shown)
@@ -662,11 +684,10 @@ def _gmm_tpu_kernel(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
         copies = {op: c + (per_core - shown) * (c - copies_before[op]) for op, c in copies.items()}
         notes.append(f"replayed {shown} of {per_core} grid columns per core, the rest extrapolated")
     padded = max_visits(m, tm, len(group_sizes)) - visits
-    time += per_core * padded * k_steps * hw.sync_latency.value
-    sizes = dict(zip(GMM_OPERANDS, (tm * tk * b, tk * tn * b, tm * tn * b, tm * tn * b)))
-    # the cores share the n_cols columns; each column copies what a replayed one does
-    copies = {op: round(c * n_cols / per_core) for op, c in copies.items()}
-    hbm = sum(sizes[op] * c for op, c in copies.items())
+    time += per_core * padded * steps_per_visit * hw.sync_latency.value
+    # the cores share the columns; each column copies what a replayed one does
+    copies = {name: round(c * columns / per_core) for name, c in copies.items()}
+    hbm = sum(sizes[name] * c for name, c in copies.items())
     floor = hbm / (hw.hbm_bandwidth.value * hw.hbm_efficiency.value)
     if floor > time:
         notes.append(f"HBM floor {floor * 1e6:.1f} us exceeds the core replay {time * 1e6:.1f} us")
@@ -681,7 +702,7 @@ def _gmm_tpu_kernel(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
         "delay_release": 0,
         "warp_specialized": False,
         "compute_threads": 0,
-        "grid": [n_cols, visits, k_steps],
+        "grid": list(grid),
         "padded_visits": padded,
         "copies": copies,
         "cores": cores,
@@ -690,7 +711,7 @@ def _gmm_tpu_kernel(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
     }
     flops = 2.0 * m * k * n
     return Report(
-        "gmm", hw, time, flops, hbm, 0.0, cfg["onchip_bytes"], config, tuple(boxes), tuple(notes)
+        op, hw, time, flops, hbm, 0.0, cfg["onchip_bytes"], config, tuple(boxes), tuple(notes)
     )
 
 
@@ -729,6 +750,8 @@ def simulate_tgmm(
     )
     if imagined:
         cfg["kernel"] = f"hypothetical ({cfg['kernel']} with {dtypes.canonical(dtype)} operands)"
+    if cfg["onchip_bytes"] is not None:  # the mosaic_tpu kernel, on its own grid
+        return _tpu_kernel_replay("tgmm", group_sizes, m, k, n, dtype=dtype, hw=hw, cfg=cfg)
     if cfg["tiling"] is None:
         cfg["tiling"] = (128, 128, 128)  # the tgmm reduction block is tm: no search over it
     tm = int(cfg["tiling"][0])

@@ -20,7 +20,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from conveyor.cost import matmul_cost, shape_bytes
-from conveyor.ints import cdiv
 from conveyor.interpreters import tpu_params
 from conveyor.tpu_vmem import vmem_limit
 from conveyor.ops.gmm import tpu_blocks
@@ -230,7 +229,7 @@ def tgmm_mosaic_tpu(
     lhs_block, rhs_block, out_block = tpu_blocks.tgmm_blocks(tm, tk, tn)
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     visits = meta.group_ids.shape[0]
-    grid = (cdiv(k, tk), cdiv(n, tn), visits)
+    grid = tpu_blocks.tgmm_grid(k, n, tk, tn, visits)
 
     lhs, rhs, existing_out = lhs.astype(cdt), rhs.astype(cdt), existing_out.astype(out_dtype)
     if interpret:  # see gmm_mosaic_tpu: pad the edges the interpreter mishandles
@@ -238,15 +237,7 @@ def tgmm_mosaic_tpu(
         rhs = _pad_to(rhs, (tm, tn))
         existing_out = _pad_to(existing_out, (1, tk, tn))
 
-    def lhs_map(i, j, v, gids, tids, *_):
-        return i, tids[v]
-
-    def rhs_map(i, j, v, gids, tids, *_):
-        return tids[v], j
-
-    def out_map(i, j, v, gids, tids, *_):
-        return gids[v], i, j
-
+    lhs_map, rhs_map, out_map = tpu_blocks.tgmm_index_maps()
     call = pl.pallas_call(
         functools.partial(_tgmm_kernel, tm=tm),
         out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),

@@ -95,3 +95,25 @@ def gmm_grid(k: int, n: int, tk: int, tn: int, visits: int) -> tuple[int, int, i
     """gmm's grid: n tiles (parallel: split over a chip's cores), then the (row tile, group)
     visits in order, then k tiles innermost (the output block stays resident over them)."""
     return -(-n // tn), visits, -(-k // tk)
+
+
+def tgmm_index_maps():
+    """tgmm's block index maps over its grid (k tile i, n tile j, visit v): lhs^T, rhs and the
+    output (the group's [k, n] block, resident over the group's visits). Returns (lhs, rhs,
+    out)."""
+
+    def lhs(i, j, v, group_ids, tile_ids, *_):
+        return i, tile_ids[v]
+
+    def rhs(i, j, v, group_ids, tile_ids, *_):
+        return tile_ids[v], j
+
+    def out(i, j, v, group_ids, tile_ids, *_):
+        return group_ids[v], i, j
+
+    return lhs, rhs, out
+
+
+def tgmm_grid(k: int, n: int, tk: int, tn: int, visits: int) -> tuple[int, int, int]:
+    """tgmm's grid: k tiles and n tiles (parallel), then the visits (the reduction) innermost."""
+    return -(-k // tk), -(-n // tn), visits
