@@ -100,8 +100,7 @@ def _install(which: str) -> None:
 
 def _tpu_semaphore_deadline() -> None:
     """TPU: the interpreter's semaphore wait loop polls `SharedMemory.check_failed` every 0.1 s
-    while
-    it blocks; the deadline is checked there, in the waiting thread."""
+    while it blocks; the deadline is checked there, in the waiting thread."""
     sm = _compat.tpu_interpreter_shared_memory()
     waiting = threading.local()
     original_wait, original_check = sm.Semaphore.wait, sm.SharedMemory.check_failed

@@ -21,8 +21,7 @@ def producer_consumer(**options):
 
 def barrier_lockstep(blocks=4, rows=8, **options):
     """Producer/consumer synchronised by a barrier across all instances: the producer stages a
-    block,
-    everyone meets, the two consumers transform their halves, everyone meets again."""
+    block, everyone meets, the two consumers transform their halves, everyone meets again."""
 
     def producer(x_ref, o_ref, buf, bar):
         for b in range(blocks):

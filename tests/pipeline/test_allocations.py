@@ -51,8 +51,7 @@ def _reference(x):
 
 def _two_pipelines(prefetch: bool, lookahead: bool, dynamic: bool):
     """Pipeline a runs on x, then on y, on one allocation; pipeline b (its own allocation) runs on
-    z,
-    its first blocks prefetched before a's first call when asked."""
+    z, its first blocks prefetched before a's first call when asked."""
 
     def kernel(x_ref, y_ref, z_ref, ox, oy, oz, scratch, previous):
         rows = cv.program_id(0) + ROWS if dynamic else ROWS

@@ -4,9 +4,9 @@ runs the kernel, are the plan's events, operand by operand and in order.
 For each operand, the recorded (grid step issued at, kind, slot, step moved) must be those of
 `PipelinePlan.events()`, as many times each (the recording callbacks are unordered, so order is
 checked between grid steps, not within one). A wait for a write-back carries step -1: the lowering
-waits on the slot's
-semaphore, not on a step. Mosaic GPU waits for its stores by bulk-group count, not per slot, so
-its write-back waits are not compared there; its fetches, fetch waits and stores are.
+waits on the slot's semaphore, not on a step. Mosaic GPU waits for its stores by bulk-group count,
+not per slot, so its write-back waits are not compared there; its fetches, fetch waits and stores
+are.
 """
 
 import collections

@@ -2,8 +2,7 @@
 
 xla runs natively; mosaic_tpu and mosaic_gpu run through their Pallas interpreters with the race
 detector on (a reported race raises). Outputs start poisoned (NaN) on both, so a block the pipeline
-fails to
-write back shows up as NaN.
+fails to write back shows up as NaN.
 """
 
 import jax

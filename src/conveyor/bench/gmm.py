@@ -185,8 +185,7 @@ def bench_tgmm(p: GmmProblem, dtype, reps: int) -> dict:
 
 def moe_ffn(x, w1, w2, sizes, matmul):
     """Two-layer MoE feed-forward: gelu(x @ w1[e]) @ w2[e] per expert e. Every matmul returns
-    float32;
-    the hidden activation goes back to the operands' dtype (bf16 training keeps bf16
+    float32; the hidden activation goes back to the operands' dtype (bf16 training keeps bf16
     activations)."""
     return matmul(jax.nn.gelu(matmul(x, w1, sizes)).astype(x.dtype), w2, sizes)
 

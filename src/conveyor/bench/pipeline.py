@@ -144,8 +144,8 @@ def thread_slab_loop_matmul(m, k, n, bm, bk, threads, bn=None):
     of all (i, j) blocks as one (m // threads, bk) x (bk, n) dot, added into those rows of the
     resident output with the body's `where(k == 0, 0, o)`. The output is held as the executor holds
     its batched blocks, [m // bm, bm, n // bn, bn], so a thread's rows are one slice of it. Its
-    ratio
-    to `slab_loop_matmul` is what XLA:CPU charges for each thread's rows multiplied on their own."""
+    ratio to `slab_loop_matmul` is what XLA:CPU charges for each thread's rows multiplied on their
+    own."""
     bn = bn or bm
     rows, gi, gj = bm // threads, m // bm, n // bn
 

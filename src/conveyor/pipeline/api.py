@@ -220,12 +220,10 @@ def emit_pipeline(
     alike. Errors name a leaf by its path, e.g. `in[0]['w']`.
     `no_pipelining=True` (debug) runs one step at a time: no copy is in flight while a body runs
     (one slot per operand; see `conveyor.plans.pipeline.plan`). An output's `pl.Buffered(1)` gives
-    it
-    one slot, its write-back awaited at once.
+    it one slot, its write-back awaited at once.
     Megacore, as upstream: with `core_axis` (an axis of the `cv.kernel` grid) or `core_axis_name`
     (a named axis in scope, e.g. the kernel's thread axis on xla), each of the axis's programs runs
-    its own part
-    of `grid`, cut along a dimension marked "parallel" in `dimension_semantics` (see
+    its own part of `grid`, cut along a dimension marked "parallel" in `dimension_semantics` (see
     `PipelinePlan.for_core`); indices stay those of the whole grid. Launch the kernel with
     `dimension_semantics=("parallel", ...)` for its grid axis so that Mosaic TPU places the
     programs on a chip's TensorCores; xla runs them one after the other, with the same results.
@@ -417,9 +415,8 @@ def emit_pipeline_warp_specialized(
     body with the global refs (inputs, then outputs). Every thread calls it; the thread whose
     `lax.axis_index(wg_axis)` is `memory_thread_idx` (default: the last) fetches, the others run
     `body(indices, *in_block_refs, *out_block_refs[, *produced_barriers][, *consumed_barriers][,
-    carry])`
-    at each step and
-    pick their share with `lax.axis_index(wg_axis)` (their raw thread index: with
+    carry])` at each step and pick their share with `lax.axis_index(wg_axis)` (their raw thread
+    index: with
     `memory_thread_idx=0` the compute threads are 1..num_compute_wgs).
 
     Args:
@@ -448,8 +445,7 @@ def emit_pipeline_warp_specialized(
         a Ref carry is handed to every step as it is) and run an epilogue on the result. Its
         allocations nest inside the pipeline's own, as Mosaic GPU requires of register
         accumulators (on xla, each thread's context runs inside the previous one's `eval_pipeline`,
-        and
-        the innermost runs the pipeline once for all). It must call `eval_pipeline` exactly once
+        and the innermost runs the pipeline once for all). It must call `eval_pipeline` exactly once
         (a ValueError otherwise). Exclusive with carry_coroutine.
       pipeline_state: chain pipelines without a bubble between them, as upstream: the first of a
         chain is `PipelineState.START` (or `plgpu.PipelinePipeline.START`), then any number of

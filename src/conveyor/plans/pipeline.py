@@ -340,8 +340,7 @@ class PipelinePlan:
 
     def prologue_steps(self, op: OperandPlan) -> range:
         """Steps whose blocks of input `op` are fetched before step 0 runs. With a dynamic grid
-        these
-        are the steps that may exist: lowerings predicate each fetch on `before_end(step)`."""
+        these are the steps that may exist: lowerings predicate each fetch on `before_end(step)`."""
         count = 1 if op.invariant else self.input_lookahead(op)
         return range(min(count, self.num_steps) if self.is_static else count)
 
@@ -394,9 +393,9 @@ class PipelinePlan:
         """The whole schedule with concrete steps (for the checker and the simulator).
 
         Per step: wait for the inputs' copies (of the inputs whose block changes); compute; issue
-        write-backs, each followed by the
-        wait for the write-back that last used the output's other slot (the one the body writes
-        next); issue the next fetches. The epilogue waits for the write-backs still in flight."""
+        write-backs, each followed by the wait for the write-back that last used the output's other
+        slot (the one the body writes next); issue the next fetches. The epilogue waits for the
+        write-backs still in flight."""
         self.require_static("the pipeline's events")
         ev: list[Event] = []
         n = self.num_steps

@@ -192,8 +192,7 @@ class RingPlan:
 
     def grants_credit_after(self, step, direction: str = "right"):
         """Whether the slot freed after `step` gets a new credit: only if the upstream neighbour
-        will
-        send into it again, so every capacity semaphore ends the kernel at zero."""
+        will send into it again, so every capacity semaphore ends the kernel at zero."""
         return step + self.buffering <= self.stream_uses(direction)
 
     def credit_balance(self, direction: str = "right") -> int:

@@ -220,8 +220,7 @@ class WarpSpecializedPlan:
 
     def program(self, in_flight_steps: int = 0) -> Program:
         """The protocol the Mosaic GPU lowering runs, as an event program: "memory thread" and one
-        actor
-        per compute thread ("compute[t]").
+        actor per compute thread ("compute[t]").
 
         Barriers are counted in arrivals; phase p of a barrier with N arrivals per phase completes
         at N * (p + 1):

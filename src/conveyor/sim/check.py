@@ -18,9 +18,8 @@ remembered). Found:
 Each finding carries the shortest trace the search saw. The search stops at a state budget
 (then samples random interleavings) or a time budget, and says so with what it found so far;
 `progress=True` draws a progress bar (states explored against the budget). Bodies that leave
-asynchronous work in
-flight (an un-awaited matmul reading its input slots) are modelled with `in_flight_steps`: the
-reads of step s end during step s + in_flight_steps.
+asynchronous work in flight (an un-awaited matmul reading its input slots) are modelled with
+`in_flight_steps`: the reads of step s end during step s + in_flight_steps.
 """
 
 from __future__ import annotations

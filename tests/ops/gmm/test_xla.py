@@ -98,9 +98,8 @@ def _cover(m, windows, writable):
 def test_windows_cover_each_row_once_with_few_tiles(windows):
     """tgmm's covering: every row of [start, end) in exactly one window (a full one, or the
     masked last one), no other row, windows inside [0, m), and the windows the rule gives (the
-    largest one the rows left fill,
-    else the smallest): each tgmm tile is a pass over the group's [k, n] block, each masked row a
-    wasted row of its dot."""
+    largest one the rows left fill, else the smallest): each tgmm tile is a pass over the group's
+    [k, n] block, each masked row a wasted row of its dot."""
     m = 200
 
     def windows_needed(rows):  # the rule, written out

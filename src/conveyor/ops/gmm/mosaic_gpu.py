@@ -54,8 +54,7 @@ DELAY_RELEASE = MOSAIC_GPU.delay_release  # a step's wgmma stays in flight while
 
 def stages_that_fit(*, block_bytes: int, staging) -> int:
     """Up to `MOSAIC_GPU.stages` pipeline slots of `block_bytes` (one step's operand blocks), as
-    many as fit
-    beside the kernel's output staging buffer (`GpuKernelConfig.stages_that_fit`)."""
+    many as fit beside the kernel's output staging buffer (`GpuKernelConfig.stages_that_fit`)."""
     return MOSAIC_GPU.stages_that_fit(
         block_bytes=block_bytes, staging_bytes=smem_bytes([staging]), budget_bytes=SMEM_BUDGET_BYTES
     )

@@ -10,20 +10,18 @@ gmm backward holds them (it passes x.T, and XLA folds the two transposes: no [k,
 warpgroups: one memory thread issues the TMA copies of the x block [tm, tk] and the rhs block
 [tm, tn] (tiled, 128-byte swizzled shared memory); two compute threads accumulate `wgmma`s in
 registers, the x block read transposed from shared memory, each step's wgmma left in flight while
-the next
-is issued (`delay_release=1`). Up to tn=128 each owns 64 of the tk=128 output rows; the default
-tn=256 is split by columns (each owns all 128 rows and 128 columns, as gmm's kernel), and stores
-its rows 64 at a time through a small staging buffer, which leaves room for the pipeline's 4
+the next is issued (`delay_release=1`). Up to tn=128 each owns 64 of the tk=128 output rows; the
+default tn=256 is split by columns (each owns all 128 rows and 128 columns, as gmm's kernel), and
+stores its rows 64 at a time through a small staging buffer, which leaves room for the pipeline's 4
 slots.
 
 The first and last blocks of a group hold rows of the neighbouring groups. There both operands are
 zeroed outside the group with `jnp.where` (never by multiplying with a mask: `inf * 0` is NaN, and
 other groups' rows may hold anything): each compute thread masks its own 64 columns of the x
 block (its output rows) and its half of the rhs block's columns, then the two meet at a barrier so
-that each one's wgmma
-reads the other's masked half. Interior blocks are used as they land. (The GPU interpreter does
-not race-check wgmma operand reads, jax 0.12.0.1: with that barrier removed `detect_races=True`
-reports nothing, so the barrier is kept by review, not by a test.)
+that each one's wgmma reads the other's masked half. Interior blocks are used as they land. (The GPU
+interpreter does not race-check wgmma operand reads, jax 0.12.0.1: with that barrier removed
+`detect_races=True` reports nothing, so the barrier is kept by review, not by a test.)
 
 `existing_out` is added after the kernel (`existing_out + kernel_out` in the output dtype), which
 XLA folds away when it is the zeros a gradient passes; with a nonzero `existing_out` and a 16-bit
