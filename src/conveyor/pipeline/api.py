@@ -206,48 +206,42 @@ def emit_pipeline(
 ) -> Callable[..., Any]:
     """A software pipeline over `grid`: block copies into on-chip memory overlapped with `body`.
 
-    Returns a function to call inside a `cv.kernel` body with the global-memory refs (inputs, then
-    outputs). `body(indices, *in_block_refs, *out_block_refs)` runs once per grid step, row-major;
-    `indices` is the tuple of grid indices (the same convention on every backend). With
-    `init_carry`, `body(indices, *refs, carry)` returns the next carry and the pipeline returns the
-    last one. Schedule and output residency: see `conveyor.plans.pipeline`. Block shapes must
-    divide the arrays (a ValueError says which operand and dimension does not).
-    `grid` sizes are positive ints or int32 scalars known only inside the kernel (a dynamic grid,
-    possibly empty); the checker and simulator then need `run.plan.with_grid(...)`.
-    `in_specs` / `out_specs` hold one entry per operand, each a block spec or a pytree of them
-    (upstream's convention: a lone spec or dict counts as one operand); the pipeline then takes
-    one pytree of refs per operand and the body gets one pytree of block refs per operand, shaped
-    alike. Errors name a leaf by its path, e.g. `in[0]['w']`.
-    `no_pipelining=True` (debug) runs one step at a time: no copy is in flight while a body runs
-    (one slot per operand; see `conveyor.plans.pipeline.plan`). An output's `pl.Buffered(1)` gives
-    it one slot, its write-back awaited at once.
-    Megacore, as upstream: with `core_axis` (an axis of the `cv.kernel` grid) or `core_axis_name`
-    (a named axis in scope, e.g. the kernel's thread axis on xla), each of the axis's programs runs
-    its own part of `grid`, cut along a dimension marked "parallel" in `dimension_semantics` (see
-    `PipelinePlan.for_core`); indices stay those of the whole grid. Launch the kernel with
-    `dimension_semantics=("parallel", ...)` for its grid axis so that Mosaic TPU places the
-    programs on a chip's TensorCores; xla runs them one after the other, with the same results.
-    Without a core axis `dimension_semantics` is validated and changes nothing, as upstream.
+    Call the returned `run` inside a `cv.kernel` body with the global-memory refs (inputs, then
+    outputs). `body(indices, *in_block_refs, *out_block_refs)` runs once per grid step, row-major,
+    `indices` being the step's grid indices on every backend. The schedule (slots, fetch and
+    write-back rules, output residency) is `conveyor.plans.pipeline`'s; docs/pipelining.md shows
+    each option at work: pytree operands, dynamic grids, megacore, allocations and prefetch.
 
-    The returned `run(*refs, allocations=None, scratches=(), prefetched=None)`:
-    - `scratches`: refs handed to every step after the blocks (upstream TPU's);
-    - `allocations`: the on-chip memory to run on, from `run.get_allocations(*refs)` (a dict for
-      `pl.run_scoped`, so one allocation serves several calls; `{}` on xla) or inside
-      `run.with_allocations(fn, *refs)`. `emit_pipeline_with_allocations` is upstream's spelling;
-    - `prefetched`: what `run.prefetch(*refs, allocations=a)` returned. That call issues the
-      prologue's fetches into `a` and returns at once, so they overlap whatever the kernel does
-      before the pipeline runs on `a` (e.g. the previous pipeline): the bubble before this
-      pipeline's first step goes. Until the pipeline runs, the prefetched blocks must not be
-      written (xla reads them when the pipeline runs, TPU when the prefetch is issued). One
-      prefetch per call, at the same loop level as its pipeline.
-    Both are implemented on xla and mosaic_tpu (NotImplementedError on mosaic_gpu: chain
-    warp-specialized pipelines there).
-    An input spec's `pipeline_mode=pl.Buffered(n, prefetched_count=p)` (upstream's, p <= n) says
-    its first p blocks are already in its first p slots when the pipeline starts, put there by the
-    caller (copies issued and awaited earlier, e.g. while a previous pipeline or kernel ran): the
-    pipeline neither fetches nor waits for them. On mosaic_tpu it then runs on `allocations=`
-    (whose `["slots"][i][j]` is input i's slot j); xla, having no slots, reads those blocks from the
-    input, which must hold the same values. Refused on mosaic_gpu.
+    Args:
+      body: the step; with `init_carry`, `body(indices, *refs, carry)` returns the next carry.
+      grid: positive ints, or int32 scalars computed inside the kernel (a dynamic grid, possibly
+        empty; the checker and simulator then need `run.plan.with_grid(...)`).
+      in_specs: one entry per input: a block spec (`cv.BlockSpec`, `pl.BlockSpec`) or a pytree of
+        them, and the body gets block refs of the same structure (errors name a leaf as
+        `in[0]['w']`). `pipeline_mode=pl.Buffered(n, prefetched_count=p)` says the caller put the
+        input's first p blocks in its first p slots (xla and mosaic_tpu).
+      out_specs: the same per output; `pl.Buffered(1)` gives an output one slot.
+      max_concurrent_steps: slots per input; `max_concurrent_steps - delay_release` fetches are in
+        flight.
+      delay_release: steps a slot stays held after the step that read it.
+      init_carry: the first step's carry; the pipeline returns the last one.
+      no_pipelining: the debug schedule: one slot per operand, no copy in flight during a body.
+      dimension_semantics: "parallel" / "arbitrary" per grid dimension: what a core axis cuts.
+      core_axis: an axis of the `cv.kernel` grid (or `core_axis_name`, a named axis in scope)
+        whose programs each run their part of `grid` (megacore; indices stay the whole grid's).
+      core_axis_name: see `core_axis`.
+
+    Returns:
+      `run(*refs, allocations=None, scratches=(), prefetched=None)`: `scratches` are refs handed
+      to every step after the blocks; `allocations` the on-chip memory to run on
+      (`run.get_allocations(*refs)`, or inside `run.with_allocations(fn, *refs)`); `prefetched`
+      what `run.prefetch(*refs, allocations=a)` returned, whose fetches overlap the kernel's work
+      before the pipeline. Allocations and prefetch run on xla and mosaic_tpu (NotImplementedError
+      on mosaic_gpu). `run.plan` is the schedule.
+
+    Raises:
+      ValueError: blocks that do not divide their arrays, refs that do not match the specs, an
+        option out of range (each names the operand, the rule and the value).
     """
     whole = plan_lib.plan(
         grid=grid,
@@ -408,21 +402,25 @@ def emit_pipeline_warp_specialized(
     compute_context: Callable[[Callable[..., Any]], None] | None = None,
     pipeline_state: Any = None,
 ) -> Callable[..., Any]:
-    """A pipeline whose fetches are issued by one memory thread while `num_compute_wgs` threads
-    compute.
+    """A pipeline whose fetches one memory thread issues while `num_compute_wgs` threads compute.
 
-    Call the result inside a `cv.kernel(..., num_threads=num_compute_wgs + 1, thread_name=wg_axis)`
-    body with the global refs (inputs, then outputs). Every thread calls it; the thread whose
-    `lax.axis_index(wg_axis)` is `memory_thread_idx` (default: the last) fetches, the others run
+    Every thread of a `cv.kernel(..., num_threads=num_compute_wgs + 1, thread_name=wg_axis)` body
+    calls the result with the global refs (inputs, then outputs). The thread whose
+    `lax.axis_index(wg_axis)` is `memory_thread_idx` (default: the last) fetches; the others run
     `body(indices, *in_block_refs, *out_block_refs[, *produced_barriers][, *consumed_barriers][,
-    carry])` at each step and pick their share with `lax.axis_index(wg_axis)` (their raw thread
-    index: with
-    `memory_thread_idx=0` the compute threads are 1..num_compute_wgs).
+    carry])` at each step, picking their share by `lax.axis_index(wg_axis)`. Outputs may be shared
+    by several compute threads, each writing its part: a block is stored once all are done with
+    it. Protocol: `conveyor.plans.warp`; guide: docs/pipelining.md, "Warp specialization".
 
     Args:
       memory_registers: the memory thread's register budget on GPU (a multiple of 8 in [24, 256]);
         the compute threads get the rest of the register file, rounded down to a multiple of 8.
+      grid, in_specs, out_specs: as in `emit_pipeline`.
       max_concurrent_steps, delay_release: as in `emit_pipeline` (default 2 slots).
+      wg_axis: the kernel's thread axis name (`cv.kernel(thread_name=...)`).
+      num_compute_wgs: the compute threads; the kernel has one more, the memory thread.
+      memory_thread_idx: the memory thread's index on `wg_axis` (default: the last); with 0 the
+        compute threads are 1..num_compute_wgs.
       manual_consumed_barriers: pass one consumed barrier per input to the body (after the output
         refs). As upstream Pallas does, at step s it is the barrier of the slot step
         s - delay_release used: the body must `cv.barrier_arrive` on each at every step
@@ -458,13 +456,15 @@ def emit_pipeline_warp_specialized(
         of steps must be a multiple of max_concurrent_steps; no delay_release, no index-invariant
         input. Until the STOP is done, the compute threads' operands may change only through the
         chain's pipelines.
-    Outputs may be shared by several compute threads (each writing its part); they are stored once
-    all compute threads are done with the block. Protocol: see `conveyor.plans.warp`.
-    The returned `run(*refs, allocations=None)` also has `run.get_allocations(*refs)` (the shared
-    memory it runs on, as `pl.run_scoped` takes it: a dict; empty on xla, which has none) and
-    `run.with_allocations(fn, *refs)`, which calls `fn(allocations)` inside that scope on every
-    backend (on mosaic_gpu `pl.run_scoped(fn, get_allocations(*refs), collective_axes=wg_axis)`).
-    Not available on mosaic_tpu (NotImplementedError): TPU cores have no warpgroups.
+
+    Returns:
+      `run(*refs, allocations=None)`, with `run.get_allocations(*refs)` (the shared memory it runs
+      on, a dict as `pl.run_scoped` takes it; empty on xla) and `run.with_allocations(fn, *refs)`,
+      which calls `fn(allocations)` inside that scope on every backend (on mosaic_gpu
+      `pl.run_scoped(fn, get_allocations(*refs), collective_axes=wg_axis)`).
+
+    Raises:
+      NotImplementedError: on mosaic_tpu (TPU cores have no warpgroups).
     """
     if carry_coroutine is not None and not callable(carry_coroutine):
         raise TypeError(f"carry_coroutine: expected a generator function, got {carry_coroutine!r}")

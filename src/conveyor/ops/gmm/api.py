@@ -134,12 +134,11 @@ def gmm(
       rhs: [G, k, n] weights ([G, n, k] with `transpose_rhs=True`).
       group_sizes: int32 [G_total] rows per group; G_total == G unless `group_offset` is given.
       preferred_element_type: output dtype. 16-bit inputs accumulate in float32.
-      tiling: None (per-backend default), a (tm, tk, tn) tuple, or a callable (m, k, n) -> tuple |
-        None.
-        Any m, k, n works with any tiling: tiles larger than a dimension are clamped and partial
-        tiles are masked. The xla backend uses tm (row tile) only; mosaic_tpu uses all three
-        (tk, tn must be multiples of 128 or cover the whole dimension). A tuple applies to this
-        call only; the ops its derivatives run use the default (a callable is asked again).
+      tiling: None (per-backend default), a (tm, tk, tn) tuple, or a callable (m, k, n) ->
+        tuple | None. Any m, k, n works with any tiling: tiles larger than a dimension are clamped
+        and partial tiles are masked. The xla backend uses tm (row tile) only; mosaic_tpu uses all
+        three (tk, tn must be multiples of 128 or cover the whole dimension). A tuple applies to
+        this call only; the ops its derivatives run use the default (a callable is asked again).
       group_offset: scalar int, first global group of this shard (expert parallelism); may be
         traced.
       existing_out: [m, n] values for the rows this call does not compute (chain shards through it).
