@@ -13,17 +13,18 @@ bootstrap:
 demo: bootstrap
 	$(PY) examples/demo.py
 
-# The suite in tiers (tests/conftest.py): the fast tier first, in one process and in order
-# (plans, checker, simulator, the xla executors, references, errors), then the slow, interpreter
-# and subprocess tiers spread over TEST_WORKERS processes (pytest-xdist; each test is independent,
-# each process has its own 8 simulated devices). TEST_WORKERS=0 runs them in this process.
+# The suite in tiers (tests/conftest.py): the fast tier first, its schedule tests in one process
+# (a schedule bug fails within seconds), then the rest of it (plans, checker, simulator, the xla
+# executors, references, errors), then the slow, interpreter and subprocess tiers; all but the
+# schedule tests spread over TEST_WORKERS processes (pytest-xdist; each test is independent, each
+# process has its own 8 simulated devices). TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
-test: bootstrap
-	$(PY) -m pytest -q -m fast tests
+test: test-fast
 	$(PY) -m pytest -q -m "not fast" -n $(TEST_WORKERS) tests
 
 test-fast: bootstrap
-	$(PY) -m pytest -q -m fast tests
+	$(PY) -m pytest -q -m schedule tests
+	$(PY) -m pytest -q -m "fast and not schedule" -n $(TEST_WORKERS) tests
 
 # The suite at the oldest supported jax/jaxlib, in its own environment.
 test-oldest-jax:

@@ -117,6 +117,9 @@ def pytest_configure(config):
         config.addinivalue_line(
             "markers", f"{tier}: the {tier} tier of the suite (tests/conftest.py)"
         )
+    config.addinivalue_line(
+        "markers", "schedule: the fast tier's schedule tests (SCHEDULE_FIRST), run first"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
@@ -124,4 +127,6 @@ def pytest_collection_modifyitems(config, items):
         tier = _tier(item)
         if item.get_closest_marker(tier) is None:
             item.add_marker(tier)
+        if tier == "fast" and item.path.name in SCHEDULE_FIRST:
+            item.add_marker("schedule")
     items.sort(key=_order)  # stable: file order within a tier
