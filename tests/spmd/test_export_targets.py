@@ -98,8 +98,6 @@ def test_a_default_order_with_mosaic_gpu_takes_it_for_16_bit_operands(mosaic_gpu
 @pytest.mark.parametrize(
     "case, args, kwargs",
     [
-        ("n off the kernel's multiples", _bf16_args(n=200), {}),
-        ("k off the kernel's multiples", _bf16_args(k=120), {}),
         ("an upstream TPU tiling", _bf16_args(), dict(tiling=(512, 128, 128))),
         (
             "a float32 output is fine, float32 operands are not",
@@ -124,6 +122,12 @@ def test_a_default_order_passes_by_what_mosaic_gpu_cannot_run(
         assert _mosaic_gpu_calls(text) == 0 and "stablehlo.while" in text, case
         with pytest.raises(ValueError):
             _module(lambda x, w, s: cv.gmm(x, w, s, backend="mosaic_gpu", **kwargs), ["cuda"], args)
+
+
+def test_a_default_order_takes_mosaic_gpu_for_k_and_n_off_its_tiles(mosaic_gpu_in_cudas_default):
+    # k=120 and n=200 are padded to the kernel's 16-element rows, not sent to xla
+    for args in (_bf16_args(n=200), _bf16_args(k=120)):
+        assert _mosaic_gpu_calls(_module(lambda x, w, s: cv.gmm(x, w, s), ["cuda"], args)) == 1
 
 
 def test_a_default_order_takes_tgmm_on_mosaic_gpu_for_16_bit_operands_only(

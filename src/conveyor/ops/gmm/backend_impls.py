@@ -9,6 +9,9 @@ kernels take (see `cv.gmm`'s docstring), for the day mosaic_gpu joins CUDA's def
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+
 from conveyor import backends
 from conveyor.backends import Implementation, Registry
 from conveyor.ops.gmm import reference, tiling as tiling_lib, xla
@@ -115,6 +118,31 @@ def _mosaic_gpu_gmm_tile(tiling, lhs, existing_out, transpose_rhs):
     )
 
 
+def _pad_to(x, axis: int, multiple: int):
+    """`x` with zeros appended along `axis` up to a multiple of `multiple` (x itself if it is one).
+    Works on arrays and on ShapeDtypeStructs (for the checks)."""
+    extra = -x.shape[axis] % multiple
+    if not extra:
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        shape = list(x.shape)
+        shape[axis] += extra
+        return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
+    return jnp.pad(x, [(0, extra if d == axis else 0) for d in range(x.ndim)])
+
+
+def _gmm_padded_for_gpu(lhs, rhs, existing_out, transpose_rhs):
+    """The mosaic_gpu gmm's operands with k and n padded with zeros to its narrowest tiles (a
+    32-byte swizzled row; n in 8s when rhs is transposed): zero columns of lhs meet zero rows of
+    rhs, so the product is exact, and the padded output columns are dropped."""
+    k_unit = tiling_lib.MOSAIC_GPU.min_tile
+    n_unit = tiling_lib.MOSAIC_GPU.gmm_min_tn(transpose_rhs)
+    k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
+    lhs = _pad_to(lhs, 1, k_unit)
+    rhs = _pad_to(_pad_to(rhs, k_axis, k_unit), n_axis, n_unit)
+    return lhs, rhs, _pad_to(existing_out, 1, n_unit)
+
+
 def _gmm_mosaic_gpu(
     lhs,
     rhs,
@@ -129,8 +157,10 @@ def _gmm_mosaic_gpu(
 ):
     from conveyor.ops.gmm import mosaic_gpu
 
+    n = existing_out.shape[1]
+    lhs, rhs, existing_out = _gmm_padded_for_gpu(lhs, rhs, existing_out, transpose_rhs)
     t = _mosaic_gpu_gmm_tile(tiling, lhs, existing_out, transpose_rhs)
-    return mosaic_gpu.gmm_mosaic_gpu(
+    out = mosaic_gpu.gmm_mosaic_gpu(
         lhs,
         rhs,
         group_sizes,
@@ -141,6 +171,11 @@ def _gmm_mosaic_gpu(
         transpose_rhs=transpose_rhs,
         out_dtype=out_dtype,
     )
+    return out if out.shape[1] == n else out[:, :n]
+
+
+def _shape_of(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 def _gmm_mosaic_gpu_check(
@@ -148,9 +183,13 @@ def _gmm_mosaic_gpu_check(
 ):
     from conveyor.ops.gmm import mosaic_gpu
 
+    lhs, rhs = mosaic_gpu.wgmma_operands("gmm", lhs, rhs)
+    lhs, rhs, existing_out = _gmm_padded_for_gpu(
+        _shape_of(lhs), _shape_of(rhs), _shape_of(existing_out), transpose_rhs
+    )
     t = _mosaic_gpu_gmm_tile(tiling, lhs, existing_out, transpose_rhs)
     try:
-        mosaic_gpu.check_gmm_args(*mosaic_gpu.wgmma_operands("gmm", lhs, rhs), t, transpose_rhs)
+        mosaic_gpu.check_gmm_args(lhs, rhs, t, transpose_rhs)
     # the kernel's argument rules, refused by name when it is named explicitly
     except ValueError as e:
         raise NotImplementedError(str(e)) from e
@@ -231,8 +270,12 @@ def _tgmm_mosaic_gpu(
 ):
     from conveyor.ops.gmm import mosaic_gpu_tgmm
 
+    # n padded with zero columns to the kernel's narrowest column tile; their outputs are dropped
+    n = rhs.shape[1]
+    rhs = _pad_to(rhs, 1, mosaic_gpu_tgmm.MIN_TN)
+    existing_out = _pad_to(existing_out, 2, mosaic_gpu_tgmm.MIN_TN)
     t = _mosaic_gpu_tgmm_tile(tiling, lhs, rhs)
-    return mosaic_gpu_tgmm.tgmm_mosaic_gpu(
+    out = mosaic_gpu_tgmm.tgmm_mosaic_gpu(
         lhs,
         rhs,
         group_sizes,
@@ -243,15 +286,16 @@ def _tgmm_mosaic_gpu(
         num_groups=num_groups,
         out_dtype=out_dtype,
     )
+    return out if out.shape[2] == n else out[:, :, :n]
 
 
 def _tgmm_mosaic_gpu_check(lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, **_):
     from conveyor.ops.gmm import mosaic_gpu, mosaic_gpu_tgmm
 
+    lhs, rhs = mosaic_gpu.wgmma_operands("tgmm", lhs, rhs)
+    rhs = _pad_to(_shape_of(rhs), 1, mosaic_gpu_tgmm.MIN_TN)
     try:
-        mosaic_gpu_tgmm.check_tgmm_args(
-            *mosaic_gpu.wgmma_operands("tgmm", lhs, rhs), _mosaic_gpu_tgmm_tile(tiling, lhs, rhs)
-        )
+        mosaic_gpu_tgmm.check_tgmm_args(lhs, rhs, _mosaic_gpu_tgmm_tile(tiling, lhs, rhs))
     except ValueError as e:
         raise NotImplementedError(str(e)) from e
 
