@@ -251,11 +251,7 @@ def _matmul(
         time, boxes = replay(per_core)
     # Every operand crosses HBM at least once: a chip-wide floor under the per-core replay.
     hbm_bytes = (m * k + k * n) * in_b + m * n * out_b
-    floor = hbm_bytes / (hw.hbm_bandwidth.value * hw.hbm_efficiency.value)
-    if floor > time:
-        notes.append(f"HBM floor {floor * 1e6:.1f} us exceeds the core replay {time * 1e6:.1f} us")
-        boxes.append(Box("copy engine (loads)", "copy", "HBM-bound remainder", time, floor))
-        time = floor
+    time = _under_hbm_floor(time, hbm_bytes, hw, notes, boxes)
     flops = 2.0 * m * n * k
     config = {
         "m": m,
@@ -275,6 +271,17 @@ def _matmul(
     return Report(
         "matmul", hw, time, flops, hbm_bytes, 0.0, used, config, tuple(boxes), tuple(notes)
     )
+
+
+def _under_hbm_floor(time: float, hbm_bytes: float, hw: Hardware, notes: list, boxes: list):
+    """`time`, or the chip-wide floor of moving `hbm_bytes` once when that is longer (then said
+    in `notes` and drawn in `boxes`)."""
+    floor = hbm_bytes / (hw.hbm_bandwidth.value * hw.hbm_efficiency.value)
+    if floor <= time:
+        return time
+    notes.append(f"HBM floor {floor * 1e6:.1f} us exceeds the core replay {time * 1e6:.1f} us")
+    boxes.append(Box("copy engine (loads)", "copy", "HBM-bound remainder", time, floor))
+    return floor
 
 
 TILES = (
@@ -688,10 +695,7 @@ def _tpu_kernel_replay(op: str, group_sizes, m, k, n, *, dtype, hw, cfg) -> Repo
     # the cores share the columns; each column copies what a replayed one does
     copies = {name: round(c * columns / per_core) for name, c in copies.items()}
     hbm = sum(sizes[name] * c for name, c in copies.items())
-    floor = hbm / (hw.hbm_bandwidth.value * hw.hbm_efficiency.value)
-    if floor > time:
-        notes.append(f"HBM floor {floor * 1e6:.1f} us exceeds the core replay {time * 1e6:.1f} us")
-        time = floor
+    time = _under_hbm_floor(time, hbm, hw, notes, boxes)
     config = {
         "m": m,
         "k": k,
