@@ -409,3 +409,20 @@ def test_gmm_on_tpu_reads_a_groups_weights_once_when_k_is_one_tile():
     assert one["copies"]["rhs"] == 4 * 2 and one["grid"] == [2, 32, 1]
     four = cv.sim.simulate_gmm([1024] * 4, 2048, 1024, hardware="v5e").config
     assert four["copies"]["rhs"] == 2 * 32 * 4
+
+
+def test_a_tpu_pipelined_matmul_counts_every_buffer_it_holds():
+    """bf16 blocks of 512 x 1024 x 1024 on TPU: two slots of each input (6 MiB), two of the output
+    (2 MiB) and the float32 accumulator scratch (2 MiB) = 10 MiB, not the 7 MiB of inputs plus one
+    output block; on GPU one output staging block (the accumulator is in registers)."""
+    tpu = cv.sim.simulate_matmul(
+        4096, 8192, 8192, tiling=(512, 1024, 1024), stages=2, hardware="v5e"
+    )
+    assert tpu.onchip_bytes == 10 * 2**20
+    wide = cv.sim.simulate_matmul(
+        4096, 8192, 8192, dtype="int32", tiling=(256, 512, 512), stages=2, hardware="v5e"
+    )
+    # a 4-byte output accumulates in its own blocks: no scratch
+    assert wide.onchip_bytes == 2 * (256 * 512 + 512 * 512) * 4 + 2 * 256 * 512 * 4
+    gpu = cv.sim.simulate_matmul(4096, 4096, 4096, tiling=(128, 64, 256), stages=3, hardware="h100")
+    assert gpu.onchip_bytes == 3 * (128 * 64 + 64 * 256) * 2 + 128 * 256 * 2

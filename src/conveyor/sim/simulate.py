@@ -124,13 +124,17 @@ def _matmul_plan(
     )
 
 
-def _onchip(tile, stages, in_b, out_b, staging_bytes=None) -> int:
-    """Input slots plus one output staging block (the accumulator itself lives in registers on GPU
-    and in VMEM-resident output blocks on TPU; one output block either way), or the kernel's own
-    `staging_bytes` when it stages less (cv.gmm's mosaic_gpu epilogue: 64-row parts)."""
+def _onchip(tile, stages, in_b, out_b, staging_bytes=None, kind: str = "gpu") -> int:
+    """Input slots plus the output's on-chip blocks. GPU: one output staging block (the
+    accumulator lives in registers), or the kernel's own `staging_bytes` when it stages less
+    (cv.gmm's mosaic_gpu epilogue: 64-row parts). TPU: the output's two pipeline slots, plus a
+    float32 accumulator scratch when the output is narrower than float32 (a pipelined matmul
+    accumulates in VMEM)."""
     bm, bn, bk = tile
-    staging = bm * bn * out_b if staging_bytes is None else staging_bytes
-    return stages * (bm * bk + bk * bn) * in_b + staging
+    inputs = stages * (bm * bk + bk * bn) * in_b
+    if kind == "tpu":
+        return inputs + 2 * bm * bn * out_b + (bm * bn * 4 if out_b < 4 else 0)
+    return inputs + (bm * bn * out_b if staging_bytes is None else staging_bytes)
 
 
 def simulate_matmul(
@@ -206,7 +210,7 @@ def _matmul(
         )
     bm, bn, bk = (int(x) for x in tile)
     in_b = out_b = dtypes.itemsize(dtype)
-    used = onchip_bytes or _onchip((bm, bn, bk), stages, in_b, out_b, staging_bytes)
+    used = onchip_bytes or _onchip((bm, bn, bk), stages, in_b, out_b, staging_bytes, hw.kind)
     if used > hw.onchip_bytes.value:
         raise DoesNotFit(
             f"tiling (tm, tk, tn)=({bm}, {bk}, {bn}) with {stages} stages needs {used / 1024:.0f} "
