@@ -426,3 +426,15 @@ def test_a_tpu_pipelined_matmul_counts_every_buffer_it_holds():
     assert wide.onchip_bytes == 2 * (256 * 512 + 512 * 512) * 4 + 2 * 256 * 512 * 4
     gpu = cv.sim.simulate_matmul(4096, 4096, 4096, tiling=(128, 64, 256), stages=3, hardware="h100")
     assert gpu.onchip_bytes == 3 * (128 * 64 + 64 * 256) * 2 + 128 * 256 * 2
+
+
+def test_whole_call_time_adds_a_host_dispatch_cost_only_when_asked():
+    r = cv.sim.simulate_matmul(256, 256, 256, tiling=(128, 128, 128), stages=2, hardware="h100")
+    device = r.time_s
+    assert r.call_time_s(100e-6) == pytest.approx(device + 100e-6)  # awaited call by call
+    assert r.call_time_s(100e-6, overlapped=True) == 100e-6  # queued: the host sets the pace
+    assert r.dispatch_bound(100e-6) and not r.dispatch_bound(0.0)
+    assert r.time_s == device  # device time stays the default
+    for bad in (-1e-6, float("nan"), "1us", True):
+        with pytest.raises(ValueError, match="dispatch_s"):
+            r.call_time_s(bad)

@@ -59,6 +59,29 @@ class Report:
         )
         return max(compute, memory, link)
 
+    def call_time_s(self, dispatch_s: float, *, overlapped: bool = False) -> float:
+        """Whole-call time seen from the host, for a host dispatch cost `dispatch_s` per call
+        (Python, tracing-cache lookup, launch: measure yours, e.g. with an empty jitted call;
+        there is no default). Calls awaited one by one (`block_until_ready` each, as a timeit
+        loop does) take dispatch + device time; calls queued back to back overlap the next
+        dispatch with this call's device time, so each takes the longer of the two. `time_s`
+        stays device time.
+
+        Raises:
+          ValueError: `dispatch_s` negative or not a number.
+        """
+        if isinstance(dispatch_s, bool) or not isinstance(dispatch_s, (int, float)):
+            raise ValueError(f"dispatch_s: expected seconds (a number >= 0), got {dispatch_s!r}")
+        if not dispatch_s >= 0:
+            raise ValueError(f"dispatch_s: expected seconds >= 0, got {dispatch_s!r}")
+        if overlapped:
+            return max(self.time_s, float(dispatch_s))
+        return self.time_s + float(dispatch_s)
+
+    def dispatch_bound(self, dispatch_s: float) -> bool:
+        """Whether host dispatch, not the device, sets the pace of back-to-back calls."""
+        return self.call_time_s(dispatch_s, overlapped=True) > self.time_s
+
     @property
     def utilization(self) -> float:
         """Achieved fraction of the roofline (1.0: as fast as the peaks allow)."""
