@@ -86,7 +86,15 @@ def test_warp_specialized_and_plan_replay():
         4096, 4096, 2048, hardware="h100", tiling=(128, 64, 256), stages=3, warp_specialized=True
     )
     assert {b.actor for b in ws.boxes} >= {"memory thread", "compute[0]", "compute[1]"}
-    assert 0.5 < ws.time_s / plain.time_s < 1.5
+
+    def computing(r, actor):
+        return sum(b.end - b.start for b in r.boxes if b.actor == actor and b.kind == "compute")
+
+    # Each compute thread does its half of every step at half the rate: as long as the plain
+    # pipeline's one thread (the replay's sums, so equal up to float rounding); same work moved.
+    for thread in ("compute[0]", "compute[1]"):
+        assert computing(ws, thread) == pytest.approx(computing(plain, "thread"), rel=1e-12)
+    assert (ws.flops, ws.hbm_bytes) == (plain.flops, plain.hbm_bytes)
     spec = cv.BlockSpec((128, 64), lambda i, k: (i, k))
     p = cv.pipeline.plan(
         grid=(2, 8),
@@ -95,7 +103,7 @@ def test_warp_specialized_and_plan_replay():
         max_concurrent_steps=3,
     )
     r = cv.sim.simulate(p, "v5e", flops_per_step=2 * 128 * 64 * 64)
-    assert r.time_s > 0 and r.utilization <= 1.0
+    assert r.utilization <= 1.0  # no replay beats the peaks
     assert sum(b.kind == "copy" for b in r.boxes) == len(
         [e for e in p.events() if e.kind in ("fetch", "writeback")]
     )
