@@ -5,6 +5,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, PartitionSpec as P
 
@@ -106,3 +107,7 @@ def test_kernel_takes_a_cost_estimate_and_refuses_other_types():
     assert _flops(call, out, platform="tpu") == [7]
     with pytest.raises(TypeError, match="cost_estimate must be a pl.CostEstimate or None, got 7"):
         cv.kernel(body, out, backend="xla", cost_estimate=7)
+    # The documented rule on xla: the estimate is accepted and leaves the loop as it is.
+    x = jnp.arange(8 * 128, dtype=jnp.float32).reshape(8, 128)
+    with_estimate = cv.kernel(body, out, backend="xla", cost_estimate=estimate)
+    np.testing.assert_array_equal(with_estimate(x), cv.kernel(body, out, backend="xla")(x))

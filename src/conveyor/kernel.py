@@ -170,14 +170,17 @@ def kernel(
     checked: bool | None = None,
 ) -> Callable[..., Any]:
     """Wrap `body(*in_refs, *out_refs, *scratch_refs)` into a function of arrays returning
-    `out_shape`.
+    `out_shape`. `jax.vmap` of the result works on every backend (on mosaic_tpu as a loop of
+    kernel calls).
 
     Args:
       body: writes its outputs through refs and returns None.
       out_shape: a ShapeDtypeStruct or a sequence of them.
       backend: "xla" (the CPU default) or "mosaic_tpu" (a Pallas TPU kernel whose refs live in HBM;
         pipelines copy blocks into VMEM) or "mosaic_gpu" (a Mosaic GPU kernel, operands in GMEM,
-        pipelines copy blocks into SMEM with TMA).
+        pipelines copy blocks into SMEM with TMA). None chooses when called, for this process's
+        platform (TPU: mosaic_tpu; CPU, CUDA, ROCm: xla); lowering that choice for another
+        platform is refused by name (pass the backend to export for it).
       interpret: run a mosaic backend through its Pallas interpreter (True or InterpretParams).
       checked: xla only: run the kernel's pipelines in checked mode (True), or not (False); None
         takes `cv.pipeline.checked_schedule()` where the kernel is traced.
@@ -191,7 +194,6 @@ def kernel(
         same memory, each traced with its own constant thread index: exact for race-free kernels
         (and the warp-specialized pipeline interleaves its compute threads step by step). Not on
         mosaic_tpu (TPU cores have no warpgroups).
-      `jax.vmap` of the result works on every backend (on mosaic_tpu as a loop of kernel calls).
       grid: run the body once per point of this grid (up to 3 axes), in parallel on hardware
         (TPU grid iterations, GPU thread blocks) and one after the other on xla; the body reads its
         point with `cv.program_id(axis)`. Points should write disjoint parts of the outputs.
@@ -205,6 +207,13 @@ def kernel(
         values; on every backend (mosaic_tpu: Pallas's aliasing, in place; mosaic_gpu: a jax Ref
         the kernel updates in place; xla: the output's initial value). Without it an output
         starts uninitialized (poisoned on xla).
+      cost_estimate: a `pl.CostEstimate` handed to the Mosaic backends' pallas_call (what XLA's
+        scheduler and `cost_analysis()` see of the kernel); xla ignores it: its loop is ordinary
+        XLA, costed as such.
+
+    Returns:
+      A function of the input arrays returning `out_shape`'s arrays (one array for a single
+      ShapeDtypeStruct).
     """
     chosen_by_platform = backend is None
     if checked is not None and not isinstance(checked, bool):
