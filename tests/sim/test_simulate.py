@@ -446,3 +446,18 @@ def test_whole_call_time_adds_a_host_dispatch_cost_only_when_asked():
     for bad in (-1e-6, float("nan"), "1us", True):
         with pytest.raises(ValueError, match="dispatch_s"):
             r.call_time_s(bad)
+
+
+def test_a_tiling_on_tpu_runs_the_mosaic_tpu_kernel_with_those_tiles():
+    """As cv.gmm(tiling=...) does: 512-row tiles read each group's weights a quarter as often as
+    the default 128-row ones, in 7 MiB of VMEM; a tile the kernel refuses is refused as it does."""
+    sizes = [1024] * 8
+    default = cv.sim.simulate_gmm(sizes, 4096, 14336, hardware="v5e")
+    wide = cv.sim.simulate_gmm(sizes, 4096, 14336, hardware="v5e", tiling=(512, 1024, 512))
+    assert wide.config["kernel"] == "cv mosaic_tpu" and wide.config["tiling"] == [512, 1024, 512]
+    assert wide.onchip_bytes == 7 * 2**20
+    # weight bytes read: copies x block size ([tk, tn] = 1024 x 512 against 512 x 512)
+    rhs_bytes = wide.config["copies"]["rhs"] * 1024 * 512
+    assert rhs_bytes * 4 == default.config["copies"]["rhs"] * 512 * 512
+    with pytest.raises(ValueError, match="tk to be a multiple of 128"):
+        cv.sim.simulate_gmm(sizes, 4096, 14336, hardware="v5e", tiling=(512, 100, 512))

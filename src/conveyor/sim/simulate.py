@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from conveyor import dtypes
@@ -382,17 +382,18 @@ def _grouped_kernel(
     block_elems: int,
     staging_elems: int,
     itemsize: int,
-    tpu_kernel: tuple[tuple[int, int, int], int],
+    tpu_kernel: Callable[[Sequence[int] | None], tuple[tuple[int, int, int], int]],
 ) -> dict[str, Any]:
     """The kernel configuration a grouped-matmul simulation replays: on GPU hardware without
     `tiling`/`stages`, the cv.gmm/tgmm mosaic_gpu kernel's (its tiles, warpgroups, delay_release,
     and the slots that fit beside its output staging buffer, as the kernel counts them from a
-    step's `block_elems` operand elements and its `staging_elems`); on TPU hardware, the
-    mosaic_tpu kernel's (`tpu_kernel`: its clamped default tiles and its VMEM working set, both
-    from `ops.gmm.tpu_blocks`, double-buffered as Pallas TPU pipelines are); otherwise the given
-    or searched tiles and slots of a plain pipeline."""
-    if hw.kind == "tpu" and tiling is None and stages is None:
-        kernel_tiling, working_set = tpu_kernel
+    step's `block_elems` operand elements and its `staging_elems`); on TPU hardware without
+    `stages`, the mosaic_tpu kernel's (`tpu_kernel(tiling)`: the given or default tiles, clamped as
+    the kernel clamps them, and its VMEM working set, both from `ops.gmm.tpu_blocks`,
+    double-buffered as Pallas TPU pipelines are); otherwise the given or searched tiles and slots
+    of a plain pipeline."""
+    if hw.kind == "tpu" and stages is None:
+        kernel_tiling, working_set = tpu_kernel(tiling)
         return dict(
             tiling=kernel_tiling,
             stages=2,
@@ -432,16 +433,20 @@ def _grouped_kernel(
     )
 
 
-def _tpu_kernel(op: str, m: int, k: int, n: int, dtype: str) -> tuple[tuple[int, int, int], int]:
-    """cv.gmm / cv.tgmm's mosaic_tpu kernel for this problem: its (tm, tk, tn) (the default
-    tiling, clamped as the kernel clamps it) and its VMEM working set, the output in the operands'
-    dtype (as the simulator's HBM traffic assumes)."""
+def _tpu_kernel(
+    op: str, m: int, k: int, n: int, dtype: str, tiling: Sequence[int] | None
+) -> tuple[tuple[int, int, int], int]:
+    """cv.gmm / cv.tgmm's mosaic_tpu kernel for this problem: its (tm, tk, tn) (`tiling`, or the
+    default, clamped as the kernel clamps it; a tile the kernel refuses raises its ValueError) and
+    its VMEM working set, the output in the operands' dtype (as the simulator's HBM traffic
+    assumes)."""
     dt = dtypes.canonical(dtype)
+    tiles = tuple(int(t) for t in (TPU_DEFAULT if tiling is None else tiling))
     if op == "gmm":
-        tiles = tpu_blocks.gmm_tiles(m, k, n, TPU_DEFAULT, dt)
+        tiles = tpu_blocks.gmm_tiles(m, k, n, tiles, dt)
         blocks = tpu_blocks.gmm_blocks(*tiles)
     else:
-        tiles = tpu_blocks.tgmm_tiles(m, k, n, TPU_DEFAULT, dt)
+        tiles = tpu_blocks.tgmm_tiles(m, k, n, tiles, dt)
         blocks = tpu_blocks.tgmm_blocks(*tiles)
     return tiles, tpu_blocks.working_set(*blocks, dt, dt)
 
@@ -556,7 +561,7 @@ def simulate_gmm(
         block_elems=tm * tk + tk * tn,
         staging_elems=math.prod(MOSAIC_GPU.staging_shape(tm, tn)),
         itemsize=b,
-        tpu_kernel=_tpu_kernel("gmm", m, k, n, dtype),
+        tpu_kernel=lambda t: _tpu_kernel("gmm", m, k, n, dtype, t),
     )
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b
@@ -754,7 +759,7 @@ def simulate_tgmm(
         block_elems=tk * tm + tm * tn,
         staging_elems=math.prod(MOSAIC_GPU.staging_shape(tk, tn)),
         itemsize=dtypes.itemsize(dtype),
-        tpu_kernel=_tpu_kernel("tgmm", m, k, n, dtype),
+        tpu_kernel=lambda t: _tpu_kernel("tgmm", m, k, n, dtype, t),
     )
     if imagined:
         cfg["kernel"] = f"hypothetical ({cfg['kernel']} with {dtypes.canonical(dtype)} operands)"
