@@ -223,6 +223,31 @@ def _mpmd(ctx, *, rows, cols):
     return call, (x,)
 
 
+def _gathered(ctx, *, tokens, top_k, k, n, groups, dtype="bf16", grad=False):
+    """cv.gmm with lhs_indices: the tokens' rows gathered by the kernel (an MoE layer's first
+    projection: tokens * top_k gathered rows)."""
+    import conveyor as cv
+
+    dt = DTYPES[dtype]
+    args = (
+        ctx.array((tokens, k), dt),
+        ctx.array((groups, k, n), dt),
+        ctx.array((groups,), jnp.int32),
+        ctx.array((tokens * top_k,), jnp.int32),
+    )
+
+    def fwd(x, w, s, idx):
+        return cv.gmm(x, w, s, lhs_indices=idx, backend=ctx.backend, preferred_element_type=dt)
+
+    if not grad:
+        return fwd, args
+
+    def loss(x, w, s, idx):
+        return jnp.sum(fwd(x, w, s, idx).astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1)), args
+
+
 KINDS: dict[str, Callable] = {
     "gmm": _gmm,
     "tgmm": _tgmm,
@@ -231,6 +256,7 @@ KINDS: dict[str, Callable] = {
     "moe": _moe,
     "moe_ep": _moe_ep,
     "mpmd": _mpmd,
+    "gathered": _gathered,
 }
 
 MIXTRAL = dict(m=8192, k=4096, n=14336)
@@ -247,6 +273,11 @@ def production() -> list[Case]:
         case("gmm", **MIXTRAL, groups=8, transpose_rhs=True),
         case("tgmm", **MIXTRAL, groups=8),
         case("tgmm", **MIXTRAL, groups=64),
+        # an MoE layer's first projection with the tokens gathered in the kernel (Mixtral:
+        # 8192 tokens, top-2; DeepSeek-like: narrow experts, top-8)
+        case("gathered", tokens=8192, top_k=2, k=4096, n=14336, groups=8),
+        case("gathered", tokens=8192, top_k=8, k=7168, n=2048, groups=64),
+        case("gathered", tokens=8192, top_k=2, k=4096, n=14336, groups=8, grad=True),
         case("gmm", **MIXTRAL, groups=8, grad=True),
         case("gmm", **MIXTRAL, groups=8, grad=True, sharded=True),
         case("moe", tokens=8192, d=4096, f=14336, experts=8, top_k=2, grad=True),
@@ -309,7 +340,7 @@ def simulated_onchip(c: Case, target: str) -> int | None:
 def applies(c: Case, platform: str) -> bool:
     """Whether Conveyor has a kernel for case `c` on `platform` (rings are TPU-only; mpmd
     programs and the warp-specialized pipeline run on GPU warpgroups)."""
-    if c.kind == "ring":
+    if c.kind in ("ring", "gathered"):  # mosaic_gpu has no row gather yet
         return platform == "tpu"
     if c.kind == "mpmd":  # programs on warpgroups; mpmd_map has no Mosaic TPU lowering yet
         return platform == "cuda"

@@ -8,6 +8,7 @@ import numpy as np
 
 from conveyor import backends
 from conveyor.ops.gmm import backend_impls, tiling as tiling_lib
+from conveyor.ops.gmm.gathered import bind_gathered_gmm
 from conveyor.ops.gmm.primitives import bind_gmm, bind_tgmm
 
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
@@ -64,6 +65,27 @@ def _check_group_sizes(group_sizes, m: int):
     return group_sizes.astype(jnp.int32)
 
 
+def _check_lhs_indices(lhs_indices, num_rows: int) -> int:
+    """`lhs_indices` is a 1-d integer array naming rows of lhs; returns its length (m)."""
+    _check_array(lhs_indices, "lhs_indices", 1, "[m]")
+    if not jnp.issubdtype(lhs_indices.dtype, jnp.integer):
+        raise TypeError(
+            f"lhs_indices: expected an integer (int32) array, got dtype {lhs_indices.dtype}"
+        )
+    if num_rows == 0:
+        raise ValueError("lhs: expected at least one row to gather from, got shape (0, k)")
+    if _is_concrete(lhs_indices) and lhs_indices.shape[0]:
+        idx = np.asarray(lhs_indices)
+        bad = (idx < 0) | (idx >= num_rows)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"lhs_indices: expected rows in [0, {num_rows}) (lhs.shape[0]), got "
+                f"lhs_indices[{i}]={int(idx[i])} ({int(bad.sum())} out of range)"
+            )
+    return lhs_indices.shape[0]
+
+
 def _check_group_offset(group_offset, total_groups: int, local_groups: int):
     if group_offset is None:
         return jnp.zeros((), jnp.int32)
@@ -89,19 +111,26 @@ def _check_group_offset(group_offset, total_groups: int, local_groups: int):
     return group_offset
 
 
+_REGISTRIES = {
+    "gmm": backend_impls.GMM,
+    "tgmm": backend_impls.TGMM,
+    "gathered": backend_impls.GATHERED_GMM,
+}
+
+
 def _choose_backend(backend, interpret, op="gmm"):
     if backend is None and interpret:
         # interpret without a backend: the TPU kernel, as before mosaic_gpu existed
         backend = "mosaic_tpu"
     if backend is None:
         return backends.AUTO  # chosen per platform when lowered (see conveyor.backends)
-    return (backend_impls.GMM if op == "gmm" else backend_impls.TGMM).get(backend).name
+    return _REGISTRIES[op].get(backend).name
 
 
 def _interpret_param(interpret, backend, op="gmm"):
     if not interpret:
         return None
-    if not (backend_impls.GMM if op == "gmm" else backend_impls.TGMM).get(backend).interprets:
+    if not _REGISTRIES[op].get(backend).interprets:
         raise ValueError(
             "interpret: only the mosaic_tpu and mosaic_gpu backends have an interpreter, got "
             f"backend={backend!r}"
@@ -119,6 +148,7 @@ def gmm(
     group_offset: jax.Array | int | None = None,
     existing_out: jax.Array | None = None,
     transpose_rhs: bool = False,
+    lhs_indices: jax.Array | None = None,
     backend: str | None = None,
     interpret=False,
 ) -> jax.Array:
@@ -143,6 +173,13 @@ def gmm(
         traced.
       existing_out: [m, n] values for the rows this call does not compute (chain shards through it).
       transpose_rhs: rhs is [G, n, k] and used transposed.
+      lhs_indices: int [m], optional: row i of the product reads `lhs[lhs_indices[i]]`, so lhs
+        may hold its rows in any order and any number ([rows, k]); m = len(lhs_indices) and the
+        groups are over these m gathered rows. An index may repeat (top-k routing). mosaic_tpu
+        gathers the rows in the kernel's DMAs (no sorted copy of lhs is written); xla and
+        reference gather first; mosaic_gpu has no gather yet. Concrete indices outside
+        [0, rows) are refused; traced ones are clamped to that range, and the gradient goes to
+        the rows that were read. On a mesh with Explicit axes, call it inside shard_map.
       backend: "xla", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the op is
         lowered, for the platform it is lowered for: mosaic_tpu for TPU, xla for CPU, CUDA and
         ROCm (mosaic_gpu joins CUDA's default once it has run on a GPU: `conveyor.backends`;
@@ -165,12 +202,14 @@ def gmm(
     its cotangent on the rows this call does not compute, 0 elsewhere. `vmap` over any argument
     runs one grouped matmul per batch element, sequentially (lax.map).
     """
-    _check_array(lhs, "lhs", 2, "[m, k]")
+    _check_array(lhs, "lhs", 2, "[rows, k]" if lhs_indices is not None else "[m, k]")
     _check_array(rhs, "rhs", 3, "[G, n, k]" if transpose_rhs else "[G, k, n]")
     _check_float(lhs, "lhs")
     _check_float(rhs, "rhs")
     out_dtype = _check_out_dtype(preferred_element_type)
     m, k = lhs.shape
+    if lhs_indices is not None:
+        m = _check_lhs_indices(lhs_indices, lhs.shape[0])
     num_groups, rk, n = (rhs.shape[0], rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape
     if rk != k:
         raise ValueError(
@@ -200,6 +239,21 @@ def gmm(
                 f"existing_out: expected shape {(m, n)}, got {tuple(existing_out.shape)}"
             )
         _check_float(existing_out, "existing_out")
+    if lhs_indices is not None:
+        backend = _choose_backend(backend, interpret, "gathered")
+        return bind_gathered_gmm(
+            lhs,
+            rhs,
+            group_sizes,
+            group_offset,
+            existing_out,
+            lhs_indices.astype(jnp.int32),
+            transpose_rhs=bool(transpose_rhs),
+            out_dtype=out_dtype,
+            backend=backend,
+            tiling=_hashable(tiling),
+            interpret=_interpret_param(interpret, backend, "gathered"),
+        )
     backend = _choose_backend(backend, interpret)
     return bind_gmm(
         lhs,

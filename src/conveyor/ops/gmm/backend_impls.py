@@ -208,6 +208,62 @@ GMM = Registry(
 )
 
 
+# ---- gmm with gathered lhs rows (lhs_indices) ---------------------------------------------
+
+
+def _gathered_then(run):
+    """A gathered gmm by gathering the rows in XLA first, then `run` (a plain gmm)."""
+
+    def gathered(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, **params):
+        rows = jnp.clip(lhs_indices.astype(jnp.int32), 0, lhs.shape[0] - 1)
+        return run(
+            jnp.take(lhs, rows, axis=0), rhs, group_sizes, group_offset, existing_out, **params
+        )
+
+    return gathered
+
+
+def _gathered_gmm_mosaic_tpu(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    lhs_indices,
+    *,
+    tiling,
+    interpret,
+    transpose_rhs,
+    out_dtype,
+):
+    m, k, n = lhs_indices.shape[0], lhs.shape[1], existing_out.shape[1]
+    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
+    return _mosaic_tpu().gathered_gmm_mosaic_tpu(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        existing_out,
+        lhs_indices,
+        tiling=t,
+        interpret=interpret,
+        transpose_rhs=transpose_rhs,
+        out_dtype=out_dtype,
+    )
+
+
+# The xla and reference backends gather in XLA (a copy of the gathered rows); mosaic_tpu gathers
+# in the kernel's loads. The Mosaic GPU kernel has no row gather yet.
+GATHERED_GMM = Registry(
+    "gmm with lhs_indices",
+    (
+        Implementation(name="xla", run=_gathered_then(_gmm_xla)),
+        Implementation(name="mosaic_tpu", run=_gathered_gmm_mosaic_tpu, interprets=True),
+        Implementation(name="reference", run=_gathered_then(_gmm_reference)),
+    ),
+)
+
+
 # ---- tgmm ----------------------------------------------------------------------------------------
 
 
@@ -336,3 +392,20 @@ def run_tgmm(
     return _run(
         TGMM, backend, platform, (lhs, rhs, group_sizes, group_offset, existing_out), params
     )
+
+
+def run_gathered_gmm(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    lhs_indices,
+    *,
+    backend,
+    platform="cpu",
+    **params,
+):
+    """gmm of gathered lhs rows by the named implementation, or by `platform`'s default order."""
+    args = (lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices)
+    return _run(GATHERED_GMM, backend, platform, args, params)

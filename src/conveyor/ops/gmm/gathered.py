@@ -1,0 +1,138 @@
+"""gathered_gmm_p: gmm whose lhs rows are gathered by an index array in the kernel's loads.
+
+`out[i] = lhs[lhs_indices[i]] @ rhs[group(i)]` for the rows of the local groups; other rows are
+`existing_out`'s. An MoE layer passes its tokens unsorted and the expert-ordered assignment list
+as `lhs_indices`, so the sorted copy of the activations is never written to memory.
+
+Indices are clamped to [0, lhs rows) by every backend (the API refuses concrete out-of-range
+ones), so the derivatives scatter to the rows that were read. Derivatives:
+- the tangent is gathered gmm applied to tangents (it is bilinear in lhs and rhs);
+- the transpose with respect to lhs is the plain gmm of the cotangent with rhs transposed,
+  scatter-added (in float32) into the rows the indices name: a row gathered twice (top-k > 1)
+  receives both contributions;
+- the transpose with respect to rhs is tgmm of the gathered rows and the cotangent.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+
+from conveyor._compat import Primitive, Zero, ad, batching, is_undefined_primal
+from conveyor.ops.gmm import backend_impls
+from conveyor.ops.gmm.metadata import local_row_mask
+from conveyor.ops.gmm.primitives import (
+    _abstract,
+    _backend_params,
+    _batch_rule,
+    _eager,
+    _sum_tangents,
+    bind_gmm,
+    bind_tgmm,
+)
+from conveyor.spmd import match_varying, register_lowering_from_function
+
+gathered_gmm_p = Primitive("conveyor_gathered_gmm")
+
+
+def clamp_indices(lhs_indices, num_rows: int):
+    """The rows every backend reads: `lhs_indices` clamped to [0, num_rows)."""
+    return jnp.clip(lhs_indices.astype(jnp.int32), 0, num_rows - 1)
+
+
+def _impl(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, platform="cpu", **p):
+    return backend_impls.run_gathered_gmm(
+        lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, platform=platform, **p
+    )
+
+
+def _out_spec(arg_shardings, params):
+    raise NotImplementedError(
+        "gmm with lhs_indices on a mesh with Explicit axes has no sharding rule yet; call it "
+        "inside jax.shard_map (each device gathers from its own lhs)"
+    )
+
+
+gathered_gmm_p.def_impl(_eager(gathered_gmm_p))
+gathered_gmm_p.def_effectful_abstract_eval(_abstract(_impl, _out_spec))
+# One lowering per platform, as for gmm; no sharding rule: under a sharded jit (outside
+# shard_map) XLA gives the kernel whole operands.
+for _platform in ("cpu", "cuda", "rocm", "tpu"):
+    register_lowering_from_function(
+        gathered_gmm_p, functools.partial(_impl, platform=_platform), _platform
+    )
+
+
+def bind_gathered_gmm(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, **params):
+    """gathered_gmm_p on operands cast to vary over the same mesh axes."""
+    args = match_varying(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices)
+    return gathered_gmm_p.bind(*args, **params)
+
+
+def _jvp(primals, tangents, **params):
+    lhs, rhs, gs, go, ex, idx = primals
+    t_lhs, t_rhs, _, _, t_ex, _ = tangents
+    out = bind_gathered_gmm(lhs, rhs, gs, go, ex, idx, **params)
+    zeros = jnp.zeros(ex.shape, params["out_dtype"])
+    terms = []
+    if type(t_lhs) is not Zero:
+        terms.append(bind_gathered_gmm(t_lhs, rhs, gs, go, zeros, idx, **params))
+    if type(t_rhs) is not Zero:
+        terms.append(bind_gathered_gmm(lhs, t_rhs, gs, go, zeros, idx, **params))
+    if type(t_ex) is not Zero:
+        keep = ~local_row_mask(gs, go, rhs.shape[0], idx.shape[0])
+        terms.append(jnp.where(keep[:, None], t_ex.astype(params["out_dtype"]), 0))
+    return out, _sum_tangents(terms, out)
+
+
+def _aval(x):
+    return x.aval if is_undefined_primal(x) else x
+
+
+def _transpose(ct, lhs, rhs, gs, go, ex, idx, *, transpose_rhs, out_dtype, **params):
+    operands = (lhs, rhs, gs, go, ex, idx)
+    if type(ct) is Zero:
+        return [Zero(x.aval) if is_undefined_primal(x) else None for x in operands]
+    bp = _backend_params(params)
+    num_rows, k = _aval(lhs).shape
+    m = idx.shape[0]
+    num_groups = _aval(rhs).shape[0]
+    rows = clamp_indices(idx, num_rows)
+    ct_lhs = ct_rhs = ct_ex = None
+    if is_undefined_primal(lhs):
+        # d lhs[idx[i]] += ct[i] @ rhs[group(i)]^T; rows outside local groups contribute 0.
+        per_row = bind_gmm(
+            ct,
+            rhs,
+            gs,
+            go,
+            jnp.zeros((m, k), jnp.float32),
+            transpose_rhs=not transpose_rhs,
+            out_dtype=jnp.float32,
+            **bp,
+        )
+        ct_lhs = jnp.zeros((num_rows, k), jnp.float32).at[rows].add(per_row)
+        ct_lhs = ct_lhs.astype(lhs.aval.dtype)
+    if is_undefined_primal(rhs):
+        gathered = jnp.take(lhs, rows, axis=0)
+        a, b = (ct.T, gathered) if transpose_rhs else (gathered.T, ct)
+        ct_rhs = bind_tgmm(
+            a,
+            b,
+            gs,
+            go,
+            jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
+            num_groups=num_groups,
+            out_dtype=rhs.aval.dtype,
+            **bp,
+        )
+    if is_undefined_primal(ex):
+        keep = ~local_row_mask(gs, go, num_groups, m)
+        ct_ex = jnp.where(keep[:, None], ct, 0).astype(ex.aval.dtype)
+    return [ct_lhs, ct_rhs, None, None, ct_ex, None]
+
+
+ad.primitive_jvps[gathered_gmm_p] = _jvp
+ad.primitive_transposes[gathered_gmm_p] = _transpose
+batching.primitive_batchers[gathered_gmm_p] = _batch_rule(gathered_gmm_p)
