@@ -146,7 +146,7 @@ def _experts(rows, ids, local_experts, w_gate, w_up, w_down, backend):
     results in the rows' order."""
     by_expert = jnp.argsort(ids, stable=True)  # padding sorts last
     group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[ids].add(1)[:local_experts]
-    out_sorted = swiglu_experts(rows[by_expert], group_sizes, w_gate, w_up, w_down, backend)
+    out_sorted = swiglu_experts(rows, by_expert, group_sizes, w_gate, w_up, w_down, backend)
     return jnp.zeros_like(out_sorted).at[by_expert].set(out_sorted)
 
 

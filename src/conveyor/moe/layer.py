@@ -1,5 +1,5 @@
-"""The MoE feed-forward layer: route, permute into expert order, SwiGLU experts via cv.gmm,
-combine."""
+"""The MoE feed-forward layer: route, SwiGLU experts via cv.gmm on the tokens gathered into
+expert order (by the grouped matmul's own loads), combine."""
 
 from __future__ import annotations
 
@@ -66,8 +66,9 @@ def moe_ffn(
     Returns:
       (y [tokens, d] in x's dtype, the load-balancing loss, a float32 scalar: see
       `load_balancing_loss`). Every (token, expert) assignment is computed (no capacity, no
-      dropping): the tokens are sorted by expert, run through three grouped matmuls and added back
-      into their rows weighted by their gates. Differentiable in every array argument.
+      dropping): the tokens, gathered into expert order by the first two grouped matmuls
+      (`cv.gmm`'s lhs_indices), run through three grouped matmuls and are added back into their
+      rows weighted by their gates. Differentiable in every array argument.
     """
     check_layer_args(x, router_w, w_gate, w_up, w_down, top_k)
     num_experts = router_w.shape[1]
@@ -75,15 +76,20 @@ def moe_ffn(
     flat_experts = routing.experts.reshape(-1)  # [tokens * top_k]
     order = jnp.argsort(flat_experts, stable=True)  # assignments in expert order
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_experts].add(1)
-    out = swiglu_experts(x[order // top_k], group_sizes, w_gate, w_up, w_down, backend)
+    out = swiglu_experts(x, order // top_k, group_sizes, w_gate, w_up, w_down, backend)
     return combine(out, order, routing, x), load_balancing_loss(routing)
 
 
-def swiglu_experts(xs, group_sizes, w_gate, w_up, w_down, backend):
-    """`(silu(xs @ w_gate[e]) * (xs @ w_up[e])) @ w_down[e]` for the rows of each expert e, which
-    are sorted by expert (`group_sizes` rows each; rows past them come out as 0)."""
-    mm = lambda a, w: gmm(a, w, group_sizes, preferred_element_type=xs.dtype, backend=backend)
-    return mm(jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up), w_down)
+def swiglu_experts(x, rows, group_sizes, w_gate, w_up, w_down, backend):
+    """`(silu(xs @ w_gate[e]) * (xs @ w_up[e])) @ w_down[e]` for `xs = x[rows]`, whose rows are
+    sorted by expert e (`group_sizes` rows each; rows past them come out as 0). The two first
+    projections gather their rows of x themselves (`cv.gmm`'s lhs_indices: in the kernel's loads
+    on TPU), so the sorted copy of x is never written."""
+    mm = lambda a, w, **kw: gmm(
+        a, w, group_sizes, preferred_element_type=x.dtype, backend=backend, **kw
+    )
+    h = jax.nn.silu(mm(x, w_gate, lhs_indices=rows)) * mm(x, w_up, lhs_indices=rows)
+    return mm(h, w_down)
 
 
 def combine(out, order, routing, x):

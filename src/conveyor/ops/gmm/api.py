@@ -176,10 +176,11 @@ def gmm(
       lhs_indices: int [m], optional: row i of the product reads `lhs[lhs_indices[i]]`, so lhs
         may hold its rows in any order and any number ([rows, k]); m = len(lhs_indices) and the
         groups are over these m gathered rows. An index may repeat (top-k routing). mosaic_tpu
-        gathers the rows in the kernel's DMAs (no sorted copy of lhs is written); xla and
-        reference gather first; mosaic_gpu has no gather yet. Concrete indices outside
-        [0, rows) are refused; traced ones are clamped to that range, and the gradient goes to
-        the rows that were read. On a mesh with Explicit axes, call it inside shard_map.
+        gathers the rows in the kernel's DMAs (no sorted copy of lhs is written); xla,
+        reference and mosaic_gpu (no gather in its kernel yet) gather in XLA first. Concrete
+        indices outside [0, rows) are refused; traced ones are clamped to that range, and the
+        gradient goes to the rows that were read. On a mesh with Explicit axes, call it inside
+        shard_map.
       backend: "xla", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the op is
         lowered, for the platform it is lowered for: mosaic_tpu for TPU, xla for CPU, CUDA and
         ROCm (mosaic_gpu joins CUDA's default once it has run on a GPU: `conveyor.backends`;

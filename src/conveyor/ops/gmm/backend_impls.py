@@ -252,13 +252,19 @@ def _gathered_gmm_mosaic_tpu(
     )
 
 
-# The xla and reference backends gather in XLA (a copy of the gathered rows); mosaic_tpu gathers
-# in the kernel's loads. The Mosaic GPU kernel has no row gather yet.
+# mosaic_tpu gathers in the kernel's loads; the others gather in XLA first (a copy of the gathered
+# rows): the Mosaic GPU kernel has no row gather yet.
 GATHERED_GMM = Registry(
     "gmm with lhs_indices",
     (
         Implementation(name="xla", run=_gathered_then(_gmm_xla)),
         Implementation(name="mosaic_tpu", run=_gathered_gmm_mosaic_tpu, interprets=True),
+        Implementation(
+            name="mosaic_gpu",
+            run=_gathered_then(_gmm_mosaic_gpu),
+            check=_gathered_then(_gmm_mosaic_gpu_check),
+            interprets=True,
+        ),
         Implementation(name="reference", run=_gathered_then(_gmm_reference)),
     ),
 )
