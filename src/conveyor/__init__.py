@@ -10,7 +10,14 @@ from conveyor.interpreters import InterpreterDeadlock
 from conveyor.interpreters import set_wait_deadline as set_interpreter_wait_deadline
 from conveyor.kernel import kernel, program_id
 from conveyor.ops.collective_matmul import RingBlocks, all_gather_matmul, matmul_reduce_scatter
-from conveyor.ops.gmm import GroupMetadata, gmm, make_group_metadata, ragged_dot, tgmm
+from conveyor.ops.gmm import (
+    GroupMetadata,
+    gmm,
+    gmm_scatter_add,
+    make_group_metadata,
+    ragged_dot,
+    tgmm,
+)
 from conveyor.pipeline import BlockSpec, emit_pipeline, emit_pipeline_warp_specialized
 from conveyor.mpmd import Mesh, MpmdDeadlock, mpmd_errors, mpmd_map
 from conveyor.sync import (
@@ -28,6 +35,7 @@ __version__ = "0.1.0"
 __all__ = [
     "dot",
     "gmm",
+    "gmm_scatter_add",
     "tgmm",
     "ragged_dot",
     "make_group_metadata",

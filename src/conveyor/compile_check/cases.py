@@ -248,6 +248,42 @@ def _gathered(ctx, *, tokens, top_k, k, n, groups, dtype="bf16", grad=False):
     return jax.grad(loss, argnums=(0, 1)), args
 
 
+def _scatter(ctx, *, tokens, top_k, k, n, groups, dtype="bf16", grad=False):
+    """cv.gmm_scatter_add: an MoE layer's last projection and combine (tokens * top_k rows added,
+    weighted by their gates, into their tokens' rows)."""
+    import conveyor as cv
+
+    dt = DTYPES[dtype]
+    m = tokens * top_k
+    args = (
+        ctx.array((m, k), dt),
+        ctx.array((groups, k, n), dt),
+        ctx.array((groups,), jnp.int32),
+        ctx.array((m,), jnp.int32),
+        ctx.array((m,), jnp.float32),
+    )
+
+    def fwd(h, w, s, idx, gates):
+        return cv.gmm_scatter_add(
+            h,
+            w,
+            s,
+            idx,
+            num_out_rows=tokens,
+            row_weights=gates,
+            backend=ctx.backend,
+            preferred_element_type=dt,
+        )
+
+    if not grad:
+        return fwd, args
+
+    def loss(h, w, s, idx, gates):
+        return jnp.sum(fwd(h, w, s, idx, gates).astype(jnp.float32))
+
+    return jax.grad(loss, argnums=(0, 1, 4)), args
+
+
 KINDS: dict[str, Callable] = {
     "gmm": _gmm,
     "tgmm": _tgmm,
@@ -257,6 +293,7 @@ KINDS: dict[str, Callable] = {
     "moe_ep": _moe_ep,
     "mpmd": _mpmd,
     "gathered": _gathered,
+    "scatter": _scatter,
 }
 
 MIXTRAL = dict(m=8192, k=4096, n=14336)
@@ -278,6 +315,10 @@ def production() -> list[Case]:
         case("gathered", tokens=8192, top_k=2, k=4096, n=14336, groups=8),
         case("gathered", tokens=8192, top_k=8, k=7168, n=2048, groups=64),
         case("gathered", tokens=8192, top_k=2, k=4096, n=14336, groups=8, grad=True),
+        # its last projection with the combine in the kernel's epilogue
+        case("scatter", tokens=8192, top_k=2, k=14336, n=4096, groups=8),
+        case("scatter", tokens=8192, top_k=8, k=2048, n=7168, groups=64),
+        case("scatter", tokens=8192, top_k=2, k=14336, n=4096, groups=8, grad=True),
         case("gmm", **MIXTRAL, groups=8, grad=True),
         case("gmm", **MIXTRAL, groups=8, grad=True, sharded=True),
         case("moe", tokens=8192, d=4096, f=14336, experts=8, top_k=2, grad=True),
@@ -340,7 +381,7 @@ def simulated_onchip(c: Case, target: str) -> int | None:
 def applies(c: Case, platform: str) -> bool:
     """Whether Conveyor has a kernel for case `c` on `platform` (rings are TPU-only; mpmd
     programs and the warp-specialized pipeline run on GPU warpgroups)."""
-    if c.kind in ("ring", "gathered"):  # mosaic_gpu has no row gather yet
+    if c.kind in ("ring", "gathered", "scatter"):  # mosaic_gpu moves no rows by index yet
         return platform == "tpu"
     if c.kind == "mpmd":  # programs on warpgroups; mpmd_map has no Mosaic TPU lowering yet
         return platform == "cuda"

@@ -1,5 +1,6 @@
-"""The MoE feed-forward layer: route, SwiGLU experts via cv.gmm on the tokens gathered into
-expert order (by the grouped matmul's own loads), combine."""
+"""The MoE feed-forward layer: route; SwiGLU experts via cv.gmm, the first projections gathering
+the tokens into expert order in their loads and the last adding its rows, weighted by the gates,
+into the tokens' rows (`cv.gmm_scatter_add`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from conveyor.moe.routing import load_balancing_loss, route
-from conveyor.ops.gmm.api import gmm
+from conveyor.ops.gmm.api import gmm, gmm_scatter_add
 
 
 def check_layer_args(x, router_w, w_gate, w_up, w_down, top_k) -> None:
@@ -67,8 +68,9 @@ def moe_ffn(
       (y [tokens, d] in x's dtype, the load-balancing loss, a float32 scalar: see
       `load_balancing_loss`). Every (token, expert) assignment is computed (no capacity, no
       dropping): the tokens, gathered into expert order by the first two grouped matmuls
-      (`cv.gmm`'s lhs_indices), run through three grouped matmuls and are added back into their
-      rows weighted by their gates. Differentiable in every array argument.
+      (`cv.gmm`'s lhs_indices), run through three grouped matmuls, the last of which adds each
+      result into its token's row weighted by its gate (`cv.gmm_scatter_add`). Differentiable
+      in every array argument.
     """
     check_layer_args(x, router_w, w_gate, w_up, w_down, top_k)
     num_experts = router_w.shape[1]
@@ -76,20 +78,37 @@ def moe_ffn(
     flat_experts = routing.experts.reshape(-1)  # [tokens * top_k]
     order = jnp.argsort(flat_experts, stable=True)  # assignments in expert order
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_experts].add(1)
-    out = swiglu_experts(x, order // top_k, group_sizes, w_gate, w_up, w_down, backend)
-    return combine(out, order, routing, x), load_balancing_loss(routing)
+    h = expert_hidden(x, order // top_k, group_sizes, w_gate, w_up, backend)
+    # the last projection adds each assignment's row, weighted by its gate, into its token's row
+    gates = routing.gates.reshape(-1)[order].astype(jnp.float32)
+    y = gmm_scatter_add(
+        h,
+        w_down,
+        group_sizes,
+        order // top_k,
+        num_out_rows=x.shape[0],
+        row_weights=gates,
+        preferred_element_type=x.dtype,
+        backend=backend,
+    )
+    return y, load_balancing_loss(routing)
+
+
+def expert_hidden(x, rows, group_sizes, w_gate, w_up, backend):
+    """`silu(xs @ w_gate[e]) * (xs @ w_up[e])` for `xs = x[rows]`, whose rows are sorted by expert
+    e (`group_sizes` rows each; rows past them come out as 0). Both projections gather their rows
+    of x themselves (`cv.gmm`'s lhs_indices: in the kernel's loads on TPU), so the sorted copy of
+    x is never written."""
+    mm = lambda w: gmm(
+        x, w, group_sizes, lhs_indices=rows, preferred_element_type=x.dtype, backend=backend
+    )
+    return jax.nn.silu(mm(w_gate)) * mm(w_up)
 
 
 def swiglu_experts(x, rows, group_sizes, w_gate, w_up, w_down, backend):
-    """`(silu(xs @ w_gate[e]) * (xs @ w_up[e])) @ w_down[e]` for `xs = x[rows]`, whose rows are
-    sorted by expert e (`group_sizes` rows each; rows past them come out as 0). The two first
-    projections gather their rows of x themselves (`cv.gmm`'s lhs_indices: in the kernel's loads
-    on TPU), so the sorted copy of x is never written."""
-    mm = lambda a, w, **kw: gmm(
-        a, w, group_sizes, preferred_element_type=x.dtype, backend=backend, **kw
-    )
-    h = jax.nn.silu(mm(x, w_gate, lhs_indices=rows)) * mm(x, w_up, lhs_indices=rows)
-    return mm(h, w_down)
+    """`expert_hidden(...) @ w_down[e]`, the experts' outputs in the rows' sorted order."""
+    h = expert_hidden(x, rows, group_sizes, w_gate, w_up, backend)
+    return gmm(h, w_down, group_sizes, preferred_element_type=x.dtype, backend=backend)
 
 
 def combine(out, order, routing, x):

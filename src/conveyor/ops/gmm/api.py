@@ -10,6 +10,7 @@ from conveyor import backends
 from conveyor.ops.gmm import backend_impls, tiling as tiling_lib
 from conveyor.ops.gmm.gathered import bind_gathered_gmm
 from conveyor.ops.gmm.primitives import bind_gmm, bind_tgmm
+from conveyor.ops.gmm.scattered import bind_scatter_gmm
 
 _FLOATS = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
@@ -65,25 +66,28 @@ def _check_group_sizes(group_sizes, m: int):
     return group_sizes.astype(jnp.int32)
 
 
-def _check_lhs_indices(lhs_indices, num_rows: int) -> int:
-    """`lhs_indices` is a 1-d integer array naming rows of lhs; returns its length (m)."""
-    _check_array(lhs_indices, "lhs_indices", 1, "[m]")
-    if not jnp.issubdtype(lhs_indices.dtype, jnp.integer):
-        raise TypeError(
-            f"lhs_indices: expected an integer (int32) array, got dtype {lhs_indices.dtype}"
-        )
-    if num_rows == 0:
-        raise ValueError("lhs: expected at least one row to gather from, got shape (0, k)")
-    if _is_concrete(lhs_indices) and lhs_indices.shape[0]:
-        idx = np.asarray(lhs_indices)
+def _check_indices(indices, name: str, num_rows: int, rows_doc: str):
+    """`indices` is a 1-d integer array of rows in [0, num_rows) (checked when concrete)."""
+    _check_array(indices, name, 1, "[m]")
+    if not jnp.issubdtype(indices.dtype, jnp.integer):
+        raise TypeError(f"{name}: expected an integer (int32) array, got dtype {indices.dtype}")
+    if _is_concrete(indices) and indices.shape[0]:
+        idx = np.asarray(indices)
         bad = (idx < 0) | (idx >= num_rows)
         if bad.any():
             i = int(np.argmax(bad))
             raise ValueError(
-                f"lhs_indices: expected rows in [0, {num_rows}) (lhs.shape[0]), got "
-                f"lhs_indices[{i}]={int(idx[i])} ({int(bad.sum())} out of range)"
+                f"{name}: expected rows in [0, {num_rows}) ({rows_doc}), got "
+                f"{name}[{i}]={int(idx[i])} ({int(bad.sum())} out of range)"
             )
-    return lhs_indices.shape[0]
+    return indices
+
+
+def _check_lhs_indices(lhs_indices, num_rows: int) -> int:
+    """`lhs_indices` is a 1-d integer array naming rows of lhs; returns its length (m)."""
+    if num_rows == 0:
+        raise ValueError("lhs: expected at least one row to gather from, got shape (0, k)")
+    return _check_indices(lhs_indices, "lhs_indices", num_rows, "lhs.shape[0]").shape[0]
 
 
 def _check_group_offset(group_offset, total_groups: int, local_groups: int):
@@ -115,6 +119,7 @@ _REGISTRIES = {
     "gmm": backend_impls.GMM,
     "tgmm": backend_impls.TGMM,
     "gathered": backend_impls.GATHERED_GMM,
+    "scatter": backend_impls.SCATTER_GMM,
 }
 
 
@@ -354,6 +359,101 @@ def tgmm(
         backend=backend,
         tiling=_hashable(tiling),
         interpret=_interpret_param(interpret, backend, "tgmm"),
+    )
+
+
+def gmm_scatter_add(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    group_sizes: jax.Array,
+    out_indices: jax.Array,
+    *,
+    num_out_rows: int,
+    row_weights: jax.Array | None = None,
+    preferred_element_type=jnp.float32,
+    tiling: tiling_lib.Tiling = None,
+    group_offset: jax.Array | int | None = None,
+    transpose_rhs: bool = False,
+    backend: str | None = None,
+    interpret=False,
+) -> jax.Array:
+    """Grouped matmul whose result rows are added, weighted, into the output rows they name.
+
+    `out[t] = sum of row_weights[i] * (lhs[i] @ rhs[group(i)])` over the rows i of the local
+    groups with `out_indices[i] == t`, summed in float32: an MoE layer's last projection and its
+    combine in one op (row i an assignment, t its token, the weight its gate). Output rows no index
+    names are 0. The [m, n] product is not written: mosaic_tpu adds each row into its output row
+    by DMA in the kernel's epilogue; the other backends compute the product, then scatter-add.
+
+    Args:
+      lhs: [m, k] float array, rows sorted by group (as in `gmm`).
+      rhs: [G, k, n] weights ([G, n, k] with `transpose_rhs=True`).
+      group_sizes: int32 [G_total] rows per group; `group_offset` as in `gmm`.
+      out_indices: int [m], the output row of each lhs row; may repeat (a token's top-k
+        assignments). Concrete indices outside [0, num_out_rows) are refused; traced ones are
+        clamped to that range.
+      num_out_rows: the output's row count (static int >= 1).
+      row_weights: float [m], each row's weight (default 1); differentiable.
+      preferred_element_type: output dtype (the sums are float32, rounded once).
+      tiling, transpose_rhs, backend, interpret: as in `gmm`. mosaic_tpu's epilogue updates the
+        rows of one visit together, so where one group names an output row twice it computes
+        that call the unfused way (decided at run time, same results).
+
+    Returns:
+      [num_out_rows, n] array of dtype `preferred_element_type`.
+
+    Differentiable in lhs, rhs and row_weights, to any order; `vmap` runs one op per batch
+    element, sequentially.
+    """
+    _check_array(lhs, "lhs", 2, "[m, k]")
+    _check_array(rhs, "rhs", 3, "[G, n, k]" if transpose_rhs else "[G, k, n]")
+    _check_float(lhs, "lhs")
+    _check_float(rhs, "rhs")
+    out_dtype = _check_out_dtype(preferred_element_type)
+    m, k = lhs.shape
+    num_groups, rk = rhs.shape[0], rhs.shape[2] if transpose_rhs else rhs.shape[1]
+    if rk != k:
+        raise ValueError(
+            f"rhs: contraction size must match lhs's k={k}, got rhs shape {tuple(rhs.shape)} "
+            f"with transpose_rhs={transpose_rhs}"
+        )
+    if isinstance(num_out_rows, bool) or not isinstance(num_out_rows, (int, np.integer)):
+        raise TypeError(f"num_out_rows: expected a static int >= 1, got {num_out_rows!r}")
+    if num_out_rows < 1:
+        raise ValueError(f"num_out_rows: expected a static int >= 1, got {num_out_rows}")
+    out_indices = _check_indices(out_indices, "out_indices", int(num_out_rows), "num_out_rows")
+    if out_indices.shape[0] != m:
+        raise ValueError(
+            f"out_indices: expected one index per lhs row ({m}), got {out_indices.shape[0]}"
+        )
+    if row_weights is None:
+        row_weights = jnp.ones((m,), jnp.float32)
+    _check_array(row_weights, "row_weights", 1, f"[m] = [{m}]")
+    _check_float(row_weights, "row_weights")
+    if row_weights.shape[0] != m:
+        raise ValueError(f"row_weights: expected shape ({m},), got {tuple(row_weights.shape)}")
+    group_sizes = _check_group_sizes(group_sizes, m)
+    if group_offset is None and group_sizes.shape[0] != num_groups:
+        raise ValueError(
+            f"group_sizes: expected {num_groups} groups (rhs.shape[0]) when group_offset is not "
+            f"given, got {group_sizes.shape[0]}"
+        )
+    group_offset = _check_group_offset(group_offset, group_sizes.shape[0], num_groups)
+    tiling_lib.check_tiling(tiling)
+    backend = _choose_backend(backend, interpret, "scatter")
+    return bind_scatter_gmm(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        out_indices.astype(jnp.int32),
+        row_weights,
+        num_rows=int(num_out_rows),
+        transpose_rhs=bool(transpose_rhs),
+        out_dtype=out_dtype,
+        backend=backend,
+        tiling=_hashable(tiling),
+        interpret=_interpret_param(interpret, backend, "scatter"),
     )
 
 

@@ -238,7 +238,9 @@ def _gathered_gmm_mosaic_tpu(
 ):
     m, k, n = lhs_indices.shape[0], lhs.shape[1], existing_out.shape[1]
     t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
-    return _mosaic_tpu().gathered_gmm_mosaic_tpu(
+    from conveyor.ops.gmm import mosaic_tpu_rows
+
+    return mosaic_tpu_rows.gathered_gmm_mosaic_tpu(
         lhs,
         rhs,
         group_sizes,
@@ -266,6 +268,98 @@ GATHERED_GMM = Registry(
             interprets=True,
         ),
         Implementation(name="reference", run=_gathered_then(_gmm_reference)),
+    ),
+)
+
+
+# ---- gmm whose rows are added into indexed output rows (gmm_scatter_add) ---------------------
+
+
+def _scatter_then(run):
+    """The scatter-add gmm as a plain gmm (`run`, float32 out) and an XLA scatter-add."""
+
+    def scattered(
+        lhs, rhs, group_sizes, group_offset, out_indices, row_weights, *, num_rows, out_dtype, **p
+    ):
+        n = rhs.shape[1] if p["transpose_rhs"] else rhs.shape[2]
+        zeros = jnp.zeros((lhs.shape[0], n), jnp.float32)
+        prod = run(lhs, rhs, group_sizes, group_offset, zeros, out_dtype=jnp.float32, **p)
+        rows = jnp.clip(out_indices.astype(jnp.int32), 0, num_rows - 1)
+        weighted = row_weights.astype(jnp.float32)[:, None] * prod  # rows of no group: 0 * w
+        return jnp.zeros((num_rows, n), jnp.float32).at[rows].add(weighted).astype(out_dtype)
+
+    return scattered
+
+
+def _scatter_gmm_mosaic_tpu(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    out_indices,
+    row_weights,
+    *,
+    tiling,
+    interpret,
+    transpose_rhs,
+    num_rows,
+    out_dtype,
+):
+    from conveyor.ops.gmm import mosaic_tpu_rows
+    from conveyor.ops.gmm.scattered import repeats_within_a_group
+
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
+    args = (lhs, rhs, group_sizes, group_offset, out_indices, row_weights)
+
+    def kernel(args):
+        out = mosaic_tpu_rows.scatter_gmm_mosaic_tpu(
+            *args, num_rows=num_rows, transpose_rhs=transpose_rhs, tiling=t, interpret=interpret
+        )
+        return out.astype(out_dtype)
+
+    def unfused(args):
+        # a group naming one output row twice: the kernel's row updates would collide
+        run = _scatter_then(_gmm_xla)
+        return run(
+            *args,
+            num_rows=num_rows,
+            out_dtype=out_dtype,
+            tiling=None,
+            interpret=None,
+            transpose_rhs=transpose_rhs,
+        )
+
+    repeats = repeats_within_a_group(group_sizes, group_offset, out_indices, rhs.shape[0], num_rows)
+    return jax.lax.cond(repeats, unfused, kernel, args)
+
+
+def _scatter_check(check):
+    """A plain gmm's `check` asked about the product the scatter-add gmm computes first."""
+
+    def scattered(lhs, rhs, group_sizes, group_offset, out_indices, row_weights, **p):
+        n = rhs.shape[1] if p["transpose_rhs"] else rhs.shape[2]
+        product = jax.ShapeDtypeStruct((lhs.shape[0], n), jnp.float32)
+        check(lhs, rhs, group_sizes, group_offset, product, **p)
+
+    return scattered
+
+
+# mosaic_tpu adds the rows in the kernel's epilogue; the others write the product and scatter-add
+# it in XLA.
+SCATTER_GMM = Registry(
+    "gmm_scatter_add",
+    (
+        Implementation(name="xla", run=_scatter_then(_gmm_xla)),
+        Implementation(name="mosaic_tpu", run=_scatter_gmm_mosaic_tpu, interprets=True),
+        Implementation(
+            name="mosaic_gpu",
+            run=_scatter_then(_gmm_mosaic_gpu),
+            check=_scatter_check(_gmm_mosaic_gpu_check),
+            interprets=True,
+        ),
+        Implementation(name="reference", run=_scatter_then(_gmm_reference)),
     ),
 )
 
@@ -415,3 +509,20 @@ def run_gathered_gmm(
     """gmm of gathered lhs rows by the named implementation, or by `platform`'s default order."""
     args = (lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices)
     return _run(GATHERED_GMM, backend, platform, args, params)
+
+
+def run_scatter_gmm(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    out_indices,
+    row_weights,
+    *,
+    backend,
+    platform="cpu",
+    **params,
+):
+    """gmm_scatter_add by the named implementation, or by `platform`'s default order."""
+    args = (lhs, rhs, group_sizes, group_offset, out_indices, row_weights)
+    return _run(SCATTER_GMM, backend, platform, args, params)

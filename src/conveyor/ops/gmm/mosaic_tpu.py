@@ -25,25 +25,25 @@ from conveyor.tpu_vmem import vmem_limit
 from conveyor.ops.gmm import tpu_blocks
 from conveyor.ops.gmm.metadata import make_group_metadata
 
-_SUPPORTED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+SUPPORTED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def _compute_dtype(*dts):
+def compute_dtype(*dts):
     dt = jnp.result_type(*dts)
-    if jnp.dtype(dt) not in _SUPPORTED:
+    if jnp.dtype(dt) not in SUPPORTED:
         raise NotImplementedError(
             f"mosaic_tpu: gmm supports float32 and bfloat16 operands, got {jnp.dtype(dt).name}"
         )
     return dt
 
 
-def _pad_to(x, multiples):
+def pad_to(x, multiples):
     """Pad trailing edges up to multiples of the block shape (interpreter only, see below)."""
     pads = [(0, (-d) % b) for d, b in zip(x.shape, multiples)]
     return jnp.pad(x, pads) if any(p for _, p in pads) else x
 
 
-def _k_mask(x, kk, tk, k, axis):
+def k_mask(x, kk, tk, k, axis):
     """Zero the entries of a k-block that lie past k (both operands, so garbage cannot leak)."""
     if k % tk == 0:
         return x
@@ -82,8 +82,8 @@ def _gmm_kernel(
 
     @pl.when(v < num_visits[0])
     def _():
-        x = _k_mask(lhs_ref[...], kk, tk, k, 1)
-        w = _k_mask(rhs_ref[...], kk, tk, k, 1 if transpose_rhs else 0)
+        x = k_mask(lhs_ref[...], kk, tk, k, 1)
+        w = k_mask(rhs_ref[...], kk, tk, k, 1 if transpose_rhs else 0)
         dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
         acc_ref[...] += lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
@@ -95,7 +95,7 @@ def _gmm_kernel(
         out_ref[...] = jnp.where(mine, acc_ref[...].astype(out_ref.dtype), out_ref[...])
 
 
-def _vmem_limit(op: str, lhs_block, rhs_block, out_block, cdt, out_dtype) -> int | None:
+def kernel_vmem_limit(op: str, lhs_block, rhs_block, out_block, cdt, out_dtype) -> int | None:
     """`vmem_limit_bytes` for a gmm/tgmm tiling: the working set (`tpu_blocks.working_set`, the
     scoped VMEM libtpu reports: 2 MiB gmm, 3.5 MiB tgmm at the default tilings). Peak adds two
     float32 products of the output block's shape (the dot's value and the sum), which larger
@@ -129,8 +129,8 @@ def gmm_mosaic_tpu(
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    cdt = _compute_dtype(lhs.dtype, rhs.dtype)
-    if jnp.dtype(out_dtype) not in _SUPPORTED:
+    cdt = compute_dtype(lhs.dtype, rhs.dtype)
+    if jnp.dtype(out_dtype) not in SUPPORTED:
         raise NotImplementedError(
             f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}"
         )
@@ -146,9 +146,9 @@ def gmm_mosaic_tpu(
         # blocks are partial (80x256 for 67x130 with 16x128 blocks); pad m and n ourselves there.
         # Real TPUs clip edge blocks, so compiled kernels skip this copy. k stays unpadded: its
         # remainder is masked in the kernel.
-        lhs = _pad_to(lhs, (tm, 1))
-        rhs = _pad_to(rhs, (1, tn, 1) if transpose_rhs else (1, 1, tn))
-        existing_out = _pad_to(existing_out, (tm, tn))
+        lhs = pad_to(lhs, (tm, 1))
+        rhs = pad_to(rhs, (1, tn, 1) if transpose_rhs else (1, 1, tn))
+        existing_out = pad_to(existing_out, (tm, tn))
     lhs_block, rhs_block, out_block = tpu_blocks.gmm_blocks(tm, tk, tn, transpose_rhs)
     call = pl.pallas_call(
         functools.partial(_gmm_kernel, tm=tm, tk=tk, k=k, transpose_rhs=transpose_rhs),
@@ -167,7 +167,9 @@ def gmm_mosaic_tpu(
         input_output_aliases={7: 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=_vmem_limit("gmm", lhs_block, rhs_block, out_block, cdt, out_dtype),
+            vmem_limit_bytes=kernel_vmem_limit(
+                "gmm", lhs_block, rhs_block, out_block, cdt, out_dtype
+            ),
         ),
         cost_estimate=matmul_cost(m, k, n, lhs, rhs, existing_out),
         interpret=tpu_params(interpret),
@@ -179,192 +181,6 @@ def gmm_mosaic_tpu(
         meta.group_starts,
         meta.group_ends,
         meta.num_visits[None],
-        lhs,
-        rhs,
-        existing_out,
-    )
-    return out[:m, :n]
-
-
-def _row_copy(lhs_hbm, buf, sem, slot, r, row, kk, tk, packed):
-    """The DMA of one gathered row's k-slice into row r of the slot. 16-bit rows are packed two to
-    a sublane, so they travel as [rows, 1, k] views (a row's own tile); 32-bit rows as 1-row
-    slices."""
-    if packed:
-        return pltpu.make_async_copy(
-            lhs_hbm.at[row, :, pl.ds(kk * tk, tk)], buf.at[slot, r], sem.at[slot]
-        )
-    return pltpu.make_async_copy(
-        lhs_hbm.at[pl.ds(row, 1), pl.ds(kk * tk, tk)], buf.at[slot, pl.ds(r, 1)], sem.at[slot]
-    )
-
-
-def _gathered_gmm_kernel(
-    group_ids,
-    tile_ids,
-    starts,
-    ends,
-    num_visits,
-    rows,
-    lhs_hbm,
-    rhs_ref,
-    ex_ref,
-    out_ref,
-    acc_ref,
-    buf,
-    sem,
-    *,
-    tm,
-    tk,
-    k,
-    transpose_rhs,
-    packed,
-):
-    """gmm's kernel with the lhs block gathered row by row: a step waits for its rows (fetched one
-    step ahead into the other of two slots) and starts the next step's. Prefetching stays inside
-    one n tile, whose first step fetches its own rows, so the n axis stays parallel."""
-    v, kk = pl.program_id(1), pl.program_id(2)
-    nk = pl.num_programs(2)
-    step = v * nk + kk
-    slot = step % 2
-    tile = tile_ids[v]
-    first_visit = (v == 0) | (tile != tile_ids[jnp.maximum(v - 1, 0)])
-    live = v < num_visits[0]
-
-    def start(visit, kidx, s):
-        base = tile_ids[visit] * tm
-
-        def one(r, carry):
-            _row_copy(lhs_hbm, buf, sem, s, r, rows[base + r], kidx, tk, packed).start()
-            return carry
-
-        lax.fori_loop(0, tm, one, 0)
-
-    def wait(s):
-        def one(r, carry):
-            _row_copy(lhs_hbm, buf, sem, s, r, 0, 0, tk, packed).wait()
-            return carry
-
-        lax.fori_loop(0, tm, one, 0)
-
-    @pl.when(kk == 0)
-    def _():
-        acc_ref[...] = jnp.zeros_like(acc_ref)
-
-    @pl.when(first_visit & (kk == 0))
-    def _():
-        out_ref[...] = ex_ref[...]  # rows no visit stores keep existing_out
-
-    @pl.when(live & (step == 0))
-    def _():
-        start(v, kk, slot)  # the n tile's first step: nothing fetched it ahead
-
-    next_v = jnp.where(kk + 1 < nk, v, v + 1)
-
-    @pl.when(live & (next_v < num_visits[0]))
-    def _():
-        start(next_v, jnp.where(kk + 1 < nk, kk + 1, 0), 1 - slot)
-
-    @pl.when(live)
-    def _():
-        wait(slot)
-        x = buf[slot, :, 0, :] if packed else buf[slot]
-        # lhs's k is padded with zeros; rhs's edge block is masked (it may hold anything there)
-        w = _k_mask(rhs_ref[...], kk, tk, k, 1 if transpose_rhs else 0)
-        dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-        acc_ref[...] += lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
-
-    @pl.when(live & (kk == nk - 1))
-    def _():
-        g = group_ids[v]
-        row_ids = tile * tm + lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
-        mine = (row_ids >= starts[g]) & (row_ids < ends[g])
-        out_ref[...] = jnp.where(mine, acc_ref[...].astype(out_ref.dtype), out_ref[...])
-
-
-def gathered_gmm_mosaic_tpu(
-    lhs,
-    rhs,
-    group_sizes,
-    group_offset,
-    existing_out,
-    lhs_indices,
-    *,
-    transpose_rhs,
-    out_dtype,
-    tiling,
-    interpret,
-):
-    """gmm of `lhs[lhs_indices]`, the rows gathered by the kernel's DMAs from lhs in HBM.
-
-    lhs's k is padded with zeros to whole tk tiles (a copy of lhs when it is not one already: a
-    DMA past the row's end would fail); 16-bit lhs is viewed as [rows, 1, k] (one copy of lhs
-    in XLA's layout change), so that a single row is a whole tile for the DMA."""
-    num_rows, k = lhs.shape
-    m = lhs_indices.shape[0]
-    num_groups = rhs.shape[0]
-    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    cdt = _compute_dtype(lhs.dtype, rhs.dtype)
-    if jnp.dtype(out_dtype) not in _SUPPORTED:
-        raise NotImplementedError(
-            f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}"
-        )
-    tm, tk, tn = tpu_blocks.gmm_tiles(m, k, n, (tiling.tm, tiling.tk, tiling.tn), cdt)
-    meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
-    grid = tpu_blocks.gmm_grid(k, n, tk, tn, meta.group_ids.shape[0])
-    _, rhs_map, out_map = tpu_blocks.gmm_index_maps(transpose_rhs)
-    packed = jnp.dtype(cdt).itemsize < 4
-    rows = jnp.clip(lhs_indices.astype(jnp.int32), 0, num_rows - 1)
-    rows = jnp.pad(rows, (0, -m % tm))  # the last tile's spare rows read row 0, never stored
-    lhs = _pad_to(lhs.astype(cdt), (1, tk))
-    kp = lhs.shape[1]
-    if packed:
-        lhs = lhs.reshape(num_rows, 1, kp)
-    rhs = rhs.astype(cdt)
-    existing_out = existing_out.astype(out_dtype)
-    if interpret:  # see gmm_mosaic_tpu: pad the edges the interpreter mishandles
-        rhs = _pad_to(rhs, (1, tn, 1) if transpose_rhs else (1, 1, tn))
-        existing_out = _pad_to(existing_out, (tm, tn))
-    _, rhs_block, out_block = tpu_blocks.gmm_blocks(tm, tk, tn, transpose_rhs)
-    buf = (2, tm, 1, tk) if packed else (2, tm, tk)
-    call = pl.pallas_call(
-        functools.partial(
-            _gathered_gmm_kernel, tm=tm, tk=tk, k=k, transpose_rhs=transpose_rhs, packed=packed
-        ),
-        out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=6,
-            grid=grid,
-            in_specs=[
-                pl.BlockSpec(memory_space=pl.ANY),
-                pl.BlockSpec(rhs_block, rhs_map),
-                pl.BlockSpec(out_block, out_map),
-            ],
-            out_specs=pl.BlockSpec(out_block, out_map),
-            scratch_shapes=[
-                pltpu.VMEM((tm, tn), jnp.float32),
-                pltpu.VMEM(buf, cdt),
-                pltpu.SemaphoreType.DMA((2,)),
-            ],
-        ),
-        input_output_aliases={8: 0},
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
-            vmem_limit_bytes=_vmem_limit(
-                "gmm with lhs_indices", (tm, tk), rhs_block, out_block, cdt, out_dtype
-            ),
-        ),
-        cost_estimate=matmul_cost(m, k, n, lhs, rhs, existing_out),
-        interpret=tpu_params(interpret),
-        name="conveyor_gathered_gmm",
-    )
-    out = call(
-        meta.group_ids,
-        meta.tile_ids,
-        meta.group_starts,
-        meta.group_ends,
-        meta.num_visits[None],
-        rows,
         lhs,
         rhs,
         existing_out,
@@ -405,8 +221,8 @@ def tgmm_mosaic_tpu(
 ):
     k, m = lhs.shape
     n = rhs.shape[1]
-    cdt = _compute_dtype(lhs.dtype, rhs.dtype)
-    if jnp.dtype(out_dtype) not in _SUPPORTED:
+    cdt = compute_dtype(lhs.dtype, rhs.dtype)
+    if jnp.dtype(out_dtype) not in SUPPORTED:
         raise NotImplementedError(
             f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}"
         )
@@ -419,9 +235,9 @@ def tgmm_mosaic_tpu(
 
     lhs, rhs, existing_out = lhs.astype(cdt), rhs.astype(cdt), existing_out.astype(out_dtype)
     if interpret:  # see gmm_mosaic_tpu: pad the edges the interpreter mishandles
-        lhs = _pad_to(lhs, (tk, tm))
-        rhs = _pad_to(rhs, (tm, tn))
-        existing_out = _pad_to(existing_out, (1, tk, tn))
+        lhs = pad_to(lhs, (tk, tm))
+        rhs = pad_to(rhs, (tm, tn))
+        existing_out = pad_to(existing_out, (1, tk, tn))
 
     lhs_map, rhs_map, out_map = tpu_blocks.tgmm_index_maps()
     call = pl.pallas_call(
@@ -441,7 +257,9 @@ def tgmm_mosaic_tpu(
         input_output_aliases={7: 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=_vmem_limit("tgmm", lhs_block, rhs_block, out_block, cdt, out_dtype),
+            vmem_limit_bytes=kernel_vmem_limit(
+                "tgmm", lhs_block, rhs_block, out_block, cdt, out_dtype
+            ),
         ),
         cost_estimate=matmul_cost(k, m, n, lhs, rhs, existing_out),
         interpret=tpu_params(interpret),

@@ -1,0 +1,361 @@
+"""Mosaic TPU kernels of grouped matmuls that move rows by index: the gathered gmm (lhs rows
+fetched by DMA from HBM in the kernel's loads) and the scatter-add gmm (each result row added into
+the output row its index names, by DMA, in the epilogue). Their grid, tiles and metadata are gmm's
+(`mosaic_tpu`, `tpu_blocks`).
+
+HBM rows move one per DMA. Mosaic DMAs a single row of a 32-bit array at any offset, but a 16-bit
+row is half a sublane and is refused ("Offsets along tiled dimensions must be aligned to tiles"),
+so 16-bit operands are viewed as [rows, 1, k], a layout in which each row is its own tile.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from conveyor.cost import matmul_cost
+from conveyor.interpreters import tpu_params
+from conveyor.ops.gmm import tpu_blocks
+from conveyor.ops.gmm.metadata import make_group_metadata
+from conveyor.ops.gmm.mosaic_tpu import SUPPORTED, compute_dtype, k_mask, pad_to, kernel_vmem_limit
+
+
+def _row_copy(lhs_hbm, buf, sem, slot, r, row, kk, tk, packed):
+    """The DMA of one gathered row's k-slice into row r of the slot. 16-bit rows are packed two to
+    a sublane, so they travel as [rows, 1, k] views (a row's own tile); 32-bit rows as 1-row
+    slices."""
+    if packed:
+        return pltpu.make_async_copy(
+            lhs_hbm.at[row, :, pl.ds(kk * tk, tk)], buf.at[slot, r], sem.at[slot]
+        )
+    return pltpu.make_async_copy(
+        lhs_hbm.at[pl.ds(row, 1), pl.ds(kk * tk, tk)], buf.at[slot, pl.ds(r, 1)], sem.at[slot]
+    )
+
+
+def _gathered_gmm_kernel(
+    group_ids,
+    tile_ids,
+    starts,
+    ends,
+    num_visits,
+    rows,
+    lhs_hbm,
+    rhs_ref,
+    ex_ref,
+    out_ref,
+    acc_ref,
+    buf,
+    sem,
+    *,
+    tm,
+    tk,
+    k,
+    transpose_rhs,
+    packed,
+):
+    """gmm's kernel with the lhs block gathered row by row: a step waits for its rows (fetched one
+    step ahead into the other of two slots) and starts the next step's. Prefetching stays inside
+    one n tile, whose first step fetches its own rows, so the n axis stays parallel."""
+    v, kk = pl.program_id(1), pl.program_id(2)
+    nk = pl.num_programs(2)
+    step = v * nk + kk
+    slot = step % 2
+    tile = tile_ids[v]
+    first_visit = (v == 0) | (tile != tile_ids[jnp.maximum(v - 1, 0)])
+    live = v < num_visits[0]
+
+    def start(visit, kidx, s):
+        base = tile_ids[visit] * tm
+
+        def one(r, carry):
+            _row_copy(lhs_hbm, buf, sem, s, r, rows[base + r], kidx, tk, packed).start()
+            return carry
+
+        lax.fori_loop(0, tm, one, 0)
+
+    def wait(s):
+        def one(r, carry):
+            _row_copy(lhs_hbm, buf, sem, s, r, 0, 0, tk, packed).wait()
+            return carry
+
+        lax.fori_loop(0, tm, one, 0)
+
+    @pl.when(kk == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(first_visit & (kk == 0))
+    def _():
+        out_ref[...] = ex_ref[...]  # rows no visit stores keep existing_out
+
+    @pl.when(live & (step == 0))
+    def _():
+        start(v, kk, slot)  # the n tile's first step: nothing fetched it ahead
+
+    next_v = jnp.where(kk + 1 < nk, v, v + 1)
+
+    @pl.when(live & (next_v < num_visits[0]))
+    def _():
+        start(next_v, jnp.where(kk + 1 < nk, kk + 1, 0), 1 - slot)
+
+    @pl.when(live)
+    def _():
+        wait(slot)
+        x = buf[slot, :, 0, :] if packed else buf[slot]
+        # lhs's k is padded with zeros; rhs's edge block is masked (it may hold anything there)
+        w = k_mask(rhs_ref[...], kk, tk, k, 1 if transpose_rhs else 0)
+        dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+        acc_ref[...] += lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+    @pl.when(live & (kk == nk - 1))
+    def _():
+        g = group_ids[v]
+        row_ids = tile * tm + lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
+        mine = (row_ids >= starts[g]) & (row_ids < ends[g])
+        out_ref[...] = jnp.where(mine, acc_ref[...].astype(out_ref.dtype), out_ref[...])
+
+
+def gathered_gmm_mosaic_tpu(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    lhs_indices,
+    *,
+    transpose_rhs,
+    out_dtype,
+    tiling,
+    interpret,
+):
+    """gmm of `lhs[lhs_indices]`, the rows gathered by the kernel's DMAs from lhs in HBM.
+
+    lhs's k is padded with zeros to whole tk tiles (a copy of lhs when it is not one already: a
+    DMA past the row's end would fail); 16-bit lhs is viewed as [rows, 1, k] (one copy of lhs
+    in XLA's layout change), so that a single row is a whole tile for the DMA."""
+    num_rows, k = lhs.shape
+    m = lhs_indices.shape[0]
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    cdt = compute_dtype(lhs.dtype, rhs.dtype)
+    if jnp.dtype(out_dtype) not in SUPPORTED:
+        raise NotImplementedError(
+            f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}"
+        )
+    tm, tk, tn = tpu_blocks.gmm_tiles(m, k, n, (tiling.tm, tiling.tk, tiling.tn), cdt)
+    meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
+    grid = tpu_blocks.gmm_grid(k, n, tk, tn, meta.group_ids.shape[0])
+    _, rhs_map, out_map = tpu_blocks.gmm_index_maps(transpose_rhs)
+    packed = jnp.dtype(cdt).itemsize < 4
+    rows = jnp.clip(lhs_indices.astype(jnp.int32), 0, num_rows - 1)
+    rows = jnp.pad(rows, (0, -m % tm))  # the last tile's spare rows read row 0, never stored
+    lhs = pad_to(lhs.astype(cdt), (1, tk))
+    kp = lhs.shape[1]
+    if packed:
+        lhs = lhs.reshape(num_rows, 1, kp)
+    rhs = rhs.astype(cdt)
+    existing_out = existing_out.astype(out_dtype)
+    if interpret:  # see gmm_mosaic_tpu: pad the edges the interpreter mishandles
+        rhs = pad_to(rhs, (1, tn, 1) if transpose_rhs else (1, 1, tn))
+        existing_out = pad_to(existing_out, (tm, tn))
+    _, rhs_block, out_block = tpu_blocks.gmm_blocks(tm, tk, tn, transpose_rhs)
+    buf = (2, tm, 1, tk) if packed else (2, tm, tk)
+    call = pl.pallas_call(
+        functools.partial(
+            _gathered_gmm_kernel, tm=tm, tk=tk, k=k, transpose_rhs=transpose_rhs, packed=packed
+        ),
+        out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=grid,
+            in_specs=[
+                pl.BlockSpec(memory_space=pl.ANY),
+                pl.BlockSpec(rhs_block, rhs_map),
+                pl.BlockSpec(out_block, out_map),
+            ],
+            out_specs=pl.BlockSpec(out_block, out_map),
+            scratch_shapes=[
+                pltpu.VMEM((tm, tn), jnp.float32),
+                pltpu.VMEM(buf, cdt),
+                pltpu.SemaphoreType.DMA((2,)),
+            ],
+        ),
+        input_output_aliases={8: 0},
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=kernel_vmem_limit(
+                "gmm with lhs_indices", (tm, tk), rhs_block, out_block, cdt, out_dtype
+            ),
+        ),
+        cost_estimate=matmul_cost(m, k, n, lhs, rhs, existing_out),
+        interpret=tpu_params(interpret),
+        name="conveyor_gathered_gmm",
+    )
+    out = call(
+        meta.group_ids,
+        meta.tile_ids,
+        meta.group_starts,
+        meta.group_ends,
+        meta.num_visits[None],
+        rows,
+        lhs,
+        rhs,
+        existing_out,
+    )
+    return out[:m, :n]
+
+
+def _scatter_gmm_kernel(
+    group_ids,
+    tile_ids,
+    starts,
+    ends,
+    num_visits,
+    out_rows,
+    lhs_ref,
+    rhs_ref,
+    weight_ref,
+    y_init,
+    y_hbm,
+    acc_ref,
+    rows_buf,
+    sem,
+    *,
+    tm,
+    tk,
+    tn,
+    k,
+    transpose_rhs,
+):
+    """gmm's kernel whose epilogue adds the visit's weighted rows into the output rows their
+    indices name: it reads those rows by DMA, adds, and writes them back, waiting for the writes
+    before the next visit (which may name the same rows). Rows of one visit are one group's,
+    whose indices are distinct (the caller routes repeats elsewhere), so they never collide."""
+    del y_init  # aliased to y_hbm
+    j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    nk = pl.num_programs(2)
+    live = v < num_visits[0]
+
+    @pl.when(kk == 0)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(live)
+    def _():
+        x = k_mask(lhs_ref[...], kk, tk, k, 1)
+        w = k_mask(rhs_ref[...], kk, tk, k, 1 if transpose_rhs else 0)
+        dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+        acc_ref[...] += lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+    @pl.when(live & (kk == nk - 1))
+    def _():
+        g = group_ids[v]
+        base = tile_ids[v] * tm
+        lo = jnp.maximum(starts[g] - base, 0)
+        hi = jnp.minimum(ends[g] - base, tm)
+
+        def copy(r, into_vmem):
+            hbm = y_hbm.at[pl.ds(out_rows[base + r], 1), pl.ds(j * tn, tn)]
+            vmem = rows_buf.at[pl.ds(r, 1)]
+            if into_vmem:
+                return pltpu.make_async_copy(hbm, vmem, sem.at[0])
+            return pltpu.make_async_copy(vmem, hbm, sem.at[1])
+
+        def each_row(fn):
+            lax.fori_loop(lo, hi, lambda r, c: (fn(r), c)[1], 0)
+
+        each_row(lambda r: copy(r, True).start())
+        each_row(lambda r: copy(r, True).wait())
+        rows = base + lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
+        mine = (rows >= starts[g]) & (rows < ends[g])
+        added = rows_buf[...] + acc_ref[...] * weight_ref[...]
+        rows_buf[...] = jnp.where(mine, added, rows_buf[...])
+        each_row(lambda r: copy(r, False).start())
+        each_row(lambda r: copy(r, False).wait())
+
+
+def scatter_gmm_mosaic_tpu(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    out_indices,
+    row_weights,
+    *,
+    num_rows,
+    transpose_rhs,
+    tiling,
+    interpret,
+):
+    """float32 [num_rows, n]: `row_weights[i] * (lhs[i] @ rhs[group(i)])` added into row
+    `out_indices[i]`, for the rows of the local groups, in the kernel's epilogue (no [m, n]
+    product is written). Indices must be distinct within each group (see the kernel)."""
+    m, k = lhs.shape
+    num_groups = rhs.shape[0]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
+    cdt = compute_dtype(lhs.dtype, rhs.dtype)
+    tm, tk, tn = tpu_blocks.gmm_tiles(m, k, n, (tiling.tm, tiling.tk, tiling.tn), cdt)
+    meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
+    grid = tpu_blocks.gmm_grid(k, n, tk, tn, meta.group_ids.shape[0])
+    lhs_map, rhs_map, _ = tpu_blocks.gmm_index_maps(transpose_rhs)
+    rows = jnp.clip(out_indices.astype(jnp.int32), 0, num_rows - 1)
+    rows = jnp.pad(rows, (0, -m % tm))  # the last tile's spare rows: never in a visit's range
+    weights = jnp.pad(row_weights.astype(jnp.float32), (0, -m % tm))[:, None]
+    lhs, rhs = lhs.astype(cdt), rhs.astype(cdt)
+    if interpret:  # see gmm_mosaic_tpu: pad the edges the interpreter mishandles
+        lhs = pad_to(lhs, (tm, 1))
+        rhs = pad_to(rhs, (1, tn, 1) if transpose_rhs else (1, 1, tn))
+    # whole column tiles, so that every DMA stays inside the rows; the padding is sliced off
+    y = jnp.zeros((num_rows, -(-n // tn) * tn), jnp.float32)
+    lhs_block, rhs_block, out_block = tpu_blocks.gmm_blocks(tm, tk, tn, transpose_rhs)
+    call = pl.pallas_call(
+        functools.partial(
+            _scatter_gmm_kernel, tm=tm, tk=tk, tn=tn, k=k, transpose_rhs=transpose_rhs
+        ),
+        out_shape=jax.ShapeDtypeStruct(y.shape, jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=grid,
+            in_specs=[
+                pl.BlockSpec(lhs_block, lhs_map),
+                pl.BlockSpec(rhs_block, rhs_map),
+                pl.BlockSpec((tm, 1), lambda j, v, kk, group_ids, tile_ids, *_: (tile_ids[v], 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=pl.BlockSpec(memory_space=pl.ANY),
+            scratch_shapes=[
+                pltpu.VMEM((tm, tn), jnp.float32),
+                pltpu.VMEM((tm, tn), jnp.float32),
+                pltpu.SemaphoreType.DMA((2,)),
+            ],
+        ),
+        input_output_aliases={9: 0},
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary", "arbitrary"),
+            vmem_limit_bytes=kernel_vmem_limit(
+                "gmm_scatter_add", lhs_block, rhs_block, out_block, cdt, jnp.float32
+            ),
+        ),
+        cost_estimate=matmul_cost(m, k, n, lhs, rhs, y),
+        interpret=tpu_params(interpret),
+        name="conveyor_scatter_gmm",
+    )
+    out = call(
+        meta.group_ids,
+        meta.tile_ids,
+        meta.group_starts,
+        meta.group_ends,
+        meta.num_visits[None],
+        rows,
+        lhs,
+        rhs,
+        weights,
+        y,
+    )
+    return out[:, :n]
