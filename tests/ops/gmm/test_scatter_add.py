@@ -1,0 +1,260 @@
+"""cv.gmm_scatter_add: grouped matmul rows added, weighted, into the output rows they name.
+
+Every backend is held to a float64 NumPy oracle (the plain gmm's product, weighted and summed
+into its rows); tolerance: tests/tolerance.py for k-long float32 sums, over the largest partial
+sum, with top_k terms added per row. mosaic_tpu adds the rows by DMA in its epilogue and runs
+through the Pallas TPU interpreter with race detection on (tests/conftest.py).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+import conveyor as cv
+from tests.ops.gmm.base import assert_close
+from tests.ops.gmm.problems import numpy_gmm, operands
+from tests.ops.gmm.test_gathered import routed
+
+BACKENDS = ("xla", "reference", "mosaic_tpu")
+TOKENS, TOP_K, GROUPS, K, N = 29, 2, 4, 136, 24
+M = TOKENS * TOP_K  # 58 rows: partial 16-row tiles
+TILING = (16, 128, 128)
+
+
+def scatter_add(backend, *args, **kw):
+    if backend == "mosaic_tpu":
+        kw.setdefault("interpret", True)
+        kw.setdefault("tiling", TILING)
+    return cv.gmm_scatter_add(*args, backend=backend, **kw)
+
+
+def oracle(lhs, rhs, sizes, idx, weights, num_rows, transpose_rhs=False, offset=0):
+    prod = numpy_gmm(lhs, rhs, sizes, transpose_rhs=transpose_rhs, offset=offset)
+    out = np.zeros((num_rows, prod.shape[1]))
+    np.add.at(out, np.asarray(idx), np.asarray(weights, np.float64)[:, None] * prod)
+    return out
+
+
+def problem(seed, dtype=jnp.float32, transpose_rhs=False):
+    rng = np.random.default_rng(seed)
+    idx, sizes = routed(rng, TOKENS, TOP_K, GROUPS)
+    lhs, rhs = operands(rng, M, K, N, GROUPS, dtype, transpose_rhs=transpose_rhs)
+    weights = jnp.asarray(rng.random(M), jnp.float32)
+    return lhs, rhs, sizes, jnp.asarray(idx), weights
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_matches_oracle(backend):
+    lhs, rhs, sizes, idx, w = problem(0)
+    out = scatter_add(
+        backend, lhs, rhs, jnp.asarray(sizes), idx, num_out_rows=TOKENS, row_weights=w
+    )
+    assert out.shape == (TOKENS, N) and out.dtype == jnp.float32
+    assert_close(out, oracle(lhs, rhs, sizes, idx, w, TOKENS), TOP_K * K, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_of_no_group_add_nothing(backend):
+    """Rows past the groups (NaN here) add nothing; output rows nobody names are exactly 0."""
+    lhs, rhs, sizes, idx, w = problem(1)
+    sizes = sizes.copy()
+    sizes[-1] -= 6  # the last 6 rows belong to no group
+    lhs = lhs.at[M - 6 :].set(jnp.nan)
+    num_rows = TOKENS + 3  # three output rows no index names
+    out = scatter_add(
+        backend, lhs, rhs, jnp.asarray(sizes), idx, num_out_rows=num_rows, row_weights=w
+    )
+    expect = oracle(lhs[: M - 6], rhs, sizes, idx[: M - 6], w[: M - 6], num_rows)
+    assert_close(out, expect, TOP_K * K, jnp.float32)
+    np.testing.assert_array_equal(out[TOKENS:], 0.0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_16bit_operands_and_output(backend):
+    lhs, rhs, sizes, idx, w = problem(2, dtype=jnp.bfloat16)
+    for out_dtype in (jnp.float32, jnp.bfloat16):
+        out = scatter_add(
+            backend,
+            lhs,
+            rhs,
+            jnp.asarray(sizes),
+            idx,
+            num_out_rows=TOKENS,
+            row_weights=w,
+            preferred_element_type=out_dtype,
+        )
+        assert out.dtype == out_dtype
+        assert_close(out, oracle(lhs, rhs, sizes, idx, w, TOKENS), TOP_K * K, out_dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_transpose_rhs_and_default_weights(backend):
+    lhs, rhs, sizes, idx, _ = problem(3, transpose_rhs=True)
+    out = scatter_add(
+        backend, lhs, rhs, jnp.asarray(sizes), idx, num_out_rows=TOKENS, transpose_rhs=True
+    )
+    ones = np.ones(M)
+    expect = oracle(lhs, rhs, sizes, idx, ones, TOKENS, transpose_rhs=True)
+    assert_close(out, expect, TOP_K * K, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_group_offset_shards_sum_to_the_whole(backend):
+    """Expert parallelism: each shard adds its own groups' rows; the shards' outputs sum."""
+    lhs, rhs, sizes, idx, w = problem(4)
+    gs = jnp.asarray(sizes)
+    parts = [
+        scatter_add(
+            backend,
+            lhs,
+            rhs[lo : lo + 2],
+            gs,
+            idx,
+            num_out_rows=TOKENS,
+            row_weights=w,
+            group_offset=lo,
+        )
+        for lo in (0, 2)
+    ]
+    assert_close(parts[0] + parts[1], oracle(lhs, rhs, sizes, idx, w, TOKENS), 2 * K, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_repeats_within_a_group_are_summed(backend):
+    """One group naming an output row several times (not an MoE routing, but allowed): every
+    contribution counts. mosaic_tpu notices at run time and takes the unfused path."""
+    lhs, rhs, sizes, idx, w = problem(5)
+    many = jnp.asarray(np.asarray(idx) % 3)  # rows 0-2 named by many rows of each group
+    f = jax.jit(
+        lambda i: scatter_add(
+            backend, lhs, rhs, jnp.asarray(sizes), i, num_out_rows=TOKENS, row_weights=w
+        )
+    )
+    for i in (many, idx):
+        assert_close(f(i), oracle(lhs, rhs, sizes, i, w, TOKENS), M * K, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_traced_indices_are_clamped(backend):
+    lhs, rhs, sizes, idx, w = problem(6)
+    wild = np.asarray(idx).copy()
+    wild[[0, 5]] = [-3, 4 * TOKENS]
+    f = jax.jit(
+        lambda i: scatter_add(
+            backend, lhs, rhs, jnp.asarray(sizes), i, num_out_rows=TOKENS, row_weights=w
+        )
+    )
+    expect = oracle(lhs, rhs, sizes, np.clip(wild, 0, TOKENS - 1), w, TOKENS)
+    assert_close(f(jnp.asarray(wild)), expect, M * K, jnp.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_gradients_match_autodiff_of_the_unfused_op(backend):
+    """d lhs, d rhs and d row_weights against autodiff of the reference gmm followed by a
+    scatter-add, with a local shard of groups (rows of other groups get no gradient)."""
+    lhs, rhs, sizes, idx, w = problem(7)
+    gs = jnp.asarray(sizes)
+    ct = jnp.asarray(np.random.default_rng(8).standard_normal((TOKENS, N)), jnp.float32)
+
+    def loss(l, r, ww):
+        out = scatter_add(
+            backend, l, r[1:3], gs, idx, num_out_rows=TOKENS, row_weights=ww, group_offset=1
+        )
+        return jnp.vdot(out, ct)
+
+    def ref_loss(l, r, ww):
+        prod = cv.gmm(l, r[1:3], gs, group_offset=1, backend="reference")
+        return jnp.vdot(jnp.zeros((TOKENS, N)).at[idx].add(ww[:, None] * prod), ct)
+
+    got = jax.grad(loss, argnums=(0, 1, 2))(lhs, rhs, w)
+    want = jax.grad(ref_loss, argnums=(0, 1, 2))(lhs, rhs, w)
+    for g, wv in zip(got, want):
+        assert_close(g, wv, max(M, K, N) * K, jnp.float32)
+    lo = int(sizes[0])
+    np.testing.assert_array_equal(got[0][:lo], 0.0)  # group 0 is not local
+    assert np.abs(np.asarray(got[2][lo : lo + int(sizes[1])])).min() > 0
+
+
+@pytest.mark.parametrize("backend", ["xla", "mosaic_tpu"])
+def test_forward_over_reverse_and_vmap(backend):
+    lhs, rhs, sizes, idx, w = problem(9)
+    gs = jnp.asarray(sizes)
+    tangent = jnp.asarray(np.random.default_rng(10).standard_normal(w.shape), jnp.float32)
+
+    def hvp(run):
+        g = jax.grad(lambda ww: jnp.sum(jnp.tanh(run(ww))))
+        return jax.jvp(g, (w,), (tangent,))[1]
+
+    run = lambda ww: scatter_add(backend, lhs, rhs, gs, idx, num_out_rows=TOKENS, row_weights=ww)
+    ref = lambda ww: scatter_add(
+        "reference", lhs, rhs, gs, idx, num_out_rows=TOKENS, row_weights=ww
+    )
+    assert_close(hvp(run), hvp(ref), M * K * N, jnp.float32)
+    both = jnp.stack([w, 2 * w])
+    out = jax.vmap(run)(both)
+    for b in range(2):
+        assert_close(out[b], oracle(lhs, rhs, sizes, idx, both[b], TOKENS), TOP_K * K, jnp.float32)
+
+
+@pytest.mark.parametrize("mode", ["eager", "on_wait"])
+def test_mosaic_tpu_epilogue_race_free_in_both_dma_modes(mode):
+    """The race detector on in both DMA modes: a visit's row reads, its adds and its writes,
+    and the next visits' reads of the same rows, are ordered by their waits."""
+    lhs, rhs, sizes, idx, w = problem(11, dtype=jnp.bfloat16)
+    ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
+    out = cv.gmm_scatter_add(
+        lhs,
+        rhs,
+        jnp.asarray(sizes),
+        idx,
+        num_out_rows=TOKENS,
+        row_weights=w,
+        backend="mosaic_tpu",
+        interpret=ip,
+        tiling=TILING,
+    )
+    assert_close(out, oracle(lhs, rhs, sizes, idx, w, TOKENS), TOP_K * K, jnp.float32)
+
+
+def test_mosaic_gpu_writes_the_product_then_scatter_adds():
+    lhs, rhs, sizes, idx, w = problem(12, dtype=jnp.bfloat16)
+    out = cv.gmm_scatter_add(
+        lhs,
+        rhs,
+        jnp.asarray(sizes),
+        idx,
+        num_out_rows=TOKENS,
+        row_weights=w,
+        backend="mosaic_gpu",
+        interpret=True,
+    )
+    assert_close(out, oracle(lhs, rhs, sizes, idx, w, TOKENS), TOP_K * K, jnp.float32)
+
+
+# ---- bad input ---------------------------------------------------------------------------------
+
+
+def test_bad_arguments_are_refused_by_name():
+    lhs, rhs, sizes, idx, w = problem(13)
+    gs = jnp.asarray(sizes)
+    run = lambda **kw: cv.gmm_scatter_add(
+        kw.pop("lhs", lhs), rhs, gs, kw.pop("idx", idx), **{"num_out_rows": TOKENS, **kw}
+    )
+    with pytest.raises(ValueError, match=r"out_indices: expected rows in \[0, 29\).*=29"):
+        run(idx=idx.at[3].set(TOKENS))
+    with pytest.raises(TypeError, match="out_indices: expected an integer"):
+        run(idx=idx.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"out_indices: expected one index per lhs row \(58\)"):
+        run(idx=idx[:-1])
+    with pytest.raises(ValueError, match="num_out_rows: expected a static int >= 1, got 0"):
+        run(num_out_rows=0)
+    with pytest.raises(TypeError, match="num_out_rows: expected a static int"):
+        run(num_out_rows=jnp.int32(TOKENS))
+    with pytest.raises(ValueError, match=r"row_weights: expected shape \(58,\)"):
+        run(row_weights=w[:3])
+    with pytest.raises(TypeError, match="row_weights: expected dtype float"):
+        run(row_weights=jnp.ones(M, jnp.int32))
+    with pytest.raises(ValueError, match="rhs: contraction size must match lhs's k=135"):
+        run(lhs=lhs[:, :-1])
