@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from conveyor.moe.exchange import ragged_all_to_all
-from conveyor.moe.layer import check_layer_args, combine, swiglu_experts
+from conveyor.moe.layer import check_layer_args, combine, expert_hidden
+from conveyor.ops.gmm.api import gmm_scatter_add
 from conveyor.moe.routing import load_balancing_loss, route
 
 
@@ -146,8 +147,18 @@ def _experts(rows, ids, local_experts, w_gate, w_up, w_down, backend):
     results in the rows' order."""
     by_expert = jnp.argsort(ids, stable=True)  # padding sorts last
     group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[ids].add(1)[:local_experts]
-    out_sorted = swiglu_experts(rows, by_expert, group_sizes, w_gate, w_up, w_down, backend)
-    return jnp.zeros_like(out_sorted).at[by_expert].set(out_sorted)
+    h = expert_hidden(rows, by_expert, group_sizes, w_gate, w_up, backend)
+    # the last projection puts each result back in its received row (a permutation: each row
+    # once); padding rows belong to no group and stay 0
+    return gmm_scatter_add(
+        h,
+        w_down,
+        group_sizes,
+        by_expert,
+        num_out_rows=rows.shape[0],
+        preferred_element_type=rows.dtype,
+        backend=backend,
+    )
 
 
 def _exact_exchange(

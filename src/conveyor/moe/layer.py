@@ -105,12 +105,6 @@ def expert_hidden(x, rows, group_sizes, w_gate, w_up, backend):
     return jax.nn.silu(mm(w_gate)) * mm(w_up)
 
 
-def swiglu_experts(x, rows, group_sizes, w_gate, w_up, w_down, backend):
-    """`expert_hidden(...) @ w_down[e]`, the experts' outputs in the rows' sorted order."""
-    h = expert_hidden(x, rows, group_sizes, w_gate, w_up, backend)
-    return gmm(h, w_down, group_sizes, preferred_element_type=x.dtype, backend=backend)
-
-
 def combine(out, order, routing, x):
     """Add each assignment's result (`out[i]` belongs to assignment `order[i]`, a flat
     (token, slot) index) into its token's row, weighted by its gate; float32 sums, x's dtype."""
