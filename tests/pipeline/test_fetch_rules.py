@@ -124,7 +124,9 @@ def test_plans_are_clean_and_fetch_once_per_block_change(pattern, mcs, delay, co
 def test_a_lookahead_one_block_too_far_is_a_race(monkeypatch):
     scan = fetch._scan
     monkeypatch.setattr(
-        fetch, "_scan", lambda p, op, cursor, limit, f: scan(p, op, cursor, limit + 1, f)
+        fetch,
+        "_scan",
+        lambda p, op, cursor, limit, f, loop: scan(p, op, cursor, limit + 1, f, loop),
     )
     report = cv.sim.check(_plan("per row", lookahead=True, count=2))
     assert not report.ok and report.findings[0].kind == "race", str(report)

@@ -13,19 +13,49 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
-from conveyor.plans.fetch import when  # noqa: F401  (re-exported for the executors)
+from conveyor.plans import fetch
 from conveyor.plans.pipeline import Int, OperandPlan, PipelinePlan
 
 _RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "conveyor_lowering_record", default=None
 )
+
+
+def when(cond: Any, fn: Callable[[], None], otherwise: Callable[[], None] | None = None) -> None:
+    """Run `fn` under `cond` (else `otherwise`, if given): decided at trace time when `cond` is
+    concrete, else as a branch of the kernel."""
+    cond = fetch.concrete(cond)
+    if isinstance(cond, bool):
+        if cond or otherwise is not None:
+            (fn if cond else otherwise)()
+    elif otherwise is None:
+        pl.when(cond)(fn)
+    else:
+        lax.cond(cond, fn, otherwise)
+
+
+def predicated(issue: Callable[[Int, Int], None]) -> fetch.Fetch:
+    """The plan's fetch callback (step, slot, go) for an executor whose `issue(step, slot)` starts
+    one copy: issued under `go` (`when`)."""
+    return lambda t, slot, go: when(go, lambda: issue(t, slot))
+
+
+def fetch_prologue(p: PipelinePlan, op: OperandPlan, issue) -> fetch.Cursor:
+    """`fetch.prologue` with `issue(step, slot)` predicated and traced scans in a while loop."""
+    return fetch.prologue(p, op, predicated(issue), lax.while_loop)
+
+
+def fetch_after_step(p: PipelinePlan, op: OperandPlan, cursor, s, issue) -> fetch.Cursor:
+    """`fetch.after_step` with `issue(step, slot)` predicated and traced scans in a while loop."""
+    return fetch.after_step(p, op, cursor, s, predicated(issue), lax.while_loop)
 
 
 def bool_setting(

@@ -26,7 +26,15 @@ from conveyor.jaxprs import is_jax_ref
 from conveyor.kernel import current_context
 from conveyor.kernel_gpu import BARRIER_BYTES, smem_bytes
 from conveyor.pipeline import carry as carry_lib
-from conveyor.pipeline.lowering import block_view, call_body, check_allocations, issued, when
+from conveyor.pipeline.lowering import (
+    block_view,
+    call_body,
+    check_allocations,
+    fetch_after_step,
+    fetch_prologue,
+    issued,
+    when,
+)
 from conveyor.plans import fetch
 from conveyor.plans.pipeline import PipelinePlan
 from conveyor.plans.warp import WarpSpecializedPlan
@@ -124,7 +132,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
             return lambda t, slot: _fetch(p, in_refs, in_bufs, barriers, i, t, at, slot)
 
         cursors0 = tuple(
-            fetch.as_carry(fetch.prologue(p, op, fetcher(i, -1))) for i, op in enumerate(p.inputs)
+            fetch.as_carry(fetch_prologue(p, op, fetcher(i, -1))) for i, op in enumerate(p.inputs)
         )
 
         def step(s, state):
@@ -166,7 +174,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
                 # in flight. A one-slot output is written again next step: wait for every store.
                 plgpu.wait_smem_to_gmem(0 if one_slot_outputs else 1, wait_read_only=True)
             cursors = tuple(
-                fetch.as_carry(fetch.after_step(p, op, cur, s, fetcher(i, s)))
+                fetch.as_carry(fetch_after_step(p, op, cur, s, fetcher(i, s)))
                 for i, (op, (cur, _, _)) in enumerate(zip(p.inputs, stepped))
             )
             return tuple(new_counts), cursors, carry

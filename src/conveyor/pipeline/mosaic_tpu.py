@@ -25,6 +25,8 @@ from conveyor.pipeline.lowering import (
     block_view,
     call_body,
     check_allocations,
+    fetch_after_step,
+    fetch_prologue,
     first_block_view,
     issued,
     slot_view,
@@ -184,7 +186,7 @@ def prefetch(p: PipelinePlan, in_refs, out_refs, given: dict) -> None:
     check_allocations(p, allocations(p, in_refs, out_refs), given, "a prefetch and its pipeline")
     c = _copies(p, in_refs, out_refs, given)
     for i, op in enumerate(p.inputs):
-        fetch.prologue(p, op, _fetcher(c, i, -1))
+        fetch_prologue(p, op, _fetcher(c, i, -1))
 
 
 def run_pipeline(
@@ -209,7 +211,7 @@ def run_pipeline(
 
         def prologue(i, op):
             # After a prefetch the copies are in flight: only the cursor is computed here.
-            return fetch.prologue(
+            return fetch_prologue(
                 p, op, (lambda t, slot: None) if prefetched else _fetcher(c, i, -1)
             )
 
@@ -227,7 +229,7 @@ def run_pipeline(
             carry = call_body(body, p.grid_indices(s), (*in_blocks, *out_blocks), carry, has_carry)
             wb_counts, started, last_steps = _write_back(c, s, wb_counts, started, last_steps)
             cursors = tuple(
-                fetch.as_carry(fetch.after_step(p, op, cur, s, _fetcher(c, i, s)))
+                fetch.as_carry(fetch_after_step(p, op, cur, s, _fetcher(c, i, s)))
                 for i, (op, (cur, _, _)) in enumerate(zip(p.inputs, stepped))
             )
             return wb_counts, started, last_steps, cursors, carry

@@ -31,7 +31,14 @@ from jax.experimental import pallas as pl
 from conveyor.jaxprs import call_as_thread, is_jax_ref
 from conveyor.kernel import current_context, poison
 from conveyor.pipeline import carry as carry_lib
-from conveyor.pipeline.lowering import block_in_bounds, bool_setting, call_body, when
+from conveyor.pipeline.lowering import (
+    block_in_bounds,
+    bool_setting,
+    call_body,
+    fetch_after_step,
+    fetch_prologue,
+    when,
+)
 from conveyor.plans import fetch
 from conveyor.plans.pipeline import OperandPlan, PipelinePlan
 from conveyor.sync import TraceTimeBarrier
@@ -159,7 +166,7 @@ def _run_checked(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         return fill
 
     cursors0 = tuple(
-        fetch.as_carry(fetch.prologue(p, op, fetcher(op, gref, slots)))
+        fetch.as_carry(fetch_prologue(p, op, fetcher(op, gref, slots)))
         for op, gref, slots in zip(p.inputs, in_refs, in_slots)
     )
     d = p.delay_release
@@ -203,7 +210,7 @@ def _run_checked(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
                         at, poison(op.ref_shape, slots.dtype)
                     ),
                 )
-                cur = fetch.after_step(p, op, cur, s, fetcher(op, gref, slots))
+                cur = fetch_after_step(p, op, cur, s, fetcher(op, gref, slots))
             new_cursors.append(fetch.as_carry(cur))
             new_recent.append(held[1:])
         return tuple(new_counts), tuple(new_cursors), tuple(new_recent), carry

@@ -22,7 +22,9 @@ done: its last step r ran, and so did step r + delay_release (the body's reads e
 
 `Cursor` is what an executor carries through its step loop for one input. The functions below
 work on Python ints (the plan's `events()`, the checker and the simulator) and on traced int32
-(inside kernels, where the lookahead scan is a `lax.while_loop`); all backends share them.
+(inside kernels); all backends share them. They decide, and emit no control flow: each fetch is
+handed to the executor's `Fetch` with the condition it is issued under, and a lookahead scan
+whose bounds are traced runs in the executor's `loop` (`conveyor.pipeline.lowering` holds both).
 """
 
 from __future__ import annotations
@@ -33,8 +35,6 @@ from typing import Any, NamedTuple, TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.experimental import pallas as pl
 
 from conveyor.plans.grid import Int
 
@@ -43,8 +43,11 @@ if TYPE_CHECKING:
 
 EVERY_STEP, ON_CHANGE, LOOKAHEAD = "every step", "on change", "lookahead"
 
-# fetch(step, slot): issue the copy of the input's block of `step` into `slot`.
-Fetch = Callable[[Int, Int], None]
+# fetch(step, slot, go): issue the copy of the input's block of `step` into `slot` where `go` (a
+# Python bool, or a traced one inside a kernel) holds.
+Fetch = Callable[[Int, Int, Any], None]
+# loop(cond, body, init): `lax.while_loop`'s signature, for a scan whose bounds are traced.
+Loop = Callable[[Callable[[Any], Any], Callable[[Any], Any], Any], Any]
 
 
 class Cursor(NamedTuple):
@@ -54,19 +57,6 @@ class Cursor(NamedTuple):
     fetches: Int  # distinct blocks fetched so far: the next one goes to slot fetches % S
     scanned: Int  # LOOKAHEAD: every step before it has had its block fetched (or reuses one)
     done: Int  # LOOKAHEAD: distinct blocks no step will read again (their slots are free)
-
-
-def when(cond: Any, fn: Callable[[], None], otherwise: Callable[[], None] | None = None) -> None:
-    """Run `fn` under `cond` (else `otherwise`, if given): decided at trace time when `cond` is
-    concrete, else as a branch."""
-    cond = concrete(cond)
-    if isinstance(cond, bool):
-        if cond or otherwise is not None:
-            (fn if cond else otherwise)()
-    elif otherwise is None:
-        pl.when(cond)(fn)
-    else:
-        lax.cond(cond, fn, otherwise)
 
 
 def concrete(x: Any) -> Any:
@@ -160,22 +150,25 @@ def read_slot(op: OperandPlan, cursor: Cursor) -> Int:
     return 0 if op.invariant else (cursor.reads - 1) % op.num_slots
 
 
-def _issue(op: OperandPlan, number: Int, go: Any, fetch: Callable[[], None]) -> None:
-    """Issue fetch number `number` of `op` under `go`, unless the caller prefetched it."""
+def _issue(op: OperandPlan, number: Int, go: Any, fetch: Fetch, step: Int) -> None:
+    """Hand fetch number `number` of `op` (step `step`'s block) to `fetch` under `go`, and not
+    where the caller prefetched it."""
     if op.prefetched:
         go = _and(go, number >= op.prefetched)
-    when(go, fetch)
+    go = concrete(go)
+    if go is not False:
+        fetch(step, number % op.num_slots, go)
 
 
-def prologue(p: PipelinePlan, op: OperandPlan, fetch: Fetch) -> Cursor:
+def prologue(p: PipelinePlan, op: OperandPlan, fetch: Fetch, loop: Loop | None = None) -> Cursor:
     """Issue the fetches before step 0; the cursor step 0 starts from. With a dynamic grid each
     fetch is predicated on its step existing."""
     if op.fetch_rule == LOOKAHEAD and not op.invariant:
-        return _scan(p, op, Cursor(0, 0, 0, 0), op.num_slots, fetch)  # every slot is free
+        return _scan(p, op, Cursor(0, 0, 0, 0), op.num_slots, fetch, loop)  # every slot is free
     fetches: Int = 0
     for t in p.prologue_steps(op):
         go = _and(p.before_end(t), changes_at(p, op, t))
-        _issue(op, fetches, go, lambda t=t, slot=fetches % op.num_slots: fetch(t, slot))
+        _issue(op, fetches, go, fetch, t)
         fetches = fetches + _count(go)
     return Cursor(0, fetches, 0, 0)
 
@@ -192,7 +185,9 @@ def begin_step(p: PipelinePlan, op: OperandPlan, cursor: Cursor, s: Int) -> tupl
     return cursor, waits, read_slot(op, cursor)
 
 
-def after_step(p: PipelinePlan, op: OperandPlan, cursor: Cursor, s: Int, fetch: Fetch) -> Cursor:
+def after_step(
+    p: PipelinePlan, op: OperandPlan, cursor: Cursor, s: Int, fetch: Fetch, loop: Loop | None = None
+) -> Cursor:
     """The body of step s is done: issue this input's next fetches; the cursor for step s + 1."""
     if op.invariant:
         return cursor
@@ -203,17 +198,20 @@ def after_step(p: PipelinePlan, op: OperandPlan, cursor: Cursor, s: Int, fetch: 
         r = s - p.delay_release
         ended = _and(r >= 0, p.block_changes(op, _max(r, 0)))
         cursor = cursor._replace(done=cursor.done + _count(ended))
-        return _scan(p, op, cursor, cursor.done + op.num_slots, fetch)
+        return _scan(p, op, cursor, cursor.done + op.num_slots, fetch, loop)
     t = p.fetch_step(op, s)
     clamped = _min(t, n - 1)
     go = _and(t < n, changes_at(p, op, clamped))
-    _issue(op, cursor.fetches, go, lambda: fetch(clamped, cursor.fetches % op.num_slots))
+    _issue(op, cursor.fetches, go, fetch, clamped)
     return cursor._replace(fetches=cursor.fetches + _count(go))
 
 
-def _scan(p: PipelinePlan, op: OperandPlan, cursor: Cursor, limit: Int, fetch: Fetch) -> Cursor:
+def _scan(
+    p: PipelinePlan, op: OperandPlan, cursor: Cursor, limit: Int, fetch: Fetch, loop: Loop | None
+) -> Cursor:
     """LOOKAHEAD: walk the steps not yet scanned, fetching each new block, while fewer than
-    `limit` blocks were fetched and steps remain (a Python loop when everything is concrete)."""
+    `limit` blocks were fetched and steps remain: a Python loop while everything is concrete,
+    then the executor's `loop`."""
     n = p.num_steps
 
     def go_on(c: Cursor) -> Any:
@@ -221,7 +219,7 @@ def _scan(p: PipelinePlan, op: OperandPlan, cursor: Cursor, limit: Int, fetch: F
 
     def visit(c: Cursor) -> Cursor:
         changed = changes_at(p, op, c.scanned)
-        _issue(op, c.fetches, changed, lambda: fetch(c.scanned, c.fetches % op.num_slots))
+        _issue(op, c.fetches, changed, fetch, c.scanned)
         return c._replace(fetches=c.fetches + _count(changed), scanned=c.scanned + 1)
 
     # A Python loop while everything is concrete (an index map computing with jnp inside a kernel
@@ -230,8 +228,12 @@ def _scan(p: PipelinePlan, op: OperandPlan, cursor: Cursor, limit: Int, fetch: F
         if not go_on(cursor):
             return cursor
         cursor = visit(cursor)
+    if loop is None:
+        raise TypeError(
+            f"{op.name}: its lookahead scan has traced bounds; the executor must pass a loop"
+        )
     cursor = Cursor(*(jnp.asarray(x, jnp.int32) for x in cursor))
-    return lax.while_loop(lambda c: jnp.asarray(go_on(c)), visit, cursor)
+    return loop(lambda c: jnp.asarray(go_on(c)), visit, cursor)
 
 
 def as_carry(cursor: Cursor) -> Cursor:

@@ -401,7 +401,11 @@ class PipelinePlan:
         n = self.num_steps
 
         def fetcher(at: int, op: OperandPlan):
-            return lambda t, slot: ev.append(Event(at, "fetch", op.name, slot, t))
+            def fetch(t, slot, go):
+                if go:  # concrete here: the plan is static
+                    ev.append(Event(at, "fetch", op.name, slot, t))
+
+            return fetch
 
         cursors = {op.name: fetch_lib.prologue(self, op, fetcher(-1, op)) for op in self.inputs}
         wb_count = {op.name: 0 for op in self.outputs}
