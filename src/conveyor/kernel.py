@@ -42,7 +42,10 @@ DEFAULT_ELSEWHERE = (
 
 @dataclasses.dataclass(frozen=True)
 class KernelContext:
-    backend: str
+    """What the code traced inside a kernel body needs to know of its launch: the one piece of
+    ambient state of kernel tracing (entered by `entered_kernel`)."""
+
+    backend: str | None  # None: an mpmd_map program (no cv.kernel pipelines there)
     interpret: Any
     num_threads: int = 1
     thread_name: str | None = None
@@ -52,9 +55,10 @@ class KernelContext:
     scratch_bytes: int = (
         0  # mosaic_gpu: shared memory of scratch_shapes, which pipelines count against the budget
     )
-    checked: bool | None = (
-        None  # xla: pipelines in checked mode (None: `cv.pipeline.checked_schedule()`)
-    )
+    checked: bool = False  # xla: pipelines run the checked mode (`cv.kernel(checked=...)`)
+    # The backend of cv.semaphore_* / cv.barrier_* calls: "cpu" (mpmd_map's CPU executor) or
+    # "mosaic_gpu" inside an mpmd_map program; None elsewhere (they are refused there).
+    sync: str | None = None
     # Trace-time record of pipeline prefetches not yet consumed, by the id of each allocation ref
     # they fill (`emit_pipeline(...).prefetch`); shared by every point and thread of one kernel.
     pending_prefetches: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
@@ -87,9 +91,46 @@ _CONTEXT: contextvars.ContextVar[KernelContext | None] = contextvars.ContextVar(
 
 def current_context(api: str) -> KernelContext:
     ctx = _CONTEXT.get()
-    if ctx is None:
+    if ctx is None or ctx.backend is None:
         raise RuntimeError(f"{api} must be called inside a kernel body launched by cv.kernel")
     return ctx
+
+
+def current_sync(api: str) -> str:
+    """The backend running a synchronisation call (`KernelContext.sync`); a RuntimeError naming
+    `api` outside an mpmd_map program."""
+    ctx = _CONTEXT.get()
+    if ctx is None or ctx.sync is None:
+        raise RuntimeError(f"{api} must be called inside a program of cv.mpmd_map")
+    return ctx.sync
+
+
+_CHECKED_BY_DEFAULT = contextvars.ContextVar("conveyor_checked_schedule", default=False)
+
+
+def checked_schedule(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
+    """`cv.kernel(checked=None)` kernels whose bodies are traced inside this block run their
+    pipelines in the xla backend's checked mode (see `conveyor.pipeline.xla`): slower, and a
+    schedule bug shows up as wrong values. The test suite's way to run every pipeline test in that
+    mode; it sets cv.kernel's default only, read when a kernel body is traced, so a function
+    jitted earlier keeps its mode. `cv.kernel(checked=...)` names the mode for one kernel."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"checked_schedule: enabled must be a bool, got {enabled!r}")
+
+    @contextlib.contextmanager
+    def block():
+        token = _CHECKED_BY_DEFAULT.set(enabled)
+        try:
+            yield
+        finally:
+            _CHECKED_BY_DEFAULT.reset(token)
+
+    return block()
+
+
+def mpmd_program(sync: str):
+    """Trace what follows as an mpmd_map program whose synchronisation runs on `sync`."""
+    return entered_kernel(KernelContext(backend=None, interpret=None, sync=sync))
 
 
 @contextlib.contextmanager
@@ -183,7 +224,7 @@ def kernel(
         platform is refused by name (pass the backend to export for it).
       interpret: run a mosaic backend through its Pallas interpreter (True or InterpretParams).
       checked: xla only: run the kernel's pipelines in checked mode (True), or not (False); None
-        takes `cv.pipeline.checked_schedule()` where the kernel is traced.
+        takes `cv.pipeline.checked_schedule()`'s setting where the body is traced.
       scratch_shapes: ShapeDtypeStructs of extra on-chip buffers passed after the outputs (VMEM on
         TPU, SMEM on GPU). Mosaic backends also take `cv.SemaphoreType(shape)` (Pallas' REGULAR
         semaphores, used with `pl.semaphore_signal` / `pl.semaphore_wait`) and their native
@@ -259,7 +300,7 @@ def kernel(
             aliases,
             cost_estimate,
         )
-    ctx = KernelContext(backend, interpret, threads, thread_name, grid=grid, checked=checked)
+    ctx = KernelContext(backend, interpret, threads, thread_name, grid=grid)
     if backend == "mosaic_gpu":
         from conveyor import kernel_gpu
 
@@ -308,7 +349,8 @@ def kernel(
             return list(final[n_in : n_in + n_out])
 
         def one_point(refs, program_ids):
-            point = dataclasses.replace(ctx, program_ids=program_ids)
+            mode = _CHECKED_BY_DEFAULT.get() if checked is None else checked
+            point = dataclasses.replace(ctx, program_ids=program_ids, checked=mode)
             if thread_name is None:
                 with entered_kernel(point):
                     stateful(refs)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 import dataclasses
 from typing import Any
 
@@ -80,12 +79,6 @@ class BarrierType:
     """Scratch shape for a barrier across every instance of every program of one mpmd_map call."""
 
 
-# The backend tracing a kernel body that may use these ("cpu", "mosaic_tpu", "mosaic_gpu").
-SYNC_BACKEND: contextvars.ContextVar[str | None] = contextvars.ContextVar(
-    "conveyor_sync_backend", default=None
-)
-
-
 def _primitive(name):
     from conveyor._compat import Primitive
     from conveyor.jaxprs import write_effect
@@ -102,10 +95,9 @@ barrier_p = _primitive("cv_barrier")
 
 
 def _backend(api: str) -> str:
-    backend = SYNC_BACKEND.get()
-    if backend is None:
-        raise RuntimeError(f"{api} must be called inside a program of cv.mpmd_map")
-    return backend
+    from conveyor.kernel import current_sync
+
+    return current_sync(api)
 
 
 def semaphore_signal(sem, inc: int | jax.Array = 1) -> None:

@@ -25,7 +25,8 @@ from conveyor.kernel import poison_numpy
 from conveyor.mpmd import cpu, errors
 from conveyor.mpmd.programs import call_program, program_label
 from conveyor.mpmd.scratch import ScratchLayout
-from conveyor.sync import SYNC_BACKEND, BarrierType, SemaphoreType
+from conveyor.kernel import mpmd_program
+from conveyor.sync import BarrierType, SemaphoreType
 
 MAX_CPU_SCRATCH_BYTES = 4 << 30
 
@@ -49,11 +50,8 @@ def _trace(i, fn, avals, n_fixed, layout, axes, print_jaxpr):
     def program(*refs):
         call_program(i, fn, refs[:n_fixed], refs[n_fixed:], layout)
 
-    token = SYNC_BACKEND.set("cpu")
-    try:
+    with mpmd_program("cpu"):
         jaxpr = trace_ref_program(program, avals, axes.items())
-    finally:
-        SYNC_BACKEND.reset(token)
     if print_jaxpr:
         print(f"{program_label(i, fn)}:\n{jaxpr}")
     return jaxpr

@@ -26,7 +26,8 @@ from conveyor.jaxprs import call_with_axis_values, is_jax_ref
 from conveyor.aliasing import gpu_call_with_aliases
 from conveyor.mpmd.programs import call_program
 from conveyor.mpmd.scratch import ScratchLayout
-from conveyor.sync import SYNC_BACKEND, BarrierType, SemaphoreType
+from conveyor.kernel import mpmd_program
+from conveyor.sync import BarrierType, SemaphoreType
 
 THREAD_AXIS = "_cv_mpmd_instance"
 
@@ -69,8 +70,7 @@ def build(
         def body(*refs):
             ins, outs, scratch_refs = refs[:n_in], refs[n_in : n_in + n_out], refs[n_in + n_out :]
             tid = lax.axis_index(THREAD_AXIS)
-            token = SYNC_BACKEND.set("mosaic_gpu")
-            try:
+            with mpmd_program("mosaic_gpu"):
                 for t, (i, fn, point) in enumerate(instances):
 
                     @pl.when(tid == t)
@@ -80,8 +80,6 @@ def build(
                         call_with_axis_values(
                             lambda: call_program(i, fn, (*ins, *outs), scratch_refs, layout), values
                         )
-            finally:
-                SYNC_BACKEND.reset(token)
 
         def make_kernel(kernel_body, out_type):
             return plgpu.kernel(

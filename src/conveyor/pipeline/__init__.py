@@ -6,7 +6,7 @@ from conveyor.pipeline.api import (
     emit_pipeline_warp_specialized,
     emit_pipeline_with_allocations,
 )
-from conveyor.pipeline.xla import checked_schedule
+from conveyor.kernel import checked_schedule
 from conveyor.plans.pipeline import Event, OperandPlan, PipelinePlan, plan
 from conveyor.plans.specs import BlockSpec
 from conveyor.plans.warp import PipelineState, WarpSpecializedPlan

@@ -58,25 +58,6 @@ def fetch_after_step(p: PipelinePlan, op: OperandPlan, cursor, s, issue) -> fetc
     return fetch.after_step(p, op, cursor, s, predicated(issue), lax.while_loop)
 
 
-def bool_setting(
-    var: contextvars.ContextVar, api: str, enabled: bool
-) -> contextlib.AbstractContextManager[None]:
-    """A trace-time switch of the executors (`checked_schedule`, `batch_independent_steps`): `var`
-    holds `enabled` inside the block; a non-bool is a TypeError naming `api`."""
-    if not isinstance(enabled, bool):
-        raise TypeError(f"{api}: enabled must be a bool, got {enabled!r}")
-
-    @contextlib.contextmanager
-    def block() -> Iterator[None]:
-        token = var.set(enabled)
-        try:
-            yield
-        finally:
-            var.reset(token)
-
-    return block()
-
-
 @contextlib.contextmanager
 def record_issued() -> Iterator[list[tuple[int, str, str, int, int]]]:
     """Record, while the kernel runs, the copies and waits that a Mosaic lowering traced in this

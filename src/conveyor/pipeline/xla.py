@@ -20,8 +20,6 @@ Out-of-bounds blocks follow `lowering`'s rule in both modes.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +31,6 @@ from conveyor.kernel import current_context, poison
 from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.lowering import (
     block_in_bounds,
-    bool_setting,
     call_body,
     fetch_after_step,
     fetch_prologue,
@@ -69,17 +66,6 @@ def _in_window(dims: tuple[int, ...], d: int, start, size):
     return jnp.logical_and(i >= start, i < start + size)
 
 
-_CHECKED = contextvars.ContextVar("conveyor_checked_schedule", default=False)
-
-
-def checked_schedule(enabled: bool = True) -> contextlib.AbstractContextManager[None]:
-    """Pipelines traced inside this block run the xla backend's checked mode (see the module
-    docstring): slower, and a schedule bug shows up as wrong values. It acts when a pipeline is
-    traced, so a function jitted earlier keeps the mode it was traced with; `cv.kernel(checked=...)`
-    names the mode explicitly instead."""
-    return bool_setting(_CHECKED, "checked_schedule", enabled)
-
-
 def read_block(p: PipelinePlan, op: OperandPlan, gref, step):
     """`op`'s block at `step` as a value of the body's block shape (zeros when out of bounds). A
     bounded window fills the start of its dimension; the rest of the slot is poison."""
@@ -113,8 +99,7 @@ def store_block(p: PipelinePlan, op: OperandPlan, gref, value, step, when):
 def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry: bool):
     """Run `body(indices, *in_block_refs, *out_block_refs[, carry])` over the plan's steps."""
     p = p.fetching_every_block()
-    checked = current_context("emit_pipeline").checked
-    if _CHECKED.get() if checked is None else checked:
+    if current_context("emit_pipeline").checked:
         return _run_checked(p, body, in_refs, out_refs, init_carry, has_carry)
     n_in = len(p.inputs)
     # Fresh refs (not pl.run_scoped, whose XLA lowering fails when the body is itself inside a
