@@ -23,7 +23,7 @@ from conveyor.cost import matmul_cost, shape_bytes
 from conveyor.interpreters import tpu_params
 from conveyor.tpu_vmem import vmem_limit
 from conveyor.ops.gmm import tpu_blocks
-from conveyor.ops.gmm.metadata import make_group_metadata
+from conveyor.ops.gmm.metadata import GroupMetadata, make_group_metadata
 
 SUPPORTED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -49,6 +49,27 @@ def k_mask(x, kk, tk, k, axis):
         return x
     idx = kk * tk + lax.broadcasted_iota(jnp.int32, x.shape, axis)
     return jnp.where(idx < k, x, jnp.zeros_like(x))
+
+
+def accumulate_product(acc_ref, x, rhs_ref, kk, tk: int, k: int, transpose_rhs: bool) -> None:
+    """acc += x @ the rhs block (transposed when `transpose_rhs`) in float32, with the rhs
+    block's entries past k zeroed (an edge block may hold anything there). x must be zero past k
+    already (masked, or padded with zeros)."""
+    w = k_mask(rhs_ref[...], kk, tk, k, 1 if transpose_rhs else 0)
+    dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
+    acc_ref[...] += lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+
+
+def prefetched_metadata(meta: GroupMetadata) -> tuple:
+    """The gmm/tgmm kernels' first five scalar-prefetch operands: the visits' group and tile ids,
+    the groups' row ranges and the visit count."""
+    return (
+        meta.group_ids,
+        meta.tile_ids,
+        meta.group_starts,
+        meta.group_ends,
+        meta.num_visits[None],
+    )
 
 
 def _gmm_kernel(
@@ -83,9 +104,7 @@ def _gmm_kernel(
     @pl.when(v < num_visits[0])
     def _():
         x = k_mask(lhs_ref[...], kk, tk, k, 1)
-        w = k_mask(rhs_ref[...], kk, tk, k, 1 if transpose_rhs else 0)
-        dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-        acc_ref[...] += lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+        accumulate_product(acc_ref, x, rhs_ref, kk, tk, k, transpose_rhs)
 
     @pl.when((v < num_visits[0]) & (kk == pl.num_programs(2) - 1))
     def _():
@@ -176,11 +195,7 @@ def gmm_mosaic_tpu(
         name="conveyor_gmm",
     )
     out = call(
-        meta.group_ids,
-        meta.tile_ids,
-        meta.group_starts,
-        meta.group_ends,
-        meta.num_visits[None],
+        *prefetched_metadata(meta),
         lhs,
         rhs,
         existing_out,
@@ -266,11 +281,7 @@ def tgmm_mosaic_tpu(
         name="conveyor_tgmm",
     )
     out = call(
-        meta.group_ids,
-        meta.tile_ids,
-        meta.group_starts,
-        meta.group_ends,
-        meta.num_visits[None],
+        *prefetched_metadata(meta),
         lhs,
         rhs,
         existing_out,

@@ -22,7 +22,15 @@ from conveyor.cost import matmul_cost
 from conveyor.interpreters import tpu_params
 from conveyor.ops.gmm import tpu_blocks
 from conveyor.ops.gmm.metadata import make_group_metadata
-from conveyor.ops.gmm.mosaic_tpu import SUPPORTED, compute_dtype, k_mask, pad_to, kernel_vmem_limit
+from conveyor.ops.gmm.mosaic_tpu import (
+    SUPPORTED,
+    accumulate_product,
+    compute_dtype,
+    k_mask,
+    kernel_vmem_limit,
+    pad_to,
+    prefetched_metadata,
+)
 
 
 def _row_copy(lhs_hbm, buf, sem, slot, r, row, kk, tk, packed):
@@ -107,11 +115,8 @@ def _gathered_gmm_kernel(
     @pl.when(live)
     def _():
         wait(slot)
-        x = buf[slot, :, 0, :] if packed else buf[slot]
-        # lhs's k is padded with zeros; rhs's edge block is masked (it may hold anything there)
-        w = k_mask(rhs_ref[...], kk, tk, k, 1 if transpose_rhs else 0)
-        dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-        acc_ref[...] += lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+        x = buf[slot, :, 0, :] if packed else buf[slot]  # lhs's k is padded with zeros
+        accumulate_product(acc_ref, x, rhs_ref, kk, tk, k, transpose_rhs)
 
     @pl.when(live & (kk == nk - 1))
     def _():
@@ -198,11 +203,7 @@ def gathered_gmm_mosaic_tpu(
         name="conveyor_gathered_gmm",
     )
     out = call(
-        meta.group_ids,
-        meta.tile_ids,
-        meta.group_starts,
-        meta.group_ends,
-        meta.num_visits[None],
+        *prefetched_metadata(meta),
         rows,
         lhs,
         rhs,
@@ -249,9 +250,7 @@ def _scatter_gmm_kernel(
     @pl.when(live)
     def _():
         x = k_mask(lhs_ref[...], kk, tk, k, 1)
-        w = k_mask(rhs_ref[...], kk, tk, k, 1 if transpose_rhs else 0)
-        dims = (((1,), (1,)), ((), ())) if transpose_rhs else (((1,), (0,)), ((), ()))
-        acc_ref[...] += lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
+        accumulate_product(acc_ref, x, rhs_ref, kk, tk, k, transpose_rhs)
 
     @pl.when(live & (kk == nk - 1))
     def _():
@@ -347,11 +346,7 @@ def scatter_gmm_mosaic_tpu(
         name="conveyor_scatter_gmm",
     )
     out = call(
-        meta.group_ids,
-        meta.tile_ids,
-        meta.group_starts,
-        meta.group_ends,
-        meta.num_visits[None],
+        *prefetched_metadata(meta),
         rows,
         lhs,
         rhs,
