@@ -32,29 +32,33 @@ def tol(reference, depth):
     return sum_tolerance(depth, max(1.0, float(np.abs(reference).max())))
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("top_k", [1, 2, 6])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_forward_matches_dense_reference(top_k, seed):
+def test_forward_matches_dense_reference(top_k, seed, fused):
+    """Both token paths: moved by the grouped matmuls (the default) or by XLA around them."""
     p = params(seed)
-    y, aux = jax.jit(lambda p: cv.moe.moe_ffn(**p, top_k=top_k))(p)
+    y, aux = jax.jit(lambda p: cv.moe.moe_ffn(**p, top_k=top_k, fuse_permutation=fused))(p)
     y_ref, aux_ref = cv.moe.moe_ffn_reference(**p, top_k=top_k)
     np.testing.assert_allclose(y, y_ref, rtol=0, atol=tol(y_ref, D + F))
     # (the routing and the loss are shared code: checked against hand values below)
     np.testing.assert_allclose(aux, aux_ref, rtol=1e-6)
 
 
-def test_gradients_of_every_argument_match_dense_reference():
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
+def test_gradients_of_every_argument_match_dense_reference(fused):
     p = params(2)
     ct = jnp.asarray(np.random.default_rng(3).standard_normal((TOKENS, D)), jnp.float32)
 
-    def loss(fn):
+    def loss(fn, **kw):
         def f(p):
-            y, aux = fn(**p, top_k=2)
+            y, aux = fn(**p, top_k=2, **kw)
             return jnp.vdot(y, ct) + 0.1 * aux
 
         return jax.jit(jax.grad(f))
 
-    got, want = loss(cv.moe.moe_ffn)(p), loss(cv.moe.moe_ffn_reference)(p)
+    got = loss(cv.moe.moe_ffn, fuse_permutation=fused)(p)
+    want = loss(cv.moe.moe_ffn_reference)(p)
     for name in p:
         np.testing.assert_allclose(
             got[name], want[name], rtol=0, atol=tol(want[name], 2 * (D + F) + TOKENS), err_msg=name
@@ -118,3 +122,5 @@ def test_bad_input_is_named(change, match):
     args.update(change)
     with pytest.raises(ValueError, match=match):
         cv.moe.moe_ffn(**args)
+    with pytest.raises(TypeError, match="fuse_permutation: expected a bool, got 'yes'"):
+        cv.moe.moe_ffn(**dict(params(6), top_k=2), fuse_permutation="yes")

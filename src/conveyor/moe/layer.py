@@ -52,6 +52,7 @@ def moe_ffn(
     *,
     top_k: int,
     backend: str | None = None,
+    fuse_permutation: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """A dropless top-k MoE feed-forward layer.
 
@@ -63,29 +64,38 @@ def moe_ffn(
       top_k: experts per token, in [1, num_experts]; their gates are the softmax probabilities
         renormalised over the chosen k.
       backend: passed to `cv.gmm` (None: the lowering platform's default).
+      fuse_permutation: move the tokens inside the grouped matmuls (`cv.gmm`'s lhs_indices and
+        `cv.gmm_scatter_add`: on TPU, by DMA in the kernels; docs/moe.md), or (False) with an
+        XLA gather before them and a scatter-add after them. Same results up to rounding.
 
     Returns:
       (y [tokens, d] in x's dtype, the load-balancing loss, a float32 scalar: see
       `load_balancing_loss`). Every (token, expert) assignment is computed (no capacity, no
-      dropping): the tokens, gathered into expert order by the first two grouped matmuls
-      (`cv.gmm`'s lhs_indices), run through three grouped matmuls, the last of which adds each
-      result into its token's row weighted by its gate (`cv.gmm_scatter_add`). Differentiable
-      in every array argument.
+      dropping): the tokens, in expert order, run through three grouped matmuls, and each result
+      is added into its token's row weighted by its gate. Differentiable in every array argument.
     """
     check_layer_args(x, router_w, w_gate, w_up, w_down, top_k)
+    if not isinstance(fuse_permutation, bool):
+        raise TypeError(f"fuse_permutation: expected a bool, got {fuse_permutation!r}")
     num_experts = router_w.shape[1]
     routing = route(x, router_w, top_k=top_k)
     flat_experts = routing.experts.reshape(-1)  # [tokens * top_k]
     order = jnp.argsort(flat_experts, stable=True)  # assignments in expert order
     group_sizes = jnp.zeros((num_experts,), jnp.int32).at[flat_experts].add(1)
-    h = expert_hidden(x, order // top_k, group_sizes, w_gate, w_up, backend)
-    # the last projection adds each assignment's row, weighted by its gate, into its token's row
+    rows = order // top_k
     gates = routing.gates.reshape(-1)[order].astype(jnp.float32)
+    if not fuse_permutation:
+        mm = lambda a, w: gmm(a, w, group_sizes, preferred_element_type=x.dtype, backend=backend)
+        xs = x[rows]
+        out = mm(jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up), w_down)
+        return combine(out, order, routing, x), load_balancing_loss(routing)
+    h = expert_hidden(x, rows, group_sizes, w_gate, w_up, backend)
+    # the last projection adds each assignment's row, weighted by its gate, into its token's row
     y = gmm_scatter_add(
         h,
         w_down,
         group_sizes,
-        order // top_k,
+        rows,
         num_out_rows=x.shape[0],
         row_weights=gates,
         preferred_element_type=x.dtype,

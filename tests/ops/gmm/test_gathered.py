@@ -13,6 +13,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
 import conveyor as cv
+from conveyor.ops.gmm import mosaic_tpu_rows
 from tests.ops.gmm.base import assert_close
 from tests.ops.gmm.problems import numpy_gmm, operands, skewed_sizes
 
@@ -192,10 +193,14 @@ def test_inside_shard_map_each_device_gathers_its_own():
         assert_close(out[d * M : (d + 1) * M], expect, K, jnp.float32)
 
 
+@pytest.mark.parametrize("whole_rows", [True, False], ids=["whole-k rows", "k-tile rows"])
 @pytest.mark.parametrize("mode", ["eager", "on_wait"])
-def test_mosaic_tpu_gather_race_free_in_both_dma_modes(mode):
-    """The race detector on, in both DMA execution modes: a step's rows, fetched a step ahead
-    into the other slot, are never read while in flight."""
+def test_mosaic_tpu_gather_race_free_in_both_dma_modes(mode, whole_rows, monkeypatch):
+    """The race detector on, in both DMA execution modes: a unit's rows (whole rows of k, or one
+    k tile of them when whole rows do not fit the slots' budget), fetched while the previous unit
+    runs into the other slot, are never read while in flight."""
+    if not whole_rows:
+        monkeypatch.setattr(mosaic_tpu_rows, "GATHER_SLOTS_BYTES", 0)
     rng = np.random.default_rng(11)
     idx, sizes = routed(rng, ROWS, 2, 3)
     lhs, rhs = operands(rng, ROWS, 300, N, 3, jnp.bfloat16)  # 3 k tiles: prefetch across k

@@ -33,16 +33,15 @@ from conveyor.ops.gmm.mosaic_tpu import (
 )
 
 
-def _row_copy(lhs_hbm, buf, sem, slot, r, row, kk, tk, packed):
-    """The DMA of one gathered row's k-slice into row r of the slot. 16-bit rows are packed two to
-    a sublane, so they travel as [rows, 1, k] views (a row's own tile); 32-bit rows as 1-row
-    slices."""
+def _row_copy(lhs_hbm, buf, sem, slot, r, row, chunk, width, packed):
+    """The DMA of k-chunk `chunk` (`width` columns) of one gathered lhs row into row r of the
+    slot. 16-bit rows are packed two to a sublane, so they travel as [rows, 1, k] views (a row's
+    own tile); 32-bit rows as 1-row slices."""
+    cols = pl.ds(chunk * width, width)
     if packed:
-        return pltpu.make_async_copy(
-            lhs_hbm.at[row, :, pl.ds(kk * tk, tk)], buf.at[slot, r], sem.at[slot]
-        )
+        return pltpu.make_async_copy(lhs_hbm.at[row, :, cols], buf.at[slot, r], sem.at[slot])
     return pltpu.make_async_copy(
-        lhs_hbm.at[pl.ds(row, 1), pl.ds(kk * tk, tk)], buf.at[slot, pl.ds(r, 1)], sem.at[slot]
+        lhs_hbm.at[pl.ds(row, 1), cols], buf.at[slot, pl.ds(r, 1)], sem.at[slot]
     )
 
 
@@ -64,32 +63,38 @@ def _gathered_gmm_kernel(
     tm,
     tk,
     k,
+    chunk_tiles,
     transpose_rhs,
     packed,
 ):
-    """gmm's kernel with the lhs block gathered row by row: a step waits for its rows (fetched one
-    step ahead into the other of two slots) and starts the next step's. Prefetching stays inside
-    one n tile, whose first step fetches its own rows, so the n axis stays parallel."""
+    """gmm's kernel with the lhs rows gathered by DMA, one per row per *unit*: a visit's k-chunk
+    of `chunk_tiles` k tiles (the whole of k when it fits). A unit's rows are fetched while the
+    previous unit runs, into the other of two slots; fetching stays inside one n tile, whose first
+    unit fetches its own rows, so the n axis stays parallel. The unit's k steps read their tiles
+    from the slot."""
     v, kk = pl.program_id(1), pl.program_id(2)
     nk = pl.num_programs(2)
-    step = v * nk + kk
-    slot = step % 2
+    chunks = -(-nk // chunk_tiles)
+    chunk, within = kk // chunk_tiles, kk % chunk_tiles
+    unit = v * chunks + chunk
+    slot = unit % 2
     tile = tile_ids[v]
     first_visit = (v == 0) | (tile != tile_ids[jnp.maximum(v - 1, 0)])
     live = v < num_visits[0]
+    width = chunk_tiles * tk
 
-    def start(visit, kidx, s):
+    def start(visit, c, s):
         base = tile_ids[visit] * tm
 
         def one(r, carry):
-            _row_copy(lhs_hbm, buf, sem, s, r, rows[base + r], kidx, tk, packed).start()
+            _row_copy(lhs_hbm, buf, sem, s, r, rows[base + r], c, width, packed).start()
             return carry
 
         lax.fori_loop(0, tm, one, 0)
 
     def wait(s):
         def one(r, carry):
-            _row_copy(lhs_hbm, buf, sem, s, r, 0, 0, tk, packed).wait()
+            _row_copy(lhs_hbm, buf, sem, s, r, 0, 0, width, packed).wait()
             return carry
 
         lax.fori_loop(0, tm, one, 0)
@@ -102,20 +107,26 @@ def _gathered_gmm_kernel(
     def _():
         out_ref[...] = ex_ref[...]  # rows no visit stores keep existing_out
 
-    @pl.when(live & (step == 0))
-    def _():
-        start(v, kk, slot)  # the n tile's first step: nothing fetched it ahead
+    unit_starts = live & (within == 0)
 
-    next_v = jnp.where(kk + 1 < nk, v, v + 1)
-
-    @pl.when(live & (next_v < num_visits[0]))
+    @pl.when(unit_starts & (unit == 0))
     def _():
-        start(next_v, jnp.where(kk + 1 < nk, kk + 1, 0), 1 - slot)
+        start(v, chunk, slot)  # the n tile's first unit: nothing fetched it ahead
+
+    next_v = jnp.where(chunk + 1 < chunks, v, v + 1)
+
+    @pl.when(unit_starts & (next_v < num_visits[0]))
+    def _():
+        start(next_v, jnp.where(chunk + 1 < chunks, chunk + 1, 0), 1 - slot)
+
+    @pl.when(unit_starts)
+    def _():
+        wait(slot)
 
     @pl.when(live)
     def _():
-        wait(slot)
-        x = buf[slot, :, 0, :] if packed else buf[slot]  # lhs's k is padded with zeros
+        cols = pl.ds(pl.multiple_of(within * tk, tk), tk)
+        x = buf[slot, :, 0, cols] if packed else buf[slot, :, cols]  # k is padded with zeros
         accumulate_product(acc_ref, x, rhs_ref, kk, tk, k, transpose_rhs)
 
     @pl.when(live & (kk == nk - 1))
@@ -124,6 +135,17 @@ def _gathered_gmm_kernel(
         row_ids = tile * tm + lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
         mine = (row_ids >= starts[g]) & (row_ids < ends[g])
         out_ref[...] = jnp.where(mine, acc_ref[...].astype(out_ref.dtype), out_ref[...])
+
+
+# The gathered rows' two VMEM slots hold whole rows of k when they take at most this many bytes
+# (k = 7168 bf16 rows of a 128-row tile: 3.5 MiB), else one k tile per DMA.
+GATHER_SLOTS_BYTES = 4 << 20
+
+
+def gather_chunk_tiles(tm: int, tk: int, k_tiles: int, itemsize: int) -> int:
+    """How many k tiles one gathered-row DMA carries: all of them when two slots of whole rows
+    fit `GATHER_SLOTS_BYTES` (one DMA per row per visit and n tile), else one."""
+    return k_tiles if 2 * tm * k_tiles * tk * itemsize <= GATHER_SLOTS_BYTES else 1
 
 
 def gathered_gmm_mosaic_tpu(
@@ -160,7 +182,8 @@ def gathered_gmm_mosaic_tpu(
     packed = jnp.dtype(cdt).itemsize < 4
     rows = jnp.clip(lhs_indices.astype(jnp.int32), 0, num_rows - 1)
     rows = jnp.pad(rows, (0, -m % tm))  # the last tile's spare rows read row 0, never stored
-    lhs = pad_to(lhs.astype(cdt), (1, tk))
+    chunk_tiles = gather_chunk_tiles(tm, tk, -(-k // tk), jnp.dtype(cdt).itemsize)
+    lhs = pad_to(lhs.astype(cdt), (1, chunk_tiles * tk))
     kp = lhs.shape[1]
     if packed:
         lhs = lhs.reshape(num_rows, 1, kp)
@@ -170,10 +193,17 @@ def gathered_gmm_mosaic_tpu(
         rhs = pad_to(rhs, (1, tn, 1) if transpose_rhs else (1, 1, tn))
         existing_out = pad_to(existing_out, (tm, tn))
     _, rhs_block, out_block = tpu_blocks.gmm_blocks(tm, tk, tn, transpose_rhs)
-    buf = (2, tm, 1, tk) if packed else (2, tm, tk)
+    width = chunk_tiles * tk
+    buf = (2, tm, 1, width) if packed else (2, tm, width)
     call = pl.pallas_call(
         functools.partial(
-            _gathered_gmm_kernel, tm=tm, tk=tk, k=k, transpose_rhs=transpose_rhs, packed=packed
+            _gathered_gmm_kernel,
+            tm=tm,
+            tk=tk,
+            k=k,
+            chunk_tiles=chunk_tiles,
+            transpose_rhs=transpose_rhs,
+            packed=packed,
         ),
         out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -195,7 +225,7 @@ def gathered_gmm_mosaic_tpu(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=kernel_vmem_limit(
-                "gmm with lhs_indices", (tm, tk), rhs_block, out_block, cdt, out_dtype
+                "gmm with lhs_indices", (tm, width), rhs_block, out_block, cdt, out_dtype
             ),
         ),
         cost_estimate=matmul_cost(m, k, n, lhs, rhs, existing_out),
