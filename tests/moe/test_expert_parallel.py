@@ -36,7 +36,7 @@ SPECS = dict(
 )
 
 
-def sharded(top_k, capacity_factor=None):
+def sharded(top_k, capacity_factor=None, fuse_permutation=True):
     def layer(p):
         y, aux, dropped = cv.moe.moe_ffn_expert_parallel(
             **p,
@@ -44,6 +44,7 @@ def sharded(top_k, capacity_factor=None):
             axis_name="expert",
             capacity_factor=capacity_factor,
             loss_axes=("data", "expert"),
+            fuse_permutation=fuse_permutation,
         )
         return y, aux, jax.lax.psum(dropped, ("data", "expert"))
 
@@ -52,10 +53,12 @@ def sharded(top_k, capacity_factor=None):
     )
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
-def test_forward_and_loss_match_the_dense_reference_of_the_whole_batch(top_k):
+def test_forward_and_loss_match_the_dense_reference_of_the_whole_batch(top_k, fused):
+    """Received rows moved into expert order and back by the grouped matmuls, or by XLA."""
     p = params(top_k)
-    y, aux, dropped = jax.jit(sharded(top_k))(p)
+    y, aux, dropped = jax.jit(sharded(top_k, fuse_permutation=fused))(p)
     y_ref, aux_ref = cv.moe.moe_ffn_reference(**p, top_k=top_k)
     assert int(dropped) == 0  # dropless by default
     np.testing.assert_allclose(y, y_ref, rtol=0, atol=tol(y_ref, D + F))

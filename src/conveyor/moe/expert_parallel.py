@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from conveyor.moe.exchange import ragged_all_to_all
-from conveyor.moe.layer import check_layer_args, combine, expert_hidden
+from conveyor.moe.layer import check_layer_args, combine, expert_hidden, sorted_swiglu
 from conveyor.ops.gmm.api import gmm_scatter_add
 from conveyor.moe.routing import load_balancing_loss, route
 
@@ -60,6 +60,7 @@ def moe_ffn_expert_parallel(
     capacity_factor: float | None = None,
     loss_axes: tuple[str, ...] | None = None,
     backend: str | None = None,
+    fuse_permutation: bool = True,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`moe_ffn` with experts sharded over `axis_name`; call it inside `jax.shard_map`.
 
@@ -73,11 +74,15 @@ def moe_ffn_expert_parallel(
         the module docstring).
       loss_axes: mesh axes over which the tokens are sharded, for the load-balancing loss's global
         averages (default: (axis_name,)); on a data x expert mesh pass both.
+      backend, fuse_permutation: as in `moe_ffn`; fuse_permutation moves the received rows into
+        expert order and back inside the grouped matmuls.
 
     Returns:
       (y [tokens, d], the load-balancing loss over all tokens of loss_axes, the number of this
       device's assignments dropped for capacity: an int32 scalar, 0 when dropless).
     """
+    if not isinstance(fuse_permutation, bool):
+        raise TypeError(f"fuse_permutation: expected a bool, got {fuse_permutation!r}")
     try:
         devices = lax.axis_size(axis_name)
     except NameError as e:
@@ -111,7 +116,9 @@ def moe_ffn_expert_parallel(
     dest = sorted_experts // local_experts
     per_dest = jnp.zeros((devices,), jnp.int32).at[dest].add(1)
     first_of_dest = jnp.cumsum(per_dest) - per_dest
-    experts = lambda rows, ids: _experts(rows, ids, local_experts, w_gate, w_up, w_down, backend)
+    experts = lambda rows, ids: _experts(
+        rows, ids, local_experts, w_gate, w_up, w_down, backend, fuse_permutation
+    )
     if capacity_factor is None:
         results = _exact_exchange(
             x[order // top_k],
@@ -142,11 +149,14 @@ def moe_ffn_expert_parallel(
     return combine(results, order, routing, x), aux, dropped
 
 
-def _experts(rows, ids, local_experts, w_gate, w_up, w_down, backend):
+def _experts(rows, ids, local_experts, w_gate, w_up, w_down, backend, fuse_permutation):
     """The SwiGLU experts on received `rows` whose local expert is `ids` (padding: `local_experts`),
     results in the rows' order."""
     by_expert = jnp.argsort(ids, stable=True)  # padding sorts last
     group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[ids].add(1)[:local_experts]
+    if not fuse_permutation:
+        out = sorted_swiglu(rows[by_expert], group_sizes, w_gate, w_up, w_down, backend)
+        return jnp.zeros_like(out).at[by_expert].set(out)
     h = expert_hidden(rows, by_expert, group_sizes, w_gate, w_up, backend)
     # the last projection puts each result back in its received row (a permutation: each row
     # once); padding rows belong to no group and stay 0

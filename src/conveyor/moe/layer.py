@@ -85,9 +85,7 @@ def moe_ffn(
     rows = order // top_k
     gates = routing.gates.reshape(-1)[order].astype(jnp.float32)
     if not fuse_permutation:
-        mm = lambda a, w: gmm(a, w, group_sizes, preferred_element_type=x.dtype, backend=backend)
-        xs = x[rows]
-        out = mm(jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up), w_down)
+        out = sorted_swiglu(x[rows], group_sizes, w_gate, w_up, w_down, backend)
         return combine(out, order, routing, x), load_balancing_loss(routing)
     h = expert_hidden(x, rows, group_sizes, w_gate, w_up, backend)
     # the last projection adds each assignment's row, weighted by its gate, into its token's row
@@ -102,6 +100,13 @@ def moe_ffn(
         backend=backend,
     )
     return y, load_balancing_loss(routing)
+
+
+def sorted_swiglu(xs, group_sizes, w_gate, w_up, w_down, backend):
+    """The unfused experts: `(silu(xs @ w_gate[e]) * (xs @ w_up[e])) @ w_down[e]` for rows `xs`
+    already sorted by expert (`group_sizes` rows each; rows past them come out as 0)."""
+    mm = lambda a, w: gmm(a, w, group_sizes, preferred_element_type=xs.dtype, backend=backend)
+    return mm(jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up), w_down)
 
 
 def expert_hidden(x, rows, group_sizes, w_gate, w_up, backend):
