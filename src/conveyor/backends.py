@@ -4,7 +4,9 @@ An op's `backend=` names an implementation ("xla", "mosaic_tpu", "mosaic_gpu", "
 `backend=None` takes the first implementation in the platform's default order whose `check`
 accepts the arguments; ops with a primitive (gmm, tgmm) decide when they are lowered, for the
 platform they are lowered for, so `jax.export(..., platforms=["tpu"])` on a CPU host gets the TPU
-kernel. A kernel is in a platform's default order only when its verification covers what can go
+kernel. `cv.kernel` decides when lowered too (`lax.platform_dependent` over each platform's first
+backend), but does not fall through its order: a first backend that refuses the kernel fails that
+platform's lowering with its reason. A kernel is in a platform's default order only when its verification covers what can go
 wrong on that hardware:
 
 - tpu: mosaic_tpu (the Pallas TPU interpreter with race detection in both DMA modes, and the real
@@ -105,8 +107,9 @@ def process_platform() -> str:
 
 
 def default_backend(available: tuple[str, ...]) -> str:
-    """The backend `backend=None` picks, for ops that choose when called (cv.kernel, the collective
-    matmuls): the first of the process platform's default order that the op has."""
+    """The backend `backend=None` picks, for ops that choose when called (the collective matmuls;
+    cv.kernel with `interpret`): the first of the process platform's default order that the op
+    has."""
     return next(
         (b for b in PLATFORM_DEFAULTS.get(process_platform(), ("xla",)) if b in available), "xla"
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -30,14 +31,6 @@ from conveyor.plans.grid import normalize_semantics, unravel
 from conveyor.spmd import per_device_call
 
 AVAILABLE = ("xla", "mosaic_tpu", "mosaic_gpu")
-# Where backend=None means the xla loop (conveyor.backends.PLATFORM_DEFAULTS); lowered elsewhere,
-# such a kernel is refused with DEFAULT_ELSEWHERE rather than silently holding the loop.
-XLA_DEFAULT_PLATFORMS = backends.platforms_defaulting_to("xla", AVAILABLE)
-DEFAULT_ELSEWHERE = (
-    "cv.kernel(backend=None) chose the xla loop for this process's platform; lowered for "
-    "{platform}, it would run that loop, not a Pallas kernel. Pass backend='mosaic_tpu' (TPU) or "
-    "'mosaic_gpu' (GPU) for the kernel, or backend='xla' to export the loop on purpose"
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,9 +212,12 @@ def kernel(
       out_shape: a ShapeDtypeStruct or a sequence of them.
       backend: "xla" (the CPU default) or "mosaic_tpu" (a Pallas TPU kernel whose refs live in HBM;
         pipelines copy blocks into VMEM) or "mosaic_gpu" (a Mosaic GPU kernel, operands in GMEM,
-        pipelines copy blocks into SMEM with TMA). None chooses when called, for this process's
-        platform (TPU: mosaic_tpu; CPU, CUDA, ROCm: xla); lowering that choice for another
-        platform is refused by name (pass the backend to export for it).
+        pipelines copy blocks into SMEM with TMA). None chooses when the kernel is lowered, for
+        the platform lowered for (TPU: mosaic_tpu; CPU, CUDA, ROCm: xla): the body is traced for
+        both, and `jax.export(..., platforms=["tpu"])` from a CPU host holds the Pallas kernel.
+        A backend that cannot trace the body (e.g. num_threads on mosaic_tpu) is refused, with
+        its reason, only when lowered for its platform. A lowering for several platforms at once
+        with a TPU among them needs a named backend.
       interpret: run a mosaic backend through its Pallas interpreter (True or InterpretParams).
       checked: xla only: run the kernel's pipelines in checked mode (True), or not (False); None
         takes `cv.pipeline.checked_schedule()`'s setting where the body is traced.
@@ -256,7 +252,117 @@ def kernel(
       A function of the input arrays returning `out_shape`'s arrays (one array for a single
       ShapeDtypeStruct).
     """
-    chosen_by_platform = backend is None
+    if checked is not None and not isinstance(checked, bool):
+        raise TypeError(f"cv.kernel: checked must be True, False or None, got {checked!r}")
+    if backend is not None or interpret:
+        return _launcher(
+            body,
+            out_shape,
+            backend=backend,
+            interpret=interpret,
+            num_threads=num_threads,
+            thread_name=thread_name,
+            scratch_shapes=scratch_shapes,
+            grid=grid,
+            dimension_semantics=dimension_semantics,
+            input_output_aliases=input_output_aliases,
+            cost_estimate=cost_estimate,
+            checked=checked,
+        )
+    launch = functools.partial(
+        _launcher,
+        body,
+        out_shape,
+        interpret=False,
+        num_threads=num_threads,
+        thread_name=thread_name,
+        scratch_shapes=scratch_shapes,
+        grid=grid,
+        dimension_semantics=dimension_semantics,
+        input_output_aliases=input_output_aliases,
+        cost_estimate=cost_estimate,
+    )
+    return _per_platform(
+        lambda backend: launch(backend=backend, checked=checked if backend == "xla" else None)
+    )
+
+
+_REFUSABLE = (NotImplementedError, ValueError, TypeError)
+
+
+def _per_platform(launch: Callable[[str], Callable[..., Any]]):
+    """A kernel whose backend is chosen when lowered: each platform's first backend in its default
+    order (`backends.PLATFORM_DEFAULTS`: TPU mosaic_tpu, the others xla). Each such backend's
+    launch (`launch(backend)`) is built and traced at every call, under `lax.platform_dependent`,
+    whose single-platform lowering keeps the selected branch only. A backend that refuses the
+    kernel (a NotImplementedError, ValueError or TypeError while building or tracing it) gets
+    another's results behind a guard that fails the lowering for its platforms, naming the
+    reason: the next backend of the order is not taken silently. When every backend refuses, the
+    call raises the xla backend's error."""
+    chosen = {
+        platform: next((b for b in order if b in AVAILABLE), "xla")
+        for platform, order in backends.PLATFORM_DEFAULTS.items()
+    }
+    names = ["xla", *sorted(set(chosen.values()) - {"xla"})]
+    built: dict[str, Any] = {}
+    for name in names:
+        try:
+            built[name] = launch(name)
+        except _REFUSABLE as e:
+            built[name] = e
+    if all(isinstance(b, Exception) for b in built.values()):
+        raise built["xla"]
+
+    def run(*inputs):
+        def attempt(name, xs):
+            if isinstance(built[name], Exception):
+                return built[name]
+            try:
+                return built[name](*xs)
+            except _REFUSABLE as e:
+                return e
+
+        def branch(name):
+            def fn(*xs):
+                out = attempt(name, xs)
+                if not isinstance(out, Exception):
+                    return out
+                for other in names:
+                    fallback = attempt(other, xs) if other != name else out
+                    if not isinstance(fallback, Exception):
+                        break
+                else:
+                    raise out
+                message = (
+                    f"cv.kernel(backend=None) lowered for {{platform}}: its default there, "
+                    f"{name}, refused this kernel ({type(out).__name__}: {out}); name a backend"
+                )
+                return jax.tree_util.tree_map(lambda r: only_for(r, (), message), fallback)
+
+            return fn
+
+        per_platform = {p: branch(b) for p, b in chosen.items() if b != "xla"}
+        return jax.lax.platform_dependent(*inputs, default=branch("xla"), **per_platform)
+
+    return run
+
+
+def _launcher(
+    body: Callable[..., None],
+    out_shape: Any,
+    *,
+    backend: str | None = None,
+    interpret: Any = False,
+    num_threads: int | None = None,
+    thread_name: str | None = None,
+    scratch_shapes: Sequence[Any] = (),
+    grid: Sequence[int] = (),
+    dimension_semantics: Sequence[Any] | None = None,
+    input_output_aliases: Mapping[int, int] | None = None,
+    cost_estimate: Any = None,
+    checked: bool | None = None,
+) -> Callable[..., Any]:
+    """`kernel` for a named backend (or None with interpret: this process's default)."""
     if checked is not None and not isinstance(checked, bool):
         raise TypeError(f"cv.kernel: checked must be True, False or None, got {checked!r}")
     if checked is not None and backend not in (None, "xla"):
@@ -370,9 +476,6 @@ def kernel(
 
         # Inside shard_map the kernel runs per device (outputs vary as its inputs do).
         results = tuple(per_device_call(execute, outs, *[jnp.asarray(x) for x in inputs]))
-        # the xla loop was chosen for this process's platform: not for others
-        if chosen_by_platform:
-            results = tuple(only_for(r, XLA_DEFAULT_PLATFORMS, DEFAULT_ELSEWHERE) for r in results)
         return results[0] if single else results
 
     return run

@@ -1,10 +1,10 @@
-"""Values that may only be lowered for the platforms their producer was chosen for.
+"""Values that may only be lowered for some platforms, with a message for the others.
 
-`cv.kernel(backend=None)` picks its backend when it is called, from this process's platform (a
-kernel body cannot be traced for every backend in advance). Lowered for another platform, as
-`jax.export(..., platforms=["tpu"])` from a CPU host does, it would hold the xla loop where the
-user expects a Pallas kernel. `only_for` marks the kernel's outputs so that such a lowering fails
-with a message naming the backend to pass instead.
+The collective matmuls with `backend=None` pick their backend when called, from this process's
+platform; lowered for another platform (`jax.export(..., platforms=["tpu"])` from a CPU host) they
+would hold the xla ring where the user expects the Mosaic ring kernel, so `only_for` marks their
+outputs and such a lowering fails naming the backend to pass. `cv.kernel(backend=None)` uses it
+for a default backend that refused the kernel: that branch fails the lowering for its platform.
 """
 
 from __future__ import annotations

@@ -275,6 +275,7 @@ def test_a_block_changing_at_every_step_needs_no_test_in_the_kernel():
             _kernel(_spec(pattern), 2, 0, False),
             jax.ShapeDtypeStruct((32, 384), jnp.float32),
             grid=(1,),
+            backend="xla",
         )
         # The default executor (the checked one poisons slots in branches).
         with cv.pipeline.checked_schedule(False):

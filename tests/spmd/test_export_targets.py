@@ -7,6 +7,7 @@ backend=None pass by what it cannot run.
 """
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 import pytest
 
@@ -181,26 +182,46 @@ def test_default_backend_runs_on_the_host():
     assert float(out[:100].min()) == 128.0 and float(jnp.abs(out[100:]).max()) == 0.0
 
 
-def test_cv_kernel_default_is_not_exported_as_a_loop_where_a_kernel_is_the_default():
-    """cv.kernel(backend=None) decides when called, on this CPU process: the xla loop. Exported for
-    tpu (whose default is the Pallas kernel) it is refused with the fix; cpu and cuda (xla by
-    default) take it, and a named backend='xla' exports the loop anywhere."""
+def test_cv_kernel_default_is_chosen_for_the_platform_lowered_for():
+    """cv.kernel(backend=None) traces its body for both defaults and keeps, per lowering, the one
+    of the platform lowered for: the Pallas TPU kernel exported for tpu from this CPU host, the xla
+    loop for cpu and cuda. A named backend='xla' exports the loop anywhere."""
+    spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
 
     def body(x_ref, o_ref):
-        o_ref[...] = 2.0 * x_ref[...]
+        def double(idx, xb, ob):
+            ob[...] = 2.0 * xb[...]
 
-    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+        cv.emit_pipeline(double, grid=(4,), in_specs=[spec], out_specs=[spec])(x_ref, o_ref)
+
+    x = jax.ShapeDtypeStruct((32, 128), jnp.float32)
     default = jax.jit(cv.kernel(body, x))
-    assert "stablehlo" in _module(default, ["cpu", "cuda"], (x,))
-    with pytest.raises(
-        NotImplementedError,
-        match=r"cv.kernel\(backend=None\) chose the xla loop for this "
-        r"process's platform; lowered for tpu.*Pass backend='mosaic_tpu'",
-    ):
-        _module(default, ["tpu"], (x,))
+    assert "tpu_custom_call" in _module(default, ["tpu"], (x,))
+    assert "tpu_custom_call" not in _module(default, ["cpu", "cuda"], (x,))
+    ones = jnp.ones((32, 128))
+    np.testing.assert_array_equal(default(ones), 2.0 * ones)  # this CPU host runs the loop
     assert "tpu_custom_call" not in _module(
         jax.jit(cv.kernel(body, x, backend="xla")), ["tpu"], (x,)
     )
+
+
+def test_cv_kernel_default_refused_by_tpu_fails_only_a_tpu_lowering():
+    """A kernel mosaic_tpu cannot build (threads: a TPU core has no warpgroups) still runs and
+    exports for cpu; lowered for tpu it fails with mosaic_tpu's reason, not with the loop."""
+
+    def body(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1.0
+
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    default = jax.jit(cv.kernel(body, x, num_threads=2, thread_name="t"))
+    assert "stablehlo" in _module(default, ["cpu"], (x,))
+    with pytest.raises(
+        NotImplementedError,
+        match=r"cv.kernel\(backend=None\) lowered for tpu: its default there, mosaic_tpu, "
+        r"refused this kernel \(NotImplementedError: cv.kernel: num_threads is not supported on "
+        r"mosaic_tpu",
+    ):
+        _module(default, ["tpu"], (x,))
 
 
 def test_collective_default_is_not_exported_as_the_xla_ring_for_tpu():
