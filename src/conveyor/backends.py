@@ -4,10 +4,12 @@ An op's `backend=` names an implementation ("xla", "mosaic_tpu", "mosaic_gpu", "
 `backend=None` takes the first implementation in the platform's default order whose `check`
 accepts the arguments; ops with a primitive (gmm, tgmm) decide when they are lowered, for the
 platform they are lowered for, so `jax.export(..., platforms=["tpu"])` on a CPU host gets the TPU
-kernel. `cv.kernel` decides when lowered too (`lax.platform_dependent` over each platform's first
-backend), but does not fall through its order: a first backend that refuses the kernel fails that
-platform's lowering with its reason. A kernel is in a platform's default order only when its verification covers what can go
-wrong on that hardware:
+kernel. `cv.kernel` decides when lowered too (`lowering_guard.per_platform`:
+`lax.platform_dependent` over each platform's first backend), but does not fall through the
+order: a first backend that refuses fails that platform's lowering with its reason. The
+collective matmuls still decide when called (inside shard_map, `platform_dependent` over a Pallas
+kernel fails jax's varying-axes check). A kernel is in a platform's default order only when its
+verification covers what can go wrong on that hardware:
 
 - tpu: mosaic_tpu (the Pallas TPU interpreter with race detection in both DMA modes, and the real
   Mosaic TPU compile for v5e/v6e/v5p in `make compile-check`), then xla.

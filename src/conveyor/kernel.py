@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 from conveyor import backends
 from conveyor.aliasing import check_alias_operands, check_aliases
 from conveyor.jaxprs import call_as_thread, run_state
-from conveyor.lowering_guard import only_for
+from conveyor.lowering_guard import per_platform
 from conveyor.plans.grid import normalize_semantics, unravel
 from conveyor.spmd import per_device_call
 
@@ -282,69 +282,11 @@ def kernel(
         input_output_aliases=input_output_aliases,
         cost_estimate=cost_estimate,
     )
-    return _per_platform(
-        lambda backend: launch(backend=backend, checked=checked if backend == "xla" else None)
+    return per_platform(
+        lambda backend: launch(backend=backend, checked=checked if backend == "xla" else None),
+        AVAILABLE,
+        "cv.kernel(backend=None)",
     )
-
-
-_REFUSABLE = (NotImplementedError, ValueError, TypeError)
-
-
-def _per_platform(launch: Callable[[str], Callable[..., Any]]):
-    """A kernel whose backend is chosen when lowered: each platform's first backend in its default
-    order (`backends.PLATFORM_DEFAULTS`: TPU mosaic_tpu, the others xla). Each such backend's
-    launch (`launch(backend)`) is built and traced at every call, under `lax.platform_dependent`,
-    whose single-platform lowering keeps the selected branch only. A backend that refuses the
-    kernel (a NotImplementedError, ValueError or TypeError while building or tracing it) gets
-    another's results behind a guard that fails the lowering for its platforms, naming the
-    reason: the next backend of the order is not taken silently. When every backend refuses, the
-    call raises the xla backend's error."""
-    chosen = {
-        platform: next((b for b in order if b in AVAILABLE), "xla")
-        for platform, order in backends.PLATFORM_DEFAULTS.items()
-    }
-    names = ["xla", *sorted(set(chosen.values()) - {"xla"})]
-    built: dict[str, Any] = {}
-    for name in names:
-        try:
-            built[name] = launch(name)
-        except _REFUSABLE as e:
-            built[name] = e
-    if all(isinstance(b, Exception) for b in built.values()):
-        raise built["xla"]
-
-    def run(*inputs):
-        def attempt(name, xs):
-            if isinstance(built[name], Exception):
-                return built[name]
-            try:
-                return built[name](*xs)
-            except _REFUSABLE as e:
-                return e
-
-        def branch(name):
-            def fn(*xs):
-                out = attempt(name, xs)
-                if not isinstance(out, Exception):
-                    return out
-                for other in names:
-                    fallback = attempt(other, xs) if other != name else out
-                    if not isinstance(fallback, Exception):
-                        break
-                else:
-                    raise out
-                message = (
-                    f"cv.kernel(backend=None) lowered for {{platform}}: its default there, "
-                    f"{name}, refused this kernel ({type(out).__name__}: {out}); name a backend"
-                )
-                return jax.tree_util.tree_map(lambda r: only_for(r, (), message), fallback)
-
-            return fn
-
-        per_platform = {p: branch(b) for p, b in chosen.items() if b != "xla"}
-        return jax.lax.platform_dependent(*inputs, default=branch("xla"), **per_platform)
-
-    return run
 
 
 def _launcher(

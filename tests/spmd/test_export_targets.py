@@ -218,8 +218,8 @@ def test_cv_kernel_default_refused_by_tpu_fails_only_a_tpu_lowering():
     with pytest.raises(
         NotImplementedError,
         match=r"cv.kernel\(backend=None\) lowered for tpu: its default there, mosaic_tpu, "
-        r"refused this kernel \(NotImplementedError: cv.kernel: num_threads is not supported on "
-        r"mosaic_tpu",
+        r"refused these arguments \(NotImplementedError: cv.kernel: num_threads is not "
+        r"supported on mosaic_tpu",
     ):
         _module(default, ["tpu"], (x,))
 
