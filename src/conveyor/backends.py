@@ -7,8 +7,9 @@ platform they are lowered for, so `jax.export(..., platforms=["tpu"])` on a CPU 
 kernel. `cv.kernel` decides when lowered too (`lowering_guard.per_platform`:
 `lax.platform_dependent` over each platform's first backend), but does not fall through the
 order: a first backend that refuses fails that platform's lowering with its reason. The
-collective matmuls still decide when called (inside shard_map, `platform_dependent` over a Pallas
-kernel fails jax's varying-axes check). A kernel is in a platform's default order only when its
+collective matmuls still decide when called: tried the same way, their export for cpu lowered
+the Mosaic ring branch too ("Only interpret mode is supported on CPU backend"), not yet
+understood. A kernel is in a platform's default order only when its
 verification covers what can go wrong on that hardware:
 
 - tpu: mosaic_tpu (the Pallas TPU interpreter with race detection in both DMA modes, and the real
