@@ -335,7 +335,11 @@ def _compiled_onchip() -> list[tuple[str, str, dict, float]]:
     """(target, kind, params, MiB) of every single-kernel gmm / tgmm row of the newest committed
     compile-check table: the on-chip memory the real compilers reported (TPU scoped VMEM)."""
     results = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "results"
-    newest = sorted(results.glob("compile-check-*.md"))[-1]
+    # compile-check-<date>[-<n>].md: the date, then the day's run number (the first has none)
+    newest = max(
+        results.glob("compile-check-*.md"),
+        key=lambda p: (p.stem[len("compile-check-") :][:10], int(p.stem[25:] or 1)),
+    )
     rows = []
     for line in newest.read_text().splitlines():
         m = re.match(
