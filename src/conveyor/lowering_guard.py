@@ -89,17 +89,22 @@ def per_platform(
                 out = attempt(name, xs)
                 if not isinstance(out, Exception):
                     return out
-                for other in names:
-                    fallback = attempt(other, xs) if other != name else out
-                    if not isinstance(fallback, Exception):
-                        break
-                else:
-                    raise out
+                reason = f"{type(out).__name__}: {out}".replace("{", "{{").replace("}", "}}")
                 message = (
                     f"{what} lowered for {{platform}}: its default there, {name}, refused "
-                    f"these arguments ({type(out).__name__}: {out}); name a backend"
+                    f"these arguments ({reason}); name a backend"
                 )
-                return jax.tree_util.tree_map(lambda r: only_for(r, (), message), fallback)
+                # Another backend's results stand in for the branch's types; the guards before
+                # and after them fail the lowering, with `message`, before anything of theirs
+                # is lowered.
+                guard = lambda tree: jax.tree_util.tree_map(
+                    lambda r: only_for(r, (), message), tree
+                )
+                for other in names:
+                    stand_in = attempt(other, guard(xs)) if other != name else out
+                    if not isinstance(stand_in, Exception):
+                        return guard(stand_in)
+                raise out
 
             return fn
 

@@ -250,3 +250,29 @@ def test_collective_default_is_not_exported_as_the_xla_ring_for_tpu():
     ):
         _module(ring(None), ["tpu"], args)
     assert "tpu_custom_call" not in _module(ring("xla"), ["tpu"], args)
+
+
+def test_cv_kernel_default_refused_by_xla_fails_only_a_cpu_lowering():
+    """The other way round: a kernel only mosaic_tpu can build (a DMA semaphore scratch) exports
+    for tpu; lowered for cpu it fails naming xla's reason, before any of the Pallas kernel that
+    stands in for the branch's types is lowered."""
+    from jax.experimental.pallas import tpu as pltpu
+
+    def body(x_ref, o_ref, sem):
+        del sem
+        spec = cv.BlockSpec((8, 128), lambda i: (i, 0))
+        cv.emit_pipeline(
+            lambda idx, xb, ob: ob.__setitem__(..., xb[...]),
+            grid=(1,),
+            in_specs=[spec],
+            out_specs=[spec],
+        )(x_ref, o_ref)
+
+    x = jax.ShapeDtypeStruct((8, 128), jnp.float32)
+    default = jax.jit(cv.kernel(body, x, scratch_shapes=[pltpu.SemaphoreType.DMA((1,))]))
+    assert "tpu_custom_call" in _module(default, ["tpu"], (x,))
+    with pytest.raises(
+        NotImplementedError,
+        match=r"cv.kernel\(backend=None\) lowered for cpu: its default there, xla, refused",
+    ):
+        _module(default, ["cpu"], (x,))
