@@ -32,11 +32,14 @@ def tol(reference, depth):
     return sum_tolerance(depth, max(1.0, float(np.abs(reference).max())))
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
-@pytest.mark.parametrize("top_k", [1, 2, 6])
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(
+    "top_k, seed, fused",
+    [(1, 0, True), (2, 0, True), (6, 0, True), (1, 1, True), (2, 1, True), (6, 1, True)]
+    + [(2, 0, False), (6, 1, False)],
+)
 def test_forward_matches_dense_reference(top_k, seed, fused):
-    """Both token paths: moved by the grouped matmuls (the default) or by XLA around them."""
+    """Both token paths: moved by the grouped matmuls (the default, every case) or by XLA around
+    them (two cases: the same gmm calls, only the gather and scatter differ)."""
     p = params(seed)
     y, aux = jax.jit(lambda p: cv.moe.moe_ffn(**p, top_k=top_k, fuse_permutation=fused))(p)
     y_ref, aux_ref = cv.moe.moe_ffn_reference(**p, top_k=top_k)

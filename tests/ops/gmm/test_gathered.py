@@ -154,7 +154,9 @@ def test_gradients_match_autodiff_of_the_gather(backend):
     assert np.abs(np.asarray(got[0])).min(axis=1).max() > 0  # every token received gradient
 
 
-@pytest.mark.parametrize("backend", ["xla", "mosaic_tpu"])
+# xla only: mosaic_tpu's derivatives are plain gmm/tgmm kernels, and vmap is the same lax.map
+# on every backend
+@pytest.mark.parametrize("backend", ["xla"])
 def test_forward_over_reverse_and_vmap(backend):
     lhs, rhs, idx, sizes = problem(8)
     gs = jnp.asarray(sizes)

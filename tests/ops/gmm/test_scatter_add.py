@@ -177,7 +177,9 @@ def test_gradients_match_autodiff_of_the_unfused_op(backend):
     assert np.abs(np.asarray(got[2][lo : lo + int(sizes[1])])).min() > 0
 
 
-@pytest.mark.parametrize("backend", ["xla", "mosaic_tpu"])
+# xla only: mosaic_tpu's derivatives are plain gmm/tgmm kernels, and vmap is the same lax.map
+# on every backend
+@pytest.mark.parametrize("backend", ["xla"])
 def test_forward_over_reverse_and_vmap(backend):
     lhs, rhs, sizes, idx, w = problem(9)
     gs = jnp.asarray(sizes)
