@@ -72,7 +72,7 @@ SUBPROCESS_MODULES = {
     "test_examples.py",
     "test_docs.py",
 }
-SLOW_MODULES = {"test_expert_parallel.py", "test_moe_layer.py"}
+SLOW_MODULES = {"test_expert_parallel.py", "test_moe_layer.py", "test_overlapped.py"}
 INTERPRETER_MODULES = {
     "test_mosaic_tpu_ring.py",
     "test_mosaic_gpu.py",

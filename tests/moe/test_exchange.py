@@ -71,10 +71,10 @@ def test_the_cpu_exchange_has_ragged_all_to_all_semantics(seed):
     )
 
 
-def _expert_parallel(platform_mesh):
+def _expert_parallel(platform_mesh, **options):
     def layer(p):
         return cv.moe.moe_ffn_expert_parallel(
-            **p, top_k=2, axis_name="expert", loss_axes=("data", "expert")
+            **p, top_k=2, axis_name="expert", loss_axes=("data", "expert"), **options
         )[0]
 
     return jax.shard_map(
@@ -82,7 +82,7 @@ def _expert_parallel(platform_mesh):
     )
 
 
-def _lowered_text(platform: str, grad: bool) -> str:
+def _lowered_text(platform: str, grad: bool, **options) -> str:
     kind = {"tpu": "TPU v5 lite", "cuda": "NVIDIA H100 80GB HBM3"}.get(platform, "cpu")
     mesh = AbstractMesh(
         (2, 4),
@@ -90,7 +90,7 @@ def _lowered_text(platform: str, grad: bool) -> str:
         (AxisType.Auto,) * 2,
         abstract_device=AbstractDevice(kind, 8, platform),
     )
-    f = _expert_parallel(mesh)
+    f = _expert_parallel(mesh, **options)
     fn = jax.grad(lambda p: jnp.sum(f(p))) if grad else f
     avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params(0))
     # XLA's ragged_all_to_all custom call has no export compatibility guarantee yet: exporting it

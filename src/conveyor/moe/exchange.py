@@ -55,3 +55,43 @@ def _emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_s
         r[None, :] < recv_sizes[:, None], offsets[:, None] + r[None, :], output.shape[0]
     )
     return output.at[target.reshape(-1)].set(received.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+def send_chunk(
+    chunk: jax.Array, size: jax.Array, recv_size: jax.Array, *, shift: int, axis_name, devices: int
+) -> jax.Array:
+    """Every device sends its first `size` rows of `chunk` to device (me + shift) % devices and
+    returns the chunk it receives from (me - shift) % devices (`recv_size` rows, the rest zeros;
+    the sender's rows past `size` must be zeros).
+
+    On TPU and GPU a `ragged_all_to_all` with one nonzero slice moves exactly the rows sent
+    (`send_exact`); a CPU lowering moves the whole chunk with a `ppermute` (the same numbers)."""
+    config = dict(shift=shift, axis_name=axis_name, devices=devices)
+    args = match_varying(chunk, jnp.asarray(size, jnp.int32), jnp.asarray(recv_size, jnp.int32))
+    return lax.platform_dependent(
+        *args,
+        cpu=functools.partial(_send_whole, **config),
+        default=functools.partial(send_exact, **config),
+    )
+
+
+def _send_whole(chunk, size, recv_size, *, shift, axis_name, devices):
+    del size, recv_size
+    return lax.ppermute(chunk, axis_name, [(i, (i + shift) % devices) for i in range(devices)])
+
+
+def send_exact(chunk, size, recv_size, *, shift, axis_name, devices):
+    """`send_chunk` as one ragged slice to one peer (through `ragged_all_to_all`, so a CPU
+    lowering emulates it: that is how the tests run this branch)."""
+    me = lax.axis_index(axis_name)
+    peers = jnp.arange(devices, dtype=jnp.int32)
+    zeros = jnp.zeros((devices,), jnp.int32)
+    return ragged_all_to_all(
+        chunk,
+        jnp.zeros_like(chunk),
+        zeros,
+        jnp.where(peers == (me + shift) % devices, size, 0),
+        zeros,
+        jnp.where(peers == (me - shift) % devices, recv_size, 0),
+        axis_name=axis_name,
+    )

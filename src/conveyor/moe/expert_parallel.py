@@ -27,9 +27,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from conveyor.moe.exchange import ragged_all_to_all
+from conveyor.moe.overlapped import overlapped_exchange
 from conveyor.moe.layer import check_layer_args, combine, expert_hidden, sorted_swiglu
 from conveyor.ops.gmm.api import gmm_scatter_add
 from conveyor.moe.routing import load_balancing_loss, route
+from conveyor.plans.exchange import exchange_plan
 
 
 def capacity(tokens: int, top_k: int, devices: int, capacity_factor: float | None) -> int:
@@ -61,6 +63,7 @@ def moe_ffn_expert_parallel(
     loss_axes: tuple[str, ...] | None = None,
     backend: str | None = None,
     fuse_permutation: bool = True,
+    overlap: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`moe_ffn` with experts sharded over `axis_name`; call it inside `jax.shard_map`.
 
@@ -76,6 +79,9 @@ def moe_ffn_expert_parallel(
         averages (default: (axis_name,)); on a data x expert mesh pass both.
       backend, fuse_permutation: as in `moe_ffn`; fuse_permutation moves the received rows into
         expert order and back inside the grouped matmuls.
+      overlap: dropless only: exchange peer by peer (`conveyor.plans.exchange`), each peer's
+        chunk in flight while the experts run on the one before, and its results sent home
+        during the next (docs/moe.md). Same results as the exact exchange.
 
     Returns:
       (y [tokens, d], the load-balancing loss over all tokens of loss_axes, the number of this
@@ -83,6 +89,13 @@ def moe_ffn_expert_parallel(
     """
     if not isinstance(fuse_permutation, bool):
         raise TypeError(f"fuse_permutation: expected a bool, got {fuse_permutation!r}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap: expected a bool, got {overlap!r}")
+    if overlap and capacity_factor is not None:
+        raise ValueError(
+            f"overlap: the overlapped exchange is dropless; pass capacity_factor=None (got "
+            f"capacity_factor={capacity_factor!r})"
+        )
     try:
         devices = lax.axis_size(axis_name)
     except NameError as e:
@@ -119,7 +132,19 @@ def moe_ffn_expert_parallel(
     experts = lambda rows, ids: _experts(
         rows, ids, local_experts, w_gate, w_up, w_down, backend, fuse_permutation
     )
-    if capacity_factor is None:
+    if overlap:
+        results = overlapped_exchange(
+            x[order // top_k],
+            sorted_experts % local_experts,
+            per_dest,
+            first_of_dest,
+            experts,
+            plan=exchange_plan(num_devices=devices),
+            axis_name=axis_name,
+            local_experts=local_experts,
+        )
+        dropped = jnp.zeros((), jnp.int32)
+    elif capacity_factor is None:
         results = _exact_exchange(
             x[order // top_k],
             sorted_experts % local_experts,

@@ -29,6 +29,7 @@ import random
 import time
 from typing import Any
 
+from conveyor.plans.exchange import ExchangePlan
 from conveyor.plans.pipeline import PipelinePlan
 from conveyor.plans.program import Action, Compute, Copy, Program, Read, Signal, Wait, Write
 from conveyor.plans.ring import RingPlan
@@ -325,13 +326,14 @@ def check(
     """Check a `PipelinePlan`, a `WarpSpecializedPlan`, a list of warp-specialized plans chained on
     one set of allocations (`pipeline_state`: the first is the START, the last the STOP), a list
     of plain plans run one after another (some `cv.sim.Prefetched`: `conveyor.plans.sequence`) or
-    a `RingPlan` (every stream at once) for races and deadlocks.
+    a `RingPlan` (every stream at once) or an `ExchangePlan` (an expert-parallel layer's
+    overlapped exchange) for races and deadlocks.
 
     Args:
       in_flight_steps: pipelines: the body leaves asynchronous work reading its input slots that
         is awaited this many steps later (e.g. 1 for an un-awaited matmul).
-      credits: rings: model the credit (capacity semaphore) protocol; False models a ring without
-        flow control.
+      credits: rings and exchanges: model the credit (capacity semaphore) protocol; False models
+        one without flow control.
       max_states: states explored exhaustively before switching to random interleavings.
       max_seconds: a time budget for the whole search (None: none); when it runs out the report
         says so and holds the findings so far.
@@ -352,9 +354,9 @@ def check(
         (plan if isinstance(plan, PipelinePlan) else plan.pipeline).require_static("cv.sim.check")
     if isinstance(plan, (PipelinePlan, WarpSpecializedPlan)):
         return explore(plan.program(in_flight_steps), **budget)
-    if isinstance(plan, RingPlan):
+    if isinstance(plan, (RingPlan, ExchangePlan)):
         return explore(plan.program(credits), **budget)
     raise TypeError(
-        "check: expected a PipelinePlan, WarpSpecializedPlan or RingPlan, got "
+        "check: expected a PipelinePlan, WarpSpecializedPlan, RingPlan or ExchangePlan, got "
         f"{type(plan).__name__}"
     )

@@ -1,0 +1,201 @@
+"""The overlapped expert-parallel exchange (`overlap=True`): the plan's steps run by XLA on
+simulated devices, against the dense reference of the whole batch, for rings of odd and even size
+(one or two streams), forward and gradients; and its plan checked free of races and deadlocks."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import conveyor as cv
+from conveyor.moe.exchange import _send_whole, send_exact
+from conveyor.plans.exchange import ExchangePlan, exchange_plan
+from conveyor.sim.check import check
+from tests.moe.test_exchange import _lowered_text
+from tests.moe.test_moe_layer import tol
+
+TOKENS_PER_DEVICE, D, F = 8, 16, 24
+
+
+def params(devices, seed, experts_per_device=2):
+    rng = np.random.default_rng(seed)
+    e = devices * experts_per_device
+    n = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-2]), jnp.float32)
+    return dict(
+        x=jnp.asarray(rng.standard_normal((devices * TOKENS_PER_DEVICE, D)), jnp.float32),
+        router_w=n(D, e),
+        w_gate=n(e, D, F),
+        w_up=n(e, D, F),
+        w_down=n(e, F, D),
+    )
+
+
+def sharded(devices, top_k, **options):
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("expert",))
+    specs = dict(
+        x=P("expert"), router_w=P(), w_gate=P("expert"), w_up=P("expert"), w_down=P("expert")
+    )
+
+    def layer(p):
+        y, aux, dropped = cv.moe.moe_ffn_expert_parallel(
+            **p, top_k=top_k, axis_name="expert", overlap=True, **options
+        )
+        return y, aux, jax.lax.psum(dropped, "expert")
+
+    return jax.shard_map(layer, mesh=mesh, in_specs=(specs,), out_specs=(P("expert"), P(), P()))
+
+
+@pytest.mark.parametrize("devices, top_k, fused", [(8, 2, True), (3, 3, True), (2, 1, False)])
+def test_forward_matches_the_dense_reference(devices, top_k, fused):
+    """8 devices: two streams, 4 peers from the left and 3 from the right; 3: one peer each way;
+    2: one stream."""
+    p = params(devices, seed=devices)
+    y, aux, dropped = jax.jit(sharded(devices, top_k, fuse_permutation=fused))(p)
+    y_ref, aux_ref = cv.moe.moe_ffn_reference(**p, top_k=top_k)
+    assert int(dropped) == 0
+    # each output row: top_k results of a d -> f -> d SwiGLU, summed in float32
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=tol(y_ref, D + F))
+    np.testing.assert_allclose(aux, aux_ref, rtol=1e-5)
+
+
+def test_gradients_match_the_dense_reference():
+    devices, top_k = 4, 2
+    p = params(devices, seed=11)
+
+    def loss(fn):
+        def f(p):
+            y, aux = fn(p)[:2]
+            return jnp.sum(jnp.sin(y)) + aux
+
+        return f
+
+    got = jax.jit(jax.grad(loss(sharded(devices, top_k))))(p)
+    want = jax.grad(loss(lambda p: cv.moe.moe_ffn_reference(**p, top_k=top_k)))(p)
+    for name in p:
+        np.testing.assert_allclose(
+            got[name], want[name], rtol=0, atol=tol(want[name], 2 * (D + F)), err_msg=name
+        )
+
+
+def test_the_same_as_the_exact_exchange():
+    """Overlapped and exact exchanges run the same experts on the same rows: equal up to the
+    order of float32 sums (the gmm sees the rows in other groupings)."""
+    devices, top_k = 8, 2
+    p = params(devices, seed=3)
+    y, *_ = jax.jit(sharded(devices, top_k))(p)
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("expert",))
+    specs = dict(
+        x=P("expert"), router_w=P(), w_gate=P("expert"), w_up=P("expert"), w_down=P("expert")
+    )
+    exact = jax.shard_map(
+        lambda p: cv.moe.moe_ffn_expert_parallel(**p, top_k=top_k, axis_name="expert")[0],
+        mesh=mesh,
+        in_specs=(specs,),
+        out_specs=P("expert"),
+    )
+    np.testing.assert_allclose(y, jax.jit(exact)(p), rtol=0, atol=tol(y, D + F))
+
+
+def test_overlap_refuses_a_capacity_and_non_bools():
+    p = params(2, seed=0)
+    with pytest.raises(
+        ValueError, match=r"overlap: the overlapped exchange is dropless.*capacity_factor=1.5"
+    ):
+        sharded(2, 1, capacity_factor=1.5)(p)
+    with pytest.raises(TypeError, match=r"overlap: expected a bool, got 'yes'"):
+        cv.moe.moe_ffn_expert_parallel(**p, top_k=1, axis_name="expert", overlap="yes")
+
+
+@pytest.mark.parametrize("shift", [1, -2, 3])
+def test_the_exact_send_moves_what_the_cpu_send_moves(shift):
+    """The TPU/GPU branch (one ragged slice; emulated on CPU) and the CPU branch (a ppermute of the
+    whole chunk) agree: the receiver gets the sender's first `size` rows and zeros."""
+    devices, rows = 4, 6
+    rng = np.random.default_rng(shift % 7)
+    sizes = rng.integers(0, rows + 1, devices)
+    chunks = rng.standard_normal((devices, rows, 3)).astype(np.float32)
+    chunks[np.arange(rows)[None, :] >= sizes[:, None]] = 0  # the senders' padding
+    recv = np.roll(sizes, shift)  # device i receives from i - shift
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("x",))
+
+    def run(send):
+        def local(c, n, m):
+            return send(c[0], n[0], m[0], shift=shift, axis_name="x", devices=devices)[None]
+
+        spec = (P("x"),) * 3
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=spec, out_specs=P("x")))(
+            chunks, jnp.asarray(sizes, jnp.int32), jnp.asarray(recv, jnp.int32)
+        )
+
+    want = np.roll(chunks, shift, axis=0)
+    np.testing.assert_array_equal(np.asarray(run(_send_whole)), want)
+    np.testing.assert_array_equal(np.asarray(run(send_exact)), want)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_tpu_lowering_sends_only_ragged_slices(grad):
+    """Expert axis of 4 (3 peers): forward, per peer, the rows, their expert ids and the results
+    (9 ragged sends); backward adds the transposes of the rows' and results' sends (6). No dense
+    all_to_all and no whole-chunk ppermute is left."""
+    text = _lowered_text("tpu", grad, overlap=True)
+    assert text.count("custom_call @ragged_all_to_all") == (15 if grad else 9)
+    # the only all_to_alls left move offsets (one int per device), which the ragged collective's
+    # transpose exchanges
+    dense = re.findall(r'"stablehlo.all_to_all"\(.*?\) : \((tensor<[^>]*>)\)', text)
+    assert set(dense) <= {"tensor<4xi32>"}, dense
+    assert "collective_permute" not in text
+
+
+@pytest.mark.parametrize("devices", range(1, 10))
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_every_device_runs_every_peers_chunk_once(devices, bidirectional):
+    plan = exchange_plan(num_devices=devices, bidirectional=bidirectional)
+    plan.check_covers_peers()
+    # every chunk but the local one is dispatched once and returned once
+    records = [r for rs in plan.steps() for r in rs]
+    assert sum(r.dispatches for r in records) == devices - 1
+    assert sum(r.returns for r in records) == devices - 1
+
+
+@pytest.mark.parametrize("bidirectional, buffering", [(False, 2), (True, 2), (False, 3)])
+def test_the_checker_finds_no_race_or_deadlock(bidirectional, buffering):
+    """Exhaustive on 3 devices (2 peers on one stream, or 1 per stream); 5 devices within a
+    state and time budget (then random interleavings), to keep the suite fast."""
+    plan = exchange_plan(num_devices=3, bidirectional=bidirectional, buffering=buffering)
+    report = check(plan)
+    assert report.exhaustive and not report.findings, report
+    report = check(
+        exchange_plan(num_devices=5, bidirectional=bidirectional, buffering=buffering),
+        max_states=5_000,
+        max_seconds=3,
+    )
+    assert not report.findings, report
+
+
+def test_the_checker_finds_the_planted_bugs():
+    """Without credits a sender overwrites a slot still to be read (or its landing is taken for
+    another's); with one slot every device waits for a credit nobody can grant yet."""
+    no_credits = check(
+        ExchangePlan(num_devices=4, bidirectional=False, buffering=2),
+        credits=False,
+        max_states=5_000,
+    )
+    assert [f.kind for f in no_credits.findings][:1] == ["race"], no_credits
+    one_slot = check(
+        ExchangePlan(num_devices=4, bidirectional=False, buffering=1), max_states=5_000
+    )
+    assert one_slot.findings and one_slot.findings[0].kind == "deadlock", one_slot
+    assert "waits a credit from dev" in one_slot.findings[0].message
+
+
+def test_exchange_plan_errors_are_named():
+    with pytest.raises(ValueError, match=r"buffering: the overlapped exchange needs 2 .*got 1"):
+        exchange_plan(num_devices=4, buffering=1)
+    assert exchange_plan(num_devices=3, buffering=1).buffering == 1  # one peer per stream
+    with pytest.raises(ValueError, match=r"num_devices: expected an int >= 1, got 0"):
+        exchange_plan(num_devices=0)
+    with pytest.raises(ValueError, match=r"buffering: expected an int >= 1, got True"):
+        exchange_plan(num_devices=4, buffering=True)
