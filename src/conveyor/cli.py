@@ -90,7 +90,15 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
     )
     s.add_argument(
         "which",
-        choices=["matmul", "gmm", "tgmm", "all-gather-matmul", "matmul-reduce-scatter", "copy"],
+        choices=[
+            "matmul",
+            "gmm",
+            "tgmm",
+            "all-gather-matmul",
+            "matmul-reduce-scatter",
+            "copy",
+            "moe",
+        ],
     )
     s.add_argument(
         "--m",
@@ -148,6 +156,12 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
     s.add_argument("--unfused", action="store_true", help="the collective, then the matmul")
     s.add_argument("--buffering", type=t.positive_int, default=2)
     s.add_argument("--bytes", type=t.positive_float, default=4e9, help="copy: bytes to copy")
+    s.add_argument(
+        "--shape",
+        choices=["mixtral", "deepseek"],
+        default="mixtral",
+        help="moe: the layer (docs/moe.md): Mixtral 8x7B's or DeepSeek-V3's, 4096 tokens per chip",
+    )
     s.add_argument("--json", action="store_true", help="print the report as JSON")
     s.add_argument("--png", type=pathlib.Path, help="draw the timeline here (needs conveyor[plot])")
     s.add_argument("--trace", type=pathlib.Path, help="write a Chrome/Perfetto trace here")
@@ -155,10 +169,11 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
     c = subs["check"] = sub.add_parser(
         "check",
         help=(
-            "replay a pipeline or ring plan under every interleaving; exit 1 on a race or deadlock"
+            "replay a pipeline, ring or MoE exchange plan under every interleaving; exit 1 on a "
+            "race or deadlock"
         ),
     )
-    c.add_argument("which", choices=["pipeline", "ring"])
+    c.add_argument("which", choices=["pipeline", "ring", "exchange"])
     c.add_argument(
         "--grid",
         type=t.int_list(minimum=1),
@@ -178,9 +193,12 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
     )
     c.add_argument("--warp-specialized", action="store_true")
     c.add_argument("--compute-threads", type=t.positive_int, default=2)
-    c.add_argument("--devices", type=t.positive_int, default=4, help="ring size (ring)")
+    c.add_argument("--devices", type=t.positive_int, default=4, help="ring size (ring, exchange)")
     c.add_argument(
-        "--buffering", type=t.positive_int, default=2, help="receive slots per device (ring)"
+        "--buffering",
+        type=t.positive_int,
+        default=2,
+        help="receive slots per device and stream (ring, exchange)",
     )
     c.add_argument("--unidirectional", action="store_true")
     c.add_argument(
@@ -374,6 +392,7 @@ _SIMULATE_USES = {
     },
 }
 _SIMULATE_USES["matmul-reduce-scatter"] = _SIMULATE_USES["all-gather-matmul"]
+_SIMULATE_USES["moe"] = {"shape", "devices", "dtype", "hardware", "buffering"}
 _RING_OPTIONS = {"devices", "shard", "dim", "unidirectional", "grad"}
 _COMPILE_CHECK_USES = {
     "production": set(),
@@ -393,6 +412,7 @@ _CHECK_USES = {
         "compute_threads",
     },
     "ring": {"devices", "buffering", "unidirectional", "scatter", "no_credits"},
+    "exchange": {"devices", "buffering", "unidirectional", "no_credits"},
 }
 
 
@@ -413,9 +433,33 @@ def _unused(sub: _Parser, args, uses: set[str], always: set[str]) -> str:
     )
 
 
+def _simulate_moe(args) -> int:
+    """The expert-parallel layer's three exchanges side by side (`conveyor.sim.moe`)."""
+    from conveyor.sim import moe
+
+    for name in ("json", "png", "trace"):
+        if getattr(args, name):
+            raise ValueError(
+                f"--{name}: 'simulate moe' prints a table of three layers; use "
+                "cv.sim.simulate_moe_layer(...) for one layer's report"
+            )
+    print(
+        moe.markdown_table(
+            args.shape,
+            devices=args.devices,
+            hardware=args.hardware,
+            dtype=args.dtype,
+            buffering=args.buffering,
+        )
+    )
+    return 0
+
+
 def _simulate(args, fail) -> int:
     from conveyor import sim
 
+    if args.which == "moe":
+        return _simulate_moe(args)
     m = args.m if args.m is not None else 4096
     if args.which == "matmul":
         report = sim.simulate_matmul(
@@ -515,6 +559,15 @@ def _check(args) -> int:
 
         plan = ring_plan(
             collective="scatter" if args.scatter else "gather",
+            num_devices=args.devices,
+            bidirectional=not args.unidirectional,
+            buffering=args.buffering,
+        )
+        report = sim.check(plan, credits=not args.no_credits, **budget)
+    elif args.which == "exchange":
+        from conveyor.plans.exchange import exchange_plan
+
+        plan = exchange_plan(
             num_devices=args.devices,
             bidirectional=not args.unidirectional,
             buffering=args.buffering,

@@ -8,6 +8,7 @@ cv.sim.check(cv.pipeline.plan(...), in_flight_steps=1)   # races and deadlocks
 from conveyor.plans.sequence import Prefetched
 from conveyor.sim.check import CheckReport, Finding, check
 from conveyor.sim.hardware import HARDWARE, Hardware, Value
+from conveyor.sim.moe import MoeShape, simulate_moe_layer
 from conveyor.sim.report import Box, Report
 from conveyor.sim.simulate import (
     DoesNotFit,
@@ -34,6 +35,8 @@ __all__ = [
     "simulate_tgmm",
     "simulate_copy",
     "simulate_collective_matmul",
+    "simulate_moe_layer",
+    "MoeShape",
     "DoesNotFit",
     "Prefetched",
 ]

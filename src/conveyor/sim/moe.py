@@ -1,0 +1,244 @@
+"""The expert-parallel MoE layer on a hardware model: its three exchanges side by side.
+
+One layer on each of `devices` chips, each holding `tokens` tokens and `experts / devices` experts.
+Routing is taken as balanced (every chip sends `tokens * top_k / devices` assignments to every
+chip, itself included), the case the layer is sized for; skewed routing moves the numbers and is
+not modelled. The experts are the SwiGLU's three grouped matmuls (`simulate_gmm`, the kernels'
+own tile schedules); the elementwise SiLU product and the routing are not priced.
+
+- "dense": `capacity_factor=None` before the exact exchange existed, or any fixed capacity: an
+  all_to_all of worst-case buffers (each chip reserves `tokens * top_k` rows for each peer and
+  the whole buffer travels), then the experts on the rows received, then the same way back.
+- "exact": the ragged exchange (`jax.lax.ragged_all_to_all`): only the rows routed, then the
+  experts, then back.
+- "overlapped": the plan of `conveyor.plans.exchange`, run as its event program: each peer's
+  chunk is dispatched while the experts run on the chunk before it, and its results go home
+  during the next chunk's experts. The experts run per chunk (smaller grouped matmuls).
+
+Transfers use the ring's two directions (two links out of each chip), a chunk costing its bytes at
+the link's achievable rate plus the link latency; in the unfused exchanges the peers' chunks
+queue on the two links one after another. While transfers run beside them, the experts run
+`overlap_slowdown` slower for that time (the hardware model's calibrated figure). Every number
+comes from `conveyor.sim.hardware`, with its source.
+
+Per-chunk expert matmuls read every local expert's weights once per chunk, `devices` times per
+layer instead of once: where the experts are small (many experts, few rows each) that traffic can
+cost more than the exchange the overlap hides, and the report shows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from conveyor import dtypes
+from conveyor.plans.exchange import exchange_plan
+from conveyor.sim import timed
+from conveyor.sim.hardware import Hardware, get as get_hardware
+from conveyor.sim.report import Box, Report
+from conveyor.sim.simulate import simulate_gmm
+from conveyor.sim.timed import Timing
+
+EXCHANGES = ("dense", "exact", "overlapped")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoeShape:
+    """One MoE layer: tokens per chip, model width d, expert hidden size f, experts, top-k."""
+
+    name: str
+    tokens: int
+    d: int
+    f: int
+    experts: int
+    top_k: int
+
+    def __post_init__(self):
+        for field in ("tokens", "d", "f", "experts", "top_k"):
+            v = getattr(self, field)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"MoeShape: {field} must be an int >= 1, got {v!r}")
+        if self.top_k > self.experts:
+            raise ValueError(
+                f"MoeShape: top_k must be at most experts={self.experts}, got {self.top_k}"
+            )
+
+
+# Mixtral 8x7B (its paper and config: hidden 4096, intermediate 14336, 8 experts, top-2) and
+# DeepSeek-V3 (its config: hidden 7168, moe_intermediate_size 2048, 256 routed experts, top-8; the
+# shared expert is not part of the exchange); 4096 tokens per chip for both.
+SHAPES = {
+    "mixtral": MoeShape(name="mixtral", tokens=4096, d=4096, f=14336, experts=8, top_k=2),
+    "deepseek": MoeShape(name="deepseek", tokens=4096, d=7168, f=2048, experts=256, top_k=8),
+}
+
+
+def simulate_moe_layer(
+    shape: MoeShape | str,
+    *,
+    exchange: str = "overlapped",
+    devices: int = 8,
+    hardware: str | Hardware = "h100",
+    dtype: str = "bf16",
+    buffering: int = 2,
+) -> Report:
+    """One forward pass of the expert-parallel layer with `exchange` (see the module docstring).
+
+    The report's config holds the parts: `experts_us` (the layer's expert matmuls alone),
+    `exchange_us` (the exact exchange's transfers, both ways, alone) and, for "overlapped",
+    `hidden`: 1 - (time - experts_us) / exchange_us, the fraction of the transfer time the overlap
+    hides (the experts' slowdown beside transfers counts as exposed)."""
+    s = SHAPES.get(shape, shape) if isinstance(shape, str) else shape
+    if not isinstance(s, MoeShape):
+        raise ValueError(f"shape: expected a MoeShape or one of {sorted(SHAPES)}, got {shape!r}")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices: expected an int >= 1, got {devices!r}")
+    if s.experts % devices:
+        raise ValueError(
+            f"devices: the {s.experts} experts of {s.name!r} must divide evenly over the chips, "
+            f"got {devices}"
+        )
+    hw = get_hardware(hardware)
+    b = dtypes.itemsize(dtype)
+    local = s.experts // devices
+    assignments = s.tokens * s.top_k
+    chunk_rows = assignments // devices  # balanced routing: per peer, itself included
+    link_rate = hw.link_bandwidth.value * hw.link_efficiency.value
+    slowdown = hw.overlap_slowdown.value if devices > 1 else 0.0
+
+    def transfer_s(rows: int) -> float:
+        return rows * s.d * b / link_rate + hw.link_latency.value
+
+    experts_s = functools.partial(_experts_s, s, local, dtype=dtype, hw=hw)
+    all_experts = experts_s(chunk_rows * devices)
+    # the exact exchange's transfers, one way: the peers' chunks over two links
+    per_link = -(-(devices - 1) // 2)
+    exact_one_way = per_link * transfer_s(chunk_rows) if devices > 1 else 0.0
+    boxes: list[Box] = []
+    if exchange == "overlapped":
+        plan = exchange_plan(num_devices=devices, buffering=buffering)
+        beside = _transfer_beside(plan, transfer_s(chunk_rows), experts_s(chunk_rows))
+        chunk_s = experts_s(chunk_rows)
+        hop = transfer_s(chunk_rows)
+        timing = Timing(
+            copy_s=lambda c: hop,
+            compute_s=lambda a, actor: chunk_s + slowdown * beside[(a.step, a.stream)],
+        )
+        time, raw = timed.run(plan.program(), timing)
+        rows = {"dev0": "compute", **{f"link {d} dev0": f"link {d}" for d in ("right", "left")}}
+        boxes = [dataclasses.replace(x, actor=rows[x.actor]) for x in raw if x.actor in rows]
+        moved = 2 * (devices - 1) * chunk_rows * s.d * b
+        experts_total = devices * chunk_s
+    else:
+        peer_rows = assignments if exchange == "dense" else chunk_rows
+        one_way = per_link * transfer_s(peer_rows) if devices > 1 else 0.0
+        time, t = 0.0, 0.0
+        for label, dur, row in (
+            ("dispatch", one_way, "link right"),
+            ("experts", all_experts, "compute"),
+            ("return", one_way, "link left"),
+        ):
+            boxes.append(Box(row, "link" if row != "compute" else "compute", label, t, t + dur))
+            t += dur
+        time = t
+        moved = 2 * (devices - 1) * peer_rows * s.d * b
+        experts_total = all_experts
+    comm = 2 * exact_one_way
+    config = {
+        "shape": s.name,
+        "exchange": exchange,
+        "devices": devices,
+        "tokens": s.tokens,
+        "d": s.d,
+        "f": s.f,
+        "experts": s.experts,
+        "top_k": s.top_k,
+        "dtype": dtype,
+        "bidirectional": devices > 2,
+        "experts_us": experts_total * 1e6,
+        "exchange_us": comm * 1e6,
+    }
+    if exchange == "overlapped":
+        config["buffering"] = plan.buffering
+        # exposed: what the layer takes beyond its own (per-chunk) expert matmuls
+        exposed = time - experts_total
+        config["hidden"] = max(0.0, min(1.0, 1.0 - exposed / comm)) if comm > 0 else 0.0
+    flops = 2.0 * assignments * 3 * s.d * s.f
+    hbm = (local * 3 * s.d * s.f + 4 * assignments * s.d) * b
+    return Report(
+        f"moe layer ({exchange} exchange)",
+        hw,
+        time,
+        flops,
+        hbm,
+        moved,
+        0,
+        config,
+        tuple(boxes),
+    )
+
+
+def _transfer_beside(plan, hop_s: float, chunk_s: float) -> dict[tuple[int, str], float]:
+    """Per (step, stream): the transfer time running beside that compute, shared among the step's
+    computes: the step's dispatches and the previous step's returns, on the busier of the two
+    links, at most the step's compute time."""
+    back = {"right": "left", "left": "right"}
+    out = {}
+    for t, records in enumerate(plan.steps()):
+        per_link = {"right": 0, "left": 0}
+        for r in records:
+            per_link[r.direction] += r.dispatches
+        for r in plan.steps()[t - 1] if t else ():
+            per_link[back[r.direction]] += r.returns
+        computes = [r for r in records if r.computes]
+        busy = min(max(per_link.values()) * hop_s, len(computes) * chunk_s)
+        for r in computes:
+            out[(t, r.direction)] = busy / len(computes)
+    return out
+
+
+def _experts_s(s: MoeShape, local: int, rows: int, *, dtype: str, hw: Hardware) -> float:
+    """The SwiGLU experts' three grouped matmuls on `rows` rows spread evenly over `local`
+    experts."""
+    sizes = [rows // local + (1 if e < rows % local else 0) for e in range(local)]
+    up = simulate_gmm(sizes, s.d, s.f, dtype=dtype, hardware=hw).time_s
+    down = simulate_gmm(sizes, s.f, s.d, dtype=dtype, hardware=hw).time_s
+    return 2 * up + down
+
+
+def markdown_table(
+    shape: MoeShape | str,
+    *,
+    devices: int = 8,
+    hardware: str | Hardware = "h100",
+    dtype: str = "bf16",
+    buffering: int = 2,
+) -> str:
+    """The three exchanges of one layer as a markdown table (`conveyor simulate moe`)."""
+    reports = {
+        e: simulate_moe_layer(
+            shape, exchange=e, devices=devices, hardware=hardware, dtype=dtype, buffering=buffering
+        )
+        for e in EXCHANGES
+    }
+    first = reports["dense"]
+    c = first.config
+    exact = reports["exact"].time_s
+    rows = [
+        f"MoE layer {c['shape']!r} on {devices} x {first.hardware.name}: {c['tokens']} tokens per "
+        f"chip, d={c['d']}, f={c['f']}, {c['experts']} experts, top-{c['top_k']}, {c['dtype']}; "
+        "balanced routing, forward pass",
+        "",
+        "| exchange | time (us) | vs exact | expert matmuls (us) | bytes sent per chip (MB) | "
+        "transfer time hidden |",
+        "|---|---|---|---|---|---|",
+    ]
+    for e, r in reports.items():
+        hidden = f"{r.config['hidden']:.0%}" if "hidden" in r.config else "0%"
+        rows.append(
+            f"| {e} | {r.time_us:.0f} | {r.time_s / exact:.2f}x | {r.config['experts_us']:.0f} | "
+            f"{r.link_bytes / 1e6:.1f} | {hidden} |"
+        )
+    return "\n".join(rows) + "\n"
