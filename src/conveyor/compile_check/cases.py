@@ -171,10 +171,11 @@ def _moe(ctx, *, tokens, d, f, experts, top_k, grad=False):
     return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 2, 3, 4)), args
 
 
-def _moe_ep(ctx, *, devices, tokens, d, f, experts, top_k, grad=False):
+def _moe_ep(ctx, *, devices, tokens, d, f, experts, top_k, grad=False, overlap=False):
     """cv.moe.moe_ffn_expert_parallel (bf16) on a 2 x devices/2 data x expert mesh: the exact
-    exchange (ragged_all_to_all) and three gmm kernels per device; grad adds tgmm. `tokens` is
-    the whole batch, sharded over both axes."""
+    exchange (ragged_all_to_all) and three gmm kernels per device, or with `overlap` the plan's
+    per-peer ragged sends and three gmm kernels per chunk; grad adds tgmm. `tokens` is the whole
+    batch, sharded over both axes."""
     import conveyor as cv
 
     bf16 = jnp.bfloat16
@@ -185,7 +186,12 @@ def _moe_ep(ctx, *, devices, tokens, d, f, experts, top_k, grad=False):
 
     def layer(*a):
         return cv.moe.moe_ffn_expert_parallel(
-            *a, top_k=top_k, axis_name="expert", loss_axes=("data", "expert"), backend=ctx.backend
+            *a,
+            top_k=top_k,
+            axis_name="expert",
+            loss_axes=("data", "expert"),
+            backend=ctx.backend,
+            overlap=overlap,
         )[0]
 
     fwd = jax.shard_map(
@@ -326,6 +332,18 @@ def production() -> list[Case]:
         # (narrow experts, top-8; 64 of them, not 256, to keep the compile short)
         case("moe_ep", devices=8, tokens=8192, d=4096, f=14336, experts=8, top_k=2, grad=True),
         case("moe_ep", devices=8, tokens=8192, d=7168, f=2048, experts=64, top_k=8, grad=True),
+        # the overlapped exchange: per-peer ragged sends around per-chunk expert matmuls
+        case(
+            "moe_ep",
+            devices=8,
+            tokens=8192,
+            d=4096,
+            f=14336,
+            experts=8,
+            top_k=2,
+            grad=True,
+            overlap=True,
+        ),
         case("example", fn="matmul", m=4096, k=4096, n=4096),
         case("example", fn="matmul_warp_specialized", m=4096, k=4096, n=4096),
         case("mpmd", rows=64, cols=128),
