@@ -208,6 +208,11 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
         "--no-credits", action="store_true", help="drop the credit protocol (expect a race)"
     )
     c.add_argument(
+        "--expert-stages",
+        type=t.positive_int,
+        help="exchange: the expert-staged plan with this many stages (default: per peer)",
+    )
+    c.add_argument(
         "--max-states",
         type=t.positive_int,
         default=200_000,
@@ -412,7 +417,7 @@ _CHECK_USES = {
         "compute_threads",
     },
     "ring": {"devices", "buffering", "unidirectional", "scatter", "no_credits"},
-    "exchange": {"devices", "buffering", "unidirectional", "no_credits"},
+    "exchange": {"devices", "buffering", "unidirectional", "no_credits", "expert_stages"},
 }
 
 
@@ -565,12 +570,23 @@ def _check(args) -> int:
         )
         report = sim.check(plan, credits=not args.no_credits, **budget)
     elif args.which == "exchange":
-        from conveyor.plans.exchange import exchange_plan
+        from conveyor.plans.exchange import exchange_plan, staged_exchange_plan
 
-        plan = exchange_plan(
-            num_devices=args.devices,
-            bidirectional=not args.unidirectional,
-            buffering=args.buffering,
+        if args.expert_stages is not None and args.unidirectional:
+            raise ValueError(
+                "--unidirectional: the expert-staged exchange (--expert-stages) sends to every "
+                "peer at once; it has no direction to choose"
+            )
+        plan = (
+            staged_exchange_plan(
+                num_devices=args.devices, stages=args.expert_stages, buffering=args.buffering
+            )
+            if args.expert_stages is not None
+            else exchange_plan(
+                num_devices=args.devices,
+                bidirectional=not args.unidirectional,
+                buffering=args.buffering,
+            )
         )
         report = sim.check(plan, credits=not args.no_credits, **budget)
     else:

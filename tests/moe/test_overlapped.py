@@ -12,7 +12,12 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import conveyor as cv
 from conveyor.moe.exchange import _send_whole, send_exact
-from conveyor.plans.exchange import ExchangePlan, exchange_plan
+from conveyor.plans.exchange import (
+    ExchangePlan,
+    StagedExchangePlan,
+    exchange_plan,
+    staged_exchange_plan,
+)
 from conveyor.sim.check import check
 from tests.moe.test_exchange import _lowered_text
 from tests.moe.test_moe_layer import tol
@@ -33,7 +38,7 @@ def params(devices, seed, experts_per_device=2):
     )
 
 
-def sharded(devices, top_k, **options):
+def sharded(devices, top_k, overlap="peers", **options):
     mesh = Mesh(np.array(jax.devices()[:devices]), ("expert",))
     specs = dict(
         x=P("expert"), router_w=P(), w_gate=P("expert"), w_up=P("expert"), w_down=P("expert")
@@ -41,19 +46,28 @@ def sharded(devices, top_k, **options):
 
     def layer(p):
         y, aux, dropped = cv.moe.moe_ffn_expert_parallel(
-            **p, top_k=top_k, axis_name="expert", overlap=True, **options
+            **p, top_k=top_k, axis_name="expert", overlap=overlap, **options
         )
         return y, aux, jax.lax.psum(dropped, "expert")
 
     return jax.shard_map(layer, mesh=mesh, in_specs=(specs,), out_specs=(P("expert"), P(), P()))
 
 
-@pytest.mark.parametrize("devices, top_k, fused", [(8, 2, True), (3, 3, True), (2, 1, False)])
-def test_forward_matches_the_dense_reference(devices, top_k, fused):
-    """8 devices: two streams, 4 peers from the left and 3 from the right; 3: one peer each way;
-    2: one stream."""
+@pytest.mark.parametrize(
+    "overlap, devices, top_k, fused",
+    [
+        ("peers", 8, 2, True),
+        ("peers", 3, 3, True),
+        ("peers", 2, 1, False),
+        ("experts", 8, 2, True),
+        ("experts", 3, 3, False),
+    ],
+)
+def test_forward_matches_the_dense_reference(overlap, devices, top_k, fused):
+    """peers: 8 devices, two streams, 4 peers from the left and 3 from the right; 3: one peer
+    each way; 2: one stream. experts: 2 stages (local experts) of every peer at once."""
     p = params(devices, seed=devices)
-    y, aux, dropped = jax.jit(sharded(devices, top_k, fuse_permutation=fused))(p)
+    y, aux, dropped = jax.jit(sharded(devices, top_k, overlap, fuse_permutation=fused))(p)
     y_ref, aux_ref = cv.moe.moe_ffn_reference(**p, top_k=top_k)
     assert int(dropped) == 0
     # each output row: top_k results of a d -> f -> d SwiGLU, summed in float32
@@ -61,9 +75,11 @@ def test_forward_matches_the_dense_reference(devices, top_k, fused):
     np.testing.assert_allclose(aux, aux_ref, rtol=1e-5)
 
 
-def test_gradients_match_the_dense_reference():
+@pytest.mark.parametrize("overlap, stages", [("peers", None), ("experts", 2)])
+def test_gradients_match_the_dense_reference(overlap, stages):
+    """experts: 3 local experts in 2 stages (uneven groups: 2 and 1)."""
     devices, top_k = 4, 2
-    p = params(devices, seed=11)
+    p = params(devices, seed=11, experts_per_device=3)
 
     def loss(fn):
         def f(p):
@@ -72,7 +88,8 @@ def test_gradients_match_the_dense_reference():
 
         return f
 
-    got = jax.jit(jax.grad(loss(sharded(devices, top_k))))(p)
+    options = {} if stages is None else dict(overlap_stages=stages)
+    got = jax.jit(jax.grad(loss(sharded(devices, top_k, overlap, **options))))(p)
     want = jax.grad(loss(lambda p: cv.moe.moe_ffn_reference(**p, top_k=top_k)))(p)
     for name in p:
         np.testing.assert_allclose(
@@ -80,12 +97,13 @@ def test_gradients_match_the_dense_reference():
         )
 
 
-def test_the_same_as_the_exact_exchange():
+@pytest.mark.parametrize("overlap", ["peers", "experts"])
+def test_the_same_as_the_exact_exchange(overlap):
     """Overlapped and exact exchanges run the same experts on the same rows: equal up to the
     order of float32 sums (the gmm sees the rows in other groupings)."""
     devices, top_k = 8, 2
     p = params(devices, seed=3)
-    y, *_ = jax.jit(sharded(devices, top_k))(p)
+    y, *_ = jax.jit(sharded(devices, top_k, overlap))(p)
     mesh = Mesh(np.array(jax.devices()[:devices]), ("expert",))
     specs = dict(
         x=P("expert"), router_w=P(), w_gate=P("expert"), w_up=P("expert"), w_down=P("expert")
@@ -99,14 +117,26 @@ def test_the_same_as_the_exact_exchange():
     np.testing.assert_allclose(y, jax.jit(exact)(p), rtol=0, atol=tol(y, D + F))
 
 
-def test_overlap_refuses_a_capacity_and_non_bools():
+def test_overlap_errors_are_named():
     p = params(2, seed=0)
     with pytest.raises(
         ValueError, match=r"overlap: the overlapped exchange is dropless.*capacity_factor=1.5"
     ):
         sharded(2, 1, capacity_factor=1.5)(p)
-    with pytest.raises(TypeError, match=r"overlap: expected a bool, got 'yes'"):
-        cv.moe.moe_ffn_expert_parallel(**p, top_k=1, axis_name="expert", overlap="yes")
+    with pytest.raises(
+        ValueError, match=r"overlap: expected one of \(None, 'peers', 'experts'\), got True"
+    ):
+        cv.moe.moe_ffn_expert_parallel(**p, top_k=1, axis_name="expert", overlap=True)
+    with pytest.raises(
+        ValueError,
+        match=r"overlap_stages: expected None, or with overlap='experts' an int in \[1, 2\].*got 3",
+    ):
+        sharded(2, 1, "experts", overlap_stages=3)(p)
+    one_each = params(2, seed=0, experts_per_device=1)
+    with pytest.raises(
+        ValueError, match=r"overlap: 'experts' .* needs at least 2 per device, got 1"
+    ):
+        sharded(2, 1, "experts")(one_each)
 
 
 @pytest.mark.parametrize("shift", [1, -2, 3])
@@ -135,13 +165,15 @@ def test_the_exact_send_moves_what_the_cpu_send_moves(shift):
     np.testing.assert_array_equal(np.asarray(run(send_exact)), want)
 
 
+@pytest.mark.parametrize("overlap, sends", [("peers", 3), ("experts", 2)])
 @pytest.mark.parametrize("grad", [False, True])
-def test_the_tpu_lowering_sends_only_ragged_slices(grad):
-    """Expert axis of 4 (3 peers): forward, per peer, the rows, their expert ids and the results
-    (9 ragged sends); backward adds the transposes of the rows' and results' sends (6). No dense
-    all_to_all and no whole-chunk ppermute is left."""
-    text = _lowered_text("tpu", grad, overlap=True)
-    assert text.count("custom_call @ragged_all_to_all") == (15 if grad else 9)
+def test_the_tpu_lowering_sends_only_ragged_slices(overlap, sends, grad):
+    """Expert axis of 4 (3 peers, 2 local experts): per peer ("peers") or per stage ("experts"),
+    the rows, their expert ids and the results (3 ragged collectives each); backward adds the
+    transposes of the rows' and results' (2 each). No dense exchange of rows and no whole-chunk
+    ppermute is left."""
+    text = _lowered_text("tpu", grad, overlap=overlap)
+    assert text.count("custom_call @ragged_all_to_all") == sends * (5 if grad else 3)
     # the only all_to_alls left move offsets (one int per device), which the ragged collective's
     # transpose exchanges
     dense = re.findall(r'"stablehlo.all_to_all"\(.*?\) : \((tensor<[^>]*>)\)', text)
@@ -199,3 +231,20 @@ def test_exchange_plan_errors_are_named():
         exchange_plan(num_devices=0)
     with pytest.raises(ValueError, match=r"buffering: expected an int >= 1, got True"):
         exchange_plan(num_devices=4, buffering=True)
+
+
+def test_the_staged_plan_is_checked():
+    """Exhaustive on 2 devices and 3 stages (a slot reused); 3 devices within a budget; without
+    credits a peer overwrites a slot still to be read; with one slot, a deadlock."""
+    report = check(staged_exchange_plan(num_devices=2, stages=3))
+    assert report.exhaustive and not report.findings, report
+    report = check(staged_exchange_plan(num_devices=3, stages=3), max_states=5_000, max_seconds=3)
+    assert not report.findings, report
+    no_credits = check(StagedExchangePlan(num_devices=2, stages=3, buffering=2), credits=False)
+    assert no_credits.findings and no_credits.findings[0].kind == "race", no_credits
+    one_slot = check(StagedExchangePlan(num_devices=3, stages=3, buffering=1), max_states=5_000)
+    assert one_slot.findings and one_slot.findings[0].kind == "deadlock", one_slot
+    with pytest.raises(ValueError, match=r"buffering: the staged exchange needs 2 .*got 1"):
+        staged_exchange_plan(num_devices=3, stages=3, buffering=1)
+    with pytest.raises(ValueError, match=r"stages: expected an int >= 1, got 0"):
+        staged_exchange_plan(num_devices=3, stages=0)

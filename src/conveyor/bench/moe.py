@@ -2,7 +2,8 @@
 
 `cv.moe.moe_ffn_expert_parallel` sends every token assignment to the device owning its expert: on
 CPU with an `all_to_all` of fixed-capacity buffers (XLA:CPU has no `ragged_all_to_all`), or, with
-`overlap=True`, one peer's chunk per step. This table measures, for the dropless worst-case
+`overlap="peers"` one peer's chunk per step, or with `overlap="experts"` one local expert's rows
+of every peer per stage. This table measures, for the dropless worst-case
 capacity, capacity factors and the overlapped layer:
   - the exchange alone: one `all_to_all` of a [D, capacity, d] buffer per device (overlapped: one
     step's ppermute of a chunk), its bytes and the rate they move at;
@@ -78,7 +79,7 @@ def run(reps: int = 5, shape: Shape = Shape()) -> str:
     ep_params = {k: put(v, sharded[k]) for k, v in params.items()}
     rep_params = {k: put(v, P()) for k, v in params.items()}
 
-    def layer_step(capacity_factor, overlap=False):
+    def layer_step(capacity_factor, overlap=None):
         def loss(p, x):
             y, aux, dropped = cv.moe.moe_ffn_expert_parallel(
                 x,
@@ -119,11 +120,11 @@ def run(reps: int = 5, shape: Shape = Shape()) -> str:
         "no-exchange | assignments dropped |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    for factor in (*CAPACITY_FACTORS, "overlapped"):
-        overlap = factor == "overlapped"
+    for factor in (*CAPACITY_FACTORS, "peers", "experts"):
+        overlap = factor if factor in ("peers", "experts") else None
         factor = None if overlap else factor
         cap = capacity(s.tokens, s.top_k, DEVICES, factor)
-        if overlap:  # one step's transfer: a whole chunk to the next peer (CPU: a ppermute)
+        if overlap == "peers":  # one step's transfer: a whole chunk to the next peer (a ppermute)
             buffer = put(jnp.ones((DEVICES * cap, s.d), jnp.float32), P(AXIS))
             ring = [(i, (i + 1) % DEVICES) for i in range(DEVICES)]
             exchange = _smap(mesh, lambda b: lax.ppermute(b, AXIS, ring), (P(AXIS),), P(AXIS))
@@ -143,13 +144,13 @@ def run(reps: int = 5, shape: Shape = Shape()) -> str:
             },
             reps,
         )
-        # what each device sends (and receives) in one exchange (overlapped: one step's chunk)
-        nbytes = (1 if overlap else DEVICES) * cap * s.d * 4
-        label = (
-            "overlapped, dropless (one chunk per step)"
-            if overlap
-            else ("dropless (worst case)" if factor is None else f"factor {factor}")
-        )
+        # what each device sends (and receives) in one exchange (per peer: one step's chunk; per
+        # expert: one stage's worst-case blocks, emulated on CPU as the exact exchange is)
+        nbytes = (1 if overlap == "peers" else DEVICES) * cap * s.d * 4
+        label = {
+            "peers": "overlapped per peer, dropless (one chunk per step)",
+            "experts": "overlapped per expert, dropless (one stage per step)",
+        }.get(overlap, "dropless (worst case)" if factor is None else f"factor {factor}")
         rows.append(
             f"| {label} | {cap} | {nbytes / 1e6:.1f} | {t['exchange'] * 1e3:.2f} | "
             f"{nbytes / t['exchange'] / 1e9:.2f} | {t['layer'] * 1e3:.1f} | "
@@ -163,8 +164,9 @@ def run(reps: int = 5, shape: Shape = Shape()) -> str:
         "its buffers are D times the balanced need; a capacity factor c sizes them at c times the "
         "balanced share and drops (and counts) what does not fit. Dropless runs the exact "
         "exchange, `ragged_all_to_all` on GPU/TPU; XLA:CPU lacks it, so on CPU it is emulated "
-        "with these worst-case blocks. The overlapped layer (`overlap=True`) sends one peer's "
-        "chunk per step (on CPU a ppermute of a whole worst-case chunk); XLA:CPU runs collectives "
+        "with these worst-case blocks. The layer overlapped per peer (`overlap='peers'`) sends one "
+        "peer's chunk per step (on CPU a ppermute of a whole worst-case chunk); per expert "
+        "(`overlap='experts'`), one stage's exact exchange per step; XLA:CPU runs collectives "
         "synchronously, so here it shows the plan's cost, not its overlap (`conveyor simulate "
         "moe` predicts that).",
     ]

@@ -171,7 +171,7 @@ def _moe(ctx, *, tokens, d, f, experts, top_k, grad=False):
     return jax.grad(lambda *a: jnp.sum(fwd(*a).astype(jnp.float32)), argnums=(0, 2, 3, 4)), args
 
 
-def _moe_ep(ctx, *, devices, tokens, d, f, experts, top_k, grad=False, overlap=False):
+def _moe_ep(ctx, *, devices, tokens, d, f, experts, top_k, grad=False, overlap=None):
     """cv.moe.moe_ffn_expert_parallel (bf16) on a 2 x devices/2 data x expert mesh: the exact
     exchange (ragged_all_to_all) and three gmm kernels per device, or with `overlap` the plan's
     per-peer ragged sends and three gmm kernels per chunk; grad adds tgmm. `tokens` is the whole
@@ -342,7 +342,7 @@ def production() -> list[Case]:
             experts=8,
             top_k=2,
             grad=True,
-            overlap=True,
+            overlap="peers",
         ),
         case("example", fn="matmul", m=4096, k=4096, n=4096),
         case("example", fn="matmul_warp_specialized", m=4096, k=4096, n=4096),

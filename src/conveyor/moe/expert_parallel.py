@@ -27,11 +27,13 @@ import jax.numpy as jnp
 from jax import lax
 
 from conveyor.moe.exchange import ragged_all_to_all
-from conveyor.moe.overlapped import overlapped_exchange
+from conveyor.moe.overlapped import overlapped_exchange, staged_exchange
 from conveyor.moe.layer import check_layer_args, combine, expert_hidden, sorted_swiglu
 from conveyor.ops.gmm.api import gmm_scatter_add
 from conveyor.moe.routing import load_balancing_loss, route
-from conveyor.plans.exchange import exchange_plan
+from conveyor.plans.exchange import default_stages, exchange_plan, staged_exchange_plan
+
+OVERLAPS = (None, "peers", "experts")
 
 
 def capacity(tokens: int, top_k: int, devices: int, capacity_factor: float | None) -> int:
@@ -63,7 +65,8 @@ def moe_ffn_expert_parallel(
     loss_axes: tuple[str, ...] | None = None,
     backend: str | None = None,
     fuse_permutation: bool = True,
-    overlap: bool = False,
+    overlap: str | None = None,
+    overlap_stages: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`moe_ffn` with experts sharded over `axis_name`; call it inside `jax.shard_map`.
 
@@ -79,9 +82,15 @@ def moe_ffn_expert_parallel(
         averages (default: (axis_name,)); on a data x expert mesh pass both.
       backend, fuse_permutation: as in `moe_ffn`; fuse_permutation moves the received rows into
         expert order and back inside the grouped matmuls.
-      overlap: dropless only: exchange peer by peer (`conveyor.plans.exchange`), each peer's
-        chunk in flight while the experts run on the one before, and its results sent home
-        during the next (docs/moe.md). Same results as the exact exchange.
+      overlap: dropless only; None (one exchange each way), "peers" or "experts"
+        (`conveyor.plans.exchange`, docs/moe.md): "peers" exchanges peer by peer, each peer's
+        chunk in flight while the experts run on the one before and its results sent home during
+        the next; "experts" exchanges one local expert per stage with every peer at once, the
+        next stage's rows in flight while the experts run (each expert's weights read once;
+        needs 2 or more local experts). Same results as the exact exchange.
+      overlap_stages: overlap="experts": how many stages the local experts split into (contiguous
+        groups), in [1, local experts]; default one per local expert, at most 8
+        (`conveyor.plans.exchange.default_stages`).
 
     Returns:
       (y [tokens, d], the load-balancing loss over all tokens of loss_axes, the number of this
@@ -89,9 +98,9 @@ def moe_ffn_expert_parallel(
     """
     if not isinstance(fuse_permutation, bool):
         raise TypeError(f"fuse_permutation: expected a bool, got {fuse_permutation!r}")
-    if not isinstance(overlap, bool):
-        raise TypeError(f"overlap: expected a bool, got {overlap!r}")
-    if overlap and capacity_factor is not None:
+    if overlap not in OVERLAPS:
+        raise ValueError(f"overlap: expected one of {OVERLAPS}, got {overlap!r}")
+    if overlap is not None and capacity_factor is not None:
         raise ValueError(
             f"overlap: the overlapped exchange is dropless; pass capacity_factor=None (got "
             f"capacity_factor={capacity_factor!r})"
@@ -117,6 +126,22 @@ def moe_ffn_expert_parallel(
                 f"{name}: expected {local_experts} local experts in dimension 0 (like w_gate), got "
                 f"shape {getattr(w, 'shape', None)}"
             )
+    if overlap == "experts" and local_experts < 2:
+        raise ValueError(
+            f"overlap: 'experts' stages the exchange by local expert and needs at least 2 per "
+            f"device, got {local_experts} ({num_experts} experts over {devices} devices); use "
+            "'peers'"
+        )
+    if overlap_stages is not None and (
+        overlap != "experts"
+        or isinstance(overlap_stages, bool)
+        or not isinstance(overlap_stages, int)
+        or not 1 <= overlap_stages <= local_experts
+    ):
+        raise ValueError(
+            f"overlap_stages: expected None, or with overlap='experts' an int in [1, "
+            f"{local_experts}] (the local experts), got {overlap_stages!r} with overlap={overlap!r}"
+        )
     full = lambda w: jax.ShapeDtypeStruct((num_experts, *w.shape[1:]), w.dtype)
     check_layer_args(x, router_w, full(w_gate), full(w_up), full(w_down), top_k)
     tokens, d = x.shape
@@ -132,7 +157,21 @@ def moe_ffn_expert_parallel(
     experts = lambda rows, ids: _experts(
         rows, ids, local_experts, w_gate, w_up, w_down, backend, fuse_permutation
     )
-    if overlap:
+    if overlap == "experts":
+        results = staged_exchange(
+            x[order // top_k],
+            sorted_experts % local_experts,
+            dest,
+            experts,
+            plan=staged_exchange_plan(
+                num_devices=devices,
+                stages=overlap_stages or default_stages(local_experts),
+            ),
+            axis_name=axis_name,
+            local_experts=local_experts,
+        )
+        dropped = jnp.zeros((), jnp.int32)
+    elif overlap == "peers":
         results = overlapped_exchange(
             x[order // top_k],
             sorted_experts % local_experts,

@@ -1,5 +1,6 @@
-"""The overlapped exchange of the expert-parallel layer in XLA: the plan's steps
-(`conveyor.plans.exchange`) as collectives and expert matmuls.
+"""The overlapped exchanges of the expert-parallel layer in XLA: the plans' steps
+(`conveyor.plans.exchange`: per peer, or per group of local experts) as collectives and expert
+matmuls.
 
 At every step each stream first sends the chunk its next step's receiver needs, then runs the
 experts on the chunk that arrived, then sends the results home. Nothing in a step's expert
@@ -19,8 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from conveyor.moe.exchange import send_chunk
-from conveyor.plans.exchange import ExchangePlan
+from conveyor.moe.exchange import ragged_all_to_all, send_chunk
+from conveyor.plans.exchange import ExchangePlan, StagedExchangePlan
 
 
 def overlapped_exchange(
@@ -87,4 +88,68 @@ def overlapped_exchange(
             helper = (me - s.source) % n
             back = send(out, s.source, sizes[src, me], per_dest[helper])
             results = place(results, back, helper)
+    return results
+
+
+def staged_exchange(
+    rows: jax.Array,
+    local_ids: jax.Array,
+    dest: jax.Array,
+    experts,
+    *,
+    plan: StagedExchangePlan,
+    axis_name,
+    local_experts: int,
+) -> jax.Array:
+    """Dropless, expert-staged (`StagedExchangePlan`): this device's `rows`, sorted by global
+    expert (so by destination `dest`, then local expert `local_ids`), go to their owners one
+    group of local experts per stage through the exact ragged exchange, the next stage's
+    dispatch issued before this stage's experts; the results come back to the same rows."""
+    n, stages = plan.num_devices, plan.stages
+    assignments = rows.shape[0]
+    me = lax.axis_index(axis_name)
+    stage_of = local_ids * stages // local_experts  # contiguous groups of local experts
+    counts = jnp.zeros((n, stages), jnp.int32).at[dest, stage_of].add(1)
+    # rows are sorted by (destination, stage): each (j, s) slice is contiguous
+    first = (jnp.cumsum(counts.reshape(-1)) - counts.reshape(-1)).reshape(n, stages)
+    everyone = lax.all_gather(counts, axis_name)  # [sender, destination, stage]
+    firsts = lax.all_gather(first, axis_name)
+    buffer = n * assignments  # the worst case: every sender's rows of one stage are mine
+
+    def dispatch(s):
+        sizes = everyone[:, :, s]  # [sender, destination]
+        at_destination = (jnp.cumsum(sizes, axis=0) - sizes)[me]
+        recv_sizes = sizes[:, me]
+
+        def send(a, fill):
+            out = jnp.full((buffer, *a.shape[1:]), fill, a.dtype)
+            return ragged_all_to_all(
+                a,
+                out,
+                first[:, s],
+                counts[:, s],
+                at_destination,
+                recv_sizes,
+                axis_name=axis_name,
+            )
+
+        return send(rows, 0), send(local_ids, local_experts), recv_sizes
+
+    results = jnp.zeros_like(rows)
+    arrived = {0: dispatch(0)}
+    for r in plan.steps():
+        if r.dispatches:
+            arrived[r.step + 1] = dispatch(r.step + 1)
+        got_rows, got_ids, recv_sizes = arrived.pop(r.step)
+        out = experts(got_rows, got_ids)
+        received_at = jnp.cumsum(recv_sizes) - recv_sizes
+        results = ragged_all_to_all(
+            out,
+            results,
+            received_at,
+            recv_sizes,
+            firsts[:, me, r.step],  # where sender i keeps its rows for me
+            counts[:, r.step],
+            axis_name=axis_name,
+        )
     return results

@@ -298,3 +298,182 @@ def exchange_plan(
             f"got {buffering}"
         )
     return dataclasses.replace(plan, buffering=min(buffering, most))
+
+
+# ---- expert-staged order: one group of local experts per step, every peer at once ----
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StagedStep:
+    """One step of the expert-staged exchange, on every device alike."""
+
+    step: int  # the stage: the group of local experts whose rows the experts run on
+    slot: int  # receive (and output) slot holding every peer's rows of that stage
+    dispatches: bool  # before the experts: send every peer its rows of the next stage
+    dispatch_slot: int  # the slot they land in on the peers
+    rewrites_output_of: int | None  # the stage whose results must be home before the slot is
+    # rewritten
+    grants: bool  # after the experts: a credit to every peer for the freed slot
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StagedExchangePlan:
+    """The expert-staged exchange: the local experts split into `stages` groups; at stage s every
+    device receives, from every peer at once, the rows bound for group s, runs those experts on
+    them (each expert's weights read once per layer, unlike per-peer chunks), and sends the
+    results home, while the rows of stage s + 1 are in flight. Slots, credits and semaphores as
+    in `ExchangePlan`, per (sender, receiver); a receive slot has one region per sender and its
+    semaphore counts the D - 1 landings. Build it with `staged_exchange_plan(...)`."""
+
+    num_devices: int
+    stages: int
+    buffering: int
+
+    def __post_init__(self):
+        for name in ("num_devices", "stages", "buffering"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"StagedExchangePlan: {name} must be an int >= 1, got {v!r}")
+
+    @property
+    def num_steps(self) -> int:
+        return self.stages
+
+    def step_record(self, step: int) -> StagedStep:
+        b = self.buffering
+        nxt = step + 1
+        return StagedStep(
+            step=step,
+            slot=step % b,
+            dispatches=nxt < self.stages,
+            dispatch_slot=nxt % b if nxt < self.stages else -1,
+            rewrites_output_of=step - b if step >= b else None,
+            grants=step + b < self.stages,
+        )
+
+    def steps(self) -> tuple[StagedStep, ...]:
+        return tuple(self.step_record(s) for s in range(self.stages))
+
+    def program(self, credits: bool = True) -> Program:
+        """One actor per device; `credits=False` drops the credit protocol (see `ExchangePlan`)."""
+        actors = {f"dev{d}": self._device(d, credits) for d in range(self.num_devices)}
+        subject = (
+            f"moe staged exchange D={self.num_devices} stages={self.stages} "
+            f"buffering={self.buffering}{'' if credits else ' WITHOUT credits'}"
+        )
+        return program(subject, actors)
+
+    def _device(self, dev: int, credits: bool) -> list[Action]:
+        n = self.num_devices
+        peers = [p for p in range(n) if p != dev]
+        link = lambda p: "right" if (p - dev) % n <= n // 2 else "left"  # noqa: E731
+
+        def dispatch(stage: int, slot: int) -> list[Action]:
+            acts: list[Action] = []
+            for p in peers:
+                if credits:
+                    acts.append(
+                        Wait(("credit", dev, p), consume=True, what=f"a credit from dev{p}")
+                    )
+                acts.append(
+                    Copy(
+                        f"dev{dev}->dev{p} tokens of stage {stage}",
+                        writes=(("in", p, slot, dev),),
+                        reads=(("tokens", dev, p, stage),),
+                        signals=(("recv", p, slot), ("dispatched", dev, stage)),
+                        queue=f"link {link(p)} dev{dev}",
+                        operand="tokens",
+                    )
+                )
+            return acts
+
+        acts: list[Action] = []
+        if credits:
+            for p in peers:
+                first = min(self.buffering, self.stages)
+                acts.append(Signal(("credit", p, dev), first, what=f"{first} credit(s) to dev{p}"))
+        acts += dispatch(0, 0)
+        for r in self.steps():
+            if r.dispatches:
+                acts += dispatch(r.step + 1, r.dispatch_slot)
+            tag = f"dev{dev} stage {r.step}"
+            ins = [("in", dev, r.slot, p) for p in peers] + [("tokens", dev, dev, r.step)]
+            outs = [("out", dev, r.slot, p) for p in peers] + [("result", dev, dev, r.step)]
+            if peers:  # a device alone waits for nobody
+                acts.append(
+                    Wait(
+                        ("recv", dev, r.slot),
+                        len(peers),
+                        consume=True,
+                        what=f"its peers' rows of stage {r.step} in slot {r.slot}",
+                    )
+                )
+                if r.rewrites_output_of is not None:
+                    acts.append(
+                        Wait(
+                            ("returned", dev, r.rewrites_output_of),
+                            len(peers),
+                            what=f"its returns of stage {r.rewrites_output_of}",
+                        )
+                    )
+            acts += [Read(s, tag) for s in ins]
+            acts.append(Compute(r.step, tag, work="experts"))
+            acts += [Read(s, tag, end=True) for s in ins]
+            acts += [Write(s, tag) for s in outs]
+            if credits and r.grants:
+                acts += [Signal(("credit", p, dev), what=f"a credit to dev{p}") for p in peers]
+            for p in peers:
+                acts.append(
+                    Copy(
+                        f"dev{dev}->dev{p} results of stage {r.step}",
+                        writes=(("result", p, dev, r.step),),
+                        reads=(("out", dev, r.slot, p),),
+                        signals=(("returned", dev, r.step), ("home", p)),
+                        queue=f"link {link(p)} dev{dev}",
+                        operand="results",
+                    )
+                )
+        total = len(peers) * self.stages
+        if peers:
+            acts.append(Wait(("home", dev), total, what=f"its {total} returned result blocks"))
+        for p in range(n):
+            for s in range(self.stages):
+                acts += [
+                    Read(("result", dev, p, s), "combine"),
+                    Read(("result", dev, p, s), "combine", end=True),
+                ]
+        for s in range(self.stages if peers else 0):
+            acts.append(
+                Wait(("dispatched", dev, s), len(peers), what=f"its dispatches of stage {s}")
+            )
+            acts.append(Wait(("returned", dev, s), len(peers), what=f"its returns of stage {s}"))
+        return acts
+
+
+# The default number of stages of the expert-staged exchange: at most this many, so that each
+# stage's grouped matmuls stay big enough to fill a chip (docs/moe.md has the simulated trade-off).
+DEFAULT_MAX_STAGES = 8
+
+
+def default_stages(local_experts: int) -> int:
+    """Stages of the expert-staged exchange when none are given: one per local expert, at most
+    `DEFAULT_MAX_STAGES`."""
+    return max(1, min(local_experts, DEFAULT_MAX_STAGES))
+
+
+def staged_exchange_plan(
+    *, num_devices: int, stages: int, buffering: int = 2
+) -> StagedExchangePlan:
+    """The expert-staged plan: at most `stages` receive slots (more would never be used); one slot
+    where there are several stages is refused (as in `exchange_plan`: a deadlock)."""
+    for name, v in (("num_devices", num_devices), ("stages", stages), ("buffering", buffering)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}: expected an int >= 1, got {v!r}")
+    if buffering < 2 and stages > 1:
+        raise ValueError(
+            f"buffering: the staged exchange needs 2 receive slots when there are several stages "
+            f"({stages} here: one slot is read while the next stage's rows land), got {buffering}"
+        )
+    return StagedExchangePlan(
+        num_devices=num_devices, stages=stages, buffering=min(buffering, stages)
+    )

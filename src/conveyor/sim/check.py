@@ -29,7 +29,7 @@ import random
 import time
 from typing import Any
 
-from conveyor.plans.exchange import ExchangePlan
+from conveyor.plans.exchange import ExchangePlan, StagedExchangePlan
 from conveyor.plans.pipeline import PipelinePlan
 from conveyor.plans.program import Action, Compute, Copy, Program, Read, Signal, Wait, Write
 from conveyor.plans.ring import RingPlan
@@ -326,8 +326,8 @@ def check(
     """Check a `PipelinePlan`, a `WarpSpecializedPlan`, a list of warp-specialized plans chained on
     one set of allocations (`pipeline_state`: the first is the START, the last the STOP), a list
     of plain plans run one after another (some `cv.sim.Prefetched`: `conveyor.plans.sequence`) or
-    a `RingPlan` (every stream at once) or an `ExchangePlan` (an expert-parallel layer's
-    overlapped exchange) for races and deadlocks.
+    a `RingPlan` (every stream at once) or an `ExchangePlan` / `StagedExchangePlan` (an
+    expert-parallel layer's overlapped exchange) for races and deadlocks.
 
     Args:
       in_flight_steps: pipelines: the body leaves asynchronous work reading its input slots that
@@ -354,9 +354,10 @@ def check(
         (plan if isinstance(plan, PipelinePlan) else plan.pipeline).require_static("cv.sim.check")
     if isinstance(plan, (PipelinePlan, WarpSpecializedPlan)):
         return explore(plan.program(in_flight_steps), **budget)
-    if isinstance(plan, (RingPlan, ExchangePlan)):
+    if isinstance(plan, (RingPlan, ExchangePlan, StagedExchangePlan)):
         return explore(plan.program(credits), **budget)
     raise TypeError(
-        "check: expected a PipelinePlan, WarpSpecializedPlan, RingPlan or ExchangePlan, got "
+        "check: expected a PipelinePlan, WarpSpecializedPlan, RingPlan, ExchangePlan or "
+        "StagedExchangePlan, got "
         f"{type(plan).__name__}"
     )

@@ -11,9 +11,12 @@ own tile schedules); the elementwise SiLU product and the routing are not priced
   the whole buffer travels), then the experts on the rows received, then the same way back.
 - "exact": the ragged exchange (`jax.lax.ragged_all_to_all`): only the rows routed, then the
   experts, then back.
-- "overlapped": the plan of `conveyor.plans.exchange`, run as its event program: each peer's
-  chunk is dispatched while the experts run on the chunk before it, and its results go home
-  during the next chunk's experts. The experts run per chunk (smaller grouped matmuls).
+- "peers" (`overlap="peers"`): the plan of `conveyor.plans.exchange`, run as its event program:
+  each peer's chunk is dispatched while the experts run on the chunk before it, and its results
+  go home during the next chunk's experts. The experts run per chunk (smaller grouped matmuls).
+- "experts" (`overlap="experts"`): the expert-staged plan, run as its event program: a group of
+  local experts per stage, every peer's rows for them at once, the next stage's rows in flight
+  while the experts run; each expert's weights are read once. Needs 2 or more local experts.
 
 Transfers use the ring's two directions (two links out of each chip), a chunk costing its bytes at
 the link's achievable rate plus the link latency; in the unfused exchanges the peers' chunks
@@ -29,17 +32,22 @@ cost more than the exchange the overlap hides, and the report shows it.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 from conveyor import dtypes
-from conveyor.plans.exchange import exchange_plan
+from conveyor.plans.exchange import default_stages, exchange_plan, staged_exchange_plan
 from conveyor.sim import timed
 from conveyor.sim.hardware import Hardware, get as get_hardware
 from conveyor.sim.report import Box, Report
 from conveyor.sim.simulate import simulate_gmm
 from conveyor.sim.timed import Timing
 
-EXCHANGES = ("dense", "exact", "overlapped")
+EXCHANGES = ("dense", "exact", "peers", "experts")
+LABELS = {
+    "dense": "dense",
+    "exact": "exact",
+    "peers": "overlapped, per peer",
+    "experts": "overlapped, per expert",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,16 +84,19 @@ SHAPES = {
 def simulate_moe_layer(
     shape: MoeShape | str,
     *,
-    exchange: str = "overlapped",
+    exchange: str = "exact",
     devices: int = 8,
     hardware: str | Hardware = "h100",
     dtype: str = "bf16",
     buffering: int = 2,
+    stages: int | None = None,
 ) -> Report:
-    """One forward pass of the expert-parallel layer with `exchange` (see the module docstring).
+    """One forward pass of the expert-parallel layer with `exchange` (see the module docstring);
+    `stages`: "experts" only, a divisor of the local experts (default: the layer's).
 
     The report's config holds the parts: `experts_us` (the layer's expert matmuls alone),
-    `exchange_us` (the exact exchange's transfers, both ways, alone) and, for "overlapped",
+    `exchange_us` (the exact exchange's transfers, both ways, alone) and, for "peers" and
+    "experts",
     `hidden`: 1 - (time - experts_us) / exchange_us, the fraction of the transfer time the overlap
     hides (the experts' slowdown beside transfers counts as exposed)."""
     s = SHAPES.get(shape, shape) if isinstance(shape, str) else shape
@@ -111,13 +122,44 @@ def simulate_moe_layer(
     def transfer_s(rows: int) -> float:
         return rows * s.d * b / link_rate + hw.link_latency.value
 
-    experts_s = functools.partial(_experts_s, s, local, dtype=dtype, hw=hw)
+    def experts_s(rows: int, local: int = local) -> float:
+        return _experts_s(s, local, rows, dtype=dtype, hw=hw)
+
     all_experts = experts_s(chunk_rows * devices)
     # the exact exchange's transfers, one way: the peers' chunks over two links
     per_link = -(-(devices - 1) // 2)
     exact_one_way = per_link * transfer_s(chunk_rows) if devices > 1 else 0.0
     boxes: list[Box] = []
-    if exchange == "overlapped":
+    if exchange == "experts" and local < 2:
+        raise ValueError(
+            f"exchange: 'experts' stages by local expert and needs at least 2 per chip; "
+            f"{s.name!r} has {local} on each of {devices} chips"
+        )
+    if exchange == "experts":
+        stages = default_stages(local) if stages is None else stages
+        if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1 or local % stages:
+            raise ValueError(
+                f"stages: expected an int that divides the {local} local experts, got {stages!r}"
+            )
+        plan = staged_exchange_plan(num_devices=devices, stages=stages, buffering=buffering)
+        stage_rows = assignments // stages
+        stage_s = experts_s(stage_rows, local=local // stages)
+        hop = transfer_s(stage_rows // devices)
+        busiest = (devices - 1 + 1) // 2  # copies per link per stage and direction of travel
+        beside = {
+            r.step: min(stage_s, ((r.step + 1 < stages) + (r.step > 0)) * busiest * hop)
+            for r in plan.steps()
+        }
+        timing = Timing(
+            copy_s=lambda c: hop,
+            compute_s=lambda a, actor: stage_s + slowdown * beside[a.step],
+        )
+        time, raw = timed.run(plan.program(), timing)
+        rows = {"dev0": "compute", **{f"link {d} dev0": f"link {d}" for d in ("right", "left")}}
+        boxes = [dataclasses.replace(x, actor=rows[x.actor]) for x in raw if x.actor in rows]
+        moved = 2 * (devices - 1) * chunk_rows * s.d * b
+        experts_total = stages * stage_s
+    elif exchange == "peers":
         plan = exchange_plan(num_devices=devices, buffering=buffering)
         beside = _transfer_beside(plan, transfer_s(chunk_rows), experts_s(chunk_rows))
         chunk_s = experts_s(chunk_rows)
@@ -160,7 +202,7 @@ def simulate_moe_layer(
         "experts_us": experts_total * 1e6,
         "exchange_us": comm * 1e6,
     }
-    if exchange == "overlapped":
+    if exchange in ("peers", "experts"):
         config["buffering"] = plan.buffering
         # exposed: what the layer takes beyond its own (per-chunk) expert matmuls
         exposed = time - experts_total
@@ -168,7 +210,7 @@ def simulate_moe_layer(
     flops = 2.0 * assignments * 3 * s.d * s.f
     hbm = (local * 3 * s.d * s.f + 4 * assignments * s.d) * b
     return Report(
-        f"moe layer ({exchange} exchange)",
+        f"moe layer ({LABELS[exchange]} exchange)",
         hw,
         time,
         flops,
@@ -217,12 +259,21 @@ def markdown_table(
     buffering: int = 2,
 ) -> str:
     """The three exchanges of one layer as a markdown table (`conveyor simulate moe`)."""
-    reports = {
-        e: simulate_moe_layer(
-            shape, exchange=e, devices=devices, hardware=hardware, dtype=dtype, buffering=buffering
-        )
-        for e in EXCHANGES
-    }
+    reports = {}
+    for e in EXCHANGES:
+        try:
+            reports[e] = simulate_moe_layer(
+                shape,
+                exchange=e,
+                devices=devices,
+                hardware=hardware,
+                dtype=dtype,
+                buffering=buffering,
+            )
+        except ValueError as err:  # "experts" with one local expert per chip
+            if e != "experts":
+                raise
+            skipped = str(err)
     first = reports["dense"]
     c = first.config
     exact = reports["exact"].time_s
@@ -235,10 +286,14 @@ def markdown_table(
         "transfer time hidden |",
         "|---|---|---|---|---|---|",
     ]
-    for e, r in reports.items():
+    for e in EXCHANGES:
+        if e not in reports:
+            rows.append(f"| {LABELS[e]} | - | - | - | - | not priced: {skipped} |")
+            continue
+        r = reports[e]
         hidden = f"{r.config['hidden']:.0%}" if "hidden" in r.config else "0%"
         rows.append(
-            f"| {e} | {r.time_us:.0f} | {r.time_s / exact:.2f}x | {r.config['experts_us']:.0f} | "
-            f"{r.link_bytes / 1e6:.1f} | {hidden} |"
+            f"| {LABELS[e]} | {r.time_us:.0f} | {r.time_s / exact:.2f}x | "
+            f"{r.config['experts_us']:.0f} | {r.link_bytes / 1e6:.1f} | {hidden} |"
         )
     return "\n".join(rows) + "\n"
