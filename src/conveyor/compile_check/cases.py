@@ -344,6 +344,19 @@ def production() -> list[Case]:
             grad=True,
             overlap="peers",
         ),
+        # staged by local expert (16 per chip in 8 stages), where per-peer chunks would re-read
+        # the weights: its per-stage buffers are rematerialized to fit HBM
+        case(
+            "moe_ep",
+            devices=8,
+            tokens=8192,
+            d=7168,
+            f=2048,
+            experts=64,
+            top_k=8,
+            grad=True,
+            overlap="experts",
+        ),
         case("example", fn="matmul", m=4096, k=4096, n=4096),
         case("example", fn="matmul_warp_specialized", m=4096, k=4096, n=4096),
         case("mpmd", rows=64, cols=128),

@@ -141,7 +141,9 @@ def staged_exchange(
         if r.dispatches:
             arrived[r.step + 1] = dispatch(r.step + 1)
         got_rows, got_ids, recv_sizes = arrived.pop(r.step)
-        out = experts(got_rows, got_ids)
+        # rematerialized in the backward pass: saving every stage's worst-case buffers would hold
+        # `stages` times the exact exchange's (docs/moe.md: 30.3 GB at a DeepSeek-like shape)
+        out = jax.checkpoint(experts)(got_rows, got_ids)
         received_at = jnp.cumsum(recv_sizes) - recv_sizes
         results = ragged_all_to_all(
             out,
