@@ -1,6 +1,7 @@
-"""The MoE part of `conveyor demo`: train cv.moe's expert-parallel layer with optax on 8 simulated
-CPU devices (a 2 x 4 data x expert mesh), check its gradients against the dense reference, and
-ask the simulator what the layer's expert matmuls would take on an H100 and a TPU v5e."""
+"""The MoE part of `conveyor demo`: train cv.moe's expert-parallel layer, its exchange overlapped
+with the expert matmuls (staged by expert), with optax on 8 simulated CPU devices (a 2 x 4 data x
+expert mesh), check its gradients against the dense reference, and ask the simulator what the
+layer's expert matmuls would take on an H100 and a TPU v5e."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ class Layer:
     steps: int = 40
     learning_rate: float = 3e-3
     aux_weight: float = 0.01
+    overlap: str | None = "experts"  # cv.moe.moe_ffn_expert_parallel's (docs/moe.md)
 
 
 SPECS = dict(router_w=P(), w_gate=P("expert"), w_up=P("expert"), w_down=P("expert"))
@@ -46,7 +48,7 @@ def _init(c: Layer, rng):
 def _loss_fn(c: Layer, mesh):
     def local(params, x, target):
         y, aux, _ = cv.moe.moe_ffn_expert_parallel(
-            x, **params, top_k=c.top_k, axis_name="expert", loss_axes=AXES
+            x, **params, top_k=c.top_k, axis_name="expert", loss_axes=AXES, overlap=c.overlap
         )
         return jax.lax.pmean(jnp.mean((y - target) ** 2), AXES) + c.aux_weight * aux
 
@@ -81,7 +83,7 @@ def train(c: Layer = Layer()) -> bool:
     print(
         f"\nMoE layer: {c.tokens} tokens, d={c.d}, SwiGLU hidden {c.f}, {c.experts} experts, "
         f"top-{c.top_k}; {DEVICES} CPU devices as data {MESH_SHAPE[0]} x expert {MESH_SHAPE[1]} (2 "
-        "experts per device)"
+        f"experts per device); exchange overlapped with the experts: {c.overlap}"
     )
 
     loss = _loss_fn(c, mesh)

@@ -17,7 +17,8 @@ def test_bench_collective_runs():
 
 def test_bench_moe_table_on_8_devices():
     """The MoE exchange benchmark at a toy shape: every capacity row is there, dropless drops
-    nothing, and a capacity factor of 1.0 reports its drops as a count of all assignments."""
+    nothing, and a capacity factor of 1.0 reports its drops as a count of all assignments; the
+    layer overlapped per peer runs, per expert says why not (one expert per device)."""
     import os
 
     code = (
@@ -36,6 +37,9 @@ def test_bench_moe_table_on_8_devices():
     # 8 devices x 64 tokens x top-2
     assert rows["dropless (worst case)"].rstrip(" |").endswith("| 0 of 1024")
     assert rows["factor 1.0"].rstrip(" |").endswith(" of 1024")
+    peers = "overlapped per peer, dropless (one chunk per step)"
+    assert rows[peers].rstrip(" |").endswith("| 0 of 1024")
+    assert "not run: needs 2 or more local experts" in rows["overlapped per expert"]
 
 
 def test_bench_moe_refuses_gmm_options():

@@ -123,6 +123,12 @@ def run(reps: int = 5, shape: Shape = Shape()) -> str:
     for factor in (*CAPACITY_FACTORS, "peers", "experts"):
         overlap = factor if factor in ("peers", "experts") else None
         factor = None if overlap else factor
+        if overlap == "experts" and s.experts < 2 * DEVICES:
+            rows.append(
+                f"| overlapped per expert | - | - | - | - | - | - | - | not run: needs 2 or more "
+                f"local experts, this shape has {s.experts // DEVICES} per device |"
+            )
+            continue
         cap = capacity(s.tokens, s.top_k, DEVICES, factor)
         if overlap == "peers":  # one step's transfer: a whole chunk to the next peer (a ppermute)
             buffer = put(jnp.ones((DEVICES * cap, s.d), jnp.float32), P(AXIS))

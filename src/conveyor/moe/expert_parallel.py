@@ -157,55 +157,25 @@ def moe_ffn_expert_parallel(
     experts = lambda rows, ids: _experts(
         rows, ids, local_experts, w_gate, w_up, w_down, backend, fuse_permutation
     )
+    rows, ids = x[order // top_k], sorted_experts % local_experts
+    dropped = jnp.zeros((), jnp.int32)  # dropless unless a capacity drops some
+    where = dict(axis_name=axis_name, local_experts=local_experts)
     if overlap == "experts":
-        results = staged_exchange(
-            x[order // top_k],
-            sorted_experts % local_experts,
-            dest,
-            experts,
-            plan=staged_exchange_plan(
-                num_devices=devices,
-                stages=overlap_stages or default_stages(local_experts),
-            ),
-            axis_name=axis_name,
-            local_experts=local_experts,
-        )
-        dropped = jnp.zeros((), jnp.int32)
+        stages = overlap_stages or default_stages(local_experts)
+        plan = staged_exchange_plan(num_devices=devices, stages=stages)
+        results = staged_exchange(rows, ids, dest, experts, plan=plan, **where)
     elif overlap == "peers":
+        plan = exchange_plan(num_devices=devices)
         results = overlapped_exchange(
-            x[order // top_k],
-            sorted_experts % local_experts,
-            per_dest,
-            first_of_dest,
-            experts,
-            plan=exchange_plan(num_devices=devices),
-            axis_name=axis_name,
-            local_experts=local_experts,
+            rows, ids, per_dest, first_of_dest, experts, plan=plan, **where
         )
-        dropped = jnp.zeros((), jnp.int32)
     elif capacity_factor is None:
         results = _exact_exchange(
-            x[order // top_k],
-            sorted_experts % local_experts,
-            per_dest,
-            first_of_dest,
-            experts,
-            axis_name=axis_name,
-            devices=devices,
-            local_experts=local_experts,
+            rows, ids, per_dest, first_of_dest, experts, devices=devices, **where
         )
-        dropped = jnp.zeros((), jnp.int32)
     else:
         results, dropped = _capacity_exchange(
-            x[order // top_k],
-            sorted_experts,
-            dest,
-            first_of_dest,
-            experts,
-            axis_name=axis_name,
-            devices=devices,
-            cap=cap,
-            local_experts=local_experts,
+            rows, sorted_experts, dest, first_of_dest, experts, devices=devices, cap=cap, **where
         )
     aux = load_balancing_loss(
         routing, axis_names=tuple(loss_axes) if loss_axes is not None else (axis_name,)
