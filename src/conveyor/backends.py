@@ -4,13 +4,11 @@ An op's `backend=` names an implementation ("xla", "mosaic_tpu", "mosaic_gpu", "
 `backend=None` takes the first implementation in the platform's default order whose `check`
 accepts the arguments; ops with a primitive (gmm, tgmm) decide when they are lowered, for the
 platform they are lowered for, so `jax.export(..., platforms=["tpu"])` on a CPU host gets the TPU
-kernel. `cv.kernel` decides when lowered too (`lowering_guard.per_platform`:
-`lax.platform_dependent` over each platform's first backend), but does not fall through the
-order: a first backend that refuses fails that platform's lowering with its reason. The
-collective matmuls still decide when called: tried the same way, their export for cpu lowered
-the Mosaic ring branch too ("Only interpret mode is supported on CPU backend"), not yet
-understood. A kernel is in a platform's default order only when its
-verification covers what can go wrong on that hardware:
+kernel. `cv.kernel` and the collective matmuls decide when lowered too
+(`lowering_guard.per_platform`: `lax.platform_dependent` over each platform's first backend), but
+do not fall through the order: a first backend that refuses fails that platform's lowering with
+its reason. A kernel is in a platform's default order only when its verification covers what can
+go wrong on that hardware:
 
 - tpu: mosaic_tpu (the Pallas TPU interpreter with race detection in both DMA modes, and the real
   Mosaic TPU compile for v5e/v6e/v5p in `make compile-check`), then xla.
@@ -110,21 +108,10 @@ def process_platform() -> str:
 
 
 def default_backend(available: tuple[str, ...]) -> str:
-    """The backend `backend=None` picks, for ops that choose when called (the collective matmuls;
-    cv.kernel with `interpret`): the first of the process platform's default order that the op
-    has."""
+    """The backend `backend=None` picks, for ops that choose when called (cv.kernel with
+    `interpret`): the first of the process platform's default order that the op has."""
     return next(
         (b for b in PLATFORM_DEFAULTS.get(process_platform(), ("xla",)) if b in available), "xla"
-    )
-
-
-def platforms_defaulting_to(backend: str, available: tuple[str, ...]) -> tuple[str, ...]:
-    """The platforms whose default order, among `available`, starts with `backend`: where a
-    `backend=None` choice of it is also what lowering for that platform would choose."""
-    return tuple(
-        p
-        for p, order in PLATFORM_DEFAULTS.items()
-        if next((b for b in order if b in available), "xla") == backend
     )
 
 

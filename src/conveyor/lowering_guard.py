@@ -1,10 +1,9 @@
-"""Values that may only be lowered for some platforms, with a message for the others.
+"""The backend of `backend=None` chosen when lowered, per platform (`per_platform`), and values
+that may only be lowered for some platforms, with a message for the others (`only_for`).
 
-The collective matmuls with `backend=None` pick their backend when called, from this process's
-platform; lowered for another platform (`jax.export(..., platforms=["tpu"])` from a CPU host) they
-would hold the xla ring where the user expects the Mosaic ring kernel, so `only_for` marks their
-outputs and such a lowering fails naming the backend to pass. `cv.kernel(backend=None)` uses it
-for a default backend that refused the kernel: that branch fails the lowering for its platform.
+`cv.kernel(backend=None)` and the collective matmuls run each platform's default backend under
+`lax.platform_dependent`; a default backend that refused the arguments gets another's results
+behind `only_for` guards, so only the lowering for its platform fails, naming the reason.
 """
 
 from __future__ import annotations

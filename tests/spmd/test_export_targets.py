@@ -224,15 +224,19 @@ def test_cv_kernel_default_refused_by_tpu_fails_only_a_tpu_lowering():
         _module(default, ["tpu"], (x,))
 
 
-def test_collective_default_is_not_exported_as_the_xla_ring_for_tpu():
-    """The collective matmuls also choose when called: on this CPU process the xla ring, refused
-    when exported for tpu (default: the Mosaic ring kernel); backend='xla' exports it on purpose."""
+def test_collective_default_is_chosen_per_lowering_platform():
+    """The collective matmuls with backend=None choose when lowered: for tpu the Mosaic ring
+    kernel, for cpu the xla ring (its ppermutes, no kernel); backend='xla' exports the ring for
+    tpu on purpose."""
     import numpy as np
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, Mesh, PartitionSpec as P
 
-    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    cpu = Mesh(np.array(jax.devices()[:4]), ("x",))
+    tpu = AbstractMesh(
+        (4,), ("x",), (AxisType.Auto,), abstract_device=AbstractDevice("TPU v5 lite", 4, "tpu")
+    )
 
-    def ring(backend):
+    def ring(backend, mesh):
         def local(a, b):
             return cv.all_gather_matmul(a, b, axis_name="x", gather_dim=0, backend=backend)
 
@@ -242,14 +246,33 @@ def test_collective_default_is_not_exported_as_the_xla_ring_for_tpu():
         jax.ShapeDtypeStruct((32, 128), jnp.float32),
         jax.ShapeDtypeStruct((128, 128), jnp.float32),
     )
-    assert "stablehlo" in _module(ring(None), ["cpu"], args)
+    on_cpu = _module(ring(None, cpu), ["cpu"], args)
+    assert "tpu_custom_call" not in on_cpu and "collective_permute" in on_cpu
+    assert "tpu_custom_call" in _module(ring(None, tpu), ["tpu"], args)
+    assert "tpu_custom_call" not in _module(ring("xla", tpu), ["tpu"], args)
+
+
+def test_collective_default_refused_on_one_platform_fails_only_its_lowering():
+    """blocks= is honoured by the Mosaic ring only: with backend=None the TPU lowering takes them,
+    a CPU one (here: an eager call) fails naming the xla ring's reason."""
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    fn = jax.shard_map(
+        lambda a, b: cv.all_gather_matmul(
+            a, b, axis_name="x", gather_dim=0, blocks=cv.RingBlocks(rows=8)
+        ),
+        mesh=mesh,
+        in_specs=(P("x"), P()),
+        out_specs=P("x"),
+    )
     with pytest.raises(
         NotImplementedError,
-        match=r"backend=None chose the xla ring for this process's "
-        r"platform; lowered for tpu.*Pass backend='mosaic_tpu'",
+        match=r"all_gather_matmul\(backend=None\) lowered for cpu: its default there, xla, "
+        r"refused these arguments \(ValueError: blocks: only the mosaic_tpu ring kernels",
     ):
-        _module(ring(None), ["tpu"], args)
-    assert "tpu_custom_call" not in _module(ring("xla"), ["tpu"], args)
+        fn(jnp.ones((32, 128)), jnp.ones((128, 128)))
 
 
 def test_cv_kernel_default_refused_by_xla_fails_only_a_cpu_lowering():

@@ -14,9 +14,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from conveyor import backends
 from conveyor.backends import Implementation, Registry
-from conveyor.lowering_guard import only_for
+from conveyor.lowering_guard import per_platform
 from conveyor.ops.collective_matmul import reference, xla
 from conveyor.plans.ring import RingBlocks, RingPlan, ring_plan
 from conveyor.spmd import varying_axes
@@ -61,17 +60,14 @@ def _axis_size(axis_name) -> int:
         ) from e
 
 
-def _choose(backend, interpret, registry: Registry) -> str:
-    """Backend choice: `interpret` implies mosaic_tpu; otherwise the default of this process's
-    platform (decided when called: see `_lowered_as_chosen`). Every gather/scatter dimension and
-    direction runs on every backend."""
+def _choose(backend, interpret, registry: Registry) -> str | None:
+    """The backend named (`interpret` implies mosaic_tpu), or None: chosen when lowered, per
+    platform (`_run`). Every gather/scatter dimension and direction runs on every backend."""
     if backend is None and interpret:
         backend = "mosaic_tpu"
-    impl = (
-        registry.get(backend)
-        if backend is not None
-        else registry.get(backends.default_backend(registry.names))
-    )
+    if backend is None:
+        return None
+    impl = registry.get(backend)
     if interpret and not impl.interprets:
         raise ValueError(
             f"interpret: only the mosaic_tpu backend has an interpreter, got backend={impl.name!r}"
@@ -79,19 +75,13 @@ def _choose(backend, interpret, registry: Registry) -> str:
     return impl.name
 
 
-def _lowered_as_chosen(out, backend_arg, backend: str):
-    """backend=None chose `backend` for this process's platform; the xla ring lowered for a platform
-    whose default is a kernel (an export for tpu from a CPU host) is refused rather than held."""
-    if backend_arg is not None or backend != "xla":
-        return out
-    platforms = backends.platforms_defaulting_to("xla", AGM.names)
-    return only_for(
-        out,
-        platforms,
-        "the collective matmul's backend=None chose the xla ring for this process's platform; "
-        "lowered for {platform}, it would run that ring, not the Mosaic kernel. Pass "
-        "backend='mosaic_tpu', or backend='xla' to export the ring on purpose",
-    )
+def _run(op, cfg, backend: str | None, registry: Registry, what: str, lhs, rhs):
+    """`op(cfg(backend), lhs, rhs)`; with backend None, each lowering platform's default
+    (`lowering_guard.per_platform`: TPU the Mosaic ring kernel, the others the xla ring)."""
+    if backend is not None:
+        return op(cfg(backend), lhs, rhs)
+    launch = lambda name: functools.partial(op, cfg(name))  # noqa: E731
+    return per_platform(launch, registry.names, f"{what}(backend=None)")(lhs, rhs)
 
 
 def _check_blocks(blocks, backend: str) -> RingBlocks:
@@ -155,7 +145,7 @@ def all_gather_matmul(
     _check_common(lhs, rhs, buffering, "all_gather_matmul")
     if gather_dim not in (0, 1):
         raise ValueError(f"gather_dim: expected 0 or 1, got {gather_dim!r}")
-    backend_arg, backend = backend, _choose(backend, interpret, AGM)
+    backend = _choose(backend, interpret, AGM)
     size = _axis_size(axis_name)
     want = size * lhs.shape[1] if gather_dim == 1 else lhs.shape[1]
     if rhs.shape[0] != want:
@@ -168,18 +158,18 @@ def all_gather_matmul(
             f"rhs: contraction size rhs.shape[0] must be {want} ({what}), got rhs shape "
             f"{tuple(rhs.shape)}"
         )
-    cfg = RingConfig(
+    cfg = lambda name: RingConfig(  # noqa: E731
         axis_name=axis_name,
         size=size,
         dim=gather_dim,
         bidirectional=bool(bidirectional),
         buffering=buffering,
         out_dtype=_out_dtype(lhs, rhs, preferred_element_type),
-        backend=backend,
+        backend=name,
         interpret=interpret or None,
-        blocks=_check_blocks(blocks, backend),
+        blocks=_check_blocks(blocks, name),
     )
-    return _lowered_as_chosen(_agm(cfg, lhs, rhs), backend_arg, backend)
+    return _run(_agm, cfg, backend, AGM, "all_gather_matmul", lhs, rhs)
 
 
 def matmul_reduce_scatter(
@@ -206,7 +196,7 @@ def matmul_reduce_scatter(
     _check_common(lhs, rhs, buffering, "matmul_reduce_scatter")
     if scatter_dim not in (0, 1):
         raise ValueError(f"scatter_dim: expected 0 or 1, got {scatter_dim!r}")
-    backend_arg, backend = backend, _choose(backend, interpret, MRS)
+    backend = _choose(backend, interpret, MRS)
     if lhs.shape[1] != rhs.shape[0]:
         raise ValueError(
             f"rhs: contraction size rhs.shape[0] must match lhs.shape[1]={lhs.shape[1]}, got rhs "
@@ -219,18 +209,18 @@ def matmul_reduce_scatter(
             f"scatter_dim: the scattered dimension ({dim}) must be divisible by the ring size "
             f"{size}"
         )
-    cfg = RingConfig(
+    cfg = lambda name: RingConfig(  # noqa: E731
         axis_name=axis_name,
         size=size,
         dim=scatter_dim,
         bidirectional=bool(bidirectional),
         buffering=buffering,
         out_dtype=_out_dtype(lhs, rhs, preferred_element_type),
-        backend=backend,
+        backend=name,
         interpret=interpret or None,
-        blocks=_check_blocks(blocks, backend),
+        blocks=_check_blocks(blocks, name),
     )
-    return _lowered_as_chosen(_mrs(cfg, lhs, rhs), backend_arg, backend)
+    return _run(_mrs, cfg, backend, MRS, "matmul_reduce_scatter", lhs, rhs)
 
 
 def _agm_mosaic_tpu(cfg: RingConfig, lhs, rhs):
