@@ -61,11 +61,14 @@ def sharded(devices, top_k, overlap="peers", **options):
         ("peers", 2, 1, False),
         ("experts", 8, 2, True),
         ("experts", 3, 3, False),
+        ("peers", 1, 2, True),
+        ("experts", 1, 2, True),
     ],
 )
 def test_forward_matches_the_dense_reference(overlap, devices, top_k, fused):
     """peers: 8 devices, two streams, 4 peers from the left and 3 from the right; 3: one peer
-    each way; 2: one stream. experts: 2 stages (local experts) of every peer at once."""
+    each way; 2: one stream. experts: 2 stages (local experts) of every peer at once. 1 device:
+    no exchange, the local chunk only."""
     p = params(devices, seed=devices)
     y, aux, dropped = jax.jit(sharded(devices, top_k, overlap, fuse_permutation=fused))(p)
     y_ref, aux_ref = cv.moe.moe_ffn_reference(**p, top_k=top_k)
