@@ -1,5 +1,5 @@
 """The MoE part of `conveyor demo`: train cv.moe's expert-parallel layer, its exchange overlapped
-with the expert matmuls (staged by expert), with optax on 8 simulated CPU devices (a 2 x 4 data x
+with the expert matmuls (peer by peer), with optax on 8 simulated CPU devices (a 2 x 4 data x
 expert mesh), check its gradients against the dense reference, and ask the simulator what the
 layer's expert matmuls would take on an H100 and a TPU v5e."""
 
@@ -29,7 +29,7 @@ class Layer:
     steps: int = 40
     learning_rate: float = 3e-3
     aux_weight: float = 0.01
-    overlap: str | None = "experts"  # cv.moe.moe_ffn_expert_parallel's (docs/moe.md)
+    overlap: str | None = "peers"  # cv.moe.moe_ffn_expert_parallel's (docs/moe.md)
 
 
 SPECS = dict(router_w=P(), w_gate=P("expert"), w_up=P("expert"), w_down=P("expert"))

@@ -100,26 +100,6 @@ def test_gradients_match_the_dense_reference(overlap, stages):
         )
 
 
-@pytest.mark.parametrize("overlap", ["peers", "experts"])
-def test_the_same_as_the_exact_exchange(overlap):
-    """Overlapped and exact exchanges run the same experts on the same rows: equal up to the
-    order of float32 sums (the gmm sees the rows in other groupings)."""
-    devices, top_k = 8, 2
-    p = params(devices, seed=3)
-    y, *_ = jax.jit(sharded(devices, top_k, overlap))(p)
-    mesh = Mesh(np.array(jax.devices()[:devices]), ("expert",))
-    specs = dict(
-        x=P("expert"), router_w=P(), w_gate=P("expert"), w_up=P("expert"), w_down=P("expert")
-    )
-    exact = jax.shard_map(
-        lambda p: cv.moe.moe_ffn_expert_parallel(**p, top_k=top_k, axis_name="expert")[0],
-        mesh=mesh,
-        in_specs=(specs,),
-        out_specs=P("expert"),
-    )
-    np.testing.assert_allclose(y, jax.jit(exact)(p), rtol=0, atol=tol(y, D + F))
-
-
 def test_overlap_errors_are_named():
     p = params(2, seed=0)
     with pytest.raises(
@@ -204,8 +184,8 @@ def test_the_checker_finds_no_race_or_deadlock(bidirectional, buffering):
     assert report.exhaustive and not report.findings, report
     report = check(
         exchange_plan(num_devices=5, bidirectional=bidirectional, buffering=buffering),
-        max_states=5_000,
-        max_seconds=3,
+        max_states=2_000,
+        max_seconds=1,
     )
     assert not report.findings, report
 
@@ -241,7 +221,7 @@ def test_the_staged_plan_is_checked():
     credits a peer overwrites a slot still to be read; with one slot, a deadlock."""
     report = check(staged_exchange_plan(num_devices=2, stages=3))
     assert report.exhaustive and not report.findings, report
-    report = check(staged_exchange_plan(num_devices=3, stages=3), max_states=5_000, max_seconds=3)
+    report = check(staged_exchange_plan(num_devices=3, stages=3), max_states=2_000, max_seconds=1)
     assert not report.findings, report
     no_credits = check(StagedExchangePlan(num_devices=2, stages=3, buffering=2), credits=False)
     assert no_credits.findings and no_credits.findings[0].kind == "race", no_credits

@@ -66,7 +66,8 @@ def test_ring_plan_credits_balance(d, buffering, bidi):
 @pytest.fixture(params=["per_step", "merged"])
 def dot_schedule(request, monkeypatch):
     """Run the xla ring with one dot per step (what GPU/TPU lowerings get) and with the merged dots
-    the CPU lowering gets, whatever platform the test runs on."""
+    the CPU lowering gets, whatever platform the test runs on. Its tests name backend="xla": with
+    backend=None each call would also trace the Mosaic ring for a TPU lowering (tested apart)."""
     from conveyor.ops.collective_matmul import xla
 
     merge = request.param == "merged"
@@ -92,7 +93,7 @@ def test_all_gather_matmul_contraction_sharded(ring, other, bidi, dot_schedule):
     )
     out = per_device(
         mesh,
-        lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", bidirectional=bidi),
+        lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", bidirectional=bidi, backend="xla"),
         [P("y", "x"), P()],
         x,
         w,
@@ -109,7 +110,9 @@ def test_all_gather_matmul_row_sharded(ring, other, bidi, dot_schedule):
     x, w = arr(ring * 8, 32), arr(32, other * 16)
     out = per_device(
         mesh,
-        lambda a, b: cv.all_gather_matmul(a, b, axis_name="x", gather_dim=0, bidirectional=bidi),
+        lambda a, b: cv.all_gather_matmul(
+            a, b, axis_name="x", gather_dim=0, bidirectional=bidi, backend="xla"
+        ),
         [P("x", None), P(None, "y")],
         x,
         w,
@@ -128,7 +131,7 @@ def test_matmul_reduce_scatter(ring, other, bidi, scatter_dim, dot_schedule):
     out = per_device(
         mesh,
         lambda l, r: cv.matmul_reduce_scatter(
-            l, r, axis_name="x", scatter_dim=scatter_dim, bidirectional=bidi
+            l, r, axis_name="x", scatter_dim=scatter_dim, bidirectional=bidi, backend="xla"
         ),
         [P(None, "x"), P("x", "y")],
         a,
