@@ -61,6 +61,10 @@ def test_errors_name_the_argument():
         cv.sim.simulate_moe_layer(SMALL, devices=6)
     with pytest.raises(ValueError, match=r"shape: expected a MoeShape or one of .*got 'gpt'"):
         cv.sim.simulate_moe_layer("gpt")
+    with pytest.raises(ValueError, match=r"stages: only the 'experts' exchange\(s\) take it; "):
+        cv.sim.simulate_moe_layer(SMALL, exchange="peers", stages=2)
+    with pytest.raises(ValueError, match=r"buffering: .*exchange='exact' would ignore buffering=3"):
+        cv.sim.simulate_moe_layer(SMALL, exchange="exact", buffering=3)
     with pytest.raises(ValueError, match=r"MoeShape: top_k must be at most experts=4, got 5"):
         MoeShape(name="x", tokens=8, d=8, f=8, experts=4, top_k=5)
 

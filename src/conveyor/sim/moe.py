@@ -88,11 +88,13 @@ def simulate_moe_layer(
     devices: int = 8,
     hardware: str | Hardware = "h100",
     dtype: str = "bf16",
-    buffering: int = 2,
+    buffering: int | None = None,
     stages: int | None = None,
 ) -> Report:
     """One forward pass of the expert-parallel layer with `exchange` (see the module docstring);
-    `stages`: "experts" only, a divisor of the local experts (default: the layer's).
+    `buffering`: "peers" and "experts" only, receive slots (default 2); `stages`: "experts" only,
+    a divisor of the local experts (default: the layer's). Given to another exchange, each is
+    refused by name.
 
     The report's config holds the parts: `experts_us` (the layer's expert matmuls alone),
     `exchange_us` (the exact exchange's transfers, both ways, alone) and, for "peers" and
@@ -130,6 +132,16 @@ def simulate_moe_layer(
     per_link = -(-(devices - 1) // 2)
     exact_one_way = per_link * transfer_s(chunk_rows) if devices > 1 else 0.0
     boxes: list[Box] = []
+    for name, value, takes in (
+        ("buffering", buffering, ("peers", "experts")),
+        ("stages", stages, ("experts",)),
+    ):
+        if value is not None and exchange not in takes:
+            raise ValueError(
+                f"{name}: only the {' and '.join(repr(t) for t in takes)} exchange(s) take it; "
+                f"exchange={exchange!r} would ignore {name}={value!r}"
+            )
+    buffering = 2 if buffering is None else buffering
     if exchange == "experts" and local < 2:
         raise ValueError(
             f"exchange: 'experts' stages by local expert and needs at least 2 per chip; "
@@ -268,7 +280,7 @@ def markdown_table(
                 devices=devices,
                 hardware=hardware,
                 dtype=dtype,
-                buffering=buffering,
+                buffering=buffering if e in ("peers", "experts") else None,
             )
         except ValueError as err:  # "experts" with one local expert per chip
             if e != "experts":
