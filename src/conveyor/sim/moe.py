@@ -157,32 +157,23 @@ def simulate_moe_layer(
         stage_rows = assignments // stages
         stage_s = experts_s(stage_rows, local=local // stages)
         hop = transfer_s(stage_rows // devices)
-        busiest = (devices - 1 + 1) // 2  # copies per link per stage and direction of travel
+        # a stage's dispatches (but the last's) and the previous stage's returns, per link
         beside = {
-            r.step: min(stage_s, ((r.step + 1 < stages) + (r.step > 0)) * busiest * hop)
+            r.step: min(stage_s, ((r.step + 1 < stages) + (r.step > 0)) * per_link * hop)
             for r in plan.steps()
         }
-        timing = Timing(
-            copy_s=lambda c: hop,
-            compute_s=lambda a, actor: stage_s + slowdown * beside[a.step],
+        time, boxes = _run_on_dev0(
+            plan.program(), hop, lambda a: stage_s + slowdown * beside[a.step]
         )
-        time, raw = timed.run(plan.program(), timing)
-        rows = {"dev0": "compute", **{f"link {d} dev0": f"link {d}" for d in ("right", "left")}}
-        boxes = [dataclasses.replace(x, actor=rows[x.actor]) for x in raw if x.actor in rows]
         moved = 2 * (devices - 1) * chunk_rows * s.d * b
         experts_total = stages * stage_s
     elif exchange == "peers":
         plan = exchange_plan(num_devices=devices, buffering=buffering)
-        beside = _transfer_beside(plan, transfer_s(chunk_rows), experts_s(chunk_rows))
-        chunk_s = experts_s(chunk_rows)
-        hop = transfer_s(chunk_rows)
-        timing = Timing(
-            copy_s=lambda c: hop,
-            compute_s=lambda a, actor: chunk_s + slowdown * beside[(a.step, a.stream)],
+        chunk_s, hop = experts_s(chunk_rows), transfer_s(chunk_rows)
+        beside = _transfer_beside(plan, hop, chunk_s)
+        time, boxes = _run_on_dev0(
+            plan.program(), hop, lambda a: chunk_s + slowdown * beside[(a.step, a.stream)]
         )
-        time, raw = timed.run(plan.program(), timing)
-        rows = {"dev0": "compute", **{f"link {d} dev0": f"link {d}" for d in ("right", "left")}}
-        boxes = [dataclasses.replace(x, actor=rows[x.actor]) for x in raw if x.actor in rows]
         moved = 2 * (devices - 1) * chunk_rows * s.d * b
         experts_total = devices * chunk_s
     else:
@@ -232,6 +223,15 @@ def simulate_moe_layer(
         config,
         tuple(boxes),
     )
+
+
+def _run_on_dev0(prog, hop_s: float, compute_s) -> tuple[float, list[Box]]:
+    """Run an exchange's event program, every copy taking `hop_s` and each compute
+    `compute_s(action)`; device 0's timeline: its experts on "compute", its links' copies."""
+    timing = Timing(copy_s=lambda c: hop_s, compute_s=lambda a, actor: compute_s(a))
+    time, raw = timed.run(prog, timing)
+    rows = {"dev0": "compute", **{f"link {d} dev0": f"link {d}" for d in ("right", "left")}}
+    return time, [dataclasses.replace(x, actor=rows[x.actor]) for x in raw if x.actor in rows]
 
 
 def _transfer_beside(plan, hop_s: float, chunk_s: float) -> dict[tuple[int, str], float]:
