@@ -621,6 +621,7 @@ def _tpu_kernel_replay(op: str, group_sizes, m, k, n, *, dtype, hw, cfg) -> Repo
     copies nothing (Pallas TPU's rule, the plan's too), so gmm re-reads a group's weight block per
     visit unless k is one tile. Visits padded past the last real one (the grid is sized for
     traced group sizes) do no copy and no matmul: each costs one step's sync."""
+    import jax
     import jax.numpy as jnp
     import numpy as np
 
@@ -628,7 +629,9 @@ def _tpu_kernel_replay(op: str, group_sizes, m, k, n, *, dtype, hw, cfg) -> Repo
 
     tm, tk, tn = cfg["tiling"]
     b = dtypes.itemsize(dtype)
-    meta = make_group_metadata(jnp.asarray(group_sizes, jnp.int32), m, tm)
+    # One compiled program instead of a few dozen eagerly dispatched ops (each compiled once).
+    metadata = jax.jit(make_group_metadata, static_argnums=(1, 2))
+    meta = metadata(jnp.asarray(group_sizes, jnp.int32), m, tm)
     visits = int(meta.num_visits)
     gids = _Table(np.asarray(meta.group_ids)[:visits])
     tids = _Table(np.asarray(meta.tile_ids)[:visits])
