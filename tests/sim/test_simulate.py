@@ -38,10 +38,13 @@ def test_peaks_and_achievable_rates_are_distinct():
 
 @pytest.mark.slow
 def test_predictions_match_published_measurements():
+    # Validation rows within 10%; calibration rows reproduce what their constants were fitted to
+    # (within 1%), so a constant edited without refitting fails here.
     rows = validation.compare()
     checked = [r for r in rows if r["role"] == "validation"]
-    assert len(checked) >= 5
-    for r in checked:
+    assert len(checked) >= 10
+    assert {r["hardware"] for r in checked} >= {"h200", "h800", "v5e"}
+    for r in rows:
         assert r["within"], r
     assert validation.markdown(rows) in (DOCS / "simulator.md").read_text()
 
