@@ -359,6 +359,9 @@ def production() -> list[Case]:
         ),
         case("example", fn="matmul", m=4096, k=4096, n=4096),
         case("example", fn="matmul_warp_specialized", m=4096, k=4096, n=4096),
+        # 4000 rows: the last 64-row block is partial (a window of 32 rows)
+        case("example", fn="matmul", m=4000, k=4096, n=4096),
+        case("example", fn="matmul_warp_specialized", m=4000, k=4096, n=4096),
         case("mpmd", rows=64, cols=128),
     ]
     for op in ("all_gather_matmul", "matmul_reduce_scatter"):

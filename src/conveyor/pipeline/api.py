@@ -6,7 +6,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
@@ -19,6 +18,7 @@ from conveyor.pipeline.caller_allocations import (
     note_pending,
     refuse_gpu_allocations,
 )
+from conveyor.pipeline.tpu_tiles import tpu_tile
 from conveyor.plans import pipeline as plan_lib, specs as specs_lib, warp
 
 
@@ -35,13 +35,6 @@ def _check_shapes(p: plan_lib.PipelinePlan, refs):
                     f"{op.name}: pl.BoundedSlice({b}) in dimension {d} is larger than the array "
                     f"({tuple(ref.shape)}); its windows could never fill a slot"
                 )
-            # those windows start at any offset
-            if s % b and d not in op.element_dims + op.bounded_dims:
-                raise ValueError(
-                    f"{op.name}: block_shape {op.block_shape} does not divide the array shape "
-                    f"{tuple(ref.shape)} (dimension {d}: {s} % {b} != 0); pad the array or choose "
-                    "a dividing block"
-                )
 
 
 def _refuse_bounded_windows_on_gpu(p: plan_lib.PipelinePlan) -> None:
@@ -55,15 +48,17 @@ def _refuse_bounded_windows_on_gpu(p: plan_lib.PipelinePlan) -> None:
 
 
 def _check_tpu_tiling(p: plan_lib.PipelinePlan, refs):
-    """Mosaic TPU lays VMEM blocks out in (sublane, 128-lane) tiles: the last block dim must be a
-    multiple of 128 and the second-to-last a multiple of 8 (32-bit), 16 (16-bit) or 32 (8-bit),
-    unless the block spans the whole array dimension. The TPU interpreter does not check this
-    (shared FACTS), so we do, before a real TPU compile would refuse."""
+    """Mosaic TPU lays VMEM blocks out in (sublane, 128-lane) tiles (`tpu_tiles`): the last block
+    dim must be a multiple of 128 and the second-to-last a multiple of 8 (32-bit), 16 (16-bit) or
+    32 (8-bit), unless the block spans the whole array dimension; a partial last block there copies
+    a window the compiler must prove tile-aligned, so the array's extent must be a multiple of the
+    tile. The TPU interpreter does not check this (shared FACTS), so we do, before a real TPU
+    compile would refuse."""
     for op, ref in zip(p.inputs + p.outputs, refs):
         shape = tuple(ref.shape)
-        sublanes = {4: 8, 2: 16, 1: 32}.get(jnp.dtype(ref.dtype).itemsize, 8)
-        for d, need in ((len(shape) - 1, 128), (len(shape) - 2, sublanes)):
-            if d < 0 or op.block_shape[d] is None:
+        for d in range(max(0, len(shape) - 2), len(shape)):
+            need = tpu_tile(ref.dtype, d, len(shape))
+            if op.block_shape[d] is None:
                 continue
             b = op.block_shape[d]
             if b % need and b != shape[d]:
@@ -71,6 +66,13 @@ def _check_tpu_tiling(p: plan_lib.PipelinePlan, refs):
                     f"{op.name}: block_shape {op.block_shape} does not fit Mosaic TPU tiling for "
                     f"{ref.dtype}: dimension {d} is {b}, expected a multiple of {need} or the "
                     f"whole dimension ({shape[d]})"
+                )
+            if d in op.partial_dims and shape[d] % need:
+                raise ValueError(
+                    f"{op.name}: block_shape {op.block_shape} leaves a partial last block in "
+                    f"dimension {d} of an array of shape {shape}; on Mosaic TPU that dimension "
+                    f"must be a multiple of its tile ({need} for {ref.dtype}) so the partial copy "
+                    f"stays tile-aligned, got {shape[d]}: pad the array to a multiple of {need}"
                 )
 
 
@@ -240,8 +242,9 @@ def emit_pipeline(
       on mosaic_gpu). `run.plan` is the schedule.
 
     Raises:
-      ValueError: blocks that do not divide their arrays, refs that do not match the specs, an
-        option out of range (each names the operand, the rule and the value).
+      ValueError: refs that do not match the specs, an option out of range (each names the
+        operand, the rule and the value). A block that does not divide its array is allowed: the
+        last block is partial (the out-of-bounds rule in docs/pipelining.md).
     """
     whole = plan_lib.plan(
         grid=grid,

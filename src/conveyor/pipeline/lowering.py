@@ -1,12 +1,13 @@
 """Helpers shared by the plan's executors (xla, mosaic_tpu, mosaic_gpu).
 
-Out-of-bounds blocks, one rule on every backend: a block whose index lies outside the array
-(negative, or past the last whole block, in any dimension) is not copied. An out-of-bounds input
-block reads as zeros; an out-of-bounds output block is not written back (the array keeps what it
-held). This is the rule of a TMA copy on GPU, which the other backends follow by predicating their
-copies. Block shapes divide the arrays, so a block is either wholly inside or wholly outside.
-A `pl.Element` dimension's window starts at any element: the array need not be a multiple of its
-size, and a window that does not lie wholly inside the array counts as out of bounds.
+Out-of-bounds blocks, one rule on every backend: a block that starts outside the array (a
+negative index, or at or past the array's end, in any dimension) is not copied: an input block
+reads as zeros, an output block is not written back (the array keeps what it held). A block
+dimension that does not divide the array leaves a partial last block: its part inside the array
+is copied, the rest of an input slot reads as zeros, the rest of an output slot is dropped. This
+is the rule of a TMA copy on GPU, which the other backends follow by predicating and sizing their
+copies. A `pl.Element` dimension's window starts at any element, and a window that does not lie
+wholly inside the array counts as out of bounds.
 """
 
 from __future__ import annotations
@@ -92,10 +93,32 @@ def issued(at: Int, kind: str, op: OperandPlan | str, slot: Int, step: Int = -1)
         )
 
 
-def block_view(p: PipelinePlan, op: OperandPlan, ref, step):
+def block_view(p: PipelinePlan, op: OperandPlan, ref, step, window=None):
     """The global-memory view of `op`'s block at `step`; squeezed dims are indexed by an integer.
-    A `pl.BoundedSlice` dimension is the window the index map gives (a size possibly traced)."""
-    return _view(op, ref, p.window(op, step))
+    A `pl.BoundedSlice` or partial dimension is its window (a size possibly traced). `window`:
+    `p.window(op, step)` as a lowering annotated it (default: computed here)."""
+    return _view(op, ref, p.window(op, step) if window is None else window)
+
+
+def box_view(p: PipelinePlan, op: OperandPlan, ref, step):
+    """The view of a whole block at `op`'s offset at `step`, even where the block is partial or
+    out of bounds: a TMA copy's box, which zero-fills what it loads from outside the array and
+    drops what it stores there (mosaic_gpu). A static offset whose box runs past the array is
+    staged as a traced int32 (JAX refuses such a static slice; the TMA copy takes it)."""
+
+    def offset(off, size, extent):
+        if isinstance(off, int) and not 0 <= off <= extent - size:
+            return lax.add(jnp.int32(off), jnp.int32(0))
+        return off
+
+    return _view(
+        op,
+        ref,
+        tuple(
+            (offset(off, size, extent), size)
+            for off, size, extent in zip(p.offsets(op, step), op.block_dims, ref.shape)
+        ),
+    )
 
 
 def first_block_view(op: OperandPlan, ref):
@@ -105,14 +128,15 @@ def first_block_view(op: OperandPlan, ref):
     return _view(op, ref, tuple((0, size) for size in op.block_dims))
 
 
-def slot_view(p: PipelinePlan, op: OperandPlan, slot_ref, step):
+def slot_view(p: PipelinePlan, op: OperandPlan, slot_ref, step, window=None):
     """The part of a slot (one block) that `op`'s window at `step` fills: the whole slot, except
-    in `pl.BoundedSlice` dimensions, where it is the window's first `size` elements."""
-    if not op.bounded_dims:
+    in `pl.BoundedSlice` and partial dimensions, where it is the window's first `size` elements.
+    `window` as in `block_view`."""
+    if not op.variable_dims:
         return slot_ref
-    window = p.window(op, step)
+    window = p.window(op, step) if window is None else window
     idx = tuple(
-        pl.ds(0, window[d][1]) if d in op.bounded_dims else slice(None)
+        pl.ds(0, window[d][1]) if d in op.variable_dims else slice(None)
         for d, spec in enumerate(op.block_shape)
         if spec is not None
     )
@@ -130,12 +154,15 @@ def _view(op: OperandPlan, ref, window):
 def block_in_bounds(p: PipelinePlan, op: OperandPlan, step: Int, array_shape) -> Any:
     """Whether `op`'s block at `step` lies inside an array of `array_shape` (Python bool when
     everything is static, else a traced bool). A bounded window must also fit its slot: a traced
-    size outside [0, block size] makes the block out of bounds."""
+    size outside [0, block size] makes the block out of bounds. A partial block is in bounds when
+    it starts inside the array."""
     ok: Any = True
     for d, ((start, size), extent) in enumerate(zip(p.window(op, step), array_shape)):
         conditions = [start >= 0, start + size <= extent]
         if d in op.bounded_dims:
             conditions += [size >= 0, size <= op.block_dims[d]]
+        if d in op.partial_dims:  # its size is what is left of the array: none past the end
+            conditions.append(size > 0)
         for inside in conditions:
             ok = (
                 ok and inside

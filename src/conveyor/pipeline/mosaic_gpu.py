@@ -27,7 +27,7 @@ from conveyor.kernel import current_context
 from conveyor.kernel_gpu import BARRIER_BYTES, smem_bytes
 from conveyor.pipeline import carry as carry_lib
 from conveyor.pipeline.lowering import (
-    block_view,
+    box_view,
     call_body,
     check_allocations,
     fetch_after_step,
@@ -93,7 +93,7 @@ def _fetch(p: PipelinePlan, in_refs, in_bufs, produced, i: int, step, at, slot=N
     slot = p.slot(op, step) if slot is None else slot
     issued(at, "fetch", op, slot, step)
     plgpu.copy_gmem_to_smem(
-        block_view(p, op, in_refs[i], step), in_bufs[i].at[slot], produced[i].at[slot]
+        box_view(p, op, in_refs[i], step), in_bufs[i].at[slot], produced[i].at[slot]
     )
 
 
@@ -163,7 +163,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
                     issued(s, "writeback", op, p.output_slot(op, w), s)
                     plgpu.copy_smem_to_gmem(
                         out_bufs[j].at[p.output_slot(op, w)],
-                        block_view(p, op, out_refs[j], s),
+                        box_view(p, op, out_refs[j], s),
                         commit_group=False,
                     )
 
@@ -337,7 +337,7 @@ def _store_outputs(r: _WarpRefs, s, wb_counts) -> tuple:
                     issued(s, "writeback", op, p.output_slot(op, wb_counts[j]), s)
                     plgpu.copy_smem_to_gmem(
                         r.out_bufs[j].at[p.output_slot(op, wb_counts[j])],
-                        block_view(p, op, r.out_refs[j], s),
+                        box_view(p, op, r.out_refs[j], s),
                         commit_group=False,
                     )
 

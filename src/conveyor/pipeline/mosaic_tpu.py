@@ -13,6 +13,7 @@ is zero-filled instead, and nobody waits for a copy that was never started.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -33,13 +34,15 @@ from conveyor.pipeline.lowering import (
     when,
 )
 from conveyor.plans import fetch
+from conveyor.pipeline.tpu_tiles import tpu_tile
 from conveyor.plans.pipeline import OperandPlan, PipelinePlan
 
 
 @dataclasses.dataclass(frozen=True)
 class _Copies:
     """A pipeline's DMAs on TPU: its global operands, its VMEM slots and their semaphores. Blocks
-    out of bounds are not copied: an input slot is zero-filled instead, an output block dropped."""
+    out of bounds are not copied: an input slot is zero-filled instead, an output block dropped.
+    A partial block copies its part inside the array (an input slot is zero-filled first)."""
 
     p: PipelinePlan
     in_refs: tuple
@@ -52,14 +55,31 @@ class _Copies:
     def _in_bounds(self, op: OperandPlan, ref, step):
         return block_in_bounds(self.p, op, step, ref.shape)
 
+    def _window(self, op: OperandPlan, ref, step):
+        """`op`'s window at `step`, a partial size in the two tiled dimensions marked a multiple
+        of the (sublane, 128-lane) tile, as Mosaic needs to prove its copies tile-aligned (the
+        array's extents there are multiples of the tile: `pipeline.api` checks it)."""
+        window = list(self.p.window(op, step))
+        for d in op.partial_dims:
+            tile = tpu_tile(ref.dtype, d, len(ref.shape))
+            start, size = window[d]
+            if tile and not isinstance(size, int):
+                window[d] = (start, pl.multiple_of(size, tile))
+        return tuple(window)
+
     def start_fetch(self, i: int, step, slot, at) -> None:
         p, op = self.p, self.p.inputs[i]
 
         def copy():
             issued(at, "fetch", op, slot, step)
+            if op.partial_dims:  # a partial block fills part of the slot: the rest reads zeros
+                window = p.window(op, step)
+                partial = [window[d][1] < op.block_dims[d] for d in op.partial_dims]
+                when(functools.reduce(jnp.logical_or, partial), zero_fill)
+            window = self._window(op, self.in_refs[i], step)
             pltpu.make_async_copy(
-                block_view(p, op, self.in_refs[i], step),
-                slot_view(p, op, self.in_bufs[i].at[slot], step),
+                block_view(p, op, self.in_refs[i], step, window),
+                slot_view(p, op, self.in_bufs[i].at[slot], step, window),
                 self.in_sems.at[i, slot],
             ).start()
 
@@ -74,14 +94,14 @@ class _Copies:
         # a wait needs the size of its copy: step's window (every block's, unless bounded)
         def wait():
             issued(step, "wait_fetch", op, slot, step)
+            window = self._window(op, self.in_refs[i], step)
             src = (
-                block_view(p, op, self.in_refs[i], step)
-                if op.bounded_dims
+                block_view(p, op, self.in_refs[i], step, window)
+                if op.variable_dims
                 else first_block_view(op, self.in_refs[i])
             )
-            pltpu.make_async_copy(
-                src, slot_view(p, op, self.in_bufs[i].at[slot], step), self.in_sems.at[i, slot]
-            ).wait()
+            dst = slot_view(p, op, self.in_bufs[i].at[slot], step, window)
+            pltpu.make_async_copy(src, dst, self.in_sems.at[i, slot]).wait()
 
         when(self._in_bounds(op, self.in_refs[i], step), wait)
 
@@ -92,9 +112,10 @@ class _Copies:
         """The write-back DMA of output j's `slot` to its block at `step` (for a wait, only its
         size matters: any block's, unless the window is bounded)."""
         p, op = self.p, self.p.outputs[j]
+        window = self._window(op, self.out_refs[j], step)
         return pltpu.make_async_copy(
-            slot_view(p, op, self.out_bufs[j].at[slot], step),
-            block_view(p, op, self.out_refs[j], step),
+            slot_view(p, op, self.out_bufs[j].at[slot], step, window),
+            block_view(p, op, self.out_refs[j], step, window),
             self.out_sems.at[j, slot],
         )
 
@@ -106,7 +127,7 @@ class _Copies:
         """Wait for output j's write-back of `slot`, issued at `step`."""
         op = self.p.outputs[j]
         issued(at, "wait_writeback", op, slot)
-        if op.bounded_dims:
+        if op.variable_dims:
             self._writeback(j, slot, step).wait()
         else:
             pltpu.make_async_copy(

@@ -42,21 +42,22 @@ from conveyor.sync import TraceTimeBarrier
 
 
 def _clamped_index(p: PipelinePlan, op: OperandPlan, step, shape):
-    """Slices of `op`'s block at `step`, clamped into the array (the caller masks out-of-bounds).
-    A `pl.BoundedSlice` dimension reads a whole block's worth too (`_bounded_shifts` aligns it)."""
+    """Slices of `op`'s block at `step`, clamped into the array (the caller masks out-of-bounds),
+    each at most the array's extent. A window that varies (`OperandPlan.variable_dims`) reads a
+    whole block's worth around it (`_shifts` aligns it)."""
     return tuple(
-        pl.ds(jnp.clip(off, 0, extent - size), size)
+        pl.ds(jnp.clip(off, 0, extent - min(size, extent)), min(size, extent))
         for off, size, extent in zip(p.offsets(op, step), op.block_dims, shape)
     )
 
 
-def _bounded_shifts(p: PipelinePlan, op: OperandPlan, step, shape):
-    """Per `pl.BoundedSlice` dimension: (dimension, how far the window starts past the clamped
-    block `_clamped_index` reads, the window's size)."""
+def _shifts(p: PipelinePlan, op: OperandPlan, step, shape):
+    """Per variable dimension (bounded or partial): (dimension, how far the window starts past
+    the clamped read `_clamped_index` makes, the window's size)."""
     window = p.window(op, step)
     return [
-        (d, window[d][0] - jnp.clip(window[d][0], 0, shape[d] - op.block_dims[d]), window[d][1])
-        for d in op.bounded_dims
+        (d, window[d][0] - jnp.clip(window[d][0], 0, shape[d] - min(block, shape[d])), window[d][1])
+        for d, block in ((d, op.block_dims[d]) for d in op.variable_dims)
     ]
 
 
@@ -68,13 +69,18 @@ def _in_window(dims: tuple[int, ...], d: int, start, size):
 
 def read_block(p: PipelinePlan, op: OperandPlan, gref, step):
     """`op`'s block at `step` as a value of the body's block shape (zeros when out of bounds). A
-    bounded window fills the start of its dimension; the rest of the slot is poison."""
+    bounded window fills the start of its dimension, the rest of the slot is poison; a partial
+    block's part past the array reads as zeros."""
     idx = _clamped_index(p, op, step, gref.shape)
     block = gref[idx]
-    for d, shift, size in _bounded_shifts(p, op, step, gref.shape):
+    short = [(0, b - r) for b, r in zip(op.block_dims, block.shape)]
+    if any(pad for _, pad in short):  # a block larger than the array: read it all, pad
+        block = jnp.pad(block, short)
+    for d, shift, size in _shifts(p, op, step, gref.shape):
         block = jnp.roll(block, -shift, axis=d)
+        fill = poison if d in op.bounded_dims else (lambda s, t: jnp.zeros(s, t))
         block = jnp.where(
-            _in_window(block.shape, d, 0, size), block, poison(block.shape, block.dtype)
+            _in_window(block.shape, d, 0, size), block, fill(block.shape, block.dtype)
         )
     block = block.reshape(op.ref_shape)
     return jnp.where(block_in_bounds(p, op, step, gref.shape), block, jnp.zeros_like(block))
@@ -86,13 +92,16 @@ def _load(p: PipelinePlan, op: OperandPlan, gref, buf, step):
 
 def store_block(p: PipelinePlan, op: OperandPlan, gref, value, step, when):
     """Write `value` (a block) to `op`'s block at `step` where `when` holds and the block is in
-    bounds; of a bounded window, only its first `size` elements."""
+    bounds; of a bounded window or a partial block, only its part inside the window."""
     idx = _clamped_index(p, op, step, gref.shape)
     write = jnp.logical_and(when, block_in_bounds(p, op, step, gref.shape))
     block = value.reshape(op.block_dims)
-    for d, shift, size in _bounded_shifts(p, op, step, gref.shape):
+    for d, shift, size in _shifts(p, op, step, gref.shape):
         block = jnp.roll(block, shift, axis=d)
         write = jnp.logical_and(write, _in_window(block.shape, d, shift, size))
+    inside = tuple(slice(0, r.size) for r in idx)  # a block larger than the array: its start
+    block = block[inside]
+    write = jnp.broadcast_to(write, op.block_dims)[inside]
     gref[idx] = jnp.where(write, block, gref[idx])
 
 

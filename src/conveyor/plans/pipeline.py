@@ -86,11 +86,32 @@ class OperandPlan:
     # e.g. copied by an earlier kernel or pipeline and awaited): the pipeline neither issues nor
     # awaits them. At most num_slots.
     prefetched: int = 0
+    # The array's shape, set (`PipelinePlan.with_array_shapes`) only when a block dimension does
+    # not divide it: then the last block of that dimension is partial (`partial_dims`).
+    array_shape: tuple[int, ...] | None = None
 
     @property
     def block_dims(self) -> tuple[int, ...]:
         """Block size per array dimension (squeezed dims count as 1)."""
         return tuple(1 if d is None else d for d in self.block_shape)
+
+    @property
+    def partial_dims(self) -> tuple[int, ...]:
+        """Block dimensions whose size does not divide the array's: a block there covers what is
+        left of the array, from its start up to a whole block (`PipelinePlan.window`)."""
+        if self.array_shape is None:
+            return ()
+        return tuple(
+            d
+            for d, (b, extent) in enumerate(zip(self.block_dims, self.array_shape))
+            if extent % b and d not in self.element_dims + self.bounded_dims
+        )
+
+    @property
+    def variable_dims(self) -> tuple[int, ...]:
+        """Dimensions whose window size varies per step (bounded and partial): a copy there moves
+        the window, into the start of the slot."""
+        return tuple(sorted(self.bounded_dims + self.partial_dims))
 
     @property
     def ref_shape(self) -> tuple[int, ...]:
@@ -192,11 +213,10 @@ class PipelinePlan:
         )
 
     def with_array_shapes(self, shapes: Sequence[Sequence[int]]) -> PipelinePlan:
-        """This plan with the block of every whole-array spec set to its array's shape (one shape
-        per planned operand, inputs then outputs, as the pipeline is called with); a plan without
-        such specs is returned as it is."""
-        if not self.unresolved:
-            return self
+        """This plan with the block of every whole-array spec set to its array's shape, and the
+        array's shape recorded where a block does not divide it (partial edge blocks), given one
+        shape per planned operand, inputs then outputs, as the pipeline is called with. A plan
+        with neither is returned as it is."""
         ops = self.inputs + self.outputs
         if len(shapes) != len(ops):
             raise ValueError(
@@ -205,6 +225,10 @@ class PipelinePlan:
             )
         resolved = []
         for op, shape in zip(ops, shapes):
+            shape = tuple(int(d) for d in shape)
+            if not op.whole_array and len(shape) == len(op.block_shape):
+                partial = dataclasses.replace(op, array_shape=shape)
+                op = partial if partial.partial_dims else dataclasses.replace(op, array_shape=None)
             if op.whole_array:
                 shape = tuple(int(d) for d in shape)
                 imap = op.index_map or zeros_map(len(shape))
@@ -215,6 +239,8 @@ class PipelinePlan:
                     )
                 op = dataclasses.replace(op, block_shape=shape, index_map=imap)
             resolved.append(op)
+        if all(a == b for a, b in zip(resolved, ops)):
+            return self
         n_in = len(self.inputs)
         return dataclasses.replace(
             self, inputs=tuple(resolved[:n_in]), outputs=tuple(resolved[n_in:])
@@ -305,11 +331,20 @@ class PipelinePlan:
     def window(self, op: OperandPlan, step: Int) -> tuple[tuple[Int, Int], ...]:
         """(element offset, size) per array dimension of the operand's block at `step`: the size
         is the block's, except in a `pl.BoundedSlice` dimension, where the index map gives it
-        (possibly traced); the slot always holds a whole block."""
+        (possibly traced), and in a partial dimension (`OperandPlan.partial_dims`), where it is
+        what is left of the array from the offset, between 0 and a block; the slot always holds
+        a whole block."""
         out = []
+        partial = op.partial_dims
         for d, (i, size) in enumerate(zip(self.block_indices(op, step), op.block_dims)):
             if d in op.bounded_dims:
                 out.append((i.start, i.size))
+            elif d in partial:
+                start, left = i * size, op.array_shape[d] - i * size
+                filled = (
+                    min(max(left, 0), size) if isinstance(left, int) else jnp.clip(left, 0, size)
+                )
+                out.append((start, filled))
             else:
                 out.append((i if d in op.element_dims else i * size, size))
         return tuple(out)
