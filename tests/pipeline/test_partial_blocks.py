@@ -133,3 +133,23 @@ def test_a_partial_block_off_the_tpu_tile_is_refused_on_mosaic_tpu():
         cv.kernel(_doubling(x.shape), x, backend="mosaic_tpu", interpret=True)(x)
     out = cv.kernel(_doubling(x.shape), x, backend="xla")(x)
     np.testing.assert_array_equal(np.asarray(out), 2 * np.asarray(x))
+
+
+def test_the_simulator_prices_a_partial_copy_by_what_it_moves():
+    """The program's copies of a partial block carry the elements they move; the simulator times
+    them by that share of the block (here, with no compute, the copies are the whole time)."""
+    spec = pl.BlockSpec(BLOCK, lambda i: (i, 0))
+    plain = cv.pipeline.plan(grid=(3,), in_specs=[spec], out_specs=[spec])
+    partial = plain.with_array_shapes([(40, 256), (40, 256)])  # the last block: 8 of 16 rows
+    copies = [a for a in partial.program().copies() if a.operand == "in[0]"]
+    assert [c.elements for c in copies] == [None, None, 8 * 256]
+    full = cv.sim.simulate(plain, "v5e", dtype="bf16")
+    cut = cv.sim.simulate(partial, "v5e", dtype="bf16")
+    assert cut.time_s < full.time_s
+
+    def loads(report):
+        return sorted(b.end - b.start for b in report.boxes if b.actor == "copy engine (loads)")
+
+    # the same two whole-block loads, and a third of half the size
+    assert loads(cut)[1:] == pytest.approx(loads(full)[:2])
+    assert loads(cut)[0] == pytest.approx(loads(full)[0] / 2)

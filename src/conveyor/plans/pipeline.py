@@ -518,6 +518,16 @@ class PipelinePlan:
         writebacks = {op.name: 0 for op in self.outputs}
         # the slot each input's body reads: its last wait's
         reading = {op.name: 0 for op in self.inputs}
+        by_name = {op.name: op for op in self.inputs + self.outputs}
+
+        def moved(name: str, step: int) -> int | None:
+            """Elements a copy moves when its window is smaller than the block."""
+            op = by_name[name]
+            if not op.variable_dims:
+                return None
+            elements = math.prod(int(size) for _, size in self.window(op, step))
+            return None if elements == math.prod(op.block_dims) else elements
+
         for e in self.events():
             if e.kind == "fetch":
                 acts.append(
@@ -526,6 +536,7 @@ class PipelinePlan:
                         writes=((e.operand, e.slot),),
                         signals=(("landed", e.operand, e.target_step),),
                         operand=e.operand,
+                        elements=moved(e.operand, e.target_step),
                     )
                 )
             elif e.kind == "read_prefetched":  # the caller's block, in place: nothing to wait for
@@ -563,6 +574,7 @@ class PipelinePlan:
                         signals=(("stored", e.operand, e.target_step),),
                         queue="stores",
                         operand=e.operand,
+                        elements=moved(e.operand, e.target_step),
                     )
                 )
                 writebacks[e.operand] += 1

@@ -37,7 +37,7 @@ class Copy:
     """Issue an asynchronous copy that may land at any moment until it completes. On completion it
     adds 1 to each counter in `signals`. `queue` names what carries it ("loads", "stores",
     "link right", "link left"). `operand` names whose block it moves, so the simulator can size
-    it."""
+    it (`elements` when it moves only part of one)."""
 
     name: str
     writes: tuple[Slot, ...]
@@ -45,6 +45,9 @@ class Copy:
     signals: tuple[Counter, ...] = ()
     queue: str = "loads"
     operand: str | None = None
+    # Elements moved when fewer than the operand's block (a partial or bounded window); None: the
+    # whole block.
+    elements: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

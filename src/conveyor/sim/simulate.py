@@ -87,10 +87,15 @@ def _timing(
             zip([op.name for op in p.inputs + p.outputs], costs.in_bytes + costs.out_bytes)
         )
     step_s = costs.flops / costs.compute_rate + hw.sync_latency.value
+    block_elements = {op.name: math.prod(op.block_dims) for op in p.inputs + p.outputs}
+
+    def copy_bytes(c: Copy) -> float:  # a partial window moves its share of the block
+        share = 1.0 if c.elements is None else c.elements / block_elements[c.operand]
+        return sizes[c.operand] * share
+
     return Timing(
         copy_s=lambda c: (
-            sizes[c.operand]
-            / (costs.store_bandwidth if c.queue == "stores" else costs.load_bandwidth)
+            copy_bytes(c) / (costs.store_bandwidth if c.queue == "stores" else costs.load_bandwidth)
         ),
         compute_s=lambda action, actor: step_s,
         latency_s=hw.copy_latency.value,
