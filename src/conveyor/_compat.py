@@ -26,6 +26,7 @@ from jax._src.state.indexing import NDIndexer, Slice  # noqa: F401
 from jax._src.state.types import AbstractRef, TransformedRef, WriteEffect  # noqa: F401
 from jax.extend.core import Primitive  # noqa: F401
 from jax.interpreters import ad, batching, mlir  # noqa: F401
+from jax._src.interpreters.batching import BatchTracer  # noqa: F401  (no public alias)
 
 is_undefined_primal = ad.is_undefined_primal
 Zero = ad.Zero

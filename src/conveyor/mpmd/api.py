@@ -101,39 +101,35 @@ def mpmd_map(
     memory.
 
     Each `fn(*in_refs, *out_refs, *scratch_refs)` returns None and runs once per point of its
-    mesh; `lax.axis_index(axis)` is the point's coordinate. Scratch comes in the structure of
-    `scratch_shapes` (a dict is passed by keyword; nested lists, tuples and dicts are kept).
-    Programs synchronise with `cv.semaphore_signal` / `cv.semaphore_wait` on semaphore scratch and
-    `cv.barrier_wait` on a barrier scratch; `pl.run_scoped` gives an instance memory of its own
-    and `pl.debug_print` prints, prefixed by the instance, on the CPU executor.
-
-    Inputs may be jax Refs (`jax.new_ref`, or views `ref.at[...]`): the programs update them in
-    place and the caller sees the writes; one Ref may be passed once. Programs may close over
-    constants, traced values (a jitted function's arguments) and jax Refs (updated in place too).
-    Under `jax.vmap` the call runs once per batch element, one after the other.
+    mesh (`lax.axis_index(axis)` is the point's coordinate); programs synchronise with
+    `cv.semaphore_signal` / `cv.semaphore_wait` and `cv.barrier_wait` on scratch. What the CPU
+    executor takes beyond that (jax Refs updated in place, closures, `jax.vmap`, Pallas's scratch
+    spellings, `pl.run_scoped`, `pl.debug_print`) is in the README's `mpmd_map` section.
 
     Args:
+      meshes_and_fns: (mesh, fn) pairs, one per program.
       out_shapes: a pytree of ShapeDtypeStructs; outputs start poisoned (NaN / int min) unless
         aliased.
-      scratch_shapes: a sequence, dict or nested pytree of ShapeDtypeStructs (poisoned),
-        `cv.SemaphoreType` (zero) or `cv.BarrierType`, or Pallas's spellings of them:
-        `pltpu.VMEM` / `plgpu.SMEM` shapes, `pltpu.SemaphoreType.REGULAR(shape)`,
-        `plgpu.SemaphoreType.REGULAR(shape)`, `plgpu.Barrier(num_arrivals=<all instances>)`.
-      input_output_aliases: {input index: output index}: the output starts as that input, in place;
-        one input per output.
+      scratch_shapes: a sequence, dict (passed by keyword) or nested pytree of ShapeDtypeStructs
+        (poisoned), `cv.SemaphoreType` (zero), `cv.BarrierType`, or their Pallas spellings.
+      input_output_aliases: {input index: output index}: the output starts as that input, in
+        place; one input per output.
       compiler_params: {"timeout_s": seconds} bounds every wait on the CPU executor (default 30 s);
         a `plgpu.CompilerParams` is accepted with backend="mosaic_gpu".
-      debug: True prints each program's jaxpr; {"timeout_s": ...} works as in compiler_params.
       interpret: run a Mosaic backend through its Pallas interpreter.
-      cost_estimate: a `pl.CostEstimate`, handed to the Mosaic GPU kernel for XLA's scheduler
-        (jax >= 0.12; refused on jax 0.11, whose plgpu.kernel has none); the CPU executor runs the
-        call when XLA reaches it and has no use for it.
-      metadata: a dict of str, accepted for Pallas compatibility and used by no backend.
-      backend: "cpu" (the default on every platform: the concurrent CPU executor, in a host
-        callback), "mosaic_gpu" (the programs as warpgroups of one Mosaic GPU kernel; Hopper, or
-        its interpreter with `interpret=`) or "mosaic_tpu" (refused: see the error).
-    Under jit, an error of a program (a deadlock included) reaches the caller as XLA's
-    JaxRuntimeError; `with cv.mpmd_errors():` around the call re-raises it as its own type.
+      debug: True prints each program's jaxpr; {"timeout_s": ...} works as in compiler_params.
+      cost_estimate: a `pl.CostEstimate` for the Mosaic GPU kernel (jax >= 0.12); unused on cpu.
+      name: the kernel's name. metadata: a dict of str, accepted and unused.
+      backend: "cpu" (the default on every platform: concurrent threads in a host callback),
+        "mosaic_gpu" (the programs as warpgroups of one kernel) or "mosaic_tpu" (refused by name).
+
+    Returns:
+      A function of the inputs (arrays or jax Refs) returning outputs shaped like `out_shapes`.
+
+    Raises:
+      cv.MpmdDeadlock: a wait nothing satisfies within the timeout, naming every instance's wait.
+        Under jit it reaches the caller as XLA's JaxRuntimeError; `with cv.mpmd_errors():`
+        re-raises it as its own type.
     """
     programs = _validate(meshes_and_fns)
     axes = super_mesh(programs)

@@ -11,6 +11,7 @@ from jax.experimental import pallas as pl
 
 from conveyor.kernel import current_context, program_id
 from conveyor.pipeline import xla as xla_exec
+from conveyor.pipeline.lowering import under_vmap
 from conveyor.pipeline.caller_allocations import (
     PrefetchedBlocks,
     check_caller_allocations,
@@ -35,6 +36,19 @@ def _check_shapes(p: plan_lib.PipelinePlan, refs):
                     f"{op.name}: pl.BoundedSlice({b}) in dimension {d} is larger than the array "
                     f"({tuple(ref.shape)}); its windows could never fill a slot"
                 )
+
+
+def _refuse_inner_vmap(refs, backend: str) -> None:
+    """`jax.vmap` of a pipeline inside a Mosaic kernel: JAX has no batching rule for
+    `pl.run_scoped`, which allocates the pipeline's on-chip slots; refused by name (xla batches
+    it)."""
+    if backend in ("mosaic_tpu", "mosaic_gpu") and under_vmap(refs):
+        raise NotImplementedError(
+            f"emit_pipeline under jax.vmap inside a {backend} kernel: JAX has no batching rule "
+            "for pl.run_scoped, which allocates the pipeline's on-chip slots. Loop over the batch "
+            "instead (a Python or lax.fori_loop loop calling the pipeline on ref.at[b]), add the "
+            "batch to the pipeline's grid, or vmap the whole cv.kernel; on xla it runs as is"
+        )
 
 
 def _refuse_bounded_windows_on_gpu(p: plan_lib.PipelinePlan) -> None:
@@ -259,6 +273,7 @@ def emit_pipeline(
     def prepare(refs, api: str):
         ctx = current_context(api)
         _check_onchip_spaces(in_specs, out_specs, ctx.backend)
+        _refuse_inner_vmap(refs, ctx.backend)
         cores = _core_info(core_axis, core_axis_name, ctx)
         p = whole if cores is None else whole.for_core(cores[1], cores[0])
         p, ins, outs, passthrough = _split_refs(p, refs, "pipeline")
@@ -509,6 +524,7 @@ def emit_pipeline_warp_specialized(
     def prepare(refs, api: str):
         ctx = current_context(api)
         _check_onchip_spaces(in_specs, out_specs, ctx.backend)
+        _refuse_inner_vmap(refs, ctx.backend)
         if ctx.backend == "mosaic_tpu":
             raise NotImplementedError(
                 "emit_pipeline_warp_specialized: not available on mosaic_tpu (a TPU core has no "

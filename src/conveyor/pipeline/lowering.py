@@ -22,12 +22,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from conveyor import _compat
 from conveyor.plans import fetch
 from conveyor.plans.pipeline import Int, OperandPlan, PipelinePlan
 
 _RECORDING: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "conveyor_lowering_record", default=None
 )
+
+
+def under_vmap(refs: Any) -> bool:
+    """Whether any of `refs` is batched by a `jax.vmap` around the pipeline call."""
+    return any(isinstance(leaf, _compat.BatchTracer) for leaf in jax.tree_util.tree_leaves(refs))
 
 
 def when(cond: Any, fn: Callable[[], None], otherwise: Callable[[], None] | None = None) -> None:

@@ -34,6 +34,7 @@ from conveyor.pipeline.lowering import (
     call_body,
     fetch_after_step,
     fetch_prologue,
+    under_vmap,
     when,
 )
 from conveyor.plans import fetch
@@ -109,6 +110,12 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
     """Run `body(indices, *in_block_refs, *out_block_refs[, carry])` over the plan's steps."""
     p = p.fetching_every_block()
     if current_context("emit_pipeline").checked:
+        if under_vmap((in_refs, out_refs)):
+            raise NotImplementedError(
+                "emit_pipeline under jax.vmap in the checked executor (cv.pipeline."
+                "checked_schedule): its predicated slot copies are lax.conds with state effects, "
+                "which jax.vmap does not batch; the default xla executor runs it"
+            )
         return _run_checked(p, body, in_refs, out_refs, init_carry, has_carry)
     n_in = len(p.inputs)
     # Fresh refs (not pl.run_scoped, whose XLA lowering fails when the body is itself inside a

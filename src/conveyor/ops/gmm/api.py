@@ -188,14 +188,9 @@ def gmm(
         shard_map.
       backend: "xla", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the op is
         lowered, for the platform it is lowered for: mosaic_tpu for TPU, xla for CPU, CUDA and
-        ROCm (mosaic_gpu joins CUDA's default once it has run on a GPU: `conveyor.backends`;
-        until then name it). mosaic_gpu runs on Hopper GPUs and takes bfloat16/float16
-        operands (a float32 operand beside a 16-bit one, such as a backward pass's float32
-        cotangent, is rounded to the 16-bit dtype: pass backend="xla" to keep it float32), any
-        k and n (padded with zeros to multiples of 16, or 64 for tgmm's n, at the cost of a copy
-        of the padded operands), and tiling (128, tk, tn) for gmm, (64, 128, tn) for tgmm. It is
-        verified on CPU (Mosaic GPU interpreter, cuda export), not yet on a GPU: see the README's
-        GPU section.
+        ROCm (`conveyor.backends`). mosaic_gpu (Hopper; named explicitly until it has run on a
+        GPU) takes 16-bit operands and rounds a float32 one beside them; the README's backend
+        table says what each backend takes and what has run on hardware.
       interpret: run a Mosaic backend through its Pallas interpreter: True, or a
         `pltpu.InterpretParams` / `plgpu.InterpretGPUParams` (e.g. with detect_races=True).
 
