@@ -30,3 +30,11 @@ def sum_tolerance(n: int, scale, acc_dtype=np.float32, expected=None, out_dtype=
             np.asarray(expected, np.float64)
         )
     return bound
+
+
+def matmul_tolerance(a, b, acc_dtype=np.float32):
+    """`sum_tolerance` for a @ b computed in another order: n is the contraction length and
+    `scale` the largest magnitude a partial sum of the exact (float64) products reaches."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    partial = np.cumsum(a[:, :, None] * b[None, :, :], axis=1)
+    return sum_tolerance(a.shape[1], np.abs(partial).max(), acc_dtype)
