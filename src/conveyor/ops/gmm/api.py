@@ -173,7 +173,8 @@ def gmm(
         tuple | None. Any m, k, n works with any tiling: tiles larger than a dimension are clamped
         and partial tiles are masked. The xla backend uses tm (row tile) only; mosaic_tpu uses all
         three (tk, tn must be multiples of 128 or cover the whole dimension). A tuple applies to
-        this call only; the ops its derivatives run use the default (a callable is asked again).
+        this call only; the ops its derivatives run use the default. A callable is asked at the
+        call for every ordering of (m, k, n), the shapes of the ops its derivatives run too.
       group_offset: scalar int, first global group of this shard (expert parallelism); may be
         traced.
       existing_out: [m, n] values for the rows this call does not compute (chain shards through it).
@@ -252,7 +253,7 @@ def gmm(
             transpose_rhs=bool(transpose_rhs),
             out_dtype=out_dtype,
             backend=backend,
-            tiling=_hashable(tiling),
+            tiling=tiling_lib.as_static(tiling, m, k, n),
             interpret=_interpret_param(interpret, backend, "gathered"),
         )
     backend = _choose_backend(backend, interpret)
@@ -265,7 +266,7 @@ def gmm(
         transpose_rhs=bool(transpose_rhs),
         out_dtype=out_dtype,
         backend=backend,
-        tiling=_hashable(tiling),
+        tiling=tiling_lib.as_static(tiling, m, k, n),
         interpret=_interpret_param(interpret, backend),
     )
 
@@ -352,7 +353,7 @@ def tgmm(
         num_groups=num_actual_groups,
         out_dtype=out_dtype,
         backend=backend,
-        tiling=_hashable(tiling),
+        tiling=tiling_lib.as_static(tiling, m, k, n),
         interpret=_interpret_param(interpret, backend, "tgmm"),
     )
 
@@ -447,13 +448,9 @@ def gmm_scatter_add(
         transpose_rhs=bool(transpose_rhs),
         out_dtype=out_dtype,
         backend=backend,
-        tiling=_hashable(tiling),
+        tiling=tiling_lib.as_static(tiling, m, k, rhs.shape[1] if transpose_rhs else rhs.shape[2]),
         interpret=_interpret_param(interpret, backend, "scatter"),
     )
-
-
-def _hashable(tiling):
-    return tuple(tiling) if isinstance(tiling, list) else tiling
 
 
 def ragged_dot(

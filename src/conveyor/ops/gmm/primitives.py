@@ -177,8 +177,9 @@ def _aval(x):
 def _backend_params(params):
     """Backend params for the ops a derivative is built from.
 
-    A tiling callable is passed on (it sees the derived op's shapes); a fixed tuple was chosen for
-    the primal's shapes, so derived ops use their backend's default instead.
+    A tiling callable's table of answers (`tiling.TilingTable`, built at the call for every
+    ordering of (m, k, n)) is passed on, so derived ops get the callable's tiles for their shapes;
+    a fixed tuple was chosen for the primal's shapes, so derived ops use their backend's default.
     """
     tiling = params["tiling"] if callable(params["tiling"]) else None
     return dict(backend=params["backend"], interpret=params["interpret"], tiling=tiling)

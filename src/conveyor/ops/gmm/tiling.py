@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Union
 
@@ -144,6 +145,40 @@ class Tile:
 
     def __post_init__(self):
         _check_tuple((self.tm, self.tk, self.tn), "tiling")
+
+
+@dataclasses.dataclass(frozen=True)
+class TilingTable:
+    """A tiling callable asked once, at the API, for every ordering of the problem's (m, k, n):
+    the shapes the op and the ops of its derivatives take. Hashable, so the primitives' caches
+    and jaxprs see its answers, not the user's function; called like the callable it replaces."""
+
+    entries: tuple[tuple[tuple[int, int, int], tuple[int, int, int] | None], ...]
+
+    def __call__(self, m: int, k: int, n: int) -> tuple[int, int, int] | None:
+        for shape, tile in self.entries:
+            if shape == (m, k, n):
+                return tile
+        known = ", ".join(str(shape) for shape, _ in self.entries)
+        raise ValueError(
+            f"tiling: the callable was asked at the call for the shapes {known}; an op of shape "
+            f"{(m, k, n)} needs one too (pass a (tm, tk, tn) tuple, or report this case)"
+        )
+
+
+def as_static(tiling: Tiling, m: int, k: int, n: int) -> Tiling:
+    """`tiling` as a hashable value: a tuple as a tuple, a callable as the `TilingTable` of its
+    answers for every ordering of (m, k, n) (each answer checked as `resolve` checks it)."""
+    if isinstance(tiling, TilingTable) or not callable(tiling):
+        return tuple(tiling) if isinstance(tiling, list) else tiling
+    entries = []
+    for shape in dict.fromkeys(itertools.permutations((m, k, n))):
+        tile = tiling(*shape)
+        if tile is not None:
+            _check_tuple(tile, f"tiling{shape} returned")
+            tile = tuple(int(v) for v in tile)
+        entries.append((shape, tile))
+    return TilingTable(tuple(entries))
 
 
 def resolve(tiling: Tiling, m: int, k: int, n: int, default: tuple[int, int, int]) -> Tile:
