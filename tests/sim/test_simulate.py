@@ -468,3 +468,30 @@ def test_a_tiling_on_tpu_runs_the_mosaic_tpu_kernel_with_those_tiles():
     assert rhs_bytes * 4 == default.config["copies"]["rhs"] * 512 * 512
     with pytest.raises(ValueError, match="tk to be a multiple of 128"):
         cv.sim.simulate_gmm(sizes, 4096, 14336, hardware="v5e", tiling=(512, 100, 512))
+
+
+def test_a_plans_operands_take_their_own_dtypes_and_the_kernel_its_scratch():
+    """simulate(plan) counts each operand's slots in its own dtype and adds the scratch the
+    kernel allocates beside the pipeline (a float32 accumulator here); a name that is no operand
+    and a negative scratch are refused by name."""
+    spec = cv.BlockSpec((128, 128), lambda i, k: (i, k))
+    p = cv.pipeline.plan(
+        grid=(4, 4),
+        in_specs=[spec, cv.BlockSpec((128, 128), lambda i, k: (k, 0))],
+        out_specs=[cv.BlockSpec((128, 128), lambda i, k: (i, 0))],
+        max_concurrent_steps=2,
+    )
+    block = 128 * 128
+    plain = cv.sim.simulate(p, "v5e", dtype="bf16")
+    assert plain.onchip_bytes == (2 + 2 + 2) * block * 2  # two slots each, 2 bytes
+    mixed = cv.sim.simulate(
+        p, "v5e", dtype="bf16", operand_dtypes={"out[0]": "f32"}, scratch_bytes=block * 4
+    )
+    assert mixed.onchip_bytes == (2 + 2) * block * 2 + 2 * block * 4 + block * 4
+    assert mixed.config["operand_dtypes"] == {"out[0]": "f32"}
+    with pytest.raises(ValueError, match=r"operand_dtypes: \['out\[1\]'\] name no operand"):
+        cv.sim.simulate(p, "v5e", operand_dtypes={"out[1]": "f32"})
+    with pytest.raises(ValueError, match=r"scratch_bytes: expected an int >= 0, got -1"):
+        cv.sim.simulate(p, "v5e", scratch_bytes=-1)
+    with pytest.raises(cv.sim.DoesNotFit, match=r"scratch \(131072 KiB\)"):
+        cv.sim.simulate(p, "v5e", scratch_bytes=128 * 2**20)

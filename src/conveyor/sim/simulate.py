@@ -979,6 +979,17 @@ def _simulate_sequence(
     )
 
 
+def _operand_itemsizes(p: PipelinePlan, dtype: str, operand_dtypes: dict) -> dict[str, int]:
+    """Bytes per element of every operand: its own dtype in `operand_dtypes`, else `dtype`."""
+    names = [op.name for op in p.inputs + p.outputs]
+    unknown = sorted(set(operand_dtypes) - set(names))
+    if unknown:
+        raise ValueError(
+            f"operand_dtypes: {unknown} name no operand of the plan; its operands are {names}"
+        )
+    return {name: dtypes.itemsize(operand_dtypes.get(name, dtype)) for name in names}
+
+
 def simulate(
     plan: Any,
     hardware: str | Hardware = "h100",
@@ -986,14 +997,18 @@ def simulate(
     dtype: str = "bf16",
     flops_per_step: float = 0.0,
     active_cores: int | None = None,
+    operand_dtypes: dict[str, str] | None = None,
+    scratch_bytes: int = 0,
     **collective: Any,
 ) -> Report:
     """Replay a plan on a hardware model.
 
     - `PipelinePlan` / `WarpSpecializedPlan` (or the function `emit_pipeline` returned), or a list
       of warp-specialized plans chained on one set of allocations (`pipeline_state`; they share
-      block shapes): one core runs the plan; block bytes come from the block shapes and `dtype`,
-      each step computes
+      block shapes): one core runs the plan; block bytes come from the block shapes and `dtype`
+      (the matrix rate's too), or an operand's own dtype in `operand_dtypes` ({"in[0]": "f32",
+      ...}); on-chip memory is every slot plus the kernel's own `scratch_bytes` (accumulators,
+      semaphores: what the kernel allocates beside the pipeline); each step computes
       `flops_per_step`; `active_cores` cores share the load bandwidth (default: all of them).
     - a list of plain plans run one after another, each on its own slots, some wrapped in
       `cv.sim.Prefetched` (their first copies issued during an earlier pipeline, as
@@ -1001,8 +1016,15 @@ def simulate(
     - `RingPlan`: pass `kind`, `m`, `k`, `n` (see `simulate_collective_matmul`).
     """
     hw = get_hardware(hardware)
+    if isinstance(scratch_bytes, bool) or not isinstance(scratch_bytes, int) or scratch_bytes < 0:
+        raise ValueError(f"scratch_bytes: expected an int >= 0, got {scratch_bytes!r}")
     pipelines = as_sequence(plan)
     if pipelines is not None:
+        if operand_dtypes or scratch_bytes:
+            raise NotImplementedError(
+                "simulate: operand_dtypes and scratch_bytes apply to one plan (or a chain of "
+                "warp-specialized plans), not to a sequence of pipelines"
+            )
         return _simulate_sequence(pipelines, hw, dtype, flops_per_step, active_cores)
     chain = as_chain(plan)
     if chain is not None:
@@ -1037,14 +1059,16 @@ def simulate(
         (wp.pipeline if isinstance(wp, WarpSpecializedPlan) else wp).require_static(
             "cv.sim.simulate"
         )
-    b = dtypes.itemsize(dtype)
+    itemsize = _operand_itemsizes(p, dtype, operand_dtypes or {})
     cores = active_cores or int(hw.cores.value)
-    in_bytes = tuple(math.prod(op.block_dims) * b for op in p.inputs)
-    out_bytes = tuple(math.prod(op.block_dims) * b for op in p.outputs)
-    used = sum(x * op.num_slots for x, op in zip(in_bytes + out_bytes, p.inputs + p.outputs))
+    in_bytes = tuple(math.prod(op.block_dims) * itemsize[op.name] for op in p.inputs)
+    out_bytes = tuple(math.prod(op.block_dims) * itemsize[op.name] for op in p.outputs)
+    slots = sum(x * op.num_slots for x, op in zip(in_bytes + out_bytes, p.inputs + p.outputs))
+    used = slots + scratch_bytes
     if used > hw.onchip_bytes.value:
         raise DoesNotFit(
-            f"the plan's slots need {used / 1024:.0f} KiB of on-chip memory; {hw.name} has "
+            f"the plan's slots ({slots / 1024:.0f} KiB) and scratch ({scratch_bytes / 1024:.0f} "
+            f"KiB) need {used / 1024:.0f} KiB of on-chip memory; {hw.name} has "
             f"{hw.onchip_bytes.value / 1024:.0f} KiB per core"
         )
     costs = StepCosts(
@@ -1059,12 +1083,18 @@ def simulate(
     steps = sum(wp.pipeline.num_steps for wp in chain) if chain else p.num_steps
     time, boxes = timed.run(prog, _timing(p, costs, hw, isinstance(plan, WarpSpecializedPlan)))
     sizes = dict(zip([op.name for op in p.inputs + p.outputs], in_bytes + out_bytes))
-    moved = sum(sizes[c.operand] for c in prog.copies())
+    block = {op.name: math.prod(op.block_dims) for op in p.inputs + p.outputs}
+    moved = sum(
+        sizes[c.operand] * (1.0 if c.elements is None else c.elements / block[c.operand])
+        for c in prog.copies()
+    )
     config = {
         "grid": [list(wp.pipeline.grid) for wp in chain] if chain else list(p.grid),
         "max_concurrent_steps": p.max_concurrent_steps,
         "delay_release": p.delay_release,
         "dtype": dtype,
+        "operand_dtypes": dict(operand_dtypes or {}),
+        "scratch_bytes": scratch_bytes,
         "flops_per_step": flops_per_step,
         "active_cores": cores,
         "warp_specialized": isinstance(plan, WarpSpecializedPlan),
