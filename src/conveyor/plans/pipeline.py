@@ -230,7 +230,6 @@ class PipelinePlan:
                 partial = dataclasses.replace(op, array_shape=shape)
                 op = partial if partial.partial_dims else dataclasses.replace(op, array_shape=None)
             if op.whole_array:
-                shape = tuple(int(d) for d in shape)
                 imap = op.index_map or zeros_map(len(shape))
                 if not _is_invariant(imap, self.grid, op.name, len(shape)):
                     raise ValueError(
