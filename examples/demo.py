@@ -76,7 +76,7 @@ def grouped_matmul_demo() -> bool:
     )
     t = interleaved_medians(
         {"cv.gmm": lambda: ours(x, w_in, w_out), "lax.ragged_dot": lambda: ragged(x, w_in, w_out)},
-        reps=5,
+        reps=3,
     )
     print(
         f"forward+backward: cv.gmm {t['cv.gmm'] * 1e3:.1f} ms, lax.ragged_dot "

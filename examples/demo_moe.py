@@ -87,7 +87,9 @@ def train(c: Layer = Layer()) -> bool:
     )
 
     loss = _loss_fn(c, mesh)
-    grads = jax.jit(jax.grad(loss))(params, x, target)
+    # One compiled forward + backward serves the gradient check and every training step.
+    value_and_grad = jax.jit(jax.value_and_grad(loss))
+    _, grads = value_and_grad(params, x, target)
     ref = jax.jit(jax.grad(_reference_loss(c)))(
         {k: jnp.asarray(v) for k, v in params.items()}, x, target
     )
@@ -101,15 +103,15 @@ def train(c: Layer = Layer()) -> bool:
     optimizer = optax.adam(c.learning_rate)
 
     @jax.jit
-    def step(params, opt_state):
-        value, g = jax.value_and_grad(loss)(params, x, target)
+    def update(params, opt_state, g):
         updates, opt_state = optimizer.update(g, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
+        return optax.apply_updates(params, updates), opt_state
 
     opt_state = optimizer.init(params)
     losses, t0 = [], None
     for i in range(c.steps):
-        params, opt_state, value = step(params, opt_state)
+        value, g = value_and_grad(params, x, target)
+        params, opt_state = update(params, opt_state, g)
         losses.append(float(value))
         if i == 0:
             t0 = time.perf_counter()

@@ -368,7 +368,7 @@ def test_any_k_and_n_run_padded_to_the_kernels_tiles(transpose_rhs):
             )
             return jnp.sum(y[:, :n] * y[:, :n])
 
-        return jax.grad(f, argnums=(0, 1))(x, w)
+        return jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
 
     k_pad, n_pad = 48, 48 if not transpose_rhs else 40
     rhs_pad = (
