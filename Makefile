@@ -17,14 +17,16 @@ demo: bootstrap
 # (a schedule bug fails within seconds), then the rest of it (plans, checker, simulator, the xla
 # executors, references, errors), then the slow, interpreter and subprocess tiers; all but the
 # schedule tests spread over TEST_WORKERS processes (pytest-xdist; each test is independent, each
-# process has its own 8 simulated devices). TEST_WORKERS=0 runs them in this process.
+# process has its own 8 simulated devices; work stealing evens out the long tests at the end).
+# TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist worksteal
 test: test-fast
-	$(PY) -m pytest -q -m "not fast" -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q -m "not fast" $(XDIST) tests
 
 test-fast: bootstrap
 	$(PY) -m pytest -q -m schedule tests
-	$(PY) -m pytest -q -m "fast and not schedule" -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -q -m "fast and not schedule" $(XDIST) tests
 
 # The suite at the oldest supported jax/jaxlib, in its own environment.
 test-oldest-jax:
