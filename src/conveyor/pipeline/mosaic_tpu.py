@@ -72,11 +72,10 @@ class _Copies:
 
         def copy():
             issued(at, "fetch", op, slot, step)
+            window = self._window(op, self.in_refs[i], step)
             if op.partial_dims:  # a partial block fills part of the slot: the rest reads zeros
-                window = p.window(op, step)
                 partial = [window[d][1] < op.block_dims[d] for d in op.partial_dims]
                 when(functools.reduce(jnp.logical_or, partial), zero_fill)
-            window = self._window(op, self.in_refs[i], step)
             pltpu.make_async_copy(
                 block_view(p, op, self.in_refs[i], step, window),
                 slot_view(p, op, self.in_bufs[i].at[slot], step, window),
