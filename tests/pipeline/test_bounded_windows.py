@@ -18,6 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
 from tests.platform import gpu_interpret
+from tests import schedule
 
 GROUPS = [5, 16, 3, 0, 12]  # rows per group; group 3 is empty and starts where group 4 does
 STARTS = list(np.cumsum([0] + GROUPS[:-1]))
@@ -95,11 +96,9 @@ def test_windows_are_blocks_of_their_own():
     p = cv.pipeline.plan(
         grid=(len(GROUPS), COLS), in_specs=in_specs, out_specs=out_specs, max_concurrent_steps=2
     )
-    fetched = [e.target_step for e in p.events() if e.kind == "fetch" and e.operand == "in[1]"]
+    fetched = [c.step for c in schedule.fetches(p) if c.operand == "in[1]"]
     assert fetched == [i * COLS for i in range(len(GROUPS))]
-    assert [e.target_step for e in p.events() if e.kind == "writeback"] == list(
-        range(len(GROUPS) * COLS)
-    )
+    assert [c.step for c in schedule.stores(p)] == list(range(len(GROUPS) * COLS))
     assert p.window(p.inputs[1], 2) == ((24, 0), (0, 128))  # grid row 1: group 3, empty, at row 24
     assert cv.sim.check(p).ok
 

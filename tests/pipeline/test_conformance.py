@@ -1,12 +1,11 @@
 """Conformance: the copies and waits each Mosaic lowering issues, recorded while its interpreter
-runs the kernel, are the plan's events, operand by operand and in order.
+runs the kernel, are the plan's program's, operand by operand.
 
-For each operand, the recorded (grid step issued at, kind, slot, step moved) must be those of
-`PipelinePlan.events()`, as many times each (the recording callbacks are unordered, so order is
-checked between grid steps, not within one). A wait for a write-back carries step -1: the lowering
-waits on the slot's semaphore, not on a step. Mosaic GPU waits for its stores by bulk-group count,
-not per slot, so its write-back waits are not compared there; its fetches, fetch waits and stores
-are.
+The lowerings record the program's own typed actions (`record_issued`), built by the plan's
+constructors, each with the grid step it is issued in; they must be the program's copies and
+waits, as many times each (the recording callbacks are unordered, so order is checked between
+grid steps, not within one). Mosaic GPU waits for its stores by bulk-group count, not per slot,
+so its write-back waits are not compared there; its fetches, fetch waits and stores are.
 """
 
 import collections
@@ -20,6 +19,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
 from conveyor.pipeline.lowering import record_issued
+from conveyor.plans.program import Copy, Signal, Wait
+from tests import schedule
 from tests.platform import gpu_interpret
 
 # Each case runs in about a second; a lowering that waits for a copy it never issued fails at the
@@ -116,32 +117,23 @@ def _run(backend, grid, in_specs, out_specs, mcs, delay):
     return log, plan
 
 
-def _by_operand(entries, kinds):
-    """Per operand, how many times each (at, kind, slot, step) was issued (the debug callbacks that
-    record them are unordered, so order counts only between grid steps)."""
-    out = collections.defaultdict(collections.Counter)
-    for at, kind, operand, slot, step in entries:
-        if kind in kinds:
-            out[operand][(at, kind, slot, step)] += 1
-    return dict(out)
+def _compared(actions, backend):
+    """The copies and waits compared on `backend`, as a multiset."""
+    return collections.Counter(
+        a
+        for a in actions
+        if backend == "mosaic_tpu" or not (isinstance(a, Wait) and a.counter[0] == "stored")
+    )
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("backend", ["mosaic_tpu", "mosaic_gpu"])
-def test_lowering_issues_the_plans_events(backend, name):
+def test_lowering_issues_the_plans_program(backend, name):
     grid, in_specs, out_specs, mcs, delay = CONFIGS[name]
     log, plan = _run(backend, grid, in_specs, out_specs, mcs, delay)
-    kinds = (
-        {"fetch", "wait_fetch", "writeback", "wait_writeback"}
-        if backend == "mosaic_tpu"
-        else {"fetch", "wait_fetch", "writeback"}
-    )
-    expected = [
-        (e.step, e.kind, e.operand, e.slot, -1 if e.kind == "wait_writeback" else e.target_step)
-        for e in plan.events()
-    ]
     assert log, "nothing was recorded: the lowering issued no copy through `issued`"
-    assert _by_operand(log, kinds) == _by_operand(expected, kinds)
+    got, want = _compared(log, backend), _compared(schedule.issued(plan), backend)
+    assert got == want, (sorted(map(str, got - want)), sorted(map(str, want - got)))
 
 
 def test_warp_specialized_memory_thread_fetches_as_planned():
@@ -176,20 +168,9 @@ def test_warp_specialized_memory_thread_fetches_as_planned():
             )(x, bias)
         )
     program = pipe.plan.program()
-    planned = sorted(
-        (c.operand, c.writes[0][1], int(c.name.split("@step")[1]))
-        for c in program["memory thread"]
-        if type(c).__name__ == "Copy"
-    )
-    assert sorted((op, slot, step) for _, kind, op, slot, step in log if kind == "fetch") == planned
-    stores = sorted(
-        (c.operand, c.reads[0][1], int(c.name.split("@step")[1].split("->")[0]))
-        for c in program["compute[0]"]
-        if type(c).__name__ == "Copy"
-    )
-    assert (
-        sorted((op, slot, step) for _, kind, op, slot, step in log if kind == "writeback") == stores
-    )
+    copies = collections.Counter(a for a in log if isinstance(a, Copy))
+    assert copies == collections.Counter(program.copies())
+    assert {c.queue for c in copies} == {"loads", "stores"}
 
 
 @pytest.mark.parametrize("mcs, delay", [(2, 0), (3, 1)])
@@ -225,28 +206,19 @@ def test_warp_specialized_barriers_are_the_programs(mcs, delay):
                 interpret=gpu_interpret(),
             )(x, w)
         )
-    threads = 2
-    program = pipe.plan.program()
-    planned = collections.Counter()
-    for actor, actions in program.actors:
-        for a in actions:
-            kind = type(a).__name__
-            # waits for phase amount / threads - 1
-            if kind == "Wait" and a.counter[0] == "consumed":
-                planned[("wait_consumed", a.counter[1], a.counter[2], a.amount // threads - 1)] += 1
-            elif kind == "Signal" and a.counter[0] == "consumed":
-                planned[("release", a.counter[1], a.counter[2])] += 1
-            elif kind == "Signal" and a.counter == ("out_ready",):
-                planned[("output_barrier",)] += 1
-    got = collections.Counter()
-    for at, kind, name, slot, step in log:
-        if kind == "wait_consumed":
-            got[(kind, name, slot, step // mcs)] += 1
-        elif kind == "release":
-            got[(kind, name, slot)] += 1
-        elif kind == "output_barrier":
-            got[(kind,)] += 1
+
+    def barrier_records(actions):
+        return collections.Counter(
+            a for a in actions if isinstance(a, (Wait, Signal)) and a.counter[0] != "stored"
+        )
+
+    planned = barrier_records(a for _, actions in pipe.plan.program().actors for a in actions)
+    # the program's waits on the output barrier are not recorded
+    planned -= collections.Counter(
+        a for a in planned.elements() if isinstance(a, Wait) and a.counter == ("out_ready",)
+    )
+    got = barrier_records(log)
     assert planned and got == planned, (
-        sorted((got - planned).items()),
-        sorted((planned - got).items()),
+        sorted(map(str, got - planned)),
+        sorted(map(str, planned - got)),
     )

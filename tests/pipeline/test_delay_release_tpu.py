@@ -15,6 +15,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
+from tests import schedule
 
 STEPS, SLOTS, BLOCK = 6, 2, (8, 128)
 
@@ -81,10 +82,11 @@ def test_slot_refill_waits_delay_release_steps_after_use(delay_release, refill_g
         delay_release=delay_release,
     )
     last_use = {}
-    for e in p.events():
-        if e.kind == "wait_fetch":
-            last_use[e.slot] = e.step
-        elif e.kind == "fetch" and e.step >= 0 and e.slot in last_use:
-            # a refill is issued (after the body of e.step) `refill_gap` steps after the slot's last
-            # use
-            assert e.step - last_use[e.slot] == refill_gap
+    waits, fetches = schedule.fetch_waits(p), schedule.fetches(p)
+    for a in schedule.issued(p):
+        if a in waits:
+            last_use[schedule.slot(a)] = a.at
+        elif a in fetches and a.at >= 0 and schedule.slot(a) in last_use:
+            # a refill is issued (after the body of step a.at) `refill_gap` steps after the slot's
+            # last use
+            assert a.at - last_use[schedule.slot(a)] == refill_gap

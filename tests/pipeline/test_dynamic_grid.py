@@ -180,7 +180,7 @@ def test_checker_and_simulator_need_a_concrete_grid():
     concrete = dynamic.with_grid((6,))
     assert cv.sim.check(concrete).ok
     static = cv.pipeline.plan(grid=(6,), in_specs=[spec], out_specs=[spec], max_concurrent_steps=2)
-    assert concrete.events() == static.events()
+    assert concrete.program() == static.program()
     assert cv.sim.simulate(concrete, "h100").time_s == cv.sim.simulate(static, "h100").time_s > 0
     with pytest.raises(ValueError, match=r"grid: expected 1 ints >= 0"):
         dynamic.with_grid((6, 2))

@@ -18,6 +18,7 @@ from jax.experimental.pallas import tpu as pltpu
 import conveyor as cv
 from conveyor.plans import fetch
 from tests.platform import gpu_interpret
+from tests import schedule
 
 B = (8, 128)
 GRID = (4, 3)
@@ -51,11 +52,13 @@ def _plan(pattern, *, mcs=2, delay=0, count=None, lookahead=False, grid=GRID):
 
 
 def _inputs(plan):
-    return [(e.step, e.target_step, e.slot) for e in plan.events() if e.kind == "fetch"]
+    """(issued at, step fetched, slot) of every fetch."""
+    return [(c.at, c.step, schedule.slot(c)) for c in schedule.fetches(plan)]
 
 
 def _waits(plan):
-    return [(e.step, e.slot) for e in plan.events() if e.kind == "wait_fetch"]
+    """(waited at, slot) of every fetch wait."""
+    return [(w.at, schedule.slot(w)) for w in schedule.fetch_waits(plan)]
 
 
 def test_unchanged_blocks_are_not_refetched_and_lookahead_fetches_ahead():

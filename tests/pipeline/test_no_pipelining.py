@@ -9,6 +9,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
 from tests.platform import gpu_interpret
+from conveyor.plans.program import Compute, Copy, Wait
+from tests import schedule
 
 X_SPEC = cv.BlockSpec((16, 128), lambda i, j, k: (i, k))
 W_SPEC = cv.BlockSpec((128, 128), lambda i, j, k: (k, j))
@@ -70,16 +72,14 @@ def test_no_pipelining_schedule_has_nothing_in_flight_during_a_body():
         grid=(2, 2, 3), in_specs=[X_SPEC, W_SPEC], out_specs=[out], no_pipelining=True
     )
     assert [op.num_slots for op in p.inputs + p.outputs] == [1, 1, 1]
-    in_flight = set()
-    for e in p.events():
-        if e.kind in ("fetch", "writeback"):
-            in_flight.add((e.kind, e.operand, e.target_step))
-        elif e.kind in ("wait_fetch", "wait_writeback"):
-            in_flight.discard(
-                ("fetch" if e.kind == "wait_fetch" else "writeback", e.operand, e.target_step)
-            )
-        elif e.kind == "compute":
-            assert not in_flight, (e.step, in_flight)
+    in_flight = set()  # the counters of the copies in flight
+    for a in schedule.thread(p):
+        if isinstance(a, Copy):
+            in_flight.add(a.signals[0])
+        elif isinstance(a, Wait):
+            in_flight.discard(a.counter)
+        elif isinstance(a, Compute):
+            assert not in_flight, (a.step, in_flight)
     assert not in_flight
     assert cv.sim.check(p).ok
     # The pipelined schedule does overlap: the same walk finds copies in flight during bodies.
@@ -87,10 +87,10 @@ def test_no_pipelining_schedule_has_nothing_in_flight_during_a_body():
         grid=(2, 2, 3), in_specs=[X_SPEC, W_SPEC], out_specs=[out], max_concurrent_steps=2
     )
     flights = []
-    for e in pipelined.events():
-        if e.kind == "fetch":
-            flights.append(e.target_step)
-        elif e.kind == "compute" and any(t > e.step for t in flights):
+    for a in schedule.thread(pipelined):
+        if isinstance(a, Copy) and a.queue == "loads":
+            flights.append(a.step)
+        elif isinstance(a, Compute) and any(t > a.step for t in flights):
             break
     else:
         pytest.fail("the pipelined schedule never had a fetch in flight during a body")
@@ -191,7 +191,7 @@ def test_per_input_lookahead_in_the_schedule():
     a, b = p.inputs
     assert (a.num_slots, b.num_slots) == (4, 2)
     assert list(p.prologue_steps(a)) == [0, 1, 2, 3] and list(p.prologue_steps(b)) == [0, 1]
-    fetched_at = {(e.operand, e.target_step): e.step for e in p.events() if e.kind == "fetch"}
+    fetched_at = {(c.operand, c.step): c.at for c in schedule.fetches(p)}
     assert fetched_at[("in[0]", 4)] == 0 and fetched_at[("in[1]", 2)] == 0  # 4 and 2 steps ahead
     assert cv.sim.check(p).ok and cv.sim.check(p, in_flight_steps=0).ok
     with pytest.raises(

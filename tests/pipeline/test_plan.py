@@ -4,6 +4,7 @@ import pytest
 
 import conveyor as cv
 from conveyor.pipeline import plan
+from tests import schedule
 
 
 def _mm_specs():
@@ -44,7 +45,7 @@ def test_fetch_schedule_and_slot_reuse_respect_delay_release():
     )
     assert p.lookahead == 2
     op = p.inputs[0]
-    fetches = {e.target_step: (e.step, e.slot) for e in p.events() if e.kind == "fetch"}
+    fetches = {c.step: (c.at, schedule.slot(c)) for c in schedule.fetches(p)}
     for t, (issued, slot) in fetches.items():
         assert slot == t % 3
         if issued >= 0:

@@ -10,7 +10,7 @@ that the TPU pipeline really reads the caller's slots (a slot filled with other 
 output); the copies the TPU lowering issues against the plan's events; refusals; export for TPU.
 """
 
-import dataclasses
+import collections
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,9 @@ from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
 from conveyor.pipeline.lowering import record_issued
+from conveyor.plans.program import Copy, Read
 from tests.platform import gpu_interpret
+from tests import schedule
 
 B = (8, 128)
 STEPS = 6
@@ -134,23 +136,24 @@ def test_tpu_reads_the_callers_slots():
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_plan_events_skip_the_prefetched_fetches(case):
+def test_plan_program_skips_the_prefetched_fetches(case):
     plain, early = _pipeline(case, 0).plan, _pipeline(case, 2).plan
 
-    def prefetched(e):
-        return e.operand == "in[0]" and e.target_step < STEPS and _x_block(e.target_step, case) < 2
+    def prefetched(a):
+        """A fetch of x's block 0 or 1, or a wait for one."""
+        if isinstance(a, Copy):
+            operand, step = (a.operand, a.step) if a.queue == "loads" else (None, None)
+        else:
+            operand, step = (a.counter[1], a.counter[3]) if a.counter[0] == "landed" else (None, 0)
+        return operand == "in[0]" and _x_block(step, case) < 2
 
-    # The plain plan's fetches and waits of blocks 0 and 1 are gone; its waits became reads of the
-    # caller's slots.
-    kept = [
-        dataclasses.replace(e, kind="read_prefetched")
-        if prefetched(e) and e.kind == "wait_fetch"
-        else e
-        for e in plain.events()
-        if not (prefetched(e) and e.kind == "fetch")
-    ]
-    assert len(kept) < len(plain.events())
-    assert list(early.events()) == kept
+    # The plain plan's fetches of blocks 0 and 1 and its waits for them are gone; the body reads
+    # the same slots (the caller's, for those blocks).
+    kept = [a for a in schedule.issued(plain) if not prefetched(a)]
+    assert len(kept) < len(schedule.issued(plain))
+    assert schedule.issued(early) == kept
+    reads = [[a for a in schedule.thread(p) if isinstance(a, Read)] for p in (plain, early)]
+    assert reads[0] == reads[1]
     assert early.inputs[0].prefetched == 2 and early.inputs[1].prefetched == 0
     # Block 2 refills slot 0 only after the steps reading block 0 are done: the checker finds no
     # race.
@@ -169,19 +172,7 @@ def test_tpu_copies_follow_the_plan():
         np.testing.assert_array_equal(
             _call(_kernel("lookahead", 2), "mosaic_tpu", x, y), _reference(x, y, "lookahead")
         )
-    # A wait for an earlier write-back does not know its step (-1): compare without it.
-    expected = sorted(
-        (e.step, e.kind, e.operand, e.slot, -1 if e.kind == "wait_writeback" else e.target_step)
-        for e in pipe.plan.events()
-        if e.kind not in ("compute", "read_prefetched")
-    )
-    assert (
-        sorted(
-            (at, kind, name, slot, -1 if kind == "wait_writeback" else step)
-            for at, kind, name, slot, step in log
-        )
-        == expected
-    )
+    assert collections.Counter(log) == collections.Counter(schedule.issued(pipe.plan))
 
 
 def test_refusals():

@@ -15,6 +15,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
 from tests.platform import gpu_interpret
+from tests import schedule
 
 ROWS = pl.BlockSpec((8, 128), lambda i: (i, 0))
 STEPS = 4
@@ -101,11 +102,8 @@ def test_plan_sizes_whole_blocks_from_the_arrays():
     assert sized.block_indices(sized.inputs[1], 3) == (0, 0)
     assert cv.sim.check(sized).ok
     # One fetch of the table (before step 0) and one write-back of the output (after the last step).
-    events = sized.events()
-    assert [e.step for e in events if e.operand == "in[1]" and e.kind == "fetch"] == [-1]
-    assert [e.step for e in events if e.operand == "out[0]" and e.kind == "writeback"] == [
-        STEPS - 1
-    ]
+    assert [c.at for c in schedule.fetches(sized) if c.operand == "in[1]"] == [-1]
+    assert [c.at for c in schedule.stores(sized) if c.operand == "out[0]"] == [STEPS - 1]
 
 
 def test_a_grid_dependent_map_on_a_whole_array_spec_is_refused():

@@ -107,9 +107,7 @@ def test_warp_specialized_and_plan_replay():
     )
     r = cv.sim.simulate(p, "v5e", flops_per_step=2 * 128 * 64 * 64)
     assert r.utilization <= 1.0  # no replay beats the peaks
-    assert sum(b.kind == "copy" for b in r.boxes) == len(
-        [e for e in p.events() if e.kind in ("fetch", "writeback")]
-    )
+    assert sum(b.kind == "copy" for b in r.boxes) == len(p.program().copies())
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ from conveyor.pipeline.api import (
     emit_pipeline_with_allocations,
 )
 from conveyor.kernel import checked_schedule
-from conveyor.plans.pipeline import Event, OperandPlan, PipelinePlan, plan
+from conveyor.plans.pipeline import OperandPlan, PipelinePlan, plan
 from conveyor.plans.specs import BlockSpec
 from conveyor.plans.warp import PipelineState, WarpSpecializedPlan
 
@@ -23,5 +23,4 @@ __all__ = [
     "BlockSpec",
     "PipelinePlan",
     "OperandPlan",
-    "Event",
 ]

@@ -66,20 +66,18 @@ def fetch_after_step(p: PipelinePlan, op: OperandPlan, cursor, s, issue) -> fetc
 
 
 @contextlib.contextmanager
-def record_issued() -> Iterator[list[tuple[int, str, str, int, int]]]:
-    """Record, while the kernel runs, the copies and waits that a Mosaic lowering traced in this
-    block issues, as (at, kind, operand, slot, step) tuples:
-    - `at`: the grid step during which it is issued (-1: the prologue; num_steps: the epilogue);
-    - `kind`: one of the plan's event kinds ("fetch", "wait_fetch", "writeback", "wait_writeback");
-      warp-specialized pipelines add "wait_consumed" (operand: the barrier's name), "release" and
-      "output_barrier"; the ring kernels record the operations of `RingPlan.phases()` (operand:
-      the stream's direction);
-    - `step`: the grid step whose block moves (or whose slot is released), or -1 where the lowering
-      does not know it (a wait for an earlier write-back).
-    This is for conformance tests against the plans' events and programs. The records come from
-    unordered debug callbacks (Pallas interpreters refuse ordered ones), so their order within one
-    `at` is not meaningful. When not recording, `issued` adds nothing to the kernel."""
-    log: list[tuple[int, str, str, int, int]] = []
+def record_issued() -> Iterator[list[Any]]:
+    """Record, while the kernel runs, what a Mosaic lowering traced in this block issues, as the
+    plans' own typed records, built by the plans' constructors:
+    - pipelines: their program's actions (`conveyor.plans.pipeline_program`: `fetch`,
+      `fetch_wait`, `store`, `store_wait`; a warp-specialized pipeline's barrier waits and
+      arrivals, `conveyor.plans.warp`), each with `at`, the grid step during which it is issued
+      (-1: the prologue; num_steps: the epilogue). Copies are recorded without `elements`;
+    - ring kernels: the `RingOperation`s of `RingPlan.operation_records()`.
+    This is for conformance tests against the plans. The records come from unordered debug
+    callbacks (Pallas interpreters refuse ordered ones), so their order within one grid step is
+    not meaningful. When not recording, `issued` adds nothing to the kernel."""
+    log: list[Any] = []
     token = _RECORDING.set(log)
     try:
         yield log
@@ -87,15 +85,15 @@ def record_issued() -> Iterator[list[tuple[int, str, str, int, int]]]:
         _RECORDING.reset(token)
 
 
-def issued(at: Int, kind: str, op: OperandPlan | str, slot: Int, step: Int = -1) -> None:
-    """Report one copy or wait the lowering issues during grid step `at` (see `record_issued`).
-    `op` is an operand (its name is recorded) or a name, e.g. a ring kernel's stream direction."""
+def issued(make: Callable[..., Any], *labels: Any, **ints: Int) -> None:
+    """Report one record the lowering issues (see `record_issued`): `make(*labels, **ints)` with
+    the ints, which may be traced, made concrete when the kernel runs."""
     log = _RECORDING.get()
     if log is not None:
-        name = op if isinstance(op, str) else op.name
+        names = tuple(ints)
         jax.debug.callback(
-            lambda a, sl, st: log.append((int(a), kind, name, int(sl), int(st))),
-            *(jnp.asarray(v, jnp.int32) for v in (at, slot, step)),
+            lambda *values: log.append(make(*labels, **{k: int(v) for k, v in zip(names, values)})),
+            *(jnp.asarray(v, jnp.int32) for v in ints.values()),
         )
 
 

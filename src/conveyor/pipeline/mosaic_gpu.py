@@ -36,6 +36,8 @@ from conveyor.pipeline.lowering import (
     when,
 )
 from conveyor.plans import fetch
+from conveyor.plans import pipeline_program as actions
+from conveyor.plans import warp
 from conveyor.plans.pipeline import PipelinePlan
 from conveyor.plans.warp import WarpSpecializedPlan
 
@@ -86,29 +88,32 @@ def _slots(p: PipelinePlan, in_refs, out_refs) -> list:
     ]
 
 
-def _fetch(p: PipelinePlan, in_refs, in_bufs, produced, i: int, step, at, slot=None) -> None:
+def _fetch(
+    p: PipelinePlan, in_refs, in_bufs, produced, i: int, step, at, slot=None, record=actions.fetch
+) -> None:
     """The TMA copy of input i's block of `step` into `slot` (default: the every-step rule's),
-    issued during grid step `at`."""
+    issued during grid step `at`; `record` builds the plan's record of it (`record_issued`)."""
     op = p.inputs[i]
     slot = p.slot(op, step) if slot is None else slot
-    issued(at, "fetch", op, slot, step)
+    issued(record, op.name, slot=slot, step=step, at=at)
     plgpu.copy_gmem_to_smem(
         box_view(p, op, in_refs[i], step), in_bufs[i].at[slot], produced[i].at[slot]
     )
 
 
 def _await_blocks(p: PipelinePlan, s, produced, in_bufs, out_bufs, wb_counts, wait: bool = True):
-    """Wait until step s's input copies landed (unless the body waits itself: `wait=False`); return
-    the input and output slot views of step s."""
+    """A compute thread of a warp-specialized pipeline: wait until step s's input copies landed
+    (unless the body waits itself: `wait=False`); return the input and output slot views of step
+    s."""
     for i, op in enumerate(p.inputs if wait else ()):
         if op.invariant:
 
             @pl.when(s == 0)
             def _():
-                issued(s, "wait_fetch", op, 0, 0)
+                issued(warp.produced_wait, op.name, 1, step=0, at=s)
                 plgpu.barrier_wait(produced[i].at[0])
         else:
-            issued(s, "wait_fetch", op, p.slot(op, s), s)
+            issued(warp.produced_wait, op.name, op.num_slots, step=s, at=s)
             plgpu.barrier_wait(produced[i].at[p.slot(op, s)])
     in_blocks = [in_bufs[i].at[p.slot(op, s)] for i, op in enumerate(p.inputs)]
     out_blocks = [out_bufs[j].at[p.output_slot(op, wb_counts[j])] for j, op in enumerate(p.outputs)]
@@ -141,7 +146,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
             for i, (op, (_, waits, slot)) in enumerate(zip(p.inputs, stepped)):
 
                 def wait(i=i, op=op, slot=slot):
-                    issued(s, "wait_fetch", op, slot, s)
+                    issued(actions.fetch_wait, op.name, slot=slot, step=s, at=s)
                     plgpu.barrier_wait(barriers[i].at[slot])
 
                 when(waits, wait)
@@ -160,7 +165,7 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
 
                 @pl.when(wb)
                 def _():
-                    issued(s, "writeback", op, p.output_slot(op, w), s)
+                    issued(actions.store, op.name, slot=p.output_slot(op, w), step=s, at=s)
                     plgpu.copy_smem_to_gmem(
                         out_bufs[j].at[p.output_slot(op, w)],
                         box_view(p, op, out_refs[j], s),
@@ -260,19 +265,19 @@ def _fetch_round(r: _WarpRefs, t, at) -> None:
     for i, op in enumerate(p.inputs):
         if op.invariant:
             if isinstance(t, int) and t == 0:
-                _fetch(p, r.in_refs, r.in_bufs, r.produced, i, 0, at)
+                _fetch(p, r.in_refs, r.in_bufs, r.produced, i, 0, at, record=warp.produce)
             continue
         if i in wait_before:
 
             def wait(barrier=wait_before[i][0], name=wait_before[i][1]):
-                issued(at, "wait_consumed", name, t % S, t - S)
+                issued(warp.consumed_wait, name, S, wp.num_compute_wgs, step=t - S, at=at)
                 plgpu.barrier_wait(barrier.at[t % S])
                 # Order the compute threads' reads of the slot (generic proxy) before the TMA
                 # write into it (async proxy).
                 plgpu.commit_smem()
 
             when(wp.refill_waits(t), wait)
-        _fetch(p, r.in_refs, r.in_bufs, r.produced, i, t, at)
+        _fetch(p, r.in_refs, r.in_bufs, r.produced, i, t, at, record=warp.produce)
 
 
 def _memory_thread(r: _WarpRefs) -> None:
@@ -295,7 +300,7 @@ def _memory_thread(r: _WarpRefs) -> None:
         for b, name in r.wait_before().values():
 
             def drain(u, _=None, b=b, name=name):
-                issued(n, "wait_consumed", name, u % S, u)
+                issued(warp.consumed_wait, name, S, wp.num_compute_wgs, step=u, at=n)
                 plgpu.barrier_wait(b.at[u % S])
 
             if p.is_static:
@@ -324,7 +329,7 @@ def _store_outputs(r: _WarpRefs, s, wb_counts) -> tuple:
         def _():  # the slot the other threads write next was stored two write-backs ago
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        issued(s, "output_barrier", "out_ready", 0, s)
+        issued(warp.output_arrival, step=s, at=s)
         plgpu.barrier_arrive(r.out_ready.at[0])
         plgpu.barrier_wait(r.out_ready.at[0])
 
@@ -334,7 +339,8 @@ def _store_outputs(r: _WarpRefs, s, wb_counts) -> tuple:
 
                 @pl.when(wbs[j])
                 def _():
-                    issued(s, "writeback", op, p.output_slot(op, wb_counts[j]), s)
+                    slot = p.output_slot(op, wb_counts[j])
+                    issued(actions.store, op.name, slot=slot, step=s, at=s)
                     plgpu.copy_smem_to_gmem(
                         r.out_bufs[j].at[p.output_slot(op, wb_counts[j])],
                         box_view(p, op, r.out_refs[j], s),
@@ -380,7 +386,8 @@ def _compute_steps(r: _WarpRefs, body, init, has_carry):
 
             @pl.when(wp.releases_after(s))
             def _():
-                issued(s, "release", "shared", wp.released_slot(s), s - p.delay_release)
+                slot, step = wp.released_slot(s), s - p.delay_release
+                issued(warp.release, "shared", slot=slot, step=step, at=s)
                 plgpu.barrier_arrive(r.consumed[0].at[wp.released_slot(s)])
 
         return (_store_outputs(r, s, wb_counts) if p.outputs else ()), carry

@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from conveyor.plans import pipeline_program as actions
 from conveyor.pipeline.lowering import (
     block_in_bounds,
     block_view,
@@ -71,7 +72,7 @@ class _Copies:
         p, op = self.p, self.p.inputs[i]
 
         def copy():
-            issued(at, "fetch", op, slot, step)
+            issued(actions.fetch, op.name, slot=slot, step=step, at=at)
             window = self._window(op, self.in_refs[i], step)
             if op.partial_dims:  # a partial block fills part of the slot: the rest reads zeros
                 partial = [window[d][1] < op.block_dims[d] for d in op.partial_dims]
@@ -92,7 +93,7 @@ class _Copies:
 
         # a wait needs the size of its copy: step's window (every block's, unless bounded)
         def wait():
-            issued(step, "wait_fetch", op, slot, step)
+            issued(actions.fetch_wait, op.name, slot=slot, step=step, at=step)
             window = self._window(op, self.in_refs[i], step)
             src = (
                 block_view(p, op, self.in_refs[i], step, window)
@@ -119,13 +120,13 @@ class _Copies:
         )
 
     def start_writeback(self, j: int, slot, step) -> None:
-        issued(step, "writeback", self.p.outputs[j], slot, step)
+        issued(actions.store, self.p.outputs[j].name, slot=slot, step=step, at=step)
         self._writeback(j, slot, step).start()
 
     def wait_writeback(self, j: int, slot, at, step) -> None:
         """Wait for output j's write-back of `slot`, issued at `step`."""
         op = self.p.outputs[j]
-        issued(at, "wait_writeback", op, slot)
+        issued(actions.store_wait, op.name, slot=slot, at=at)
         if op.variable_dims:
             self._writeback(j, slot, step).wait()
         else:

@@ -21,10 +21,11 @@ is when EVERY_STEP would release that step's slot. LOOKAHEAD fetches block j onc
 done: its last step r ran, and so did step r + delay_release (the body's reads end by then).
 
 `Cursor` is what an executor carries through its step loop for one input. The functions below
-work on Python ints (the plan's `events()`, the checker and the simulator) and on traced int32
-(inside kernels); all backends share them. They decide, and emit no control flow: each fetch is
-handed to the executor's `Fetch` with the condition it is issued under, and a lookahead scan
-whose bounds are traced runs in the executor's `loop` (`conveyor.pipeline.lowering` holds both).
+work on Python ints (the plan's `program()`, which the checker and the simulator run) and on
+traced int32 (inside kernels); all backends share them. They decide, and emit no control flow: each
+fetch is handed to the executor's `Fetch` with the condition it is issued under, and a lookahead
+scan whose bounds are traced runs in the executor's `loop` (`conveyor.pipeline.lowering` holds
+both).
 """
 
 from __future__ import annotations

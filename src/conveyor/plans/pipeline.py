@@ -3,7 +3,7 @@
 `plan(...)` turns a grid, block specs and the buffering options into a `PipelinePlan`. Its rules
 (`block_indices`, `slot`, `fetch_at`, `writes_back`) work on Python ints and on traced JAX ints
 alike, so lowerings ask them inside the kernel loop, the XLA executor runs them with ordinary
-slicing, and the checker/simulator replay `events()`; all of them follow one schedule.
+slicing, and the checker/simulator run `program()`; all of them follow one schedule.
 
 Schedule (inputs): an input with `S = max_concurrent_steps` slots keeps `L = S - delay_release`
 fetches in flight. Before step 0 the prologue fetches steps 0..L-1; at step s the body reads slot
@@ -33,17 +33,8 @@ from conveyor import _compat
 from conveyor.jaxprs import args_reaching_outputs
 from conveyor.plans import fetch as fetch_lib
 from conveyor.plans.grid import ARBITRARY, Int, normalize_semantics, partition_grid, unravel
-from conveyor.plans.program import (
-    Action,
-    check_in_flight_steps,
-    Compute,
-    Copy,
-    Program,
-    Read,
-    Wait,
-    Write,
-    program,
-)
+from conveyor.plans.pipeline_program import pipeline_program
+from conveyor.plans.program import Program
 from conveyor.plans.specs import (
     WHOLE_ARRAY,
     as_block_spec,
@@ -127,20 +118,6 @@ class GridPoint:
     each index is batched along its own axis, which a linear step would mix."""
 
     indices: tuple[Int, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """One step of the schedule, for the checker and the simulator (pure data)."""
-
-    step: int  # grid step at which it happens (-1: prologue, num_steps: epilogue)
-    # "fetch" | "wait_fetch" | "compute" | "writeback" | "wait_writeback", or "read_prefetched": the
-    # step starts a block the caller put in `slot` (`OperandPlan.prefetched`), with no copy to wait
-    # for
-    kind: str
-    operand: str | None
-    slot: int | None
-    target_step: int  # the grid step whose block it moves / computes
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -262,7 +239,7 @@ class PipelinePlan:
         )
 
     def require_static(self, api: str) -> None:
-        """Refuse a dynamic grid where a concrete schedule is needed (checker, simulator, events),
+        """Refuse a dynamic grid where a concrete schedule is needed (checker, simulator, program),
         and whole-array blocks whose shape is not known yet."""
         if self.unresolved:
             raise ValueError(
@@ -422,169 +399,10 @@ class PipelinePlan:
         """Outputs alternate between their slots at each write-back."""
         return 0 if op.invariant else writebacks_before % op.num_slots
 
-    # ---- the schedule as data ----
-    def events(self) -> tuple[Event, ...]:
-        """The whole schedule with concrete steps (for the checker and the simulator).
-
-        Per step: wait for the inputs' copies (of the inputs whose block changes); compute; issue
-        write-backs, each followed by the wait for the write-back that last used the output's other
-        slot (the one the body writes next); issue the next fetches. The epilogue waits for the
-        write-backs still in flight."""
-        self.require_static("the pipeline's events")
-        ev: list[Event] = []
-        n = self.num_steps
-
-        def fetcher(at: int, op: OperandPlan):
-            def fetch(t, slot, go):
-                if go:  # concrete here: the plan is static
-                    ev.append(Event(at, "fetch", op.name, slot, t))
-
-            return fetch
-
-        cursors = {op.name: fetch_lib.prologue(self, op, fetcher(-1, op)) for op in self.inputs}
-        wb_count = {op.name: 0 for op in self.outputs}
-        # (output, slot) -> step of its pending write-back
-        in_flight: dict[tuple[str, int], int] = {}
-        for s in range(n):
-            for op in self.inputs:
-                cursors[op.name], waits, slot = fetch_lib.begin_step(self, op, cursors[op.name], s)
-                if waits:
-                    ev.append(Event(s, "wait_fetch", op.name, slot, s))
-                elif op.prefetched and fetch_lib.changes_at(self, op, s):
-                    ev.append(Event(s, "read_prefetched", op.name, slot, s))
-            ev.append(Event(s, "compute", None, None, s))
-            for op in self.outputs:
-                if self.writes_back(op, s):
-                    slot = self.output_slot(op, wb_count[op.name])
-                    ev.append(Event(s, "writeback", op.name, slot, s))
-                    if op.num_slots == 1:  # the body writes this same slot next: wait at once
-                        ev.append(Event(s, "wait_writeback", op.name, slot, s))
-                    else:
-                        in_flight[(op.name, slot)] = s
-                    wb_count[op.name] += 1
-                    # The body writes the other slot next: its write-back is awaited now, as the
-                    # lowerings do (at most one write-back per output stays in flight).
-                    following = (op.name, self.output_slot(op, wb_count[op.name]))
-                    if following in in_flight and following[1] != slot:
-                        ev.append(
-                            Event(
-                                s, "wait_writeback", op.name, following[1], in_flight.pop(following)
-                            )
-                        )
-            for op in self.inputs:
-                cursors[op.name] = fetch_lib.after_step(
-                    self, op, cursors[op.name], s, fetcher(s, op)
-                )
-        for (name, slot), target in in_flight.items():
-            ev.append(Event(n, "wait_writeback", name, slot, target))
-        return tuple(ev)
-
-    def body_actions(
-        self,
-        step: int,
-        tag: str,
-        writebacks: dict[str, int],
-        open_reads: dict[int, list[Read]],
-        in_flight_steps: int,
-        in_slots: dict[str, int] | None = None,
-    ) -> list[Action]:
-        """The body of `step` in a program: it reads its input slots (`in_slots` per input, else the
-        every-step rule's), computes and writes its output slots (per output, the slot of its
-        write-back count so far). The reads of step `step - in_flight_steps` end here; `open_reads`
-        keeps the ones still open."""
-        reads = [
-            Read((op.name, self.slot(op, step) if in_slots is None else in_slots[op.name]), tag)
-            for op in self.inputs
-        ]
-        acts: list[Action] = [*reads, Compute(step, tag)]
-        acts += [
-            Write((op.name, self.output_slot(op, writebacks[op.name])), tag) for op in self.outputs
-        ]
-        open_reads[step] = reads
-        return acts + [
-            dataclasses.replace(r, end=True) for r in open_reads.pop(step - in_flight_steps, [])
-        ]
-
     def program(self, in_flight_steps: int = 0) -> Program:
-        """The schedule as an event program with one actor, "thread", following `events()`.
-
-        The body of step s reads its input slots and writes its output slot. With
-        `in_flight_steps` = k, the body leaves asynchronous work reading its input slots (e.g. an
-        un-awaited matmul), and those reads end during step s + k."""
-        check_in_flight_steps(in_flight_steps)
-        acts: list[Action] = []
-        open_reads: dict[int, list[Read]] = {}
-        writebacks = {op.name: 0 for op in self.outputs}
-        # the slot each input's body reads: its last wait's
-        reading = {op.name: 0 for op in self.inputs}
-        by_name = {op.name: op for op in self.inputs + self.outputs}
-
-        def moved(name: str, step: int) -> int | None:
-            """Elements a copy moves when its window is smaller than the block."""
-            op = by_name[name]
-            if not op.variable_dims:
-                return None
-            elements = math.prod(int(size) for _, size in self.window(op, step))
-            return None if elements == math.prod(op.block_dims) else elements
-
-        for e in self.events():
-            if e.kind == "fetch":
-                acts.append(
-                    Copy(
-                        f"{e.operand}@step{e.target_step}",
-                        writes=((e.operand, e.slot),),
-                        signals=(("landed", e.operand, e.target_step),),
-                        operand=e.operand,
-                        elements=moved(e.operand, e.target_step),
-                    )
-                )
-            elif e.kind == "read_prefetched":  # the caller's block, in place: nothing to wait for
-                reading[e.operand] = e.slot
-            elif e.kind == "wait_fetch":
-                reading[e.operand] = e.slot
-                acts.append(
-                    Wait(
-                        ("landed", e.operand, e.target_step),
-                        what=f"copy {e.operand}@step{e.target_step}",
-                    )
-                )
-            elif e.kind == "wait_writeback":
-                acts.append(
-                    Wait(
-                        ("stored", e.operand, e.target_step),
-                        what=f"write-back {e.operand}@step{e.target_step}",
-                    )
-                )
-            elif e.kind == "compute":
-                acts += self.body_actions(
-                    e.step,
-                    f"body of step {e.step}",
-                    writebacks,
-                    open_reads,
-                    in_flight_steps,
-                    dict(reading),
-                )
-            elif e.kind == "writeback":
-                acts.append(
-                    Copy(
-                        f"{e.operand}@step{e.target_step}->hbm",
-                        writes=(("hbm", e.operand, e.target_step),),
-                        reads=((e.operand, e.slot),),
-                        signals=(("stored", e.operand, e.target_step),),
-                        queue="stores",
-                        operand=e.operand,
-                        elements=moved(e.operand, e.target_step),
-                    )
-                )
-                writebacks[e.operand] += 1
-        for reads in open_reads.values():
-            acts += [dataclasses.replace(r, end=True) for r in reads]
-        in_flight = f" body in flight {in_flight_steps} step(s)" if in_flight_steps else ""
-        subject = (
-            f"pipeline grid={self.grid} max_concurrent_steps={self.max_concurrent_steps} "
-            f"delay_release={self.delay_release}{in_flight}"
-        )
-        return program(subject, {"thread": acts})
+        """The schedule as an event program with one actor, "thread"
+        (`conveyor.plans.pipeline_program.pipeline_program`)."""
+        return pipeline_program(self, in_flight_steps)
 
 
 def _is_slice(entry: Any) -> bool:

@@ -21,6 +21,11 @@ Counters start at 0:
 
 A barrier with N arrivals per phase is a counter of arrivals: phase p completes at N * (p + 1),
 so a wait for phase p waits for that count.
+
+A pipeline's copies, waits and signals carry `at`, the grid step during which the actor issues
+them (-1: before step 0; num_steps: after the last step). The Mosaic lowerings report the same
+actions, built by the same constructors, as they issue them (`conveyor.pipeline.lowering.
+record_issued`): the conformance tests compare the two.
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ class Copy:
     # Elements moved when fewer than the operand's block (a partial or bounded window); None: the
     # whole block.
     elements: int | None = None
+    at: int | None = None  # the grid step it is issued in (see `Program`)
+    step: int | None = None  # a pipeline's copy: the grid step whose block it moves
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +66,7 @@ class Wait:
     amount: int = 1
     consume: bool = False
     what: str = ""
+    at: int | None = None  # the grid step it is issued in (see `Program`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +76,7 @@ class Signal:
     counter: Counter
     amount: int = 1
     what: str = ""
+    at: int | None = None  # the grid step it is issued in (see `Program`)
 
 
 @dataclasses.dataclass(frozen=True)

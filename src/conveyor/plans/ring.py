@@ -283,6 +283,21 @@ class RingPlan:
             if r.direction == direction and _enabled(op, r)
         )
 
+    def operation_records(self) -> tuple[RingOperation, ...]:
+        """`operations()` as a kernel reports them (`conveyor.pipeline.lowering.record_issued`):
+        per operation its step, stream and the slot named by `SLOT_FIELD`."""
+        return tuple(
+            RingOperation(
+                op,
+                r.direction,
+                step=r.step,
+                slot=self.slot(r.awaits_send_of)
+                if SLOT_FIELD[op] == "awaits_slot"
+                else getattr(r, SLOT_FIELD[op]),
+            )
+            for op, r in self.operations()
+        )
+
     def _device_actions(self, dev: int, credits: bool) -> list[Action]:
         d = self.num_devices
         neighbours = {
@@ -407,6 +422,30 @@ ENABLED_BY = {
     "grant": "grants_credit",
     "store": "stores",
 }
+
+
+# The slot each operation is reported with (`RingOperation`): the field of its record that holds
+# it ("awaits_slot": the slot of the step whose send it awaits).
+SLOT_FIELD = {
+    "receive": "slot",
+    "send": "send_slot",
+    "compute": "slot",
+    "accumulate": "slot",
+    "finish_send": "awaits_slot",
+    "grant": "slot",
+    "store": "slot",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RingOperation:
+    """One operation of a ring kernel: `operation` (of `RingPlan.phases()`) of stream `direction`
+    at grid step `step`, on `slot` (`SLOT_FIELD`)."""
+
+    operation: str
+    direction: str
+    step: int
+    slot: int
 
 
 def _enabled(op: str, r: RingStep) -> bool:

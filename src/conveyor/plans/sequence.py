@@ -94,8 +94,8 @@ def sequence_program(
                     f"earlier pipeline of the sequence (0..{k - 1}); a pipeline prefetches only "
                     "while an earlier one runs"
                 )
-            prologue = sum(1 for e in p.events() if e.step == -1)
-            if not all(isinstance(a, Copy) for a in actions[:prologue]):
+            prologue = sum(1 for a in actions if isinstance(a, Copy) and a.at == -1)
+            if not all(isinstance(a, Copy) and a.at == -1 for a in actions[:prologue]):
                 raise AssertionError("a pipeline program starts with its prologue copies")
             early.setdefault(before, []).extend(actions[:prologue])
             actions = actions[prologue:]

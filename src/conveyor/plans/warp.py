@@ -29,11 +29,11 @@ import jax.numpy as jnp
 from conveyor.plans.grid import Int
 from conveyor.plans import fetch
 from conveyor.plans.pipeline import PipelinePlan
+from conveyor.plans.pipeline_program import body_actions, store, store_wait
 from conveyor.plans.program import (
     Action,
     check_in_flight_steps,
     Copy,
-    Counter,
     Program,
     Read,
     Signal,
@@ -236,15 +236,11 @@ class WarpSpecializedPlan:
         """
         return chain_program([dataclasses.replace(self, pipeline_state=None)], in_flight_steps)
 
-    def _consumed_phase(self, barrier: str, step: int) -> Wait:
+    def _consumed_phase(self, barrier: str, step: int, at: int) -> Wait:
         """Wait until every compute thread released the slot of `step` (counted over the chain) on
         `barrier`."""
         slots = self.pipeline.max_concurrent_steps
-        return Wait(
-            ("consumed", barrier, step % slots),
-            self.num_compute_wgs * (step // slots + 1),
-            what=f"consumed barrier {barrier} slot {step % slots} (release of step {step})",
-        )
+        return consumed_wait(barrier, slots, self.num_compute_wgs, step=step, at=at)
 
     def _memory_actions(self, waited_on: dict[str, str], offset: int) -> list[Action]:
         """The memory thread's part of one pipeline whose steps follow `offset` earlier steps of a
@@ -252,34 +248,25 @@ class WarpSpecializedPlan:
         p = self.pipeline
         n, slots = p.num_steps, p.max_concurrent_steps
 
-        def fetch(op, t):
-            slot = p.slot(op, t)
-            return Copy(
-                f"{op.name}@step{offset + t}",
-                writes=((op.name, slot),),
-                signals=(("produced", op.name, slot),),
-                operand=op.name,
-            )
-
-        def fetch_round(t):
+        def fetch_round(t, at):
             acts: list[Action] = []
             for op in p.inputs:
                 if op.invariant and t:
                     continue
                 if op.name in waited_on and not op.invariant and self.refill_waits(t):
-                    acts.append(self._consumed_phase(waited_on[op.name], offset + t - slots))
-                acts.append(fetch(op, t))
+                    acts.append(self._consumed_phase(waited_on[op.name], offset + t - slots, at))
+                acts.append(produce(op.name, slot=p.slot(op, t), step=offset + t, at=at))
             return acts
 
-        acts = [a for t in range(min(p.lookahead, n)) for a in fetch_round(t)]
+        acts = [a for t in range(min(p.lookahead, n)) for a in fetch_round(t, -1)]
         for s in range(n):
             t = p.fetch_at(s)
             if t < n:
-                acts += fetch_round(t)
+                acts += fetch_round(t, s)
         if self.drains:
             for barrier in waited_on.values():
                 acts += [
-                    self._consumed_phase(barrier, offset + u)
+                    self._consumed_phase(barrier, offset + u, n)
                     for u in range(max(0, n - slots), n - p.delay_release)
                 ]
         return acts
@@ -300,38 +287,26 @@ class WarpSpecializedPlan:
         acts: list[Action] = []
         open_reads: dict[int, list[Read]] = {}
         writebacks = {op.name: 0 for op in p.outputs}
-        stores: list[Counter] = []  # the leader's stores not yet awaited
+        stores: list[tuple[str, int]] = []  # the leader's stores not yet awaited: (output, slot)
         for s in range(p.num_steps):
             g = offset + s
             for op in p.inputs:
-                if not op.invariant or s == 0:
-                    slot = p.slot(op, s)
-                    acts.append(
-                        Wait(
-                            ("produced", op.name, slot),
-                            1 if op.invariant else g // op.num_slots + 1,
-                            what=f"produced barrier {op.name} slot {slot} (step {g})",
-                        )
-                    )
-            acts += p.body_actions(
-                s, f"compute[{thread}] body of step {g}", writebacks, open_reads, in_flight_steps
-            )
+                if op.invariant and s == 0:
+                    acts.append(produced_wait(op.name, 1, step=0, at=s))
+                elif not op.invariant:
+                    acts.append(produced_wait(op.name, op.num_slots, step=g, at=s))
+            tag = f"compute[{thread}] body of step {g}"
+            acts += body_actions(p, s, tag, writebacks, open_reads, in_flight_steps)
             if self.releases_after(s):
                 slot = self.released_slot(s)
-                acts += [
-                    Signal(
-                        ("consumed", b, slot),
-                        what=f"release slot {slot} (step {g - p.delay_release}) on {b}",
-                    )
-                    for b in arrived_on
-                ]
+                acts += [release(b, slot=slot, step=g - p.delay_release, at=s) for b in arrived_on]
             stored = [op for op in p.outputs if p.writes_back(op, s)]
             if not stored:
                 continue
             if leader:
-                acts += [Wait(c, what=f"store {c[1]}@step{c[2]}") for c in stores]
+                acts += [store_wait(name, slot, at=s) for name, slot in stores]
                 stores.clear()
-            acts.append(Signal(("out_ready",), what=f"output barrier (step {g})"))
+            acts.append(output_arrival(step=g, at=s))
             acts.append(
                 Wait(
                     ("out_ready",),
@@ -342,23 +317,65 @@ class WarpSpecializedPlan:
             barrier_phase += 1
             for op in stored:
                 if leader:
-                    done = ("stored", op.name, g)
-                    acts.append(
-                        Copy(
-                            f"{op.name}@step{g}->hbm",
-                            writes=(("hbm", op.name, g),),
-                            reads=((op.name, p.output_slot(op, writebacks[op.name])),),
-                            signals=(done,),
-                            queue="stores",
-                            operand=op.name,
-                        )
-                    )
-                    stores.append(done)
+                    slot = p.output_slot(op, writebacks[op.name])
+                    acts.append(store(op.name, slot, g, at=s))
+                    stores.append((op.name, slot))
                 writebacks[op.name] += 1
         for reads in open_reads.values():
             acts += [dataclasses.replace(r, end=True) for r in reads]
-        acts += [Wait(c, what=f"store {c[1]}@step{c[2]}") for c in stores]
+        acts += [store_wait(name, slot, at=p.num_steps) for name, slot in stores]
         return acts, barrier_phase
+
+
+def produce(operand: str, *, slot: int, step: int, at: int) -> Copy:
+    """The memory thread's copy of input `operand`'s block of step `step` into `slot`, issued
+    during step `at`; it arrives once on the slot's produced barrier."""
+    return Copy(
+        f"{operand}@step{step}",
+        writes=((operand, slot),),
+        signals=(("produced", operand, slot),),
+        operand=operand,
+        at=at,
+        step=step,
+    )
+
+
+def produced_wait(operand: str, slots: int, *, step: int, at: int) -> Wait:
+    """A compute thread's wait, during step `at`, for the copy of input `operand`'s block of step
+    `step` into its slot (of `slots`): that slot's produced barrier completing its phase."""
+    slot = step % slots
+    return Wait(
+        ("produced", operand, slot),
+        step // slots + 1,
+        what=f"produced barrier {operand} slot {slot} (step {step})",
+        at=at,
+    )
+
+
+def consumed_wait(barrier: str, slots: int, threads: int, *, step: int, at: int) -> Wait:
+    """The memory thread's wait, during step `at`, until all `threads` compute threads released
+    the slot of `step` (of `slots`) on consumed barrier `barrier`."""
+    slot = step % slots
+    return Wait(
+        ("consumed", barrier, slot),
+        threads * (step // slots + 1),
+        what=f"consumed barrier {barrier} slot {slot} (release of step {step})",
+        at=at,
+    )
+
+
+def release(barrier: str, *, slot: int, step: int, at: int) -> Signal:
+    """A compute thread's arrival, during step `at`, on consumed barrier `barrier`: `slot`, which
+    step `step` read, may be refilled."""
+    return Signal(
+        ("consumed", barrier, slot), what=f"release slot {slot} (step {step}) on {barrier}", at=at
+    )
+
+
+def output_arrival(*, step: int, at: int) -> Signal:
+    """A compute thread's arrival, during step `at`, on the output barrier before the write-backs
+    of step `step`."""
+    return Signal(("out_ready",), what=f"output barrier (step {step})", at=at)
 
 
 def as_chain(plan: Any) -> list[WarpSpecializedPlan] | None:

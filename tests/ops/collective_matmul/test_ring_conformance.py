@@ -2,11 +2,11 @@
 
 Conformance: while the TPU interpreter runs a ring kernel on simulated devices, the kernel reports
 each operation it performs (`pipeline.lowering.record_issued`); per device, the recorded
-(grid step, operation, stream, slot) must be those of `RingPlan.operations()`, as many times each.
+`RingOperation`s must be those of `RingPlan.operation_records()`, as many times each.
 The callbacks are unordered, so order is checked between grid steps, not within one; the order
 within a step is the plan's `phases()`, which the checker and the simulator run. Each compute and
-accumulate runs one inner `cv.emit_pipeline` over VMEM blocks, which reports its own copies
-(kinds not in SLOT_FIELD; their schedule is the pipeline's, checked by tests/pipeline).
+accumulate runs one inner `cv.emit_pipeline` over VMEM blocks, which reports its own copies and
+waits (their schedule is the pipeline's, checked by tests/pipeline).
 """
 
 import collections
@@ -20,24 +20,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import conveyor as cv
 from conveyor.ops.collective_matmul import RingPlan, ring_plan
-from conveyor.ops.collective_matmul.mosaic_tpu import SLOT_FIELD
 from conveyor.pipeline.lowering import record_issued
 from conveyor.plans.program import Compute, Copy, Wait
+from conveyor.plans.ring import RingOperation
 
 pytestmark = pytest.mark.timeout(180)
-
-
-def _expected(plan: RingPlan) -> collections.Counter:
-    """One device's operations per the plan: (step, operation, stream, slot)."""
-    out = collections.Counter()
-    for op, r in plan.operations():
-        slot = (
-            plan.slot(r.awaits_send_of)
-            if SLOT_FIELD[op] == "awaits_slot"
-            else getattr(r, SLOT_FIELD[op])
-        )
-        out[(r.step, op, r.direction, slot)] += 1
-    return out
 
 
 def _run(collective, ring, bidirectional, buffering):
@@ -99,14 +86,14 @@ def test_ring_kernel_does_what_the_records_say(collective, ring, bidirectional, 
     plan = ring_plan(
         collective=collective, num_devices=ring, bidirectional=bidirectional, buffering=buffering
     )
-    got = collections.Counter(
-        (at, kind, stream, slot) for at, kind, stream, slot, _ in log if kind in SLOT_FIELD
+    got = collections.Counter(r for r in log if isinstance(r, RingOperation))
+    want = collections.Counter(
+        {r: n * ring for r, n in collections.Counter(plan.operation_records()).items()}
     )
-    want = collections.Counter({key: n * ring for key, n in _expected(plan).items()})
-    assert got == want, (sorted((got - want).items()), sorted((want - got).items()))
+    assert got == want, (sorted(map(str, got - want)), sorted(map(str, want - got)))
     # one inner pipeline (here of one block: one write-back) per compute and per accumulate
-    pipelines = sum(n for (_, op, _, _), n in got.items() if op in ("compute", "accumulate"))
-    assert sum(1 for _, kind, _, _, _ in log if kind == "writeback") == pipelines
+    pipelines = sum(n for r, n in got.items() if r.operation in ("compute", "accumulate"))
+    assert sum(1 for a in log if isinstance(a, Copy) and a.queue == "stores") == pipelines
 
 
 def test_records_of_a_unidirectional_gather():

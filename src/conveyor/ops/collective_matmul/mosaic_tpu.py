@@ -39,20 +39,17 @@ from conveyor.interpreters import tpu_params
 from conveyor.kernel import KernelContext, entered_kernel
 from conveyor.pipeline.api import emit_pipeline
 from conveyor.pipeline.lowering import issued
-from conveyor.plans.ring import ENABLED_BY, LANES, RingBlocks, RingPlan, sublanes
+from conveyor.plans.ring import (
+    ENABLED_BY,
+    LANES,
+    SLOT_FIELD,
+    RingBlocks,
+    RingOperation,
+    RingPlan,
+    sublanes,
+)
 from conveyor.spmd import out_struct
 from conveyor.tpu_vmem import vmem_limit
-
-# The slot each operation is reported with (conformance).
-SLOT_FIELD = {
-    "receive": "slot",
-    "send": "send_slot",
-    "compute": "slot",
-    "accumulate": "slot",
-    "finish_send": "awaits_slot",
-    "grant": "slot",
-    "store": "slot",
-}
 
 
 def _matmul_blocks(
@@ -206,7 +203,7 @@ def _run_step(
 
         @pl.when(enabled)
         def _(op=op, field=field, s=s):
-            issued(t, op, s.direction, field(SLOT_FIELD[op]), t)
+            issued(RingOperation, op, s.direction, step=t, slot=field(SLOT_FIELD[op]))
             if op == "receive":
                 s.copy(field("slot"), field("slot")).wait_recv()
             elif op == "send":
