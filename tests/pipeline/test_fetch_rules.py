@@ -285,3 +285,21 @@ def test_a_block_changing_at_every_step_needs_no_test_in_the_kernel():
             return str(jax.make_jaxpr(f)(jnp.zeros((32, 384)), jnp.zeros((96, 128)))).count("cond[")
 
     assert conds("every step") == 0 < conds("per row")
+
+
+@pytest.mark.parametrize(
+    "index_map",
+    [
+        lambda i, k: (i // 2, k % 2),  # Python arithmetic: called step by step
+        lambda i, k: (jnp.minimum(i, 2), k),  # jnp: traced
+        lambda i, k: (i, jnp.int32(0) * k),  # ints and an array: traced
+    ],
+    ids=["python", "jnp", "mixed"],
+)
+def test_block_keys_are_the_maps_values_at_every_step(index_map):
+    """`block_keys` gives each step's block key, however the map is written (the two ways it is
+    evaluated must agree with calling the map)."""
+    p = cv.pipeline.plan(grid=(5, 3), in_specs=[cv.BlockSpec(B, index_map)])
+    op = p.inputs[0]
+    want = [[int(x) for x in index_map(i, k)] for i in range(5) for k in range(3)]
+    np.testing.assert_array_equal(fetch.block_keys(p, op), want)

@@ -88,6 +88,9 @@ def _and(a: Any, b: Any) -> Any:
 # Above this many steps, a grid's block keys are not enumerated (`block_keys`): the pipeline is
 # treated as one whose blocks are known only per step.
 ENUMERATED_STEPS = 1 << 16
+# Up to this many steps, a map of plain Python arithmetic is called step by step (faster than
+# tracing it for short grids, e.g. the simulator's searches over block sizes).
+PYTHON_STEPS = 1 << 12
 
 
 def changes_every_step(p: PipelinePlan, op: OperandPlan) -> bool:
@@ -112,6 +115,9 @@ def block_keys(p: PipelinePlan, op: OperandPlan) -> np.ndarray | None:
     branches in Python on its indices. The executors' own per-step calls report a faulty map."""
     if not p.is_static or p.num_steps > ENUMERATED_STEPS:
         return None
+    keys = _python_block_keys(p, op) if p.num_steps <= PYTHON_STEPS else None
+    if keys is not None:
+        return keys
 
     def key_at(s):
         return jnp.stack([jnp.asarray(k, jnp.int32) for k in p.block_key(op, s)])
@@ -125,6 +131,21 @@ def block_keys(p: PipelinePlan, op: OperandPlan) -> np.ndarray | None:
             return np.asarray(jax.vmap(key_at)(jnp.arange(p.num_steps, dtype=jnp.int32)))
     except Exception:  # noqa: BLE001  (unknown here, see above)
         return None
+
+
+def _python_block_keys(p: PipelinePlan, op: OperandPlan) -> np.ndarray | None:
+    """`block_keys` of an index map that returns Python ints on Python ints (plain arithmetic),
+    called step by step; None for any other map (then `block_keys` traces it)."""
+    keys = []
+    for s in range(p.num_steps):
+        try:
+            key = p.block_key(op, s)
+        except Exception:  # noqa: BLE001  (a map that needs traced indices: traced instead)
+            return None
+        if not all(type(k) is int for k in key):
+            return None
+        keys.append(key)
+    return np.asarray(keys, np.int64).reshape(len(keys), -1)
 
 
 def _min(a: Int, b: Int) -> Int:
