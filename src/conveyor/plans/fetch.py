@@ -102,12 +102,6 @@ def changes_every_step(p: PipelinePlan, op: OperandPlan) -> bool:
     return op.name in p.inputs_changing_every_step
 
 
-def enumerate_changes(p: PipelinePlan, op: OperandPlan) -> bool:
-    """`changes_every_step`, computed: the block keys at every step of the grid (`block_keys`)."""
-    keys = block_keys(p, op)
-    return keys is not None and bool((keys[1:] != keys[:-1]).any(axis=1).all())
-
-
 def block_keys(p: PipelinePlan, op: OperandPlan) -> np.ndarray | None:
     """`op`'s block key (`PipelinePlan.block_key`) at every step of a static grid, as an int array
     [steps, key entries]; None when unknown here: a dynamic grid or one of more than

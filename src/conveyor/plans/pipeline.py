@@ -148,13 +148,23 @@ class PipelinePlan:
         return math.prod(self.grid)
 
     @functools.cached_property
+    def block_changes_table(self) -> dict[str, tuple[bool, ...]]:
+        """Per operand whose block keys are known here (`conveyor.plans.fetch.block_keys`: a static
+        grid), `block_changes` at every step. Computed once per plan."""
+        table = {}
+        for op in self.inputs + self.outputs:
+            keys = None if op.invariant else fetch_lib.block_keys(self, op)
+            if keys is not None:
+                table[op.name] = (*(keys[1:] != keys[:-1]).any(axis=1).tolist(), False)
+        return table
+
+    @functools.cached_property
     def inputs_changing_every_step(self) -> frozenset[str]:
         """The inputs whose block changes at every step of this (static) grid: they need no
         per-step test (`conveyor.plans.fetch.changes_every_step`). Computed once per plan."""
+        table = self.block_changes_table
         return frozenset(
-            op.name
-            for op in self.inputs
-            if not op.invariant and fetch_lib.enumerate_changes(self, op)
+            op.name for op in self.inputs if op.name in table and all(table[op.name][:-1])
         )
 
     @property
@@ -370,6 +380,9 @@ class PipelinePlan:
         """True when `op`'s block index at step + 1 differs from step's (False at the last step)."""
         if op.invariant:
             return False
+        table = self.block_changes_table.get(op.name) if isinstance(step, int) else None
+        if table is not None and 0 <= step < len(table):
+            return table[step]
         n = self.num_steps
         nxt = (
             min(step + 1, n - 1)
