@@ -491,5 +491,51 @@ def test_a_plans_operands_take_their_own_dtypes_and_the_kernel_its_scratch():
         cv.sim.simulate(p, "v5e", operand_dtypes={"out[1]": "f32"})
     with pytest.raises(ValueError, match=r"scratch_bytes: expected an int >= 0, got -1"):
         cv.sim.simulate(p, "v5e", scratch_bytes=-1)
-    with pytest.raises(cv.sim.DoesNotFit, match=r"scratch \(131072 KiB\)"):
+    with pytest.raises(cv.sim.DoesNotFit, match=r"scratch 131072 KiB\).*TPU v5e has 131072 KiB"):
         cv.sim.simulate(p, "v5e", scratch_bytes=128 * 2**20)
+
+
+def test_tpu_kernels_fit_the_scoped_vmem_limit_unless_they_raise_it():
+    """A TPU kernel gets the chip's default scoped VMEM (16 MiB on v5e) unless it sets
+    vmem_limit_bytes (up to the physical 128 MiB), as the real compiler enforces; GPU kernels
+    take the SM's whole shared memory."""
+    v5e = cv.sim.HARDWARE["v5e"]
+    assert v5e.onchip_limit() == 16 * 2**20 and v5e.onchip_limit(1 << 40) == 128 * 2**20
+    h100 = cv.sim.HARDWARE["h100"]
+    assert h100.onchip_limit() == h100.onchip_bytes.value
+    # bf16 blocks: 2 slots x (1024x2048 + 2048x1024) x 2 B = 16 MiB of inputs, plus the output's
+    with pytest.raises(
+        cv.sim.DoesNotFit, match=r"v5e's default limit is 16384 KiB .*vmem_limit_bytes"
+    ):
+        cv.sim.simulate_matmul(
+            4096, 4096, 4096, hardware="v5e", tiling=(1024, 2048, 1024), stages=2
+        )
+    raised = cv.sim.simulate_matmul(
+        4096,
+        4096,
+        4096,
+        hardware="v5e",
+        tiling=(1024, 2048, 1024),
+        stages=2,
+        vmem_limit_bytes=64 * 2**20,
+    )
+    assert 16 * 2**20 < raised.onchip_bytes <= 64 * 2**20
+    with pytest.raises(cv.sim.DoesNotFit, match=r"vmem_limit_bytes allows 20480 KiB"):
+        cv.sim.simulate_matmul(
+            4096,
+            4096,
+            4096,
+            hardware="v5e",
+            tiling=(1024, 2048, 1024),
+            stages=2,
+            vmem_limit_bytes=20 * 2**20,
+        )
+    with pytest.raises(ValueError, match=r"vmem_limit_bytes: expected an int > 0 or None, got 0"):
+        cv.sim.simulate_matmul(512, 512, 512, hardware="v5e", vmem_limit_bytes=0)
+    # The same rule for a plan
+    spec = cv.BlockSpec((2048, 2048), lambda i: (i, 0))
+    p = cv.pipeline.plan(grid=(4,), in_specs=[spec], out_specs=[spec], max_concurrent_steps=2)
+    with pytest.raises(cv.sim.DoesNotFit, match="default limit"):
+        cv.sim.simulate(p, "v5e")
+    # two slots of a 2048 x 2048 bf16 block for the input and for the output: 32 MiB
+    assert cv.sim.simulate(p, "v5e", vmem_limit_bytes=100 * 2**20).onchip_bytes == 32 * 2**20

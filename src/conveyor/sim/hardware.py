@@ -81,7 +81,12 @@ SOURCES = {
     "calib-copy": (
         "calibrated: 3.0 / 3.35 = 0.896 of HBM peak on the FACTS H100 copy (not used to validate)"
     ),
-    "est-v5p-vmem": "estimate: VMEM per TPU v5p core is not in the public docs; 64 MiB taken",
+    "libtpu-vmem": (
+        "libtpu's compile-only TPU topologies (../shared/FACTS.md, 'real compilers on CPU'; "
+        "docs/compile-check.md): a Mosaic kernel gets a scoped-VMEM limit of 16 MiB on v5e and "
+        "v5p (32 MiB on v6e) unless it sets vmem_limit_bytes, which may rise to the physical VMEM "
+        "the TPU info reports: 128 MiB on v5e, 64 MiB on v5p"
+    ),
     "calib-v5e-int32": (
         "calibrated: the int32 matmul rate (emulated on the MXU) at which the simulator's replay "
         "of the Scaling Book's unsharded per-chip matmul ([512, 2048] x [2048, 2048] int32 on TPU "
@@ -162,6 +167,19 @@ class Hardware:
     hbm_efficiency: Value  # achievable fraction of hbm_bandwidth
     link_efficiency: Value  # achievable fraction of link_bandwidth
     overlap_slowdown: Value  # compute runs this much slower while a transfer runs beside it
+    # What a kernel may hold on chip unless it asks for more (TPU: the scoped-VMEM limit, raised
+    # by `vmem_limit_bytes`); None: all of `onchip_bytes` (GPU kernels take the SM's whole
+    # shared memory).
+    onchip_default_bytes: Value | None = None
+
+    def onchip_limit(self, requested: int | None = None) -> int:
+        """Bytes of on-chip memory per core a kernel may hold: `requested` (its
+        `vmem_limit_bytes`), at most `onchip_bytes`; without, the chip's default limit."""
+        physical = int(self.onchip_bytes.value)
+        if requested is not None:
+            return min(int(requested), physical)
+        default = self.onchip_default_bytes
+        return physical if default is None else int(default.value)
 
     def matrix_peak_rate(self, dtype: str) -> float:
         """Peak (datasheet) matrix FLOP/s per chip for operands of `dtype`."""
@@ -262,6 +280,7 @@ HARDWARE: dict[str, Hardware] = {
         },
         hbm_bandwidth=Value(8.19e11, "tpu-v5e-ds"),
         onchip_bytes=Value(128 * MiB, "scaling-book"),
+        onchip_default_bytes=Value(16 * MiB, "libtpu-vmem"),
         reuse_bandwidth=Value(8.19e11, "tpu-v5e-ds"),
         copy_latency=Value(0.35e-6, "est-v5e-dma"),
         link_bandwidth=Value(4.5e10, "scaling-book"),
@@ -278,7 +297,8 @@ HARDWARE: dict[str, Hardware] = {
         cores=Value(2, "tpu-lab"),
         matrix_peak={"bf16": Value(4.59e14, "tpu-v5p-ds"), "int8": Value(9.18e14, "tpu-v5p-ds")},
         hbm_bandwidth=Value(2.765e12, "tpu-v5p-ds"),
-        onchip_bytes=Value(64 * MiB, "est-v5p-vmem"),
+        onchip_bytes=Value(64 * MiB, "libtpu-vmem"),
+        onchip_default_bytes=Value(16 * MiB, "libtpu-vmem"),
         reuse_bandwidth=Value(2.765e12, "tpu-v5p-ds"),
         copy_latency=Value(0.7e-6, "est-latency"),
         link_bandwidth=Value(9.2e10, "tpu-lab"),

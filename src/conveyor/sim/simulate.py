@@ -55,7 +55,37 @@ def _tiling_to_tile(tiling: Sequence[int] | None, where: str) -> tuple[int, int,
 
 
 class DoesNotFit(ValueError):
-    """A configuration needs more on-chip memory than a core has."""
+    """A configuration needs more on-chip memory than a core has, or than the kernel may hold."""
+
+
+def check_fits(what: str, used: float, hw: Hardware, vmem_limit_bytes: int | None) -> None:
+    """Raise DoesNotFit when `used` bytes are over what a kernel may hold per core on `hw`
+    (`Hardware.onchip_limit`: its `vmem_limit_bytes`, else the chip's default limit)."""
+    _check_vmem_limit(vmem_limit_bytes)
+    limit = hw.onchip_limit(vmem_limit_bytes)
+    if used <= limit:
+        return
+    physical = int(hw.onchip_bytes.value)
+    message = f"{what} needs {used / 1024:.0f} KiB of on-chip memory per core; "
+    if used > physical:
+        message += f"{hw.name} has {physical / 1024:.0f} KiB"
+    elif vmem_limit_bytes is not None:
+        message += f"vmem_limit_bytes allows {limit / 1024:.0f} KiB"
+    else:
+        message += (
+            f"{hw.name}'s default limit is {limit / 1024:.0f} KiB (a kernel may ask for up to "
+            f"{physical / 1024:.0f} KiB with vmem_limit_bytes: pass it here too)"
+        )
+    raise DoesNotFit(message)
+
+
+def _check_vmem_limit(vmem_limit_bytes: Any) -> None:
+    if vmem_limit_bytes is not None and (
+        isinstance(vmem_limit_bytes, bool)
+        or not isinstance(vmem_limit_bytes, int)
+        or vmem_limit_bytes <= 0
+    ):
+        raise ValueError(f"vmem_limit_bytes: expected an int > 0 or None, got {vmem_limit_bytes!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,11 +184,14 @@ def simulate_matmul(
     warp_specialized: bool = False,
     compute_threads: int = 2,
     delay_release: int = 0,
+    vmem_limit_bytes: int | None = None,
 ) -> Report:
     """A pipelined matmul [m, k] @ [k, n]: output tiles spread over the cores, K pipelined.
 
     `tiling` is (tm, tk, tn), the order of `cv.gmm`'s tiling; without `tiling`/`stages` a small
-    search picks the fastest configuration that fits (reported in `config["searched"]`).
+    search picks the fastest configuration that fits (reported in `config["searched"]`). A
+    configuration fits when its on-chip memory is within the chip's default limit (TPU: scoped
+    VMEM) or the kernel's `vmem_limit_bytes`.
     """
     _check_positive(
         "simulate_matmul", m=m, k=k, n=n, stages=stages, compute_threads=compute_threads
@@ -174,6 +207,7 @@ def simulate_matmul(
         warp_specialized=warp_specialized,
         compute_threads=compute_threads,
         delay_release=delay_release,
+        vmem_limit_bytes=vmem_limit_bytes,
     )
 
 
@@ -193,10 +227,12 @@ def _matmul(
     cores: int | None = None,
     staging_bytes: int | None = None,
     onchip_bytes: int | None = None,
+    vmem_limit_bytes: int | None = None,
 ) -> Report:
     """simulate_matmul on the model's own tile order (bm, bn, bk); `tiles` overrides the tile count
     (gmm), `staging_bytes` the output staging buffer's size (see `_onchip`), `onchip_bytes` the
-    whole on-chip footprint where a kernel states its own (cv.gmm's mosaic_tpu kernel)."""
+    whole on-chip footprint where a kernel states its own (cv.gmm's mosaic_tpu kernel, which sets
+    its `vmem_limit_bytes` to it)."""
     hw = get_hardware(hardware)
     if tile is None or stages is None:
         return _search(
@@ -212,15 +248,17 @@ def _matmul(
             tiles=tiles,
             cores=cores,
             delay_release=delay_release,
+            vmem_limit_bytes=vmem_limit_bytes,
         )
     bm, bn, bk = (int(x) for x in tile)
     in_b = out_b = dtypes.itemsize(dtype)
     used = onchip_bytes or _onchip((bm, bn, bk), stages, in_b, out_b, staging_bytes, hw.kind)
-    if used > hw.onchip_bytes.value:
-        raise DoesNotFit(
-            f"tiling (tm, tk, tn)=({bm}, {bk}, {bn}) with {stages} stages needs {used / 1024:.0f} "
-            f"KiB of on-chip memory per core; {hw.name} has {hw.onchip_bytes.value / 1024:.0f} KiB"
-        )
+    check_fits(
+        f"tiling (tm, tk, tn)=({bm}, {bk}, {bn}) with {stages} stages",
+        used,
+        hw,
+        onchip_bytes if onchip_bytes is not None else vmem_limit_bytes,
+    )
     ncores = cores or int(hw.cores.value)
     total_tiles = tiles if tiles is not None else math.ceil(m / bm) * math.ceil(n / bn)
     per_core = max(1, math.ceil(total_tiles / ncores))
@@ -320,6 +358,7 @@ def _search(
     tiles,
     cores,
     delay_release=0,
+    vmem_limit_bytes=None,
 ):
     best, tried = None, []
     for t in [tuple(tile)] if tile else TILES:
@@ -338,6 +377,7 @@ def _search(
                     tiles=tiles,
                     cores=cores,
                     delay_release=delay_release,
+                    vmem_limit_bytes=vmem_limit_bytes,
                 )
             except DoesNotFit:
                 continue
@@ -345,7 +385,10 @@ def _search(
             if best is None or r.time_s < best.time_s:
                 best = r
     if best is None:
-        raise DoesNotFit(f"no searched configuration fits {hw.name}'s on-chip memory")
+        raise DoesNotFit(
+            f"no searched configuration fits {hw.name}'s on-chip limit "
+            f"({hw.onchip_limit(vmem_limit_bytes) / 1024:.0f} KiB per core)"
+        )
     config = dict(best.config, searched=len(tried))
     return dataclasses.replace(best, config=config)
 
@@ -921,7 +964,12 @@ def _run_ring(
 
 
 def _simulate_sequence(
-    pipelines: list, hw: Hardware, dtype: str, flops_per_step: float, active_cores: int | None
+    pipelines: list,
+    hw: Hardware,
+    dtype: str,
+    flops_per_step: float,
+    active_cores: int | None,
+    vmem_limit_bytes: int | None,
 ) -> Report:
     """Plain pipelines one after another on one core, each on its own slots (all allocated at once,
     as nested `with_allocations` scopes hold them), some prefetched (`conveyor.plans.sequence`)."""
@@ -936,11 +984,7 @@ def _simulate_sequence(
         for k, p in enumerate(plans)
         for op in p.inputs + p.outputs
     )
-    if used > hw.onchip_bytes.value:
-        raise DoesNotFit(
-            f"the pipelines' slots need {used / 1024:.0f} KiB of on-chip memory; {hw.name} has "
-            f"{hw.onchip_bytes.value / 1024:.0f} KiB per core"
-        )
+    check_fits("the sequence of pipelines (every slot)", used, hw, vmem_limit_bytes)
     costs = StepCosts(
         (),
         (),
@@ -999,6 +1043,7 @@ def simulate(
     active_cores: int | None = None,
     operand_dtypes: dict[str, str] | None = None,
     scratch_bytes: int = 0,
+    vmem_limit_bytes: int | None = None,
     **collective: Any,
 ) -> Report:
     """Replay a plan on a hardware model.
@@ -1008,7 +1053,8 @@ def simulate(
       block shapes): one core runs the plan; block bytes come from the block shapes and `dtype`
       (the matrix rate's too), or an operand's own dtype in `operand_dtypes` ({"in[0]": "f32",
       ...}); on-chip memory is every slot plus the kernel's own `scratch_bytes` (accumulators,
-      semaphores: what the kernel allocates beside the pipeline); each step computes
+      semaphores: what the kernel allocates beside the pipeline), held within the chip's
+      default limit (TPU: scoped VMEM) or the kernel's `vmem_limit_bytes`; each step computes
       `flops_per_step`; `active_cores` cores share the load bandwidth (default: all of them).
     - a list of plain plans run one after another, each on its own slots, some wrapped in
       `cv.sim.Prefetched` (their first copies issued during an earlier pipeline, as
@@ -1025,7 +1071,9 @@ def simulate(
                 "simulate: operand_dtypes and scratch_bytes apply to one plan (or a chain of "
                 "warp-specialized plans), not to a sequence of pipelines"
             )
-        return _simulate_sequence(pipelines, hw, dtype, flops_per_step, active_cores)
+        return _simulate_sequence(
+            pipelines, hw, dtype, flops_per_step, active_cores, vmem_limit_bytes
+        )
     chain = as_chain(plan)
     if chain is not None:
         plan = chain[0]
@@ -1065,12 +1113,12 @@ def simulate(
     out_bytes = tuple(math.prod(op.block_dims) * itemsize[op.name] for op in p.outputs)
     slots = sum(x * op.num_slots for x, op in zip(in_bytes + out_bytes, p.inputs + p.outputs))
     used = slots + scratch_bytes
-    if used > hw.onchip_bytes.value:
-        raise DoesNotFit(
-            f"the plan's slots ({slots / 1024:.0f} KiB) and scratch ({scratch_bytes / 1024:.0f} "
-            f"KiB) need {used / 1024:.0f} KiB of on-chip memory; {hw.name} has "
-            f"{hw.onchip_bytes.value / 1024:.0f} KiB per core"
-        )
+    check_fits(
+        f"the plan (slots {slots / 1024:.0f} KiB, scratch {scratch_bytes / 1024:.0f} KiB)",
+        used,
+        hw,
+        vmem_limit_bytes,
+    )
     costs = StepCosts(
         in_bytes,
         out_bytes,
