@@ -176,6 +176,60 @@ def test_forward_over_reverse_and_vmap(backend):
         assert_close(out[b], expect, K, jnp.float32)
 
 
+@pytest.mark.parametrize("backend", ["xla"])
+def test_weight_gradient_differentiates_again(backend):
+    """The weight gradient (tgmm of the gathered rows) has its own derivatives: forward over
+    reverse and reverse over reverse in the weights and the tokens, against the gather's."""
+    lhs, rhs, idx, sizes = problem(12)
+    gs = jnp.asarray(sizes)
+    tangent = jnp.asarray(np.random.default_rng(13).standard_normal(rhs.shape), jnp.float32)
+
+    def derivatives(run):
+        g = jax.grad(lambda l, r: jnp.sum(jnp.tanh(run(l, r))), argnums=1)
+        hvp = jax.jvp(lambda r: g(lhs, r), (rhs,), (tangent,))[1]
+        mixed = jax.grad(lambda l: jnp.sum(g(l, rhs) * tangent))(lhs)
+        return hvp, mixed
+
+    got = derivatives(lambda l, r: gathered_gmm(backend, l, r, gs, lhs_indices=idx))
+    want = derivatives(lambda l, r: cv.gmm(l[idx], r, gs, backend="reference"))
+    for g, w in zip(got, want):
+        assert_close(g, w, M * N, jnp.float32)
+
+
+@pytest.mark.parametrize("mode", ["eager", "on_wait"])
+def test_mosaic_tpu_weight_gradient_gathers_race_free_in_both_dma_modes(mode):
+    """The weight gradient's kernel gathers the visit's rows (one k tile each) while the previous
+    visit runs, into the other slot; the race detector on, in both DMA modes."""
+    rng = np.random.default_rng(14)
+    idx, sizes = routed(rng, ROWS, 2, 3)
+    lhs, rhs = operands(rng, ROWS, 300, N, 3, jnp.bfloat16)
+    ct = jnp.asarray(rng.standard_normal((2 * ROWS, N)), jnp.bfloat16)
+    ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
+
+    def loss(r):
+        out = cv.gmm(
+            lhs,
+            r,
+            jnp.asarray(sizes),
+            lhs_indices=jnp.asarray(idx),
+            backend="mosaic_tpu",
+            interpret=ip,
+            tiling=TILING,
+        )
+        return jnp.vdot(out.astype(jnp.float32), ct.astype(jnp.float32))
+
+    got = jax.grad(loss)(rhs)
+    gathered = np.asarray(lhs, np.float64)[idx]
+    want, start = [], 0
+    for size in sizes:
+        want.append(
+            gathered[start : start + size].T @ np.asarray(ct, np.float64)[start : start + size]
+        )
+        start += size
+    # bf16 operands, float32 sums over a group's rows, then rounded to bf16 (the weights' dtype)
+    assert_close(got, np.stack(want), 2 * ROWS, jnp.bfloat16)
+
+
 def test_inside_shard_map_each_device_gathers_its_own():
     """Two devices, each with its own tokens and indices into them (an expert-parallel layer)."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))

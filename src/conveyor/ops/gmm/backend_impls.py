@@ -469,6 +469,70 @@ TGMM = Registry(
 )
 
 
+# ---- tgmm of gathered lhs rows (the weight gradient of gmm with lhs_indices) ------------------
+
+
+def _gathered_tgmm_then(run):
+    """The gathered tgmm by gathering the rows in XLA first (transposed: tgmm takes [k, m]),
+    then `run` (a plain tgmm)."""
+
+    def gathered(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, **params):
+        rows = jnp.clip(lhs_indices.astype(jnp.int32), 0, lhs.shape[0] - 1)
+        return run(
+            jnp.take(lhs, rows, axis=0).T, rhs, group_sizes, group_offset, existing_out, **params
+        )
+
+    return gathered
+
+
+def _gathered_tgmm_mosaic_tpu(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    lhs_indices,
+    *,
+    tiling,
+    interpret,
+    num_groups,
+    out_dtype,
+):
+    m, k, n = lhs_indices.shape[0], lhs.shape[1], rhs.shape[1]
+    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
+    from conveyor.ops.gmm import mosaic_tpu_rows
+
+    return mosaic_tpu_rows.gathered_tgmm_mosaic_tpu(
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        existing_out,
+        lhs_indices,
+        num_groups=num_groups,
+        out_dtype=out_dtype,
+        tiling=t,
+        interpret=interpret,
+    )
+
+
+# mosaic_tpu gathers in the kernel's loads; the others gather in XLA first.
+GATHERED_TGMM = Registry(
+    "tgmm with lhs_indices",
+    (
+        Implementation(name="xla", run=_gathered_tgmm_then(_tgmm_xla)),
+        Implementation(name="mosaic_tpu", run=_gathered_tgmm_mosaic_tpu, interprets=True),
+        Implementation(
+            name="mosaic_gpu",
+            run=_gathered_tgmm_then(_tgmm_mosaic_gpu),
+            check=_gathered_tgmm_then(_tgmm_mosaic_gpu_check),
+            interprets=True,
+        ),
+        Implementation(name="reference", run=_gathered_tgmm_then(_tgmm_reference)),
+    ),
+)
+
+
 def _run(registry: Registry, backend: str, platform: str, args, params):
     impl = (
         registry.for_platform(platform, *args, **params)
@@ -526,3 +590,20 @@ def run_scatter_gmm(
     """gmm_scatter_add by the named implementation, or by `platform`'s default order."""
     args = (lhs, rhs, group_sizes, group_offset, out_indices, row_weights)
     return _run(SCATTER_GMM, backend, platform, args, params)
+
+
+def run_gathered_tgmm(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    lhs_indices,
+    *,
+    backend,
+    platform="cpu",
+    **params,
+):
+    """tgmm of gathered lhs rows by the named implementation, or by `platform`'s default order."""
+    args = (lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices)
+    return _run(GATHERED_TGMM, backend, platform, args, params)

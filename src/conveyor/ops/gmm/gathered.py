@@ -10,7 +10,9 @@ ones), so the derivatives scatter to the rows that were read. Derivatives:
 - the transpose with respect to lhs is the plain gmm of the cotangent with rhs transposed,
   scatter-added (in float32) into the rows the indices name: a row gathered twice (top-k > 1)
   receives both contributions;
-- the transpose with respect to rhs is tgmm of the gathered rows and the cotangent.
+- the transpose with respect to rhs is tgmm of the gathered rows and the cotangent
+  (`gathered_tgmm_p`: on mosaic_tpu the rows are gathered in that kernel's loads too; with
+  transpose_rhs, XLA gathers them for a plain tgmm).
 """
 
 from __future__ import annotations
@@ -64,6 +66,94 @@ for _platform in ("cpu", "cuda", "rocm", "tpu"):
     )
 
 
+# tgmm of the gathered rows: `out[g] = existing_out[g] + lhs[lhs_indices[rows of g]]^T @ rhs[rows
+# of g]`, the weight gradient of the gathered gmm (mosaic_tpu gathers in the kernel's loads).
+gathered_tgmm_p = Primitive("conveyor_gathered_tgmm")
+
+
+def _tgmm_impl(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, platform="cpu", **p):
+    return backend_impls.run_gathered_tgmm(
+        lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, platform=platform, **p
+    )
+
+
+def _tgmm_out_spec(arg_shardings, params):
+    raise NotImplementedError(
+        "the weight gradient of gmm with lhs_indices on a mesh with Explicit axes has no sharding "
+        "rule yet; call it inside jax.shard_map"
+    )
+
+
+gathered_tgmm_p.def_impl(_eager(gathered_tgmm_p))
+gathered_tgmm_p.def_effectful_abstract_eval(_abstract(_tgmm_impl, _tgmm_out_spec))
+for _platform in ("cpu", "cuda", "rocm", "tpu"):
+    register_lowering_from_function(
+        gathered_tgmm_p, functools.partial(_tgmm_impl, platform=_platform), _platform
+    )
+
+
+def bind_gathered_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, **params):
+    """gathered_tgmm_p on operands cast to vary over the same mesh axes."""
+    args = match_varying(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices)
+    return gathered_tgmm_p.bind(*args, **params)
+
+
+def _tgmm_jvp(primals, tangents, **params):
+    lhs, rhs, gs, go, ex, idx = primals
+    t_lhs, t_rhs, _, _, t_ex, _ = tangents
+    out = bind_gathered_tgmm(lhs, rhs, gs, go, ex, idx, **params)
+    zeros = jnp.zeros(ex.shape, params["out_dtype"])
+    terms = []
+    if type(t_lhs) is not Zero:
+        terms.append(bind_gathered_tgmm(t_lhs, rhs, gs, go, zeros, idx, **params))
+    if type(t_rhs) is not Zero:
+        terms.append(bind_gathered_tgmm(lhs, t_rhs, gs, go, zeros, idx, **params))
+    if type(t_ex) is not Zero:
+        terms.append(t_ex.astype(params["out_dtype"]))
+    return out, _sum_tangents(terms, out)
+
+
+def _tgmm_transpose(ct, lhs, rhs, gs, go, ex, idx, *, num_groups, out_dtype, **params):
+    operands = (lhs, rhs, gs, go, ex, idx)
+    if type(ct) is Zero:
+        return [Zero(x.aval) if is_undefined_primal(x) else None for x in operands]
+    bp = _backend_params(params)
+    ct_lhs = ct_rhs = ct_ex = None
+    m = idx.shape[0]
+    if is_undefined_primal(lhs):
+        num_rows, k = lhs.aval.shape
+        # d lhs[idx[i]] += rhs[i] @ ct[group(i)]^T; rows outside local groups contribute 0.
+        per_row = bind_gmm(
+            rhs,
+            ct,
+            gs,
+            go,
+            jnp.zeros((m, k), jnp.float32),
+            transpose_rhs=True,
+            out_dtype=jnp.float32,
+            **bp,
+        )
+        rows = clamp_indices(idx, num_rows)
+        ct_lhs = jnp.zeros((num_rows, k), jnp.float32).at[rows].add(per_row)
+        ct_lhs = ct_lhs.astype(lhs.aval.dtype)
+    if is_undefined_primal(rhs):
+        # d rhs[i] = lhs[idx[i]] @ ct[group(i)]: the gathered gmm
+        ct_rhs = bind_gathered_gmm(
+            lhs,
+            ct,
+            gs,
+            go,
+            jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
+            idx,
+            transpose_rhs=False,
+            out_dtype=rhs.aval.dtype,
+            **bp,
+        )
+    if is_undefined_primal(ex):
+        ct_ex = ct.astype(ex.aval.dtype)
+    return [ct_lhs, ct_rhs, None, None, ct_ex, None]
+
+
 def bind_gathered_gmm(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, **params):
     """gathered_gmm_p on operands cast to vary over the same mesh axes."""
     args = match_varying(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices)
@@ -114,12 +204,23 @@ def _transpose(ct, lhs, rhs, gs, go, ex, idx, *, transpose_rhs, out_dtype, **par
         )
         ct_lhs = jnp.zeros((num_rows, k), jnp.float32).at[rows].add(per_row)
         ct_lhs = ct_lhs.astype(lhs.aval.dtype)
-    if is_undefined_primal(rhs):
-        gathered = jnp.take(lhs, rows, axis=0)
-        a, b = (ct.T, gathered) if transpose_rhs else (gathered.T, ct)
+    if is_undefined_primal(rhs) and not transpose_rhs:
+        # d rhs[g] = lhs[idx[rows of g]]^T @ ct[rows of g]: gathered in the kernel's loads
+        ct_rhs = bind_gathered_tgmm(
+            lhs,
+            ct,
+            gs,
+            go,
+            jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
+            idx,
+            num_groups=num_groups,
+            out_dtype=rhs.aval.dtype,
+            **bp,
+        )
+    elif is_undefined_primal(rhs):  # d rhs[g] = ct^T @ gathered rows: gathered in XLA
         ct_rhs = bind_tgmm(
-            a,
-            b,
+            ct.T,
+            jnp.take(lhs, rows, axis=0),
             gs,
             go,
             jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
@@ -136,3 +237,6 @@ def _transpose(ct, lhs, rhs, gs, go, ex, idx, *, transpose_rhs, out_dtype, **par
 ad.primitive_jvps[gathered_gmm_p] = _jvp
 ad.primitive_transposes[gathered_gmm_p] = _transpose
 batching.primitive_batchers[gathered_gmm_p] = _batch_rule(gathered_gmm_p)
+ad.primitive_jvps[gathered_tgmm_p] = _tgmm_jvp
+ad.primitive_transposes[gathered_tgmm_p] = _tgmm_transpose
+batching.primitive_batchers[gathered_tgmm_p] = _batch_rule(gathered_tgmm_p)

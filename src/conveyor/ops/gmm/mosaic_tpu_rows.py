@@ -242,6 +242,157 @@ def gathered_gmm_mosaic_tpu(
     return out[:m, :n]
 
 
+def _gathered_tgmm_kernel(
+    group_ids,
+    tile_ids,
+    starts,
+    ends,
+    num_visits,
+    rows,
+    lhs_hbm,
+    rhs_ref,
+    ex_ref,
+    out_ref,
+    acc_ref,
+    buf,
+    sem,
+    *,
+    tm,
+    tk,
+    packed,
+):
+    """tgmm's kernel with its lhs^T tile gathered: the k-tile columns of the visit's rows, one DMA
+    per row, fetched while the previous visit runs (into the other of two slots; each (k tile,
+    n tile) pair's visits fetch their own first rows, so both axes stay parallel)."""
+    kk, v = pl.program_id(0), pl.program_id(2)
+    last = pl.num_programs(2) - 1
+    g = group_ids[v]
+    first_visit = (v == 0) | (g != group_ids[jnp.maximum(v - 1, 0)])
+    last_visit = (v == last) | (g != group_ids[jnp.minimum(v + 1, last)])
+    live = v < num_visits[0]
+    slot = v % 2
+
+    def start(visit, s):
+        base = tile_ids[visit] * tm
+
+        def one(r, carry):
+            _row_copy(lhs_hbm, buf, sem, s, r, rows[base + r], kk, tk, packed).start()
+            return carry
+
+        lax.fori_loop(0, tm, one, 0)
+
+    def wait(s):
+        def one(r, carry):
+            _row_copy(lhs_hbm, buf, sem, s, r, 0, 0, tk, packed).wait()
+            return carry
+
+        lax.fori_loop(0, tm, one, 0)
+
+    @pl.when(first_visit)
+    def _():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(live & (v == 0))
+    def _():
+        start(v, slot)  # the first visit: nothing fetched it ahead
+
+    @pl.when(live & (v + 1 < num_visits[0]))
+    def _():
+        start(v + 1, 1 - slot)
+
+    @pl.when(live)
+    def _():
+        wait(slot)
+        lo, hi = starts[g], ends[g]
+        x = buf[slot, :, 0, :] if packed else buf[slot]  # [tm, tk]: the rows' k tile
+        y = rhs_ref[...]
+        row_ids = tile_ids[v] * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
+        mine = (row_ids >= lo) & (row_ids < hi)
+        x = jnp.where(mine, x, jnp.zeros_like(x))
+        y = jnp.where(mine, y, jnp.zeros_like(y))
+        acc_ref[...] += lax.dot_general(
+            x, y, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32
+        )
+
+    @pl.when(last_visit)
+    def _():
+        out_ref[...] = (ex_ref[...].astype(jnp.float32) + acc_ref[...]).astype(out_ref.dtype)
+
+
+def gathered_tgmm_mosaic_tpu(
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    lhs_indices,
+    *,
+    num_groups,
+    out_dtype,
+    tiling,
+    interpret,
+):
+    """tgmm of `lhs[lhs_indices]^T` and `rhs` ([G, k, n] = per group, the gathered rows'
+    transpose times rhs's rows), the rows gathered by the kernel's DMAs from lhs in HBM: the
+    weight gradient of a gathered gmm without a gathered copy of the activations. lhs's k is
+    padded to whole tk tiles; 16-bit lhs travels as [rows, 1, k] (see the module docstring)."""
+    num_rows, k = lhs.shape
+    m, n = rhs.shape
+    cdt = compute_dtype(lhs.dtype, rhs.dtype)
+    if jnp.dtype(out_dtype) not in SUPPORTED:
+        raise NotImplementedError(
+            f"mosaic_tpu: output dtype must be float32 or bfloat16, got {jnp.dtype(out_dtype).name}"
+        )
+    tm, tk, tn = tpu_blocks.tgmm_tiles(m, k, n, (tiling.tm, tiling.tk, tiling.tn), cdt)
+    _, rhs_block, out_block = tpu_blocks.tgmm_blocks(tm, tk, tn)
+    meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
+    grid = tpu_blocks.tgmm_grid(k, n, tk, tn, meta.group_ids.shape[0])
+    _, rhs_map, out_map = tpu_blocks.tgmm_index_maps()
+    packed = jnp.dtype(cdt).itemsize < 4
+    rows = jnp.clip(lhs_indices.astype(jnp.int32), 0, num_rows - 1)
+    rows = jnp.pad(rows, (0, -m % tm))  # the last tile's spare rows read row 0, masked out
+    lhs = pad_to(lhs.astype(cdt), (1, tk))
+    kp = lhs.shape[1]
+    if packed:
+        lhs = lhs.reshape(num_rows, 1, kp)
+    rhs, existing_out = rhs.astype(cdt), existing_out.astype(out_dtype)
+    if interpret:  # see gmm_mosaic_tpu: pad the edges the interpreter mishandles
+        rhs = pad_to(rhs, (tm, tn))
+        existing_out = pad_to(existing_out, (1, tk, tn))
+    buf = (2, tm, 1, tk) if packed else (2, tm, tk)
+    call = pl.pallas_call(
+        functools.partial(_gathered_tgmm_kernel, tm=tm, tk=tk, packed=packed),
+        out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=6,
+            grid=grid,
+            in_specs=[
+                pl.BlockSpec(memory_space=pl.ANY),
+                pl.BlockSpec(rhs_block, rhs_map),
+                pl.BlockSpec(out_block, out_map),
+            ],
+            out_specs=pl.BlockSpec(out_block, out_map),
+            scratch_shapes=[
+                pltpu.VMEM((tk, tn), jnp.float32),
+                pltpu.VMEM(buf, cdt),
+                pltpu.SemaphoreType.DMA((2,)),
+            ],
+        ),
+        input_output_aliases={8: 0},
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=kernel_vmem_limit(
+                "tgmm with lhs_indices", (tm, tk), rhs_block, out_block, cdt, out_dtype
+            ),
+        ),
+        cost_estimate=matmul_cost(k, m, n, lhs, rhs, existing_out),
+        interpret=tpu_params(interpret),
+        name="conveyor_gathered_tgmm",
+    )
+    out = call(*prefetched_metadata(meta), rows, lhs, rhs, existing_out)
+    return out[:, :k, :n]
+
+
 def _scatter_gmm_kernel(
     group_ids,
     tile_ids,
