@@ -43,53 +43,39 @@ def clamp_indices(lhs_indices, num_rows: int):
     return jnp.clip(lhs_indices.astype(jnp.int32), 0, num_rows - 1)
 
 
-def _impl(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, platform="cpu", **p):
-    return backend_impls.run_gathered_gmm(
-        lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, platform=platform, **p
-    )
+def _define(prim: Primitive, run, refusal: str) -> None:
+    """Evaluation, abstract evaluation and one lowering per platform (as gmm's) for `prim`, whose
+    operands `run` (a `backend_impls` runner) computes. No sharding rule: under a sharded jit
+    (outside shard_map) XLA gives the kernel whole operands; with Explicit axes `refusal`."""
+
+    def impl(*args, platform="cpu", **params):
+        return run(*args, platform=platform, **params)
+
+    def out_spec(arg_shardings, params):
+        raise NotImplementedError(refusal)
+
+    prim.def_impl(_eager(prim))
+    prim.def_effectful_abstract_eval(_abstract(impl, out_spec))
+    for platform in ("cpu", "cuda", "rocm", "tpu"):
+        register_lowering_from_function(prim, functools.partial(impl, platform=platform), platform)
 
 
-def _out_spec(arg_shardings, params):
-    raise NotImplementedError(
-        "gmm with lhs_indices on a mesh with Explicit axes has no sharding rule yet; call it "
-        "inside jax.shard_map (each device gathers from its own lhs)"
-    )
-
-
-gathered_gmm_p.def_impl(_eager(gathered_gmm_p))
-gathered_gmm_p.def_effectful_abstract_eval(_abstract(_impl, _out_spec))
-# One lowering per platform, as for gmm; no sharding rule: under a sharded jit (outside
-# shard_map) XLA gives the kernel whole operands.
-for _platform in ("cpu", "cuda", "rocm", "tpu"):
-    register_lowering_from_function(
-        gathered_gmm_p, functools.partial(_impl, platform=_platform), _platform
-    )
-
+_define(
+    gathered_gmm_p,
+    backend_impls.run_gathered_gmm,
+    "gmm with lhs_indices on a mesh with Explicit axes has no sharding rule yet; call it inside "
+    "jax.shard_map (each device gathers from its own lhs)",
+)
 
 # tgmm of the gathered rows: `out[g] = existing_out[g] + lhs[lhs_indices[rows of g]]^T @ rhs[rows
 # of g]`, the weight gradient of the gathered gmm (mosaic_tpu gathers in the kernel's loads).
 gathered_tgmm_p = Primitive("conveyor_gathered_tgmm")
-
-
-def _tgmm_impl(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, platform="cpu", **p):
-    return backend_impls.run_gathered_tgmm(
-        lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, platform=platform, **p
-    )
-
-
-def _tgmm_out_spec(arg_shardings, params):
-    raise NotImplementedError(
-        "the weight gradient of gmm with lhs_indices on a mesh with Explicit axes has no sharding "
-        "rule yet; call it inside jax.shard_map"
-    )
-
-
-gathered_tgmm_p.def_impl(_eager(gathered_tgmm_p))
-gathered_tgmm_p.def_effectful_abstract_eval(_abstract(_tgmm_impl, _tgmm_out_spec))
-for _platform in ("cpu", "cuda", "rocm", "tpu"):
-    register_lowering_from_function(
-        gathered_tgmm_p, functools.partial(_tgmm_impl, platform=_platform), _platform
-    )
+_define(
+    gathered_tgmm_p,
+    backend_impls.run_gathered_tgmm,
+    "the weight gradient of gmm with lhs_indices on a mesh with Explicit axes has no sharding "
+    "rule yet; call it inside jax.shard_map",
+)
 
 
 def bind_gathered_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, **params):

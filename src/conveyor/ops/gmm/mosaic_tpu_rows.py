@@ -148,6 +148,21 @@ def gather_chunk_tiles(tm: int, tk: int, k_tiles: int, itemsize: int) -> int:
     return k_tiles if 2 * tm * k_tiles * tk * itemsize <= GATHER_SLOTS_BYTES else 1
 
 
+def _gather_source(lhs, lhs_indices, tm: int, width: int, cdt):
+    """What a gathering kernel reads: the row of each gathered row (clamped to lhs; the last row
+    tile's spare rows read row 0, never stored), lhs in `cdt` with its columns padded to whole
+    `width`-column DMAs (a DMA past a row's end would fail), and whether it is packed (16-bit
+    rows travel as [rows, 1, k]: see the module docstring)."""
+    num_rows = lhs.shape[0]
+    rows = jnp.clip(lhs_indices.astype(jnp.int32), 0, num_rows - 1)
+    rows = jnp.pad(rows, (0, -lhs_indices.shape[0] % tm))
+    lhs = pad_to(lhs.astype(cdt), (1, width))
+    packed = jnp.dtype(cdt).itemsize < 4
+    if packed:
+        lhs = lhs.reshape(num_rows, 1, lhs.shape[1])
+    return rows, lhs, packed
+
+
 def gathered_gmm_mosaic_tpu(
     lhs,
     rhs,
@@ -166,7 +181,7 @@ def gathered_gmm_mosaic_tpu(
     lhs's k is padded with zeros to whole tk tiles (a copy of lhs when it is not one already: a
     DMA past the row's end would fail); 16-bit lhs is viewed as [rows, 1, k] (one copy of lhs
     in XLA's layout change), so that a single row is a whole tile for the DMA."""
-    num_rows, k = lhs.shape
+    k = lhs.shape[1]
     m = lhs_indices.shape[0]
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -179,14 +194,8 @@ def gathered_gmm_mosaic_tpu(
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     grid = tpu_blocks.gmm_grid(k, n, tk, tn, meta.group_ids.shape[0])
     _, rhs_map, out_map = tpu_blocks.gmm_index_maps(transpose_rhs)
-    packed = jnp.dtype(cdt).itemsize < 4
-    rows = jnp.clip(lhs_indices.astype(jnp.int32), 0, num_rows - 1)
-    rows = jnp.pad(rows, (0, -m % tm))  # the last tile's spare rows read row 0, never stored
     chunk_tiles = gather_chunk_tiles(tm, tk, -(-k // tk), jnp.dtype(cdt).itemsize)
-    lhs = pad_to(lhs.astype(cdt), (1, chunk_tiles * tk))
-    kp = lhs.shape[1]
-    if packed:
-        lhs = lhs.reshape(num_rows, 1, kp)
+    rows, lhs, packed = _gather_source(lhs, lhs_indices, tm, chunk_tiles * tk, cdt)
     rhs = rhs.astype(cdt)
     existing_out = existing_out.astype(out_dtype)
     if interpret:  # see gmm_mosaic_tpu: pad the edges the interpreter mishandles
@@ -336,7 +345,7 @@ def gathered_tgmm_mosaic_tpu(
     transpose times rhs's rows), the rows gathered by the kernel's DMAs from lhs in HBM: the
     weight gradient of a gathered gmm without a gathered copy of the activations. lhs's k is
     padded to whole tk tiles; 16-bit lhs travels as [rows, 1, k] (see the module docstring)."""
-    num_rows, k = lhs.shape
+    k = lhs.shape[1]
     m, n = rhs.shape
     cdt = compute_dtype(lhs.dtype, rhs.dtype)
     if jnp.dtype(out_dtype) not in SUPPORTED:
@@ -348,13 +357,7 @@ def gathered_tgmm_mosaic_tpu(
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     grid = tpu_blocks.tgmm_grid(k, n, tk, tn, meta.group_ids.shape[0])
     _, rhs_map, out_map = tpu_blocks.tgmm_index_maps()
-    packed = jnp.dtype(cdt).itemsize < 4
-    rows = jnp.clip(lhs_indices.astype(jnp.int32), 0, num_rows - 1)
-    rows = jnp.pad(rows, (0, -m % tm))  # the last tile's spare rows read row 0, masked out
-    lhs = pad_to(lhs.astype(cdt), (1, tk))
-    kp = lhs.shape[1]
-    if packed:
-        lhs = lhs.reshape(num_rows, 1, kp)
+    rows, lhs, packed = _gather_source(lhs, lhs_indices, tm, tk, cdt)
     rhs, existing_out = rhs.astype(cdt), existing_out.astype(out_dtype)
     if interpret:  # see gmm_mosaic_tpu: pad the edges the interpreter mishandles
         rhs = pad_to(rhs, (tm, tn))
