@@ -62,6 +62,12 @@ SOURCES = {
         "estimate: DRAM access latency of HBM parts is 0.5-1 us from issue to first bytes; 0.7 us "
         "taken for a TMA/DMA copy"
     ),
+    "triton-b200-tma": (
+        "facebookexperimental/triton PR 1219 (a B200 operation-latency model derived from "
+        "microbenchmarks): a TMA load takes 518-918 cycles by tile size plus 700 cycles of async "
+        "overhead, 1218-1618 cycles: 0.6-1.1 us at 1.5-2.0 GHz (the source gives no clock); "
+        "0.7 us taken"
+    ),
     "est-sync": (
         "estimate: an mbarrier / semaphore handoff whose data is ready costs tens of cycles; 0.05 "
         "us taken per pipeline step"
@@ -260,7 +266,7 @@ HARDWARE: dict[str, Hardware] = {
         hbm_bandwidth=Value(8 * TB, "b200-ds"),
         onchip_bytes=Value(227 * KiB, "blackwell-guide"),
         reuse_bandwidth=Value(64 * 148 * 1.9e9, "est-l2"),
-        copy_latency=Value(0.7e-6, "est-latency"),
+        copy_latency=Value(0.7e-6, "triton-b200-tma"),
         link_bandwidth=Value(900 * GB, "b200-ds"),
         link_latency=Value(1e-6, "est-latency"),
         sync_latency=Value(0.05e-6, "est-sync"),
