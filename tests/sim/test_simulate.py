@@ -539,3 +539,17 @@ def test_tpu_kernels_fit_the_scoped_vmem_limit_unless_they_raise_it():
         cv.sim.simulate(p, "v5e")
     # two slots of a 2048 x 2048 bf16 block for the input and for the output: 32 MiB
     assert cv.sim.simulate(p, "v5e", vmem_limit_bytes=100 * 2**20).onchip_bytes == 32 * 2**20
+
+
+def test_a_ring_plan_is_priced_as_its_kernel_and_refuses_pipeline_options():
+    from conveyor.ops.collective_matmul import ring_plan
+
+    plan = ring_plan(collective="gather", num_devices=4, bidirectional=False, buffering=2)
+    shape = dict(m=512, k=2048, n=1024)
+    direct = cv.sim.simulate_collective_matmul(
+        "all_gather_matmul", 512, 2048, 1024, 4, hardware="v5e", bidirectional=False, buffering=2
+    )
+    assert cv.sim.simulate(plan, "v5e", **shape).time_s == direct.time_s
+    for option in (dict(scratch_bytes=1024), dict(vmem_limit_bytes=1 << 20)):
+        with pytest.raises(NotImplementedError, match=f"simulate: {next(iter(option))} apply"):
+            cv.sim.simulate(plan, "v5e", **shape, **option)

@@ -1082,6 +1082,17 @@ def simulate(
     ):
         plan = plan.plan
     if isinstance(plan, RingPlan):
+        given = {
+            "operand_dtypes": operand_dtypes,
+            "scratch_bytes": scratch_bytes,
+            "vmem_limit_bytes": vmem_limit_bytes,
+        }
+        ignored = [name for name, value in given.items() if value]
+        if ignored:
+            raise NotImplementedError(
+                f"simulate: {', '.join(ignored)} apply to pipeline plans; a RingPlan is priced "
+                "as cv.sim.simulate_collective_matmul prices its kernel (pass dtype= instead)"
+            )
         return simulate_collective_matmul(
             collective.pop(
                 "kind",
