@@ -1,10 +1,6 @@
 """Private JAX names Conveyor uses, imported here and nowhere else, and probes of the installed jax.
 
-No logic lives here. The modules that use these names are named for their job: `spmd` (per-device
-tracing inside shard_map), `jaxprs` (tracing and rewriting functions over refs), `interpreters`
-(the wait deadline and the other workarounds of the Pallas interpreters' gaps) and `testing`
-(opt-in interpreter checks). A JAX upgrade that moves a name is mended in this file.
-Supported: jax 0.11.2 .. 0.12.0.1.
+Design notes: docs/internals/core.md, section `_compat.py`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """`input_output_aliases` for kernels: an output that starts as one of the inputs, so that the
 kernel writes only what changes and everything else keeps the input's values.
 
-The rules every backend shares are checked here. Mosaic GPU's `plgpu.kernel` has no aliasing
-argument; `gpu_call_with_aliases` gives it the same effect with a jax Ref: the aliased output is
-`jax.new_ref(input)`, passed to the kernel as an extra operand (which the kernel updates in place,
-and `jax.export` records as an output-operand alias), and read back with `jax.freeze`.
+Design notes: docs/internals/core.md, section `aliasing.py`.
 """
 
 from __future__ import annotations

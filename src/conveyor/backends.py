@@ -1,22 +1,6 @@
 """Which implementation runs an op: one registry per op, and each platform's default order.
 
-An op's `backend=` names an implementation ("xla", "mosaic_tpu", "mosaic_gpu", "reference").
-`backend=None` takes the first implementation in the platform's default order whose `check`
-accepts the arguments; ops with a primitive (gmm, tgmm) decide when they are lowered, for the
-platform they are lowered for, so `jax.export(..., platforms=["tpu"])` on a CPU host gets the TPU
-kernel. `cv.kernel` and the collective matmuls decide when lowered too
-(`lowering_guard.per_platform`: `lax.platform_dependent` over each platform's first backend), but
-do not fall through the order: a first backend that refuses fails that platform's lowering with
-its reason. A kernel is in a platform's default order only when its verification covers what can
-go wrong on that hardware:
-
-- tpu: mosaic_tpu (the Pallas TPU interpreter with race detection in both DMA modes, and the real
-  Mosaic TPU compile for v5e/v6e/v5p in `make compile-check`), then xla.
-- cuda: xla. The mosaic_gpu kernels pass the Mosaic GPU interpreter and the real compile for H100,
-  but the interpreter runs wgmma synchronously and cannot see a refill racing a wgmma still in
-  flight. They join CUDA's default order once `make gpu-check` passes on a real GPU with its log
-  committed; until then pass `backend="mosaic_gpu"` to run them.
-- cpu, rocm: xla.
+Design notes: docs/internals/core.md, section `backends.py`.
 """
 
 from __future__ import annotations

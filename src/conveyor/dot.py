@@ -1,13 +1,6 @@
 """cv.dot: one matmul written once for pipeline bodies, lowered to each backend's matrix unit.
 
-`cv.dot(a, b, acc, accumulate=...)` computes `acc = (acc if accumulate else 0) + a @ b` on refs of
-on-chip blocks, in float32. On xla and mosaic_tpu it is `jnp.dot` (the MXU on TPU); on mosaic_gpu
-it is a Hopper `wgmma` into a zeroed register accumulator whose result is added to the `acc`
-block, because Mosaic GPU lowers no `dot_general` and no implicit broadcast: a `jnp.dot` body runs
-under the GPU interpreter but does not compile for cuda.
-
-The GPU form keeps the accumulator in shared memory between steps (a load, an add and a store per
-call); kernels that keep it in registers across a whole reduction (gmm) use `plgpu.wgmma` directly.
+Design notes: docs/internals/core.md, section `dot.py`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """The Pallas interpreters as Conveyor launches them, and the workarounds of their gaps.
 
-Every interpreted kernel Conveyor launches (`interpret=` on cv.kernel, gmm/tgmm, the collective
-matmuls, mpmd_map) goes through `tpu_params` or `gpu_params`, which install, once per process:
-
-- **The wait deadline** (the one place Conveyor changes JAX's behaviour at run time). An interpreter
-  wait that nothing will satisfy (a semaphore nobody signals, a DMA never started, a barrier
-  nobody arrives at) blocks forever upstream. With the deadline, a wait still blocked after
-  `wait_deadline()` seconds raises `InterpreterDeadlock` naming who waits on what. Default 60 s
-  (legitimate waits in interpreted kernels take seconds); `set_wait_deadline(None)` turns it off.
-- **Mosaic GPU interpreter on several devices**: its end-of-kernel "no barrier allocated" check
-  reads every device's barriers; the check is made to run only once every device has finished.
-
-docs/upstream-gaps.md describes each gap as an upstream report would. Both patches are version-
-guarded: they apply to the interpreter classes of jax 0.11.2 .. 0.12.0.1 and are installed once.
+Design notes: docs/internals/core.md, section `interpreters.py`.
 """
 
 from __future__ import annotations

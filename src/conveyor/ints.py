@@ -1,9 +1,6 @@
 """Integer arithmetic shared by plans, kernels and tilings, for Python or traced ints.
 
-Kernels divide with `lax.div` / `lax.rem`, not `//` / `%`: jnp's floor division of traced ints
-is a jitted function whose constants become `reshard` equations under an explicit mesh, which
-Mosaic GPU's lowering cannot take (a gmm backward lowered with NamedSharded operands failed so).
-The operands here are indices and sizes: non-negative, where truncation is floor.
+Design notes: docs/internals/core.md, section `ints.py`.
 """
 
 from __future__ import annotations

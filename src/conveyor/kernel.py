@@ -1,11 +1,6 @@
 """cv.kernel: one launcher for kernels over refs, on every backend.
 
-`cv.kernel(body, out_shape, ...)(*inputs)` runs `body(*in_refs, *out_refs, *scratch_refs)`.
-Inside the body, `cv.emit_pipeline(...)` builds pipelines for the backend this launcher chose.
-
-On the `xla` backend refs are JAX state refs discharged into an ordinary compiled program. Output
-and scratch memory starts poisoned (NaN for floats, the minimum value for ints), as uninitialized
-memory does on accelerators, so a kernel that forgets to write a block is caught by its tests.
+Design notes: docs/internals/core.md, section `kernel.py`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """cv.kernel on the mosaic_tpu backend: one pallas_call with every operand left in HBM (pl.ANY).
 
-On CPU (`interpret=True` or a `pltpu.InterpretParams`) the kernel runs through the Pallas TPU
-interpreter. Whenever the process has no TPU (interpreting, or exporting with
-`jax.export(..., platforms=["tpu"])` from a CPU machine) it is traced under a TPU v5e abstract
-mesh: DMA lowering asks for the TPU generation and refuses device kind 'cpu' otherwise (measured
-with jax 0.12.0.1, see shared FACTS).
+Design notes: docs/internals/core.md, section `kernel_tpu.py`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The backend of `backend=None` chosen when lowered, per platform (`per_platform`), and values
 that may only be lowered for some platforms, with a message for the others (`only_for`).
 
-`cv.kernel(backend=None)` and the collective matmuls run each platform's default backend under
-`lax.platform_dependent`; a default backend that refused the arguments gets another's results
-behind `only_for` guards, so only the lowering for its platform fails, naming the reason.
+Design notes: docs/internals/core.md, section `lowering_guard.py`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Per-device code inside `shard_map`: varying-axes types, and kernels traced per device.
 
-Inside `shard_map(check_vma=True)` every array's type carries the mesh axes it varies over. Kernels
-over refs and threads traced with their own `axis_index` cannot carry those types, so Conveyor
-traces them per device, where replication is meaningless, and gives their results the union of
-the inputs' varying axes (the rule JAX applies to its own primitives).
+Design notes: docs/internals/core.md, section `spmd.py`.
 """
 
 from __future__ import annotations

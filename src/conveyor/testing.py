@@ -1,30 +1,6 @@
 """Opt-in checks for test suites that run kernels through the Pallas interpreters.
 
-Conveyor's own suite enables them in tests/conftest.py; a user's suite does the same:
-
-    # conftest.py
-    import pytest
-    from conveyor import testing
-
-    testing.enable_interpreter_checks()
-
-    @pytest.fixture(autouse=True)
-    def _interpreter_checks():
-        yield
-        leaks = testing.finish_test()
-        if leaks:
-            pytest.fail("semaphores left non-zero at kernel exit: " + "; ".join(leaks[:3]))
-
-What they add to the interpreters of jax 0.11.2 .. 0.12.0.1:
-- a detected race raises RuntimeError("RACE DETECTED ...") on every version (jax 0.12 raises by
-  default; jax 0.11 only prints both accesses);
-- a semaphore left non-zero at a TPU kernel's exit (a DMA started and never awaited, a signal
-  never consumed, which fails on a TPU) is recorded; the interpreters only print it;
-- on jax 0.11, CPU computations run without async dispatch (the TPU interpreter's callbacks run
-  eager jax ops and could deadlock against the main thread's next dispatch).
-- the interpreter workarounds (the wait deadline above all, see `conveyor.interpreters`) are
-  installed at once, so kernels the suite launches with Pallas directly get them too; kernels
-  Conveyor launches always have them.
+Design notes: docs/internals/core.md, section `testing.py`.
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
+from conveyor.ints import cdiv
 from tests.platform import gpu_interpret
 
 BLOCK = (16, 256)
@@ -29,7 +30,7 @@ BACKENDS = [
 
 
 def _grid(shape):
-    return tuple(-(-s // b) for s, b in zip(shape, BLOCK))
+    return tuple(cdiv(s, b) for s, b in zip(shape, BLOCK))
 
 
 def _row_sums(shape, backend, interpret):

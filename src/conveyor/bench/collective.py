@@ -1,9 +1,6 @@
 """`conveyor bench collective`: unfused collective + matmul vs the ring and the bidirectional ring.
 
-Runs on 8 simulated CPU devices (the CLI re-launches itself with
-XLA_FLAGS=--xla_force_host_platform_device_count=8 when fewer are visible). XLA:CPU runs collective
-permutes synchronously, so the ring cannot overlap communication with compute here: this table
-checks the ring's overhead on CPU; the overlap on real hardware is the simulator's to show.
+Design notes: docs/internals/benchmarks.md, section `bench/collective.py`.
 """
 
 from __future__ import annotations

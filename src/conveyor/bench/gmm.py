@@ -1,9 +1,7 @@
 """`conveyor bench gmm`: grouped matmul against the dense floor, a per-group BLAS loop and
 ragged_dot.
 
-One run prints one table; every ratio compares numbers measured in that run (see timing.py).
-Rows: m=4096, k=n=1024, f32 and bf16, G in {1, 8, 64, 256}, Dirichlet(1)-skewed group sizes
-(`--m --k --n --groups --dtypes` choose others). A progress bar on stderr counts the rows.
+Design notes: docs/internals/benchmarks.md, section `bench/gmm.py`.
 """
 
 from __future__ import annotations

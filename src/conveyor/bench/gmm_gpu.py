@@ -1,14 +1,7 @@
 """`conveyor bench gmm --platform gpu`: grouped matmul on a real GPU against its floors and
 baselines.
 
-bf16, the Mixtral expert shape m=8192, k=4096, n=14336, G in {8, 64, 256} with skewed sizes.
-gmm rows: dense `jnp.dot` of the same FLOPs (the compute floor), `lax.ragged_dot`, JAX's own
-`ragged_dot_mgpu`, `cv.gmm` per backend. tgmm rows: dense, `transposed_ragged_dot_mgpu`, `cv.tgmm`.
-Next to each mosaic_gpu row: the simulator's prediction for that kernel on this device's model
-(`cv.sim.simulate_gmm` / `simulate_tgmm`, which replay the kernel's tiles, slots and warpgroups).
-Every candidate is checked against a float32 `lax.ragged_dot` (relative Frobenius error) and timed
-in the same run: medians of `reps` timings, each the mean of `inner` back-to-back calls after a
-synchronisation, so launch gaps stay out of the numbers.
+Design notes: docs/internals/benchmarks.md, section `bench/gmm_gpu.py`.
 """
 
 from __future__ import annotations

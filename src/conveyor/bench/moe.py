@@ -1,19 +1,6 @@
 """`conveyor bench moe`: the expert-parallel MoE layer's token exchange on 8 simulated CPU devices.
 
-`cv.moe.moe_ffn_expert_parallel` sends every token assignment to the device owning its expert: on
-CPU with an `all_to_all` of fixed-capacity buffers (XLA:CPU has no `ragged_all_to_all`), or, with
-`overlap="peers"` one peer's chunk per step, or with `overlap="experts"` one local expert's rows
-of every peer per stage. This table measures, for the dropless worst-case
-capacity, capacity factors and the overlapped layer:
-  - the exchange alone: one `all_to_all` of a [D, capacity, d] buffer per device (overlapped: one
-    step's ppermute of a chunk), its bytes and the rate they move at;
-  - the layer's forward + backward (four exchanges: dispatch and return, each differentiated),
-    against the same layer with replicated experts and no exchange (`cv.moe.moe_ffn` per device:
-    the same expert FLOPs), so the exchange's share of a step is measured, not assumed;
-  - how many assignments each capacity drops (dropless drops none by construction).
-The CLI re-launches itself with XLA_FLAGS=--xla_force_host_platform_device_count=8 when fewer
-devices are visible. The 8 "devices" share this machine's cores and memory, so the rates are
-memory-copy rates of one host, not interconnect figures.
+Design notes: docs/internals/benchmarks.md, section `bench/moe.py`.
 """
 
 from __future__ import annotations

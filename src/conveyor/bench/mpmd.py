@@ -1,9 +1,6 @@
 """`conveyor bench mpmd`: the CPU executor of mpmd_map on producer/consumer pipelines.
 
-A producer (one instance) stages `blocks` blocks of 8x128 f32 through 4 shared slots guarded by
-semaphores; two consumer instances transform their halves. Compared with the same arithmetic as
-one jnp expression (what the pipeline computes, without the concurrency), to show the executor's
-per-block cost. Medians of interleaved runs.
+Design notes: docs/internals/benchmarks.md, section `bench/mpmd.py`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """`conveyor bench pipeline`: the xla pipeline executor against plain jnp and the Mosaic GPU
 interpreter.
 
-Kernels: a tiled matmul with the K reduction in the resident output block, and an elementwise add.
-The xla executor runs the plan step by step (one loop iteration per grid step).
-Ratios come from one interleaved run (see timing.py).
+Design notes: docs/internals/benchmarks.md, section `bench/pipeline.py`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """Timing helpers: interleaved repetitions and medians, so ratios within one run are fair.
 
-Machine speed drifts over seconds (other tenants); running candidates round-robin and taking
-medians keeps the ratios between them stable. Each timed call (`run_once`) follows a pause (the
-previous candidate's worker threads go idle), an untimed call of the candidate itself (the timed
-call starts on a working machine, as inside a training step; candidates slower than
-WARM_CALL_MAX_S skip it) and a 64 MiB write (operands come from DRAM, as a layer's weights do).
-Single calls on 2-core VMs are bimodal, so a ratio of two medians can move by up to 1.5x between
-runs. The measurements behind each step: docs/xla-backend-notes.md.
-
-`CONVEYOR_BENCH_SETTLE_S` sets the pause (seconds, default 0.3); the test suite sets 0, since it
-checks that the benchmarks run and agree, not their times.
+Design notes: docs/internals/benchmarks.md, section `bench/timing.py`.
 """
 
 from __future__ import annotations
@@ -47,7 +38,7 @@ WARM_CALL_MAX_S = 0.25
 
 def run_once(fn: Callable[[], object], warm: bool = True) -> float:
     """Seconds of one call of `fn`, after the pause, an untimed call of `fn` (when `warm`) and the
-    cache eviction of the module docstring."""
+    cache eviction of the design notes."""
     time.sleep(SETTLE_SECONDS)
     if warm:
         jax.block_until_ready(fn())

@@ -1,9 +1,6 @@
 """What `conveyor compile-check` compiles: Conveyor's kernels as named, parameterised cases.
 
-A case is a kind (a function below) and its parameters; `build(ctx)` returns the function to
-jit and the operands' shapes, placed on the compile-only devices of `ctx`. `PRODUCTION` lists
-the sizes the kernels exist for (the Mixtral expert shape, many small experts, tensor-parallel
-rings on 4 and 8 chips); users name their own shapes through the CLI.
+Design notes: docs/internals/core.md, section `compile_check/cases.py`.
 """
 
 from __future__ import annotations

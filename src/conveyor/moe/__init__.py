@@ -1,10 +1,6 @@
 """cv.moe: a Mixture-of-Experts feed-forward layer as plain JAX functions (no framework).
 
-    y, aux_loss = cv.moe.moe_ffn(x, router_w, w_gate, w_up, w_down, top_k=2)
-
-Top-k softmax routing (gates renormalised over the chosen k), a load-balancing auxiliary loss,
-tokens permuted into expert order, SwiGLU experts through `cv.gmm`, and the outputs combined by
-the gates; dropless. `reference` holds the dense definition it is tested against.
+Design notes: docs/internals/moe.md, section `moe/__init__.py`.
 """
 
 from conveyor.moe.expert_parallel import moe_ffn_expert_parallel

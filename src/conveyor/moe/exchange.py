@@ -1,12 +1,6 @@
 """The token exchange of the expert-parallel MoE layer: exact ragged slices between devices.
 
-`ragged_all_to_all` is `jax.lax.ragged_all_to_all` (each device sends each peer exactly the rows
-bound for it, at offsets the sender names in the receiver's buffer) where the platform has it,
-chosen when the program is lowered (`lax.platform_dependent`): on TPU and GPU the real collective.
-XLA:CPU does not implement it (jax 0.12: "HLO opcode ragged-all-to-all is not supported by
-XLA:CPU"), so a CPU lowering runs the same semantics through a dense `all_to_all` of worst-case
-blocks: the same numbers, tested against a model of the primitive's documented semantics, at
-the dense exchange's traffic (CPU is where the layer is tested, not where it runs).
+Design notes: docs/internals/moe.md, section `moe/exchange.py`.
 """
 
 from __future__ import annotations

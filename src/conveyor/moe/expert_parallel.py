@@ -1,21 +1,6 @@
 """Expert parallelism: the MoE layer with its experts sharded over a mesh axis (inside shard_map).
 
-Each device holds its own tokens and `E / D` of the experts (D = size of `axis_name`). A token
-assignment travels to the device that owns its expert and back:
-  1. route the local tokens over all E experts; sort the (token, slot) assignments by expert, so
-     those bound for each device are contiguous;
-  2. send each owner its rows with their local expert ids;
-  3. the owner sorts what it received by local expert and runs the SwiGLU experts through
-     `cv.gmm` (padding rows sort last, past the groups, and come out as zeros);
-  4. the results go back the same way and are added into their tokens' rows, weighted by the gates.
-Two exchanges:
-- dropless (`capacity_factor=None`, the default): `conveyor.moe.exchange.ragged_all_to_all`, exact
-  rows each way (on TPU and GPU `jax.lax.ragged_all_to_all`, the minimal traffic; a CPU lowering
-  emulates it with the same numbers). The receive buffer has the worst case's rows (D x tokens x
-  top_k), since how many arrive is known only at run time;
-- with a capacity factor c: a dense `all_to_all` of [D, capacity, d] buffers, capacity
-  ceil(c * tokens * top_k / D) rows per destination; assignments beyond it are dropped (they
-  contribute 0), and the count of dropped assignments is returned, never hidden.
+Design notes: docs/internals/moe.md, section `moe/expert_parallel.py`.
 """
 
 from __future__ import annotations
@@ -37,7 +22,7 @@ OVERLAPS = (None, "peers", "experts")
 
 
 def capacity(tokens: int, top_k: int, devices: int, capacity_factor: float | None) -> int:
-    """Rows per destination in the exchange buffers (see the module docstring)."""
+    """Rows per destination in the exchange buffers (see the design notes)."""
     worst = tokens * top_k
     if capacity_factor is None:
         return worst
@@ -77,7 +62,7 @@ def moe_ffn_expert_parallel(
       top_k: experts per token, in [1, E].
       axis_name: the mesh axis the experts are sharded over (tokens travel along it).
       capacity_factor: None (dropless: the exact ragged exchange) or c > 0 (a fixed capacity; see
-        the module docstring).
+        docs/internals/moe.md).
       loss_axes: mesh axes over which the tokens are sharded, for the load-balancing loss's global
         averages (default: (axis_name,)); on a data x expert mesh pass both.
       backend, fuse_permutation: as in `moe_ffn`; fuse_permutation moves the received rows into

@@ -2,16 +2,7 @@
 (`conveyor.plans.exchange`: per peer, or per group of local experts) as collectives and expert
 matmuls.
 
-At every step each stream first sends the chunk its next step's receiver needs, then runs the
-experts on the chunk that arrived, then sends the results home. Nothing in a step's expert
-matmuls depends on that step's sends, so a platform with asynchronous collectives (TPU, GPU) may
-run them at once; XLA's scheduler decides. A kernel that guarantees it is the Mosaic one (not
-written yet: see docs/moe.md). XLA:CPU runs collectives synchronously: there this path gives the
-plan's numbers, not its overlap.
-
-A chunk has the worst case's rows (every assignment of the sender bound for one device); rows past
-the sender's count are zeros with the padding expert id, which the experts skip (they come out
-as zeros and are never placed).
+Design notes: docs/internals/moe.md, section `moe/overlapped.py`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """The CPU executor of mpmd_map: every instance of every program runs at once, on shared memory.
 
-Each program is traced once to a jaxpr over refs. One Python thread per (program, mesh point)
-interprets it: reads and writes of refs go straight to shared NumPy buffers, so a write is
-visible to the other instances as soon as it happens (as in on-chip or global memory);
-`lax.axis_index` yields the instance's coordinate; semaphore waits and barriers block on
-condition variables. Equations that touch no ref and no semaphore run through JAX as usual
-(whole loops without refs are compiled). Loops, conds and jit calls that do touch refs are
-interpreted step by step.
-
-A wait that outlasts the timeout aborts every instance and raises `MpmdDeadlock`, which lists
-each program and point with what it was doing or waiting on.
+Design notes: docs/internals/mpmd.md, section `mpmd/cpu.py`.
 """
 
 from __future__ import annotations

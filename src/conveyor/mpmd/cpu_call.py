@@ -1,13 +1,6 @@
 """Glue between mpmd_map and the CPU executor: trace the programs, lay out memory, run on the host.
 
-Under `jax.jit` (or `jax.vmap`) the whole call becomes one host callback (`jax.pure_callback`,
-sequential over a vmapped batch), so mpmd_map composes with traced code on CPU; outside any
-trace it runs directly.
-
-jax Refs are memory updated in place, whether passed as inputs or closed over by a program:
-their values go into the executor's shared buffers, the programs read and write those, and the
-final contents are written back into the Refs when the call returns. Values a program closes
-over that are traced (a jitted function's argument) travel as extra operands of the callback.
+Design notes: docs/internals/mpmd.md, section `mpmd/cpu_call.py`.
 """
 
 from __future__ import annotations

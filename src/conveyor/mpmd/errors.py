@@ -1,10 +1,6 @@
 """Errors of mpmd_map programs that ran inside `jax.jit`, brought back to their own types.
 
-Under jit the CPU executor runs in a host callback, and XLA turns whatever a callback raises
-into a `jax.errors.JaxRuntimeError` carrying only the text: `except cv.MpmdDeadlock` cannot
-match it, because Python's `except` compares the raised type, which XLA chose. So the executor
-keeps the original exception under a numbered mark that the text carries, and `cv.mpmd_errors()`
-(a context manager and decorator) re-raises that original, chained to the runtime error.
+Design notes: docs/internals/mpmd.md, section `mpmd/errors.py`.
 """
 
 from __future__ import annotations

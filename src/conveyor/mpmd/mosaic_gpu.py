@@ -1,16 +1,6 @@
 """mpmd_map on Mosaic GPU: every (program, mesh point) becomes one warpgroup of a single kernel.
 
-The kernel has as many threads (warpgroups) as instances; thread t runs its program with
-`lax.axis_index` of the program's axes fixed to its point (the body is traced per instance with
-those indices as constants). Shared scratch lives in SMEM; a barrier scratch is an mbarrier every
-warpgroup arrives on; semaphore scratch becomes GMEM semaphores declared as kernel scratch
-(`plgpu.SemaphoreType.REGULAR`), which Mosaic GPU zero-initialises per call.
-
-Limits (jax 0.12): the Mosaic GPU interpreter cannot run semaphores (its re-trace refuses them:
-"Cannot signal on a non-semaphore Ref"), so kernels with semaphores are verified by
-`jax.export(..., platforms=["cuda"])` and `make gpu-check` only. jax Ref inputs are refused
-(pass arrays); `input_output_aliases` hold the aliased outputs in Refs the kernel updates in
-place (`conveyor.aliasing.gpu_call_with_aliases`).
+Design notes: docs/internals/mpmd.md, section `mpmd/mosaic_gpu.py`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """mpmd_map's scratch: Conveyor's and Pallas's spellings, in any pytree, brought to one vocabulary.
 
-Every leaf becomes a `jax.ShapeDtypeStruct` (a shared array), a `cv.SemaphoreType` (counting
-semaphores starting at 0) or a `cv.BarrierType` (a barrier across every instance). Pallas's
-`pltpu.SemaphoreType.REGULAR(shape)`, `plgpu.SemaphoreType.REGULAR(shape)`, `plgpu.Barrier` and
-memory-space shapes (`pltpu.VMEM`, `plgpu.SMEM`, ...) are accepted as synonyms; anything else is
-refused with its path.
+Design notes: docs/internals/mpmd.md, section `mpmd/scratch.py`.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """Helpers shared by the plan's executors (xla, mosaic_tpu, mosaic_gpu).
 
-Out-of-bounds blocks, one rule on every backend: a block that starts outside the array (a
-negative index, or at or past the array's end, in any dimension) is not copied: an input block
-reads as zeros, an output block is not written back (the array keeps what it held). A block
-dimension that does not divide the array leaves a partial last block: its part inside the array
-is copied, the rest of an input slot reads as zeros, the rest of an output slot is dropped. This
-is the rule of a TMA copy on GPU, which the other backends follow by predicating and sizing their
-copies. A `pl.Element` dimension's window starts at any element, and a window that does not lie
-wholly inside the array counts as out of bounds.
+Design notes: docs/internals/pipelines.md, section `pipeline/lowering.py`.
 """
 
 from __future__ import annotations

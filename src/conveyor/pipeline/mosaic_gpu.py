@@ -1,13 +1,6 @@
 """Mosaic GPU lowering of a pipeline plan: SMEM slots filled by TMA copies, tracked by mbarriers.
 
-Inputs: one SMEM buffer of `num_slots` blocks and one barrier per slot; each input carries its
-fetch cursor (`conveyor.plans.fetch`): the prologue issues the first copies, step s waits on its
-slot's barrier when its block changes, runs the body, then issues the next copies. Outputs: two SMEM
-slots; at a write-back the block is fenced (`commit_smem`) and stored by TMA. Stores of one step
-form one bulk group; after committing it we wait until at most that group is in flight, so the slot
-the next step writes (last stored two write-backs ago, at an earlier step) is free again.
-The interpreter does not support predicated SMEM->GMEM copies (shared FACTS), so write-backs are
-branches (`pl.when`) around unpredicated copies.
+Design notes: docs/internals/pipelines.md, section `pipeline/mosaic_gpu.py`.
 """
 
 from __future__ import annotations

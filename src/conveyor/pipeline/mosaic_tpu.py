@@ -1,13 +1,6 @@
 """Mosaic TPU lowering of a pipeline plan: VMEM slots, async DMAs and DMA semaphores.
 
-Follows the plan's schedule literally, each input carrying its fetch cursor
-(`conveyor.plans.fetch`): a prologue issues the first fetches; at step s the kernel waits for the
-inputs whose block changes, runs the body on the slots the cursors name, then issues the next
-fetches (after the body, so delay_release=0 is safe too). Outputs live in two VMEM slots: a
-write-back starts when the plan says so, and
-before the body writes into the other slot the write-back that last used it is awaited.
-Out-of-bounds blocks (`conveyor.pipeline.lowering`): their DMAs are predicated off; an input slot
-is zero-filled instead, and nobody waits for a copy that was never started.
+Design notes: docs/internals/pipelines.md, section `pipeline/mosaic_tpu.py`.
 """
 
 from __future__ import annotations

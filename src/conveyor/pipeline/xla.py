@@ -1,21 +1,6 @@
 """XLA executor of a pipeline plan: the plan's rules with ordinary slicing in a compiled loop.
 
-Each operand gets one block buffer (a fresh ref of the block's shape). At every step the input
-blocks are read into their buffers, the body runs on the buffers (and may touch any other ref of
-the kernel: scratch, scoped buffers, other outputs), and an output buffer is written to its array
-when the plan says so, then poisoned: it stays resident while its block index does not change.
-There is no real asynchrony on this backend (XLA:CPU runs ops in order), so this fast path ignores
-the plan's slots and fetch-ahead; the values a body sees are exactly those of the schedule: an
-input block is read only at the steps its fetch rule fetches (`conveyor.plans.fetch`), so a body
-that writes into an input block sees its writes until the block changes, as on the other backends.
-
-The checked mode (`checked_schedule()`, used by the tests) runs the plan's schedule instead:
-- every slot is a real buffer;
-- an input slot is filled when the plan fetches into it, and poisoned when its step releases it;
-- the body reads the slot the plan names, and an output lives in the slot the plan names.
-So a schedule bug (a fetch one step off or into the wrong slot, a slot read after its release)
-gives wrong numbers or poison in milliseconds on CPU, where the Mosaic interpreters would hang.
-Out-of-bounds blocks follow `lowering`'s rule in both modes.
+Design notes: docs/internals/pipelines.md, section `pipeline/xla.py`.
 """
 
 from __future__ import annotations

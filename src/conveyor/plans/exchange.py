@@ -1,33 +1,7 @@
 """The overlapped expert-parallel exchange: per step, which peer's tokens a device's experts run
 on, which chunk is in flight to the next peer, and which results travel home.
 
-Each of D devices holds its own tokens and E / D experts; the tokens bound for each device form one
-contiguous chunk (routing sorts them by destination). Instead of one all-to-all, the expert
-matmuls and then another all-to-all, the plan walks the ring of peers:
-- step 0: the experts run on the local chunk (no exchange) while the chunk for the first peer is
-  already in flight;
-- step t >= 1: wait for the chunk of the peer at ring offset -t (stream "right": chunks travel to
-  higher devices) or +t (stream "left"), run the experts on it while the next peer's chunk is in
-  flight, and send the results home to that peer (in flight during the next step).
-So every transfer but the first dispatch and the last return hides behind an expert matmul.
-Bidirectional: chunks from lower and higher peers arrive on the two links at once, and the layer
-finishes in floor(D / 2) + 1 steps, two chunks' matmuls per step (the ring plan's split of peers:
-`conveyor.plans.ring`).
-
-Transfers are direct remote copies (a device writes into its peer's receive slot), not hops: on
-NVLink every pair has its own path; on a TPU torus the interconnect routes them.
-
-Flow control, per stream and device: `buffering` receive slots (each holds one peer's chunk) and
-as many output slots (the results on their way home). A peer writes into a receive slot only with
-a credit its owner granted for that use: the slots start free (credits for the first `buffering`
-senders, the handshake that replaces a barrier), and the owner grants the next sender of a slot
-once its experts have read it. Each receive slot has its own receive semaphore: chunks come from
-different senders and may land in any order. An output slot is rewritten only after the results
-that used it have landed at home. A device combines once all D - 1 peers' results have landed
-(a counter of returns) and leaves once its own copies are done.
-
-`program()` gives this as an event program for the checker and the simulator; `steps()` as
-per-step records that the executors follow.
+Design notes: docs/internals/plans.md, section `plans/exchange.py`.
 """
 
 from __future__ import annotations

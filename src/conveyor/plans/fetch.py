@@ -1,31 +1,6 @@
 """When a pipeline input is fetched: its fetch rule, and the cursor every executor carries.
 
-An input's blocks go round its S slots, one *distinct block* per slot: the j-th fetch lands in
-slot j % S. The fetch rule decides which steps start a new block and when it is fetched:
-- `EVERY_STEP` (warp-specialized pipelines, as upstream's GPU ones): every step is a new block;
-  step t's block is fetched while step t - L runs (L = S - delay_release, the input's lookahead).
-- `ON_CHANGE` (plain pipelines, as upstream's TPU ones): a step whose block index equals the
-  previous step's reuses that block, already in its slot: no copy, no wait. A step that changes
-  the block is fetched while step t - L runs, as above.
-- `LOOKAHEAD` (`pl.Buffered(n, use_lookahead=True)`): as ON_CHANGE, but after every body the
-  input fetches the next changed blocks as far ahead as its free slots allow, however many steps
-  away they are (upstream's `use_lookahead`): a block that changes rarely is prefetched early.
-An input may start with its first blocks already in place (`OperandPlan.prefetched`, upstream's
-`pl.Buffered(prefetched_count=p)`): fetches 0 .. p - 1 are in slots 0 .. p - 1 before step 0, put
-there by the caller, so they are neither issued (`_issue`) nor awaited (`begin_step`); the counting
-is unchanged, so fetch p goes to slot p % S as before.
-Why it is safe: block j's first step t_j is at least S - 1 steps after the first step of block
-j - S + 1, so block j - S (the previous occupant of slot j % S) was last read at step t_j - S or
-before; ON_CHANGE fetches block j after the body of step t_j - L = t_j - S + delay_release, which
-is when EVERY_STEP would release that step's slot. LOOKAHEAD fetches block j once block j - S is
-done: its last step r ran, and so did step r + delay_release (the body's reads end by then).
-
-`Cursor` is what an executor carries through its step loop for one input. The functions below
-work on Python ints (the plan's `program()`, which the checker and the simulator run) and on
-traced int32 (inside kernels); all backends share them. They decide, and emit no control flow: each
-fetch is handed to the executor's `Fetch` with the condition it is issued under, and a lookahead
-scan whose bounds are traced runs in the executor's `loop` (`conveyor.pipeline.lowering` holds
-both).
+Design notes: docs/internals/plans.md, section `plans/fetch.py`.
 """
 
 from __future__ import annotations

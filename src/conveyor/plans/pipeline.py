@@ -1,22 +1,6 @@
 """The pipeline plan: a pure, immutable description of what happens at every step of a pipeline.
 
-`plan(...)` turns a grid, block specs and the buffering options into a `PipelinePlan`. Its rules
-(`block_indices`, `slot`, `fetch_at`, `writes_back`) work on Python ints and on traced JAX ints
-alike, so lowerings ask them inside the kernel loop, the XLA executor runs them with ordinary
-slicing, and the checker/simulator run `program()`; all of them follow one schedule.
-
-Schedule (inputs): an input with `S = max_concurrent_steps` slots keeps `L = S - delay_release`
-fetches in flight. Before step 0 the prologue fetches steps 0..L-1; at step s the body reads slot
-s % S, and the fetch for step s + L is issued into slot (s + L) % S, the slot step s - delay_release
-used, so a slot is refilled `delay_release` steps after its last use.
-A step whose block index equals the previous step's reuses that block (no copy, no wait) in
-plain pipelines; `pl.Buffered(n, use_lookahead=True)` fetches further ahead: the fetch rules and
-their slot arithmetic are in `conveyor.plans.fetch` (above: the every-step rule).
-Index-invariant operands (index map ignores the grid) have one slot, fetched once.
-Outputs: the block stays resident while its block index does not change (so a body can accumulate
-across a reduction axis) and is written back when the next step's index differs, or at the last
-step; it then moves to the other of its two slots so the write-back can overlap the next step.
-Index-invariant outputs are written once, at the end.
+Design notes: docs/internals/plans.md, section `plans/pipeline.py`.
 """
 
 from __future__ import annotations
@@ -576,25 +560,25 @@ def plan(
     dimension_semantics: Sequence[Any] | None = None,
     reuse_unchanged_blocks: bool = True,
 ) -> PipelinePlan:
-    """Build the pipeline plan (see the module docstring for the schedule it encodes).
+    """Build the pipeline plan (docs/pipelining.md describes the schedule it encodes).
 
-    `grid` may mix static ints with dynamic sizes (integer scalars traced inside the kernel; see
-    `PipelinePlan`). `in_specs` / `out_specs` hold one entry per operand, each a block spec or a
-    pytree of them (read by `conveyor.plans.specs`).
+    Args:
+      grid: static ints mixed with dynamic sizes (integer scalars traced inside the kernel).
+      in_specs, out_specs: one entry per operand, a block spec or a pytree of them
+        (`conveyor.plans.specs`).
+      max_concurrent_steps: input slots, unless an input's `pl.Buffered(n)` (n > delay_release)
+        sets its own; an input keeps slots - delay_release fetches in flight. Outputs get 2
+        slots, or 1 with `pl.Buffered(1)` (the write-back is then awaited when issued).
+      delay_release: steps a slot stays readable after its own step.
+      no_pipelining: the debug schedule: one slot per operand, no copy in flight during a body.
+      dimension_semantics: "parallel" / "arbitrary" (or `pltpu.PARALLEL` / `pltpu.ARBITRARY`) per
+        grid dimension; `for_core` cuts a parallel one.
+      reuse_unchanged_blocks: fetch an input only at steps that change its block (with
+        `pl.Buffered(n, use_lookahead=True)` as far ahead as its slots allow); False fetches
+        every step, as warp-specialized pipelines do (`conveyor.plans.fetch`).
 
-    Input slots: max_concurrent_steps, or the input's own `pl.Buffered(n)` (n > delay_release); an
-    input keeps n - delay_release fetches in flight. Output slots: 2 (a write-back overlaps the
-    next steps), or 1 with `pl.Buffered(1)` on the output's spec or `no_pipelining`: the
-    write-back is then awaited as soon as it is issued.
-    `no_pipelining=True` is the debug schedule: one input slot (the next step's fetch is issued
-    after the body and awaited before the next body) and one slot per output, so no copy is ever
-    in flight while a body runs.
-    `dimension_semantics`: "parallel" / "arbitrary" per grid dimension (or Pallas TPU's
-    `pltpu.PARALLEL` / `pltpu.ARBITRARY`); it decides which dimension `for_core` cuts.
-    Fetch rules (`conveyor.plans.fetch`): with `reuse_unchanged_blocks` (the default) an input is
-    fetched only at steps that change its block, and `pl.Buffered(n, use_lookahead=True)` fetches
-    it as far ahead as its slots allow; without, every step is fetched (as a warp-specialized
-    pipeline does: `WarpSpecializedPlan` sets that rule itself).
+    Returns:
+      The `PipelinePlan`.
 
     Raises:
       ValueError: non-positive static grid sizes, max_concurrent_steps < 1, delay_release < 0, or

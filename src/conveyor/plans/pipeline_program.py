@@ -1,12 +1,6 @@
 """A plain pipeline's schedule as an event program, and the actions it is made of.
 
-`pipeline_program(plan)` lists, in issue order, what the pipeline's one thread does: the copies
-of the inputs' blocks and the waits for them, the body of each step (its slot reads and writes),
-the write-backs of the outputs and the waits for them. The checker and the simulator run it.
-
-The four copy and wait constructors below are the only place these actions are built: the
-program uses them, and the Mosaic lowerings record them as they issue the copies
-(`conveyor.pipeline.lowering.issued`), so a conformance test compares like with like.
+Design notes: docs/internals/plans.md, section `plans/pipeline_program.py`.
 """
 
 from __future__ import annotations

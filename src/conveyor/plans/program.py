@@ -1,31 +1,6 @@
 """Event programs: a plan's whole schedule as pure data, per actor, in issue order.
 
-A program lists what each actor does, in order. The actors are:
-- a pipeline's thread;
-- a warp-specialized pipeline's memory thread and compute threads;
-- the devices of a ring.
-
-The actions are asynchronous copies, waits and signals on counters, slot reads and writes, and
-the body's work. Counters stand for copy completions, DMA and receive semaphores, barrier phases
-and credits.
-
-The checker (`cv.sim.check`) explores every interleaving of a program, and the simulator
-(`cv.sim.simulate`) runs it against a hardware model. Both interpret the same program, so what is
-checked is what is timed, and neither derives a schedule of its own.
-
-Counters start at 0:
-- a copy adds 1 to each counter in its `signals` when it lands;
-- a `Signal` adds its amount;
-- a `Wait` blocks until its counter reaches `amount`. With `consume` it then subtracts the amount
-  (a semaphore); without, it leaves the counter as it is (a barrier).
-
-A barrier with N arrivals per phase is a counter of arrivals: phase p completes at N * (p + 1),
-so a wait for phase p waits for that count.
-
-A pipeline's copies, waits and signals carry `at`, the grid step during which the actor issues
-them (-1: before step 0; num_steps: after the last step). The Mosaic lowerings report the same
-actions, built by the same constructors, as they issue them (`conveyor.pipeline.lowering.
-record_issued`): the conformance tests compare the two.
+Design notes: docs/internals/plans.md, section `plans/program.py`.
 """
 
 from __future__ import annotations

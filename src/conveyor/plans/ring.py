@@ -1,26 +1,7 @@
 """The ring plan of a collective matmul: per grid step and per stream, what every device receives,
 multiplies, forwards and frees.
 
-Pure data over ring offsets (relative to the device): every device follows the same plan, so a
-device `d` at step `t` works on the shard of device `(d + offset) % D`. The plan gives:
-- `steps()`: one `RingStep` record per (grid step, stream). The TPU ring kernels read these
-  records as a table, one row per step (`step_table`), so the kernel does what the records say;
-- `phases()`: the order of a step's operations, the same at every step;
-- `program()`: the records in that order, per device, as an event program for the checker and
-  the simulator.
-
-All-gather (shards travel, the product accumulates locally):
-  unidirectional: step t uses the shard of device d - t (received from the left neighbour).
-  bidirectional: step t uses d - t (from the left) and d + t (from the right); the ring finishes
-  in floor(D / 2) steps after the local step 0, and for even D the last step has one shard only
-  (d + D/2 == d - D/2). Works for odd and even rings.
-Reduce-scatter (partial sums travel): the accumulator for block j starts at device j + 1 and moves
-right, so at step t device d adds its partial for block d - 1 - t and passes it on; after D - 1
-hops it arrives at device j. Bidirectional splits the output columns in two halves that travel in
-opposite directions (block d + 1 + t going left).
-
-Flow control: each stream has `buffering` receive slots per device; a device writes into its
-downstream neighbour's slot only with a credit that neighbour granted (its capacity semaphore).
+Design notes: docs/internals/plans.md, section `plans/ring.py`.
 """
 
 from __future__ import annotations

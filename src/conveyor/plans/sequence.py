@@ -2,10 +2,7 @@
 their first copies issued early (`emit_pipeline(...).prefetch`): one event program for the
 checker and the simulator.
 
-Pipeline k's operands and steps are renamed `p{k}.in[0]`, ... so that pipelines never share a
-slot or a counter. A `Prefetched(plan, before=j)` issues its prologue's copies just before
-pipeline j starts (default: the pipeline before it), and then runs without them, as the TPU
-lowering does with `prefetched=`.
+Design notes: docs/internals/plans.md, section `plans/sequence.py`.
 """
 
 from __future__ import annotations

@@ -132,16 +132,11 @@ def pallas_options(spec: Any, name: str, is_input: bool) -> PallasOptions:
     """Read the fields of a Pallas BlockSpec (pl.BlockSpec, plgpu.BlockSpec) Conveyor honours and
     refuse, by name, every other field that is set: none is silently ignored.
 
-    Honoured: `delay_release` of an input (the pipeline's delay becomes the largest asked, which
-    is never less safe), `pipeline_mode=pl.Buffered(n, use_lookahead=..., prefetched_count=...)`
-    (the operand's slot count, see `plan`; an input's lookahead and the blocks its caller already
-    put in its slots, see `conveyor.plans.fetch`),
-    `oob_fill_mode` ZEROS (the out-of-bounds rule every backend follows; PROMISE_IN_BOUNDS and
-    UNDEFINED leave out-of-bounds values to Conveyor, whose zeros satisfy both), `transforms` (see
-    `OperandPlan`), `memory_space` naming a backend's on-chip memory (`pltpu.VMEM`, `plgpu.SMEM`:
-    where blocks go anyway; the pipeline refuses the other backend's space). Refused: any other
-    `memory_space`, `collective_axes`, other Buffered options, and any field this version does not
-    know."""
+    Honoured: an input's `delay_release` (the pipeline takes the largest asked);
+    `pipeline_mode=pl.Buffered(n, use_lookahead=..., prefetched_count=...)`; `oob_fill_mode`
+    ZEROS, PROMISE_IN_BOUNDS and UNDEFINED (Conveyor's zeros satisfy all three); `transforms`;
+    `memory_space` naming a backend's on-chip memory (`pltpu.VMEM`, `plgpu.SMEM`). Refused: other
+    memory spaces, `collective_axes`, other Buffered options, fields this version does not know."""
     if isinstance(spec, BlockSpec):
         return PallasOptions(transforms=tuple(spec.transforms))
     if not dataclasses.is_dataclass(spec):

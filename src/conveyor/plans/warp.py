@@ -1,20 +1,7 @@
 """The warp-specialized pipeline plan: the pipeline schedule split by role, with its barrier
 protocol.
 
-One memory thread issues every input fetch; `num_compute_wgs` compute threads run the body. The
-protocol, per input slot (all rules work on Python ints and traced int32 scalars):
-
-- produced[slot]: the memory thread's copy into the slot arrives on it; every compute thread
-  waits on it before reading the slot.
-- consumed[slot] (num_compute_wgs arrivals): after step s each compute thread arrives on the
-  slot step s - delay_release used (`released_slot`); the memory thread waits on it before
-  refilling that slot for step s + lookahead (`refill_waits`).
-- Outputs live in two slots shared by the compute threads. At a write-back every compute thread
-  fences its shared-memory writes and arrives on the output barrier (num_compute_wgs arrivals);
-  the leader (the first compute thread) first waits until its previous store has finished reading
-  its slot, and, once all have arrived, stores the block. So several compute threads may write
-  disjoint parts of one output block without racing, and a block stays resident while its index
-  does not change (accumulation across a reduction axis works as in `emit_pipeline`).
+Design notes: docs/internals/plans.md, section `plans/warp.py`.
 """
 
 from __future__ import annotations
@@ -220,19 +207,11 @@ class WarpSpecializedPlan:
 
     def program(self, in_flight_steps: int = 0) -> Program:
         """The protocol the Mosaic GPU lowering runs, as an event program: "memory thread" and one
-        actor per compute thread ("compute[t]").
+        actor per compute thread ("compute[t]"); its barriers are described in
+        docs/internals/plans.md (section `plans/warp.py`).
 
-        Barriers are counted in arrivals; phase p of a barrier with N arrivals per phase completes
-        at N * (p + 1):
-        - produced (input, slot): a copy into the slot arrives once; step s waits for phase s //
-          slots.
-        - consumed (barrier, slot): every compute thread arrives after step s on the slot of step
-          s - delay_release. The memory thread waits for the release of step t - slots before
-          refilling for step t. After its loop it drains the releases it did not wait for, so
-          every barrier ends at a phase boundary.
-        - out_ready: at a write-back every compute thread arrives and waits. The leader first waits
-          for its previous stores, then stores the blocks once all threads have arrived.
-        `in_flight_steps`: as in `PipelinePlan.program`. A chain of pipelines: `chain_program`.
+        Args:
+          in_flight_steps: as in `PipelinePlan.program`. A chain of pipelines: `chain_program`.
         """
         return chain_program([dataclasses.replace(self, pipeline_state=None)], in_flight_steps)
 

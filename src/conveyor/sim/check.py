@@ -1,25 +1,7 @@
 """The protocol checker: run a plan's event program under every interleaving; report races and
 deadlocks.
 
-A plan's `program()` (conveyor.plans.program) gives its actors: a pipeline's thread, a
-warp-specialized pipeline's memory and compute threads, a ring's devices. They issue asynchronous
-copies, wait on counters (copy completions, semaphores, barrier phases, credits), signal them,
-and read or write buffer slots. The checker is a plain interpreter of that program.
-
-An asynchronous copy may land at any moment between its issue and its completion, so the checker
-treats that whole window as a write of its destination (and a read of its source), and
-explores every order of process steps and copy completions (depth-first, with visited states
-remembered). Found:
-
-- race: a slot read while a copy into it may still be landing (a read before its copy completed,
-  or a slot refilled while still read), or written while a copy out of it is still reading it;
-- deadlock: processes still running, none can move, and no copy is in flight to wake them.
-
-Each finding carries the shortest trace the search saw. The search stops at a state budget
-(then samples random interleavings) or a time budget, and says so with what it found so far;
-`progress=True` draws a progress bar (states explored against the budget). Bodies that leave
-asynchronous work in flight (an un-awaited matmul reading its input slots) are modelled with
-`in_flight_steps`: the reads of step s end during step s + in_flight_steps.
+Design notes: docs/internals/simulator.md, section `sim/check.py`.
 """
 
 from __future__ import annotations

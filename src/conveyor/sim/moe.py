@@ -1,38 +1,13 @@
 """The expert-parallel MoE layer on a hardware model: its three exchanges side by side.
 
-One layer on each of `devices` chips, each holding `tokens` tokens and `experts / devices` experts.
-Routing is taken as balanced (every chip sends `tokens * top_k / devices` assignments to every
-chip, itself included), the case the layer is sized for; skewed routing moves the numbers and is
-not modelled. The experts are the SwiGLU's three grouped matmuls (`simulate_gmm`, the kernels'
-own tile schedules); the elementwise SiLU product and the routing are not priced.
-
-- "dense": `capacity_factor=None` before the exact exchange existed, or any fixed capacity: an
-  all_to_all of worst-case buffers (each chip reserves `tokens * top_k` rows for each peer and
-  the whole buffer travels), then the experts on the rows received, then the same way back.
-- "exact": the ragged exchange (`jax.lax.ragged_all_to_all`): only the rows routed, then the
-  experts, then back.
-- "peers" (`overlap="peers"`): the plan of `conveyor.plans.exchange`, run as its event program:
-  each peer's chunk is dispatched while the experts run on the chunk before it, and its results
-  go home during the next chunk's experts. The experts run per chunk (smaller grouped matmuls).
-- "experts" (`overlap="experts"`): the expert-staged plan, run as its event program: a group of
-  local experts per stage, every peer's rows for them at once, the next stage's rows in flight
-  while the experts run; each expert's weights are read once. Needs 2 or more local experts.
-
-Transfers use the ring's two directions (two links out of each chip), a chunk costing its bytes at
-the link's achievable rate plus the link latency; in the unfused exchanges the peers' chunks
-queue on the two links one after another. While transfers run beside them, the experts run
-`overlap_slowdown` slower for that time (the hardware model's calibrated figure). Every number
-comes from `conveyor.sim.hardware`, with its source.
-
-Per-chunk expert matmuls read every local expert's weights once per chunk, `devices` times per
-layer instead of once: where the experts are small (many experts, few rows each) that traffic can
-cost more than the exchange the overlap hides, and the report shows it.
+Design notes: docs/internals/simulator.md, section `sim/moe.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from conveyor.ints import cdiv
 from conveyor import dtypes
 from conveyor.plans.exchange import default_stages, exchange_plan, staged_exchange_plan
 from conveyor.sim import timed
@@ -91,7 +66,7 @@ def simulate_moe_layer(
     buffering: int | None = None,
     stages: int | None = None,
 ) -> Report:
-    """One forward pass of the expert-parallel layer with `exchange` (see the module docstring);
+    """One forward pass of the expert-parallel layer with `exchange` (see the design notes);
     `buffering`: "peers" and "experts" only, receive slots (default 2); `stages`: "experts" only,
     a divisor of the local experts (default: the layer's). Given to another exchange, each is
     refused by name.
@@ -129,7 +104,7 @@ def simulate_moe_layer(
 
     all_experts = experts_s(chunk_rows * devices)
     # the exact exchange's transfers, one way: the peers' chunks over two links
-    per_link = -(-(devices - 1) // 2)
+    per_link = cdiv(devices - 1, 2)
     exact_one_way = per_link * transfer_s(chunk_rows) if devices > 1 else 0.0
     boxes: list[Box] = []
     for name, value, takes in (

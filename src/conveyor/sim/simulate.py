@@ -1,14 +1,6 @@
 """Replaying plans against a hardware model to predict time and draw the timeline.
 
-One core (SM / TensorCore) is simulated: the grid of output tiles is spread over the chip's
-cores, and the busiest core's share runs the event program of the plan Conveyor's kernels run
-(`plan.program()`: slots, lookahead, delay_release, resident outputs, write-backs, barriers) on
-the timing model of `sim/timed.py`. A copy occupies the copy engine for bytes / bandwidth and
-lands `copy_latency` later, so several copies in flight hide the latency; a step computes for
-flops / (achievable matrix rate / cores). Rings
-run the ring plan's event program on every device of the ring (the records the TPU ring kernels
-run): per step a chunk matmul on the whole chip (itself simulated as a pipelined matmul) and one
-shard per link direction.
+Design notes: docs/internals/simulator.md, section `sim/simulate.py`.
 """
 
 from __future__ import annotations
@@ -1048,18 +1040,22 @@ def simulate(
 ) -> Report:
     """Replay a plan on a hardware model.
 
-    - `PipelinePlan` / `WarpSpecializedPlan` (or the function `emit_pipeline` returned), or a list
-      of warp-specialized plans chained on one set of allocations (`pipeline_state`; they share
-      block shapes): one core runs the plan; block bytes come from the block shapes and `dtype`
-      (the matrix rate's too), or an operand's own dtype in `operand_dtypes` ({"in[0]": "f32",
-      ...}); on-chip memory is every slot plus the kernel's own `scratch_bytes` (accumulators,
-      semaphores: what the kernel allocates beside the pipeline), held within the chip's
-      default limit (TPU: scoped VMEM) or the kernel's `vmem_limit_bytes`; each step computes
-      `flops_per_step`; `active_cores` cores share the load bandwidth (default: all of them).
-    - a list of plain plans run one after another, each on its own slots, some wrapped in
-      `cv.sim.Prefetched` (their first copies issued during an earlier pipeline, as
-      `emit_pipeline(...).prefetch` does; see `conveyor.plans.sequence`).
-    - `RingPlan`: pass `kind`, `m`, `k`, `n` (see `simulate_collective_matmul`).
+    Args:
+      plan: a `PipelinePlan` / `WarpSpecializedPlan` (or the function `emit_pipeline` returned),
+        run by one core; a list of warp-specialized plans chained on one set of allocations; a
+        list of plain plans run one after another, some wrapped in `cv.sim.Prefetched`
+        (`conveyor.plans.sequence`); or a `RingPlan` with `kind`, `m`, `k`, `n` in `collective`
+        (see `simulate_collective_matmul`).
+      hardware: a model name or `Hardware`.
+      dtype: block bytes and the matrix rate; `operand_dtypes` ({"in[0]": "f32"}) overrides it
+        per operand.
+      flops_per_step: each step's compute.
+      active_cores: cores sharing the load bandwidth (default: all of them).
+      scratch_bytes: the kernel's own on-chip allocations beside the slots.
+      vmem_limit_bytes: the kernel's on-chip limit (default: the chip's, TPU scoped VMEM).
+
+    Returns:
+      The `Report`; `DoesNotFit` is raised when the slots and scratch exceed the limit.
     """
     hw = get_hardware(hardware)
     if isinstance(scratch_bytes, bool) or not isinstance(scratch_bytes, int) or scratch_bytes < 0:

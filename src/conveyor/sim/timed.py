@@ -1,23 +1,6 @@
 """The simulator's interpreter: run an event program (conveyor.plans.program) on a timing model.
 
-Every actor has its own clock. What happens next is always the earliest thing pending, so events
-are handled in time order:
-- an actor's next action at its clock;
-- a copy landing;
-- a signal becoming visible.
-
-The actions cost time as follows:
-- A copy costs its issuer `issue_s`, then takes its queue (loads, stores, a link) for
-  `copy_s(copy)` seconds in issue order. It lands `latency_s` after its transfer ends and then
-  signals its counters.
-- A `Signal` becomes visible `signal_latency_s` after it is issued (a barrier arrival or semaphore
-  signal crossing the chip).
-- A `Wait` blocks its actor until its counter reaches the amount.
-- A `Compute` takes `compute_s(action, actor)`.
-- Reads and writes take no time.
-
-A program that stops with actors still waiting is a deadlock: a ValueError says who waits on what
-(the checker finds these with a trace).
+Design notes: docs/internals/simulator.md, section `sim/timed.py`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
 """Published measurements on real hardware, and the simulator's prediction of each.
 
-`MEASUREMENTS` is test data (tests/sim/test_simulate.py): every validation entry must be
-predicted within `TOLERANCE`. Calibration entries fitted a model constant: they are listed, must
-reproduce their measurement within `CALIBRATION_TOLERANCE`, and do not count as validation.
-Regenerate the docs table: `python -m conveyor.sim.validation`.
+Design notes: docs/internals/simulator.md, section `sim/validation.py`.
 """
 
 from __future__ import annotations

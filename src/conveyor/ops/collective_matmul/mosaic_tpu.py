@@ -1,25 +1,7 @@
 """Mosaic TPU ring kernels with credits: all_gather_matmul (gather_dim 1 and 0) and
 matmul_reduce_scatter (scatter_dim 0 and 1), each unidirectional or bidirectional.
 
-Two levels, both plans:
-- **The ring** (outer): the kernel runs the ring plan's records (`RingPlan.steps()`), which it
-  reads at run time from a table in SMEM (`RingPlan.step_table()`, scalar-prefetched): at grid step
-  t, each operation of `RingPlan.phases()` (receive, send, compute, ...) runs for each stream whose
-  record enables it. The same records are the event program the checker explores and the
-  simulator times. So both directions of a bidirectional ring are in flight at once (each phase
-  runs for both streams before the next phase); a reduce-scatter send is awaited at the next step,
-  after that step's partial product, so a hop overlaps the matmul; block indices (which shard,
-  which output block) come from the records' `source` offsets.
-- **The blocks** (inner): operands, the output and the ring's receive slots stay in HBM; each
-  compute (and each reduce-scatter accumulate) is a `cv.emit_pipeline` over VMEM blocks of at most
-  `RingBlocks` (512 x 512 x 512 by default). VMEM holds only those blocks, so the kernels compile
-  whatever the shard size (a collective matmul exists for shards too big for VMEM).
-
-The slots (and a reduce-scatter's partial products) are extra HBM outputs of the pallas_call,
-dropped afterwards: every device allocates them at the same place, so a neighbour's remote copy
-lands in them. Flow control: a device writes into its downstream neighbour's slot only after that
-neighbour granted a credit on the sender's capacity semaphore; `credit_balance()` is zero, so every
-semaphore is back to zero at the end. Receive and send semaphores are per slot.
+Design notes: docs/internals/collective-matmul.md, section `ops/collective_matmul/mosaic_tpu.py`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """XLA backend of the collective matmuls: a ppermute ring under shard_map, following the ring plan.
 
-Each step issues the ppermute that brings the next shard before the dot that uses the current one,
-so on platforms with asynchronous collectives XLA can overlap them. XLA:CPU runs collective
-permutes synchronously (shared FACTS), so there the overlap cannot happen and the many small dots
-only cost: when lowered for CPU (`lax.platform_dependent`, decided per lowering platform, so an
-export for TPU or GPU keeps the per-step dots) the steps' dots are merged into one, and the
-reduce-scatter sends its accumulators one way only. The transfers are a ring of ppermutes either
-way.
+Design notes: docs/internals/collective-matmul.md, section `ops/collective_matmul/xla.py`.
 """
 
 from __future__ import annotations

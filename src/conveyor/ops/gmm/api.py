@@ -464,19 +464,15 @@ def ragged_dot(
 ) -> jax.Array:
     """A drop-in for `jax.lax.ragged_dot` (same signature), computed by `cv.gmm`.
 
-    Same results and output dtype: `preferred_element_type`, else the promoted type of lhs and rhs
-    (bfloat16 x bfloat16 -> bfloat16, accumulated in float32 and rounded once). Rows past the last
-    group are 0. Differences, each deliberate:
-      - group_offset (a () or (1,) int array) works: rhs then holds the local groups
-        group_offset, group_offset + 1, ... of group_sizes, and other rows are 0 (jax 0.12's
-        lax.ragged_dot raises NotImplementedError for it).
-      - Negative group sizes count as 0 under jit (lax.ragged_dot on CPU then computes overlapping
-        row ranges and sums them); concrete negative sizes, or sizes summing past m, raise a
-        ValueError naming group_sizes.
-      - precision: Conveyor multiplies at the operands' full precision (float32 accumulation for
-        16-bit inputs), which meets any requested level; every `lax.Precision` is accepted.
-      - out_sharding must be None: the output's sharding follows the operands (the op's sharding
-        rule, see README "Inside SPMD programs").
+    Same results and output dtype (`preferred_element_type`, else the promoted type; 16-bit
+    inputs accumulate in float32 and round once); rows past the last group are 0. Deliberate
+    differences:
+      - group_offset (a () or (1,) int array) works: rhs holds the local groups from
+        group_offset on, other rows are 0 (jax 0.12's lax.ragged_dot raises for it).
+      - Negative sizes count as 0 under jit; concrete negative sizes, or sizes summing past m,
+        raise a ValueError naming group_sizes.
+      - Every `lax.Precision` is accepted: the operands multiply at full precision.
+      - out_sharding must be None (the output's sharding follows the operands).
       - Floating inputs only (integer inputs raise a TypeError naming the operand).
     """
     if out_sharding is not None:

@@ -1,10 +1,7 @@
 """The implementations of gmm and tgmm (the registries `backend=` names), each with its tiling
 resolved.
 
-Every implementation takes the primitive's operands (lhs, rhs, group_sizes, group_offset,
-existing_out) and its static params (tiling, interpret, out_dtype, plus transpose_rhs for gmm or
-num_groups for tgmm). The mosaic_gpu entries carry a `check`: the operands, shapes and tilings its
-kernels take (see `cv.gmm`'s docstring), for the day mosaic_gpu joins CUDA's default order.
+Design notes: docs/internals/gmm.md, section `ops/gmm/backend_impls.py`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
 """gathered_gmm_p: gmm whose lhs rows are gathered by an index array in the kernel's loads.
 
-`out[i] = lhs[lhs_indices[i]] @ rhs[group(i)]` for the rows of the local groups; other rows are
-`existing_out`'s. An MoE layer passes its tokens unsorted and the expert-ordered assignment list
-as `lhs_indices`, so the sorted copy of the activations is never written to memory.
-
-Indices are clamped to [0, lhs rows) by every backend (the API refuses concrete out-of-range
-ones), so the derivatives scatter to the rows that were read. Derivatives:
-- the tangent is gathered gmm applied to tangents (it is bilinear in lhs and rhs);
-- the transpose with respect to lhs is the plain gmm of the cotangent with rhs transposed,
-  scatter-added (in float32) into the rows the indices name: a row gathered twice (top-k > 1)
-  receives both contributions;
-- the transpose with respect to rhs is tgmm of the gathered rows and the cotangent
-  (`gathered_tgmm_p`: on mosaic_tpu the rows are gathered in that kernel's loads too; with
-  transpose_rhs, XLA gathers them for a plain tgmm).
+Design notes: docs/internals/gmm.md, section `ops/gmm/gathered.py`.
 """
 
 from __future__ import annotations

@@ -1,31 +1,7 @@
 """Mosaic GPU backend for gmm: Conveyor's warp-specialized pipeline feeding wgmma, one output
 tile per thread block, over the tile schedule of `make_group_metadata`.
 
-Each thread block computes one visit (a row tile and one local group; a tile shared by two groups
-is visited once per group) for one column tile. The grid is 1-D and walks the column tiles in
-bands of up to 8 (`banded_tile`): blocks that run at once share a few column tiles of weights and
-a few row tiles of lhs, which L2 holds, rather than each row tile streaming its group's whole
-[k, n] weights. Three warpgroups: one memory thread runs `cv.emit_pipeline_warp_specialized`'s TMA
-copies of the K blocks (4 slots, fewer when wide tiles leave no room beside the output staging
-buffer; in the widest swizzled layout the block widths allow); two compute threads accumulate
-`wgmma`s in registers, each step's wgmma left in flight while the next is issued
-(`delay_release=1`). Up to tn=128 each compute thread owns 64 of the tm=128 rows; the default
-tn=256 is split by columns instead (each thread owns all 128 rows and 128 columns, as upstream's
-Hopper matmul does; a 64 x 256 accumulator per thread fails Mosaic GPU's layout inference, jax
-0.12.0.1). The epilogue stores exactly the visit's valid rows (its group's rows inside the tile),
-64 rows of a thread's accumulator at a time through a small staging buffer (which leaves room for
-4 slots): rows are stored by TMA in power-of-two chunks from shared memory, since a full-tile
-store would race with the neighbouring group's visit of the same tile. Visits past `num_visits`
-(the static schedule's padding) do nothing.
-
-The output starts as `existing_out` (or zeros): `cv.kernel(input_output_aliases=...)` hands the
-kernel that buffer to update in place, and rows no local group owns are never written.
-
-Limits: bfloat16/float16 operands (float32 accumulation; see `wgmma_operands`); k a multiple of
-tk; n a multiple of tn, at most 256 (above 128 a multiple of 128); tm = 128. The default tk and tn
-halve from (64, 256) until they divide k and n (`GpuKernelConfig.gmm_tiles_for`), so k and n need
-only be multiples of 16 (n of 8 with transpose_rhs). Verified on CPU by the Mosaic GPU
-interpreter and by `jax.export` for cuda; not yet run on a GPU (see the benchmark notes).
+Design notes: docs/internals/gmm.md, section `ops/gmm/mosaic_gpu.py`.
 """
 
 from __future__ import annotations

@@ -1,41 +1,7 @@
 """Mosaic GPU backend for tgmm (the weight gradient of gmm): one [tk, tn] output tile per thread
 block, whose reduction runs over its group's own rows only.
 
-`out[i] = lhs[:, rows_i] @ rhs[rows_i, :]` with lhs [k, m] and rhs [m, n]. Thread block (i, kb, nb)
-computes local group i's output tile (kb, nb). Its reduction loop is a
-`cv.emit_pipeline_warp_specialized` over the row blocks of tm rows that intersect group i: a
-*dynamic* grid (the block count is read from the group bounds inside the kernel, so an empty group
-runs no step and stores exact zeros). The kernel reads lhs as the tokens x = lhs.T [m, k], as a
-gmm backward holds them (it passes x.T, and XLA folds the two transposes: no [k, m] copy). Three
-warpgroups: one memory thread issues the TMA copies of the x block [tm, tk] and the rhs block
-[tm, tn] (tiled, 128-byte swizzled shared memory); two compute threads accumulate `wgmma`s in
-registers, the x block read transposed from shared memory, each step's wgmma left in flight while
-the next is issued (`delay_release=1`). Up to tn=128 each owns 64 of the tk=128 output rows; the
-default tn=256 is split by columns (each owns all 128 rows and 128 columns, as gmm's kernel), and
-stores its rows 64 at a time through a small staging buffer, which leaves room for the pipeline's 4
-slots.
-
-The first and last blocks of a group hold rows of the neighbouring groups. There both operands are
-zeroed outside the group with `jnp.where` (never by multiplying with a mask: `inf * 0` is NaN, and
-other groups' rows may hold anything): each compute thread masks its own 64 columns of the x
-block (its output rows) and its half of the rhs block's columns, then the two meet at a barrier so
-that each one's wgmma reads the other's masked half. Interior blocks are used as they land. (The GPU
-interpreter does not race-check wgmma operand reads, jax 0.12.0.1: with that barrier removed
-`detect_races=True` reports nothing, so the barrier is kept by review, not by a test.)
-
-`existing_out` is added after the kernel (`existing_out + kernel_out` in the output dtype), which
-XLA folds away when it is the zeros a gradient passes; with a nonzero `existing_out` and a 16-bit
-output the sum is rounded twice (the product, then the sum), one ulp of the output dtype at most.
-
-Limits: bfloat16/float16 operands (float32 accumulation; see `mosaic_gpu.wgmma_operands`); tm=64
-rows per step (4 slots of blocks fit beside the staging buffer); tk=128; tn a multiple of 64
-dividing n
-(of 128 above 128), at most 256 (the default: 256, else 128, else 64, the widest that divides n;
-with tn=64 compute thread 0 masks a boundary rhs block whole, the other waiting at the barrier). m
-is padded to whole row blocks
-(zero rows, outside every group); k to whole output row tiles (zero x columns; the rows past k are
-not stored: power-of-two chunks of TMA stores, as in gmm). Both pads are one copy of x.
-Verified on CPU by the Mosaic GPU interpreter and by `jax.export` for cuda; not yet run on a GPU.
+Design notes: docs/internals/gmm.md, section `ops/gmm/mosaic_gpu_tgmm.py`.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """Mosaic TPU backend for gmm/tgmm: a Pallas TPU kernel driven by scalar-prefetched group metadata.
 
-The grid walks the (row tile, group) visits of `make_group_metadata`: a row tile shared by several
-groups (a group starting mid-tile) is visited once per group, and each visit stores only its
-group's rows (masked store) into the output block, which stays resident in VMEM while consecutive
-visits hit the same tile. Rows no group owns keep `existing_out` (aliased to the output), so they
-are exact. A k that is not a multiple of tk is masked inside the kernel; partial m and n edge
-blocks are clipped by Pallas.
-On CPU it runs through the Pallas TPU interpreter (`interpret=True` or a `pltpu.InterpretParams`).
+Design notes: docs/internals/gmm.md, section `ops/gmm/mosaic_tpu.py`.
 """
 
 from __future__ import annotations

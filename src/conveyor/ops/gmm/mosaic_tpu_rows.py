@@ -3,9 +3,7 @@ fetched by DMA from HBM in the kernel's loads) and the scatter-add gmm (each res
 the output row its index names, by DMA, in the epilogue). Their grid, tiles and metadata are gmm's
 (`mosaic_tpu`, `tpu_blocks`).
 
-HBM rows move one per DMA. Mosaic DMAs a single row of a 32-bit array at any offset, but a 16-bit
-row is half a sublane and is refused ("Offsets along tiled dimensions must be aligned to tiles"),
-so 16-bit operands are viewed as [rows, 1, k], a layout in which each row is its own tile.
+Design notes: docs/internals/gmm.md, section `ops/gmm/mosaic_tpu_rows.py`.
 """
 
 from __future__ import annotations
@@ -18,6 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from conveyor.ints import cdiv
 from conveyor.cost import matmul_cost
 from conveyor.interpreters import tpu_params
 from conveyor.ops.gmm import tpu_blocks
@@ -74,7 +73,7 @@ def _gathered_gmm_kernel(
     from the slot."""
     v, kk = pl.program_id(1), pl.program_id(2)
     nk = pl.num_programs(2)
-    chunks = -(-nk // chunk_tiles)
+    chunks = cdiv(nk, chunk_tiles)
     chunk, within = kk // chunk_tiles, kk % chunk_tiles
     unit = v * chunks + chunk
     slot = unit % 2
@@ -152,7 +151,7 @@ def _gather_source(lhs, lhs_indices, tm: int, width: int, cdt):
     """What a gathering kernel reads: the row of each gathered row (clamped to lhs; the last row
     tile's spare rows read row 0, never stored), lhs in `cdt` with its columns padded to whole
     `width`-column DMAs (a DMA past a row's end would fail), and whether it is packed (16-bit
-    rows travel as [rows, 1, k]: see the module docstring)."""
+    rows travel as [rows, 1, k]: see the design notes)."""
     num_rows = lhs.shape[0]
     rows = jnp.clip(lhs_indices.astype(jnp.int32), 0, num_rows - 1)
     rows = jnp.pad(rows, (0, -lhs_indices.shape[0] % tm))
@@ -194,7 +193,7 @@ def gathered_gmm_mosaic_tpu(
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     grid = tpu_blocks.gmm_grid(k, n, tk, tn, meta.group_ids.shape[0])
     _, rhs_map, out_map = tpu_blocks.gmm_index_maps(transpose_rhs)
-    chunk_tiles = gather_chunk_tiles(tm, tk, -(-k // tk), jnp.dtype(cdt).itemsize)
+    chunk_tiles = gather_chunk_tiles(tm, tk, cdiv(k, tk), jnp.dtype(cdt).itemsize)
     rows, lhs, packed = _gather_source(lhs, lhs_indices, tm, chunk_tiles * tk, cdt)
     rhs = rhs.astype(cdt)
     existing_out = existing_out.astype(out_dtype)
@@ -344,7 +343,7 @@ def gathered_tgmm_mosaic_tpu(
     """tgmm of `lhs[lhs_indices]^T` and `rhs` ([G, k, n] = per group, the gathered rows'
     transpose times rhs's rows), the rows gathered by the kernel's DMAs from lhs in HBM: the
     weight gradient of a gathered gmm without a gathered copy of the activations. lhs's k is
-    padded to whole tk tiles; 16-bit lhs travels as [rows, 1, k] (see the module docstring)."""
+    padded to whole tk tiles; 16-bit lhs travels as [rows, 1, k] (see the design notes)."""
     k = lhs.shape[1]
     m, n = rhs.shape
     cdt = compute_dtype(lhs.dtype, rhs.dtype)
@@ -495,7 +494,7 @@ def scatter_gmm_mosaic_tpu(
         lhs = pad_to(lhs, (tm, 1))
         rhs = pad_to(rhs, (1, tn, 1) if transpose_rhs else (1, 1, tn))
     # whole column tiles, so that every DMA stays inside the rows; the padding is sliced off
-    y = jnp.zeros((num_rows, -(-n // tn) * tn), jnp.float32)
+    y = jnp.zeros((num_rows, cdiv(n, tn) * tn), jnp.float32)
     lhs_block, rhs_block, out_block = tpu_blocks.gmm_blocks(tm, tk, tn, transpose_rhs)
     call = pl.pallas_call(
         functools.partial(

@@ -1,22 +1,6 @@
 """Sharding rules of gmm and tgmm under `jax.jit` (GSPMD/Shardy partitioning).
 
-Lowered as plain loops, the ops would be partitioned by XLA like any loop of dynamic slices:
-every sharded operand gathered on every device. Instead each op is lowered through
-`jax.experimental.custom_partitioning` with these rules (`m` is the token dimension, sharded over
-mesh axes R; `n` the output features, sharded over axes N):
-
-- gmm(lhs[m, k], rhs[g, k, n], group_sizes, group_offset, existing_out[m, n]) -> out[m, n]:
-  rows stay where they are. Each device runs gmm on its rows with *local* group sizes (the part
-  of every group that falls inside its row range) and its slice of the output features: no
-  collective at all. A sharded contraction `k` (tensor parallelism, row-parallel layer) adds one
-  psum of the partial products over its axes. The group dimension is replicated (a weight sharded
-  over experts is gathered: expert parallelism proper dispatches tokens instead).
-- tgmm(lhs[k, m], rhs[m, n], ...) -> out[g, k, n]: each device sums the products of its own rows
-  (local group sizes again), then one psum over R adds the partial sums, in float32 for 16-bit
-  outputs; `existing_out` is added once, after the psum. `k` and `n` may stay sharded.
-
-Inside `shard_map` (every axis manual) and on one device, custom_partitioning calls the plain
-implementation. Interpreted kernels (effectful) are lowered without these rules.
+Design notes: docs/internals/gmm.md, section `ops/gmm/partitioning.py`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """gmm_p and tgmm_p: JAX primitives with JVP, transpose and batching rules.
 
-Being bilinear, both ops differentiate into themselves: the tangent of gmm is gmm applied to
-tangents, and the transpose of gmm with respect to lhs is gmm, with respect to rhs is tgmm
-(and the other way round). JAX builds reverse mode from JVP + transpose, so first-order,
-second-order and forward-over-reverse derivatives all come from these few rules.
-Params (all static): backend, tiling, interpret, out_dtype, plus transpose_rhs (gmm) or
-num_groups (tgmm).
+Design notes: docs/internals/gmm.md, section `ops/gmm/primitives.py`.
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """scatter_gmm_p: gmm whose result rows are added into the output rows an index array names.
 
-`out[t] = sum over local rows i with out_indices[i] == t of row_weights[i] * (lhs[i] @
-rhs[group(i)])`, in float32, then cast: an MoE layer's combine fused into its last projection
-(each assignment's result, weighted by its gate, added into its token's row), so the [m, n]
-product of the assignments is never written.
-
-Indices are clamped to [0, num_rows) by every backend (the API refuses concrete out-of-range
-ones). The op is linear in each of lhs, rhs and row_weights, so its tangent is itself applied to
-one tangent at a time, and its transposes are:
-- lhs: `row_weights[i] * (ct[out_indices[i]] @ rhs[group(i)]^T)`, the gathered gmm of the
-  cotangent (`gathered`) scaled by the weights;
-- rhs: tgmm of lhs and the weighted, gathered cotangent rows;
-- row_weights: the dot of each lhs row with that same gathered product.
+Design notes: docs/internals/gmm.md, section `ops/gmm/scattered.py`.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from conveyor.ints import cdiv
 from conveyor.cost import shape_bytes
 
 Shape = tuple[Any, ...]
@@ -94,7 +95,7 @@ def gmm_index_maps(transpose_rhs: bool = False):
 def gmm_grid(k: int, n: int, tk: int, tn: int, visits: int) -> tuple[int, int, int]:
     """gmm's grid: n tiles (parallel: split over a chip's cores), then the (row tile, group)
     visits in order, then k tiles innermost (the output block stays resident over them)."""
-    return -(-n // tn), visits, -(-k // tk)
+    return cdiv(n, tn), visits, cdiv(k, tk)
 
 
 def tgmm_index_maps():
@@ -116,4 +117,4 @@ def tgmm_index_maps():
 
 def tgmm_grid(k: int, n: int, tk: int, tn: int, visits: int) -> tuple[int, int, int]:
     """tgmm's grid: k tiles and n tiles (parallel), then the visits (the reduction) innermost."""
-    return -(-k // tk), -(-n // tn), visits
+    return cdiv(k, tk), cdiv(n, tn), visits

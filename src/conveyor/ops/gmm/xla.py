@@ -1,17 +1,6 @@
 """XLA backend for gmm/tgmm: group-major loops of exact row windows, so work tracks the real rows.
 
-For each local group, one loop covers its rows with windows of a few static sizes, the largest the
-rows left fill. gmm's last window may run past the group's end into rows the next groups rewrite
-(no mask); only a window past the last local row is masked. tgmm adds each window's product into
-the group's [k, n] block, so its last window is masked (zeros on both sides); when groups are small
-it first computes every group's first rows in one batched dot (`tgmm_capacity`), so most blocks are
-written once. Unlike `lax.ragged_dot` on CPU, there is no G-times dense expansion.
-
-The program stays small (models with many unscanned MoE layers pay its compile per layer): a
-few window sizes, slices without lax's negative-index handling (`_slice`), selects without
-jnp.where's wrapper, group bounds from one clamped slice, one loop per group carrying only its
-position (a loop per remainder size made XLA copy the [m, n] carry into each). Measurements:
-docs/xla-backend-notes.md.
+Design notes: docs/internals/gmm.md, section `ops/gmm/xla.py`.
 """
 
 from __future__ import annotations
