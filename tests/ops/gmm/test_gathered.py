@@ -22,6 +22,12 @@ ROWS, M, K, N = 29, 70, 136, 24  # 70 gathered rows: partial 16-row tiles; k = 1
 TILING = (16, 128, 128)
 
 
+def TILES_128(m, k, n):
+    """128-wide tiles for every op, derivatives included (a fixed tuple tiles only the primal;
+    derived ops take their backend's default)."""
+    return (128, 128, 128)
+
+
 def gathered_gmm(backend, *args, **kw):
     if backend == "mosaic_tpu":
         kw.setdefault("interpret", True)
@@ -154,6 +160,29 @@ def test_gradients_match_autodiff_of_the_gather(backend):
     assert np.abs(np.asarray(got[0])).min(axis=1).max() > 0  # every token received gradient
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_transpose_rhs_weight_gradient_gathers_in_the_kernel(backend):
+    """With transpose_rhs, d rhs[g] = ct[rows of g]^T @ lhs[idx[rows of g]]: the gathered rows
+    are the tgmm's rhs side (mosaic_tpu gathers them in its loads, the jaxpr holds no gather)."""
+    lhs, rhs, idx, sizes = problem(20)
+    rhs_t = jnp.swapaxes(rhs, 1, 2)
+    gs = jnp.asarray(sizes)
+    ct = jnp.asarray(np.random.default_rng(21).standard_normal((M, N)), jnp.float32)
+
+    def loss(r):
+        out = gathered_gmm(backend, lhs, r, gs, lhs_indices=idx, transpose_rhs=True)
+        return jnp.vdot(out, ct)
+
+    def ref_loss(r):
+        return jnp.vdot(cv.gmm(lhs[idx], r, gs, transpose_rhs=True, backend="reference"), ct)
+
+    assert_close(jax.grad(loss)(rhs_t), jax.grad(ref_loss)(rhs_t), M, jnp.float32)
+    if backend == "mosaic_tpu":
+        eqns = {e.primitive.name: e.params for e in jax.make_jaxpr(jax.grad(loss))(rhs_t).eqns}
+        assert eqns["conveyor_gathered_tgmm"]["gathered_side"] == "rhs"
+        assert "gather" not in eqns
+
+
 # xla only: mosaic_tpu's derivatives are plain gmm/tgmm kernels, and vmap is the same lax.map
 # on every backend
 @pytest.mark.parametrize("backend", ["xla"])
@@ -198,8 +227,9 @@ def test_weight_gradient_differentiates_again(backend):
 
 @pytest.mark.parametrize("mode", ["eager", "on_wait"])
 def test_mosaic_tpu_weight_gradient_gathers_race_free_in_both_dma_modes(mode):
-    """The weight gradient's kernel gathers the visit's rows (one k tile each) while the previous
-    visit runs, into the other slot; the race detector on, in both DMA modes."""
+    """The weight gradient's kernel gathers the visit's rows (one k tile each, k = 300: three
+    tiles) while the previous visit runs, into the other slot; the race detector on, in both
+    DMA modes."""
     rng = np.random.default_rng(14)
     idx, sizes = routed(rng, ROWS, 2, 3)
     lhs, rhs = operands(rng, ROWS, 300, N, 3, jnp.bfloat16)
@@ -214,7 +244,7 @@ def test_mosaic_tpu_weight_gradient_gathers_race_free_in_both_dma_modes(mode):
             lhs_indices=jnp.asarray(idx),
             backend="mosaic_tpu",
             interpret=ip,
-            tiling=TILING,
+            tiling=TILES_128,  # the gradient's tgmm: three 128-row k tiles of the gathered rows
         )
         return jnp.vdot(out.astype(jnp.float32), ct.astype(jnp.float32))
 

@@ -13,6 +13,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
+from conveyor.ops.gmm import mosaic_tpu_rows, tiling
 from tests.ops.gmm.base import assert_close
 from tests.ops.gmm.problems import numpy_gmm, operands
 from tests.ops.gmm.test_gathered import routed
@@ -218,6 +219,105 @@ def test_mosaic_tpu_epilogue_race_free_in_both_dma_modes(mode):
         tiling=TILING,
     )
     assert_close(out, oracle(lhs, rhs, sizes, idx, w, TOKENS), TOP_K * K, jnp.float32)
+
+
+@pytest.mark.parametrize(
+    "mode, side, dtype",
+    [
+        ("eager", "rhs", jnp.float32),
+        ("eager", "rhs", jnp.bfloat16),
+        ("on_wait", "rhs", jnp.bfloat16),
+        ("eager", "lhs", jnp.bfloat16),
+    ],
+    ids=["eager-rhs-f32", "eager-rhs-bf16", "on_wait-rhs-bf16", "eager-lhs-bf16"],
+)
+def test_mosaic_tpu_weight_gradient_kernel_gathers_weighted_rows_race_free(mode, side, dtype):
+    """The kernel of the weights' gradient (rhs: `lhs[rows]^T @ (w ct[idx])[rows]` per group;
+    lhs: transpose_rhs's `(w ct[idx])[rows]^T @ lhs[rows]`) gathers and weights the cotangent's
+    rows in its loads: 300 gathered columns (three 128-wide tiles, the last partial; a bf16
+    cotangent travels packed), the race detector on; against a float64 oracle."""
+    rng = np.random.default_rng(15)
+    idx, sizes = routed(rng, TOKENS, TOP_K, GROUPS)
+    tokens = jnp.asarray(rng.standard_normal((M, K)), dtype)
+    ct = jnp.asarray(rng.standard_normal((TOKENS, 300)), dtype)
+    w = jnp.asarray(rng.random(M), jnp.float32)
+    a, b = (tokens, ct) if side == "rhs" else (ct, tokens)
+    out_shape = (GROUPS, a.shape[1], b.shape[1])
+    got = mosaic_tpu_rows.gathered_tgmm_mosaic_tpu(
+        a,
+        b,
+        jnp.asarray(sizes),
+        jnp.int32(0),
+        jnp.zeros(out_shape, jnp.float32),
+        jnp.asarray(idx),
+        w,
+        gathered_side=side,
+        num_groups=GROUPS,
+        out_dtype=jnp.float32,
+        tiling=tiling.Tile(tm=128, tk=128, tn=128),
+        interpret=pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode),
+    )
+    # the kernel's operand: w * ct[idx] in float32, rounded to the cotangent's dtype
+    rows = (w[:, None] * ct.astype(jnp.float32)[jnp.asarray(idx)]).astype(dtype)
+    rows, tokens = np.asarray(rows, np.float64), np.asarray(tokens, np.float64)
+    a, b = (tokens, rows) if side == "rhs" else (rows, tokens)
+    want, start = [], 0
+    for size in sizes:
+        want.append(a[start : start + size].T @ b[start : start + size])
+        start += size
+    # float32 sums of products of `dtype` values over a group's rows
+    assert_close(got, np.stack(want), M, jnp.float32)
+
+
+def test_weight_gradient_runs_the_gathering_kernel_on_tpu():
+    """On mosaic_tpu the weights' gradient is one gathered tgmm over the cotangent (weighted in
+    the kernel): no [m, n] gathered copy of it is made in XLA."""
+    lhs, rhs, sizes, idx, w = problem(16, dtype=jnp.bfloat16)
+
+    def loss(r):
+        out = cv.gmm_scatter_add(
+            lhs,
+            r,
+            jnp.asarray(sizes),
+            idx,
+            num_out_rows=TOKENS,
+            row_weights=w,
+            backend="mosaic_tpu",
+            interpret=True,
+        )
+        return jnp.sum(out)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(rhs).jaxpr
+    names = {eqn.primitive.name: eqn.params for eqn in jaxpr.eqns}
+    params = names["conveyor_gathered_tgmm"]
+    assert (params["gathered_side"], params["weighted"]) == ("rhs", True)
+    assert "gather" not in names and "conveyor_tgmm" not in names
+
+
+@pytest.mark.parametrize("backend", ["xla"])
+def test_weight_gradient_differentiates_again(backend):
+    """The weights' gradient (a tgmm of gathered, weighted cotangent rows) has its own
+    derivatives: forward over reverse in the weights, reverse over reverse into the tokens and
+    the row weights, against the unfused op's."""
+    lhs, rhs, sizes, idx, w = problem(17)
+    gs = jnp.asarray(sizes)
+    tangent = jnp.asarray(np.random.default_rng(18).standard_normal(rhs.shape), jnp.float32)
+
+    def derivatives(run):
+        g = jax.grad(lambda l, r, ww: jnp.sum(jnp.tanh(run(l, r, ww))), argnums=1)
+        hvp = jax.jvp(lambda r: g(lhs, r, w), (rhs,), (tangent,))[1]
+        mixed = jax.grad(lambda l, ww: jnp.sum(g(l, rhs, ww) * tangent), argnums=(0, 1))(lhs, w)
+        return hvp, *mixed
+
+    def fused(l, r, ww):
+        return scatter_add(backend, l, r, gs, idx, num_out_rows=TOKENS, row_weights=ww)
+
+    def unfused(l, r, ww):
+        prod = cv.gmm(l, r, gs, backend="reference")
+        return jnp.zeros((TOKENS, N)).at[idx].add(ww[:, None] * prod)
+
+    for got, want in zip(derivatives(fused), derivatives(unfused)):
+        assert_close(got, want, M * K * N, jnp.float32)
 
 
 def test_mosaic_gpu_writes_the_product_then_scatter_adds():

@@ -466,18 +466,23 @@ TGMM = Registry(
 )
 
 
-# ---- tgmm of gathered lhs rows (the weight gradient of gmm with lhs_indices) ------------------
+# ---- tgmm with one side's rows gathered (the weight gradients of gathered and scatter gmm) ----
 
 
 def _gathered_tgmm_then(run):
-    """The gathered tgmm by gathering the rows in XLA first (transposed: tgmm takes [k, m]),
-    then `run` (a plain tgmm)."""
+    """The gathered tgmm by gathering (and weighting) the rows in XLA first, then `run` (a plain
+    tgmm, which takes its lhs as [k, m])."""
 
-    def gathered(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, **params):
-        rows = jnp.clip(lhs_indices.astype(jnp.int32), 0, lhs.shape[0] - 1)
-        return run(
-            jnp.take(lhs, rows, axis=0).T, rhs, group_sizes, group_offset, existing_out, **params
-        )
+    def gathered(lhs, rhs, group_sizes, group_offset, existing_out, indices, weights, **params):
+        side, weighted = params.pop("gathered_side"), params.pop("weighted")
+        src = lhs if side == "lhs" else rhs
+        rows = jnp.take(src, jnp.clip(indices.astype(jnp.int32), 0, src.shape[0] - 1), axis=0)
+        if weighted:  # in float32, rounded to the operand's dtype (as the kernel does)
+            rows = (weights.astype(jnp.float32)[:, None] * rows.astype(jnp.float32)).astype(
+                src.dtype
+            )
+        a, b = (rows, rhs) if side == "lhs" else (lhs, rows)
+        return run(a.T, b, group_sizes, group_offset, existing_out, **params)
 
     return gathered
 
@@ -488,14 +493,17 @@ def _gathered_tgmm_mosaic_tpu(
     group_sizes,
     group_offset,
     existing_out,
-    lhs_indices,
+    indices,
+    weights,
     *,
     tiling,
     interpret,
     num_groups,
     out_dtype,
+    gathered_side,
+    weighted,
 ):
-    m, k, n = lhs_indices.shape[0], lhs.shape[1], rhs.shape[1]
+    m, k, n = indices.shape[0], lhs.shape[1], rhs.shape[1]
     t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
     from conveyor.ops.gmm import mosaic_tpu_rows
 
@@ -505,7 +513,9 @@ def _gathered_tgmm_mosaic_tpu(
         group_sizes,
         group_offset,
         existing_out,
-        lhs_indices,
+        indices,
+        weights if weighted else None,
+        gathered_side=gathered_side,
         num_groups=num_groups,
         out_dtype=out_dtype,
         tiling=t,
@@ -515,7 +525,7 @@ def _gathered_tgmm_mosaic_tpu(
 
 # mosaic_tpu gathers in the kernel's loads; the others gather in XLA first.
 GATHERED_TGMM = Registry(
-    "tgmm with lhs_indices",
+    "tgmm of gathered rows",
     (
         Implementation(name="xla", run=_gathered_tgmm_then(_tgmm_xla)),
         Implementation(name="mosaic_tpu", run=_gathered_tgmm_mosaic_tpu, interprets=True),
@@ -595,12 +605,14 @@ def run_gathered_tgmm(
     group_sizes,
     group_offset,
     existing_out,
-    lhs_indices,
+    indices,
+    weights,
     *,
     backend,
     platform="cpu",
     **params,
 ):
-    """tgmm of gathered lhs rows by the named implementation, or by `platform`'s default order."""
-    args = (lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices)
+    """tgmm with one side's rows gathered by the named implementation, or by `platform`'s
+    default order."""
+    args = (lhs, rhs, group_sizes, group_offset, existing_out, indices, weights)
     return _run(GATHERED_TGMM, backend, platform, args, params)

@@ -19,7 +19,6 @@ from conveyor.ops.gmm.primitives import (
     _eager,
     _sum_tangents,
     bind_gmm,
-    bind_tgmm,
 )
 from conveyor.spmd import match_varying, register_lowering_from_function
 
@@ -55,77 +54,104 @@ _define(
     "jax.shard_map (each device gathers from its own lhs)",
 )
 
-# tgmm of the gathered rows: `out[g] = existing_out[g] + lhs[lhs_indices[rows of g]]^T @ rhs[rows
-# of g]`, the weight gradient of the gathered gmm (mosaic_tpu gathers in the kernel's loads).
+# tgmm with one side's rows gathered (and optionally weighted): per group g,
+# `out[g] = existing_out[g] + A[rows of g]^T @ B[rows of g]` where, with `gathered_side="lhs"`,
+# A = w * lhs[indices] and B = rhs, and with "rhs", A = lhs and B = w * rhs[indices] (w: the
+# `weights` when `weighted`, else 1; a weighted row is rounded to its operand's dtype). The
+# weight gradients of the gathered gmm and of gmm_scatter_add (mosaic_tpu gathers in the
+# kernel's loads).
 gathered_tgmm_p = Primitive("conveyor_gathered_tgmm")
 _define(
     gathered_tgmm_p,
     backend_impls.run_gathered_tgmm,
-    "the weight gradient of gmm with lhs_indices on a mesh with Explicit axes has no sharding "
-    "rule yet; call it inside jax.shard_map",
+    "the weight gradient of gmm with lhs_indices (or of gmm_scatter_add) on a mesh with Explicit "
+    "axes has no sharding rule yet; call it inside jax.shard_map",
 )
 
 
-def bind_gathered_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, **params):
-    """gathered_tgmm_p on operands cast to vary over the same mesh axes."""
-    args = match_varying(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices)
+def bind_gathered_tgmm(
+    lhs, rhs, group_sizes, group_offset, existing_out, indices, weights=None, **params
+):
+    """gathered_tgmm_p on operands cast to vary over the same mesh axes; `weights=None` is
+    unweighted."""
+    params["weighted"] = weights is not None
+    if weights is None:
+        weights = jnp.zeros(indices.shape, jnp.float32)  # not read
+    args = match_varying(lhs, rhs, group_sizes, group_offset, existing_out, indices, weights)
     return gathered_tgmm_p.bind(*args, **params)
 
 
-def _tgmm_jvp(primals, tangents, **params):
-    lhs, rhs, gs, go, ex, idx = primals
-    t_lhs, t_rhs, _, _, t_ex, _ = tangents
-    out = bind_gathered_tgmm(lhs, rhs, gs, go, ex, idx, **params)
+def _tgmm_jvp(primals, tangents, *, weighted, **params):
+    lhs, rhs, gs, go, ex, idx, w = primals
+    t_lhs, t_rhs, _, _, t_ex, _, t_w = tangents
+    weights = w if weighted else None
+    out = bind_gathered_tgmm(lhs, rhs, gs, go, ex, idx, weights, **params)
     zeros = jnp.zeros(ex.shape, params["out_dtype"])
     terms = []
     if type(t_lhs) is not Zero:
-        terms.append(bind_gathered_tgmm(t_lhs, rhs, gs, go, zeros, idx, **params))
+        terms.append(bind_gathered_tgmm(t_lhs, rhs, gs, go, zeros, idx, weights, **params))
     if type(t_rhs) is not Zero:
-        terms.append(bind_gathered_tgmm(lhs, t_rhs, gs, go, zeros, idx, **params))
+        terms.append(bind_gathered_tgmm(lhs, t_rhs, gs, go, zeros, idx, weights, **params))
+    if weighted and type(t_w) is not Zero:
+        terms.append(bind_gathered_tgmm(lhs, rhs, gs, go, zeros, idx, t_w, **params))
     if type(t_ex) is not Zero:
         terms.append(t_ex.astype(params["out_dtype"]))
     return out, _sum_tangents(terms, out)
 
 
-def _tgmm_transpose(ct, lhs, rhs, gs, go, ex, idx, *, num_groups, out_dtype, **params):
-    operands = (lhs, rhs, gs, go, ex, idx)
+def _tgmm_transpose(
+    ct, lhs, rhs, gs, go, ex, idx, w, *, gathered_side, weighted, num_groups, out_dtype, **params
+):
+    operands = (lhs, rhs, gs, go, ex, idx, w)
     if type(ct) is Zero:
         return [Zero(x.aval) if is_undefined_primal(x) else None for x in operands]
     bp = _backend_params(params)
-    ct_lhs = ct_rhs = ct_ex = None
     m = idx.shape[0]
-    if is_undefined_primal(lhs):
-        num_rows, k = lhs.aval.shape
-        # d lhs[idx[i]] += rhs[i] @ ct[group(i)]^T; rows outside local groups contribute 0.
-        per_row = bind_gmm(
-            rhs,
+    # Row r of group g adds A[r] (x) B[r] to out[g]: dA[r] = ct[g] @ B[r], dB[r] = A[r] @ ct[g].
+    a, b = _aval(lhs), _aval(rhs)
+    k, n = a.shape[1], b.shape[1]
+
+    def per_row_a(b_rows):  # [m, n] -> [m, k] float32: b_rows[r] @ ct[g(r)]^T
+        zeros = jnp.zeros((m, k), jnp.float32)
+        return bind_gmm(b_rows, ct, gs, go, zeros, transpose_rhs=True, out_dtype=jnp.float32, **bp)
+
+    def per_row_b(a_rows):  # [m, k] -> [m, n] float32: a_rows[r] @ ct[g(r)]
+        zeros = jnp.zeros((m, n), jnp.float32)
+        return bind_gmm(a_rows, ct, gs, go, zeros, transpose_rhs=False, out_dtype=jnp.float32, **bp)
+
+    def scale():  # read only when w is not the operand being transposed
+        return w.astype(jnp.float32)[:, None] if weighted else 1.0
+
+    src, other = (lhs, rhs) if gathered_side == "lhs" else (rhs, lhs)
+    ct_src = ct_other = ct_w = None
+    if is_undefined_primal(src) or (weighted and is_undefined_primal(w)):
+        # d src rows: ct against the other side's own rows
+        per_row = per_row_a(other) if gathered_side == "lhs" else per_row_b(other)
+        if is_undefined_primal(src):
+            num_rows = src.aval.shape[0]
+            ct_src = jnp.zeros(src.aval.shape, jnp.float32)
+            ct_src = ct_src.at[clamp_indices(idx, num_rows)].add(scale() * per_row)
+            ct_src = ct_src.astype(src.aval.dtype)
+        if weighted and is_undefined_primal(w):
+            rows = jnp.take(src, clamp_indices(idx, src.shape[0]), axis=0)
+            ct_w = jnp.sum(rows.astype(jnp.float32) * per_row, axis=1).astype(w.aval.dtype)
+    if is_undefined_primal(other):
+        # d other rows: ct against the gathered (weighted) rows, gathered in the gmm's loads
+        weighted_rows = bind_gathered_gmm(
+            src,
             ct,
             gs,
             go,
-            jnp.zeros((m, k), jnp.float32),
-            transpose_rhs=True,
+            jnp.zeros((m, other.aval.shape[1]), jnp.float32),
+            idx,
+            transpose_rhs=gathered_side == "rhs",
             out_dtype=jnp.float32,
             **bp,
         )
-        rows = clamp_indices(idx, num_rows)
-        ct_lhs = jnp.zeros((num_rows, k), jnp.float32).at[rows].add(per_row)
-        ct_lhs = ct_lhs.astype(lhs.aval.dtype)
-    if is_undefined_primal(rhs):
-        # d rhs[i] = lhs[idx[i]] @ ct[group(i)]: the gathered gmm
-        ct_rhs = bind_gathered_gmm(
-            lhs,
-            ct,
-            gs,
-            go,
-            jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
-            idx,
-            transpose_rhs=False,
-            out_dtype=rhs.aval.dtype,
-            **bp,
-        )
-    if is_undefined_primal(ex):
-        ct_ex = ct.astype(ex.aval.dtype)
-    return [ct_lhs, ct_rhs, None, None, ct_ex, None]
+        ct_other = (scale() * weighted_rows).astype(other.aval.dtype)
+    ct_ex = ct.astype(ex.aval.dtype) if is_undefined_primal(ex) else None
+    ct_lhs, ct_rhs = (ct_src, ct_other) if gathered_side == "lhs" else (ct_other, ct_src)
+    return [ct_lhs, ct_rhs, None, None, ct_ex, None, ct_w]
 
 
 def bind_gathered_gmm(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, **params):
@@ -178,26 +204,18 @@ def _transpose(ct, lhs, rhs, gs, go, ex, idx, *, transpose_rhs, out_dtype, **par
         )
         ct_lhs = jnp.zeros((num_rows, k), jnp.float32).at[rows].add(per_row)
         ct_lhs = ct_lhs.astype(lhs.aval.dtype)
-    if is_undefined_primal(rhs) and not transpose_rhs:
-        # d rhs[g] = lhs[idx[rows of g]]^T @ ct[rows of g]: gathered in the kernel's loads
+    if is_undefined_primal(rhs):
+        # d rhs[g] = lhs[idx[rows of g]]^T @ ct[rows of g] ([k, n]), or its transpose with
+        # transpose_rhs ([n, k]: ct's rows against the gathered rows); gathered in the kernel
+        a, b, side = (ct, lhs, "rhs") if transpose_rhs else (lhs, ct, "lhs")
         ct_rhs = bind_gathered_tgmm(
-            lhs,
-            ct,
+            a,
+            b,
             gs,
             go,
             jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
             idx,
-            num_groups=num_groups,
-            out_dtype=rhs.aval.dtype,
-            **bp,
-        )
-    elif is_undefined_primal(rhs):  # d rhs[g] = ct^T @ gathered rows: gathered in XLA
-        ct_rhs = bind_tgmm(
-            ct.T,
-            jnp.take(lhs, rows, axis=0),
-            gs,
-            go,
-            jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
+            gathered_side=side,
             num_groups=num_groups,
             out_dtype=rhs.aval.dtype,
             **bp,

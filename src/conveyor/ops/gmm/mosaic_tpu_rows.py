@@ -257,22 +257,22 @@ def _gathered_tgmm_kernel(
     ends,
     num_visits,
     rows,
-    lhs_hbm,
-    rhs_ref,
-    ex_ref,
-    out_ref,
-    acc_ref,
-    buf,
-    sem,
-    *,
+    src_hbm,
+    other_ref,
+    *refs,
     tm,
-    tk,
+    width,
+    gathered_side,
+    weighted,
     packed,
 ):
-    """tgmm's kernel with its lhs^T tile gathered: the k-tile columns of the visit's rows, one DMA
-    per row, fetched while the previous visit runs (into the other of two slots; each (k tile,
-    n tile) pair's visits fetch their own first rows, so both axes stay parallel)."""
-    kk, v = pl.program_id(0), pl.program_id(2)
+    """tgmm's kernel with one side's tile gathered: the k-tile (gathered lhs) or n-tile (gathered
+    rhs) columns of the visit's rows, one DMA per row, fetched while the previous visit runs (into
+    the other of two slots; each (k tile, n tile) pair's visits fetch their own first rows, so both
+    axes stay parallel), and scaled by the rows' weights when `weighted`."""
+    weight_ref, ex_ref, out_ref, acc_ref, buf, sem = refs if weighted else (None, *refs)
+    kk, nn, v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    chunk = kk if gathered_side == "lhs" else nn
     last = pl.num_programs(2) - 1
     g = group_ids[v]
     first_visit = (v == 0) | (g != group_ids[jnp.maximum(v - 1, 0)])
@@ -284,14 +284,14 @@ def _gathered_tgmm_kernel(
         base = tile_ids[visit] * tm
 
         def one(r, carry):
-            _row_copy(lhs_hbm, buf, sem, s, r, rows[base + r], kk, tk, packed).start()
+            _row_copy(src_hbm, buf, sem, s, r, rows[base + r], chunk, width, packed).start()
             return carry
 
         lax.fori_loop(0, tm, one, 0)
 
     def wait(s):
         def one(r, carry):
-            _row_copy(lhs_hbm, buf, sem, s, r, 0, 0, tk, packed).wait()
+            _row_copy(src_hbm, buf, sem, s, r, 0, 0, width, packed).wait()
             return carry
 
         lax.fori_loop(0, tm, one, 0)
@@ -312,8 +312,11 @@ def _gathered_tgmm_kernel(
     def _():
         wait(slot)
         lo, hi = starts[g], ends[g]
-        x = buf[slot, :, 0, :] if packed else buf[slot]  # [tm, tk]: the rows' k tile
-        y = rhs_ref[...]
+        gathered = buf[slot, :, 0, :] if packed else buf[slot]  # [tm, width]: the rows' tile
+        if weighted:  # in float32, rounded to the operand's dtype (as XLA's gather path does)
+            scaled = gathered.astype(jnp.float32) * weight_ref[...]
+            gathered = scaled.astype(gathered.dtype)
+        x, y = (gathered, other_ref[...]) if gathered_side == "lhs" else (other_ref[...], gathered)
         row_ids = tile_ids[v] * tm + lax.broadcasted_iota(jnp.int32, (tm, 1), 0)
         mine = (row_ids >= lo) & (row_ids < hi)
         x = jnp.where(mine, x, jnp.zeros_like(x))
@@ -333,19 +336,22 @@ def gathered_tgmm_mosaic_tpu(
     group_sizes,
     group_offset,
     existing_out,
-    lhs_indices,
+    indices,
+    weights=None,
     *,
+    gathered_side="lhs",
     num_groups,
     out_dtype,
     tiling,
     interpret,
 ):
-    """tgmm of `lhs[lhs_indices]^T` and `rhs` ([G, k, n] = per group, the gathered rows'
-    transpose times rhs's rows), the rows gathered by the kernel's DMAs from lhs in HBM: the
-    weight gradient of a gathered gmm without a gathered copy of the activations. lhs's k is
-    padded to whole tk tiles; 16-bit lhs travels as [rows, 1, k] (see the design notes)."""
-    k = lhs.shape[1]
-    m, n = rhs.shape
+    """[G, k, n]: per group, `A[rows]^T @ B[rows]` plus existing_out, where one side's rows are
+    gathered by the kernel's DMAs from HBM (and scaled by `weights` unless None): with
+    `gathered_side="lhs"` A = lhs[indices] and B = rhs ([m, n]); with "rhs" A = lhs ([m, k]) and
+    B = rhs[indices]. The weight gradients of the gathered gmm and of gmm_scatter_add without a
+    gathered copy of the tokens. The gathered operand's columns are padded to whole tiles;
+    16-bit rows travel as [rows, 1, width] (see the design notes)."""
+    m, k, n = indices.shape[0], lhs.shape[1], rhs.shape[1]
     cdt = compute_dtype(lhs.dtype, rhs.dtype)
     if jnp.dtype(out_dtype) not in SUPPORTED:
         raise NotImplementedError(
@@ -356,23 +362,43 @@ def gathered_tgmm_mosaic_tpu(
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     grid = tpu_blocks.tgmm_grid(k, n, tk, tn, meta.group_ids.shape[0])
     _, rhs_map, out_map = tpu_blocks.tgmm_index_maps()
-    rows, lhs, packed = _gather_source(lhs, lhs_indices, tm, tk, cdt)
-    rhs, existing_out = rhs.astype(cdt), existing_out.astype(out_dtype)
+    existing_out = existing_out.astype(out_dtype)
+    if gathered_side == "lhs":
+        width, other, other_block, other_map = tk, rhs, rhs_block, rhs_map
+        rows, src, packed = _gather_source(lhs, indices, tm, tk, cdt)
+    else:
+        width, other, other_block = tn, lhs, (tm, tk)
+        rows, src, packed = _gather_source(rhs, indices, tm, tn, cdt)
+
+        def other_map(i, j, v, group_ids, tile_ids, *_):
+            return tile_ids[v], i
+
+    other = other.astype(cdt)
     if interpret:  # see gmm_mosaic_tpu: pad the edges the interpreter mishandles
-        rhs = pad_to(rhs, (tm, tn))
+        other = pad_to(other, other_block)
         existing_out = pad_to(existing_out, (1, tk, tn))
-    buf = (2, tm, 1, tk) if packed else (2, tm, tk)
+    operands = [rows, src, other]
+    in_specs = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(other_block, other_map)]
+    if weights is not None:
+        operands.append(jnp.pad(weights.astype(jnp.float32), (0, -m % tm))[:, None])
+        in_specs.append(pl.BlockSpec((tm, 1), lambda i, j, v, _, tile_ids, *__: (tile_ids[v], 0)))
+    operands.append(existing_out)
+    in_specs.append(pl.BlockSpec(out_block, out_map))
+    buf = (2, tm, 1, width) if packed else (2, tm, width)
     call = pl.pallas_call(
-        functools.partial(_gathered_tgmm_kernel, tm=tm, tk=tk, packed=packed),
+        functools.partial(
+            _gathered_tgmm_kernel,
+            tm=tm,
+            width=width,
+            gathered_side=gathered_side,
+            weighted=weights is not None,
+            packed=packed,
+        ),
         out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=grid,
-            in_specs=[
-                pl.BlockSpec(memory_space=pl.ANY),
-                pl.BlockSpec(rhs_block, rhs_map),
-                pl.BlockSpec(out_block, out_map),
-            ],
+            in_specs=in_specs,
             out_specs=pl.BlockSpec(out_block, out_map),
             scratch_shapes=[
                 pltpu.VMEM((tk, tn), jnp.float32),
@@ -380,18 +406,18 @@ def gathered_tgmm_mosaic_tpu(
                 pltpu.SemaphoreType.DMA((2,)),
             ],
         ),
-        input_output_aliases={8: 0},
+        input_output_aliases={5 + len(operands) - 1: 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=kernel_vmem_limit(
-                "tgmm with lhs_indices", (tm, tk), rhs_block, out_block, cdt, out_dtype
+                "tgmm of gathered rows", (tm, width), other_block, out_block, cdt, out_dtype
             ),
         ),
         cost_estimate=matmul_cost(k, m, n, lhs, rhs, existing_out),
         interpret=tpu_params(interpret),
         name="conveyor_gathered_tgmm",
     )
-    out = call(*prefetched_metadata(meta), rows, lhs, rhs, existing_out)
+    out = call(*prefetched_metadata(meta), *operands)
     return out[:, :k, :n]
 
 

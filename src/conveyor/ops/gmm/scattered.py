@@ -12,7 +12,7 @@ from jax import lax
 
 from conveyor._compat import Primitive, Zero, ad, batching, is_undefined_primal
 from conveyor.ops.gmm import backend_impls
-from conveyor.ops.gmm.gathered import bind_gathered_gmm, clamp_indices
+from conveyor.ops.gmm.gathered import bind_gathered_gmm, bind_gathered_tgmm, clamp_indices
 from conveyor.ops.gmm.metadata import local_group_bounds
 from conveyor.ops.gmm.primitives import (
     _backend_params,
@@ -20,7 +20,6 @@ from conveyor.ops.gmm.primitives import (
     _eager,
     _effects,
     _sum_tangents,
-    bind_tgmm,
 )
 from conveyor.spmd import explicit_axes_spec, match_varying, register_lowering_from_function
 
@@ -128,15 +127,18 @@ def _transpose(ct, lhs, rhs, gs, go, idx, wts, *, transpose_rhs, num_rows, out_d
         dots = jnp.sum(lhs.astype(jnp.float32) * per_row_grad(), axis=1)
         ct_wts = dots.astype(wts.aval.dtype)
     if is_undefined_primal(rhs):
-        rows = jnp.take(ct, clamp_indices(idx, num_rows), axis=0).astype(jnp.float32)
-        rows = (wts.astype(jnp.float32)[:, None] * rows).astype(ct.dtype)
-        a, b = (rows.T, lhs) if transpose_rhs else (lhs.T, rows)
-        ct_rhs = bind_tgmm(
+        # d rhs[g] = lhs[rows of g]^T @ (w ct[idx])[rows of g] ([k, n]), or its transpose with
+        # transpose_rhs: the cotangent's rows gathered and weighted in the kernel's loads
+        a, b, side = (ct, lhs, "lhs") if transpose_rhs else (lhs, ct, "rhs")
+        ct_rhs = bind_gathered_tgmm(
             a,
             b,
             gs,
             go,
             jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
+            idx,
+            wts,
+            gathered_side=side,
             num_groups=num_groups,
             out_dtype=rhs.aval.dtype,
             **bp,
