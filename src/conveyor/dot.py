@@ -70,6 +70,10 @@ def dot(a: Any, b: Any, acc: Any, *, accumulate: Any = True) -> None:
         acc[...] = jnp.where(accumulate, acc[...], jnp.zeros_like(product)) + product
         return
     _check_gpu(a, b, m, k, n)
+    from conveyor.pipeline import gpu_tiles
+
+    gpu_tiles.check_wgmma_operand(ctx, "a", a)
+    gpu_tiles.check_wgmma_operand(ctx, "b", b)
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import mosaic_gpu as plgpu
 

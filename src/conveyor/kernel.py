@@ -50,6 +50,9 @@ class KernelContext:
     # Trace-time record of pipeline prefetches not yet consumed, by the id of each allocation ref
     # they fill (`emit_pipeline(...).prefetch`); shared by every point and thread of one kernel.
     pending_prefetches: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
+    # mosaic_gpu: the array each untransformed pipeline slot is copied from, by the slot ref's id
+    # (`pipeline.gpu_tiles`: cv.dot checks it against the tiling Mosaic GPU infers for wgmma).
+    gpu_slot_arrays: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
 
 GRID_NAMES = ("_cv_grid0", "_cv_grid1", "_cv_grid2")  # Mosaic GPU names the CTA grid axes

@@ -19,6 +19,7 @@ from conveyor.pipeline.caller_allocations import (
     note_pending,
     refuse_gpu_allocations,
 )
+from conveyor.pipeline import gpu_tiles
 from conveyor.pipeline.tpu_tiles import tpu_tile
 from conveyor.plans import pipeline as plan_lib, specs as specs_lib, warp
 
@@ -281,6 +282,7 @@ def emit_pipeline(
             _check_tpu_tiling(p, ins + outs)
         elif ctx.backend == "mosaic_gpu":
             _refuse_bounded_windows_on_gpu(p)
+            gpu_tiles.check_pipeline_arrays(p.inputs + p.outputs, ins + outs)
             _refuse_prefetched_count(p, "a plain pipeline on mosaic_gpu")
             if ctx.num_threads > 1:
                 raise NotImplementedError(
@@ -541,6 +543,7 @@ def emit_pipeline_warp_specialized(
         sized, ins, outs, passthrough = _split_refs(p, refs, "warp-specialized pipeline")
         if ctx.backend == "mosaic_gpu":
             _refuse_bounded_windows_on_gpu(sized)
+            gpu_tiles.check_pipeline_arrays(sized.inputs + sized.outputs, ins + outs)
         plan = wp if sized is p else dataclasses.replace(wp, pipeline=sized)
         return ctx, plan, ins, outs, passthrough
 

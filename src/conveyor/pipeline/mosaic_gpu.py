@@ -18,7 +18,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from conveyor.jaxprs import is_jax_ref
 from conveyor.kernel import current_context
 from conveyor.kernel_gpu import BARRIER_BYTES, smem_bytes
-from conveyor.pipeline import carry as carry_lib
+from conveyor.pipeline import carry as carry_lib, gpu_tiles
 from conveyor.pipeline.lowering import (
     box_view,
     call_body,
@@ -125,6 +125,9 @@ def run_pipeline(p: PipelinePlan, body, in_refs, out_refs, init_carry, has_carry
         in_bufs = args[:n_in]
         out_bufs = args[n_in : n_in + n_out]
         barriers = args[n_in + n_out :]
+        gpu_tiles.note_untiled_slots(
+            current_context("emit_pipeline"), p.inputs + p.outputs, (*in_refs, *out_refs), args
+        )
 
         def fetcher(i, at):
             return lambda t, slot: _fetch(p, in_refs, in_bufs, barriers, i, t, at, slot)
@@ -413,6 +416,12 @@ def run_warp_specialized(
     needed = warp_allocations(wp, in_refs, out_refs)
 
     def scoped(a):
+        gpu_tiles.note_untiled_slots(
+            current_context("emit_pipeline_warp_specialized"),
+            p.inputs + p.outputs,
+            (*in_refs, *out_refs),
+            a["slots"],
+        )
         r = _WarpRefs(
             wp,
             tuple(in_refs),
