@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conveyor.aliasing import check_alias_operands, check_aliases
-from conveyor.mpmd.programs import program_label
+from conveyor.mpmd.programs import program_label, refuse_high
 from conveyor.mpmd.scratch import ScratchLayout
 
 
@@ -148,6 +148,7 @@ def mpmd_map(
     def call(*args):
         in_leaves, _ = jax.tree_util.tree_flatten(args)
         for i, x in enumerate(in_leaves):
+            refuse_high(x, f"input {i} is")
             if not (hasattr(x, "shape") and hasattr(x, "dtype")) or jnp.dtype(x.dtype) == np.dtype(
                 object
             ):

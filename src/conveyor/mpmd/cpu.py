@@ -218,7 +218,7 @@ class Interpreter:
             j = params["jaxpr"]
             return self.run(j, j.consts, vals)
         if not self._touches_state(eqn):
-            return prim.bind(*vals, **params)
+            return self._evaluate(prim, vals, params)
         if prim is P["while_"]:
             return self._while(vals, params)
         if prim is P["scan"]:
@@ -233,6 +233,20 @@ class Interpreter:
         raise NotImplementedError(
             f"mpmd_map on CPU: {prim} over refs is not supported (in {self.inst})"
         )
+
+    def _evaluate(self, prim, vals, params):
+        """A pure primitive, evaluated eagerly. One JAX cannot evaluate (a fusible dtype's
+        pack/unpack, which only `fuser.physicalize` rewrites) is refused naming it."""
+        try:
+            return prim.bind(*vals, **params)
+        except NotImplementedError as e:
+            if "Evaluation rule" not in str(e):
+                raise
+            raise NotImplementedError(
+                f"{self.inst}: mpmd_map on CPU evaluates each primitive eagerly, and JAX has no "
+                f"evaluation rule for {prim.name!r}; a fusible dtype's pack/unpack, for one, must "
+                "be physicalized away inside the program"
+            ) from e
 
     def _resolve(self, ref, leaves, tree):
         if not isinstance(ref, Ref):

@@ -16,7 +16,7 @@ import numpy as np
 from conveyor.jaxprs import is_jax_ref, trace_ref_program, underlying_ref
 from conveyor.kernel import poison_numpy
 from conveyor.mpmd import cpu, errors
-from conveyor.mpmd.programs import call_program, program_label
+from conveyor.mpmd.programs import refuse_high, call_program, program_label
 from conveyor.mpmd.scratch import ScratchLayout
 from conveyor.kernel import mpmd_program
 from conveyor.sync import BarrierType, SemaphoreType
@@ -97,6 +97,7 @@ class Captures:
         for p, jaxpr in enumerate(jaxprs):
             plan = []
             for c in jaxpr.consts:
+                refuse_high(c, f"program {p} closes over")
                 if is_jax_ref(c):
                     if id(c) in inputs_by_ref:
                         plan.append(("input", inputs_by_ref[id(c)]))
