@@ -55,7 +55,7 @@ def check_alias_operands(
             )
 
 
-def gpu_call_with_aliases(
+def call_with_aliases(
     make_kernel: Callable[[Callable[..., None], tuple], Callable[..., Any]],
     body: Callable[..., None],
     inputs: Sequence[Any],
@@ -63,8 +63,8 @@ def gpu_call_with_aliases(
     aliases: Mapping[int, int],
 ) -> list[Any]:
     """Run `body(*in_refs, *out_refs, *scratch_refs)` as the kernel `make_kernel(wrapped_body,
-    out_type)` builds (a `plgpu.kernel`), with the aliased outputs held in jax Refs that start as
-    their inputs. Returns the outputs in order."""
+    out_type)` builds (a `plgpu.kernel` or `pl.kernel`, which take no aliases), with the aliased
+    outputs held in jax Refs that start as their inputs. Returns the outputs in order."""
     n_in = len(inputs)
     aliased = sorted(aliases.items(), key=lambda kv: kv[1])  # (input, output), by output
     refs = [jax.new_ref(jnp.asarray(inputs[i])) for i, _ in aliased]

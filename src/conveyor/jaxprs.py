@@ -7,6 +7,8 @@ interpreter of ref programs).
 
 from __future__ import annotations
 
+import enum
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,6 +153,8 @@ def pallas_scratch_kind(s) -> str | None:
     "barrier" (plgpu.Barrier), "array" (a memory-space shape such as pltpu.VMEM), or None."""
     if isinstance(s, _compat.pallas_gpu_core().Barrier):
         return "barrier"
+    if isinstance(s, enum.Enum) and type(s).__name__ == "SemaphoreType":  # a scalar semaphore
+        return "dma_semaphore" if "dma" in str(s.value).lower() else "semaphore"
     dtype = getattr(getattr(s, "inner_aval", None), "dtype", None)
     if dtype is not None:
         if isinstance(dtype, _compat.pallas_core.AbstractSemaphoreTy):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from conveyor._compat import gpu_kernel_options
-from conveyor.aliasing import check_alias_operands, gpu_call_with_aliases
+from conveyor.aliasing import check_alias_operands, call_with_aliases
 from conveyor.interpreters import gpu_params
 from conveyor.sync import mosaic_scratch
 
@@ -73,7 +73,7 @@ def launch(
 
     def run(*inputs):
         check_alias_operands("cv.kernel", aliases, inputs, outs)
-        results = gpu_call_with_aliases(make_kernel, wrapped, inputs, outs, aliases)
+        results = call_with_aliases(make_kernel, wrapped, inputs, outs, aliases)
         return results[0] if single else tuple(results)
 
     return run

@@ -201,7 +201,10 @@ def _moe_ep(ctx, *, devices, tokens, d, f, experts, top_k, grad=False, overlap=N
 
 def _mpmd(ctx, *, rows, cols):
     """cv.mpmd_map on warpgroups (mosaic_gpu): one program writes x + 1 and signals a
-    semaphore, the other waits on it; a [rows, cols] float32 operand."""
+    semaphore, the other waits on it; a [rows, cols] float32 operand. On TPU, one program on the
+    chip's TensorCores (`_mpmd_tensorcores`)."""
+    if ctx.platform == "tpu":
+        return _mpmd_tensorcores(ctx, rows=rows, cols=cols)
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     import conveyor as cv
@@ -222,6 +225,44 @@ def _mpmd(ctx, *, rows, cols):
         compiler_params=plgpu.CompilerParams(),
         backend="mosaic_gpu",
         name="signal_wait",
+    )
+    return call, (x,)
+
+
+def _mpmd_tensorcores(ctx, *, rows, cols):
+    """cv.mpmd_map on mosaic_tpu: one program on a mesh of the chip's TensorCores (2 on v5p's
+    megacore, 1 on v5e and v6e); each core doubles its [rows, cols] block through VMEM, and
+    core 0 then signals every other core's semaphore, which each waits on."""
+    from jax import lax
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    import conveyor as cv
+
+    cores = ctx.devices[0].num_cores
+
+    def program(x, o, buf, ready):
+        core = lax.axis_index("core")
+        pltpu.sync_copy(x.at[core], buf)
+        buf[...] = buf[...] * 2.0
+        pltpu.sync_copy(buf, o.at[core])
+        for other in range(1, cores):
+
+            @pl.when(core == 0)
+            def _(other=other):
+                pl.semaphore_signal(ready, 1, device_id={"core": other})
+
+        @pl.when(core > 0)
+        def _():
+            pl.semaphore_wait(ready, 1)
+
+    x = ctx.array((cores, rows, cols), jnp.float32)
+    call = cv.mpmd_map(
+        [(cv.Mesh(core=cores), program)],
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        scratch_shapes=[pltpu.VMEM((rows, cols), jnp.float32), pltpu.SemaphoreType.REGULAR],
+        backend="mosaic_tpu",
+        name="tensorcores",
     )
     return call, (x,)
 
@@ -360,6 +401,7 @@ def production() -> list[Case]:
         case("example", fn="matmul", m=4000, k=4096, n=4096),
         case("example", fn="matmul_warp_specialized", m=4000, k=4096, n=4096),
         case("mpmd", rows=64, cols=128),
+        case("mpmd", rows=1024, cols=2048),  # TPU only: 8 MiB of VMEM per core
     ]
     for op in ("all_gather_matmul", "matmul_reduce_scatter"):
         for devices in (4, 8):
@@ -410,12 +452,12 @@ def simulated_onchip(c: Case, target: str) -> int | None:
 
 
 def applies(c: Case, platform: str) -> bool:
-    """Whether Conveyor has a kernel for case `c` on `platform` (rings are TPU-only; mpmd
-    programs and the warp-specialized pipeline run on GPU warpgroups)."""
+    """Whether Conveyor has a kernel for case `c` on `platform` (rings are TPU-only; the
+    warp-specialized pipeline runs on GPU warpgroups)."""
     if c.kind in ("ring", "gathered", "scatter"):  # mosaic_gpu moves no rows by index yet
         return platform == "tpu"
-    if c.kind == "mpmd":  # programs on warpgroups; mpmd_map has no Mosaic TPU lowering yet
-        return platform == "cuda"
+    if c.kind == "mpmd" and platform == "cuda":  # a warpgroup holds the whole operand in registers
+        return dict(c.params)["rows"] * dict(c.params)["cols"] <= 64 * 128
     if c.kind == "example" and dict(c.params)["fn"] == "matmul_warp_specialized":
         return platform == "cuda"
     return True

@@ -121,7 +121,8 @@ def mpmd_map(
       cost_estimate: a `pl.CostEstimate` for the Mosaic GPU kernel (jax >= 0.12); unused on cpu.
       name: the kernel's name. metadata: a dict of str, accepted and unused.
       backend: "cpu" (the default on every platform: concurrent threads in a host callback),
-        "mosaic_gpu" (the programs as warpgroups of one kernel) or "mosaic_tpu" (refused by name).
+        "mosaic_gpu" (the programs as warpgroups of one kernel) or "mosaic_tpu" (one program on a
+        TensorCore mesh: `cv.Mesh(core=n)`, a core per instance, scratch per core).
 
     Returns:
       A function of the inputs (arrays or jax Refs) returning outputs shaped like `out_shapes`.
@@ -172,14 +173,19 @@ def mpmd_map(
             )(*in_leaves)
             return jax.tree_util.tree_unflatten(out_tree, list(outs))
         if backend == "mosaic_tpu":
-            raise NotImplementedError(
-                "mpmd_map on mosaic_tpu: Pallas TPU (jax 0.12) runs several programs in one kernel "
-                "only on SparseCore (pl.kernel with a list of meshes), and mapping instances onto "
-                "a TensorCore mesh needs scratch shared between cores, which its interpreter does "
-                "not model (HBM scratch fails an interpreter assertion; VMEM_SHARED written on one "
-                "core reads back uninitialized on another). Use the CPU executor (the default on "
-                "CPU) or mosaic_gpu"
-            )
+            from conveyor.mpmd import mosaic_tpu
+
+            outs = mosaic_tpu.build(
+                programs,
+                out_leaves,
+                layout,
+                dict(input_output_aliases),
+                interpret,
+                name,
+                compiler_params if not isinstance(compiler_params, Mapping) else None,
+                cost_estimate,
+            )(*in_leaves)
+            return jax.tree_util.tree_unflatten(out_tree, list(outs))
         from conveyor.mpmd import cpu_call
 
         outs = cpu_call.run(
@@ -222,6 +228,7 @@ def _check_backend(backend, compiler_params, interpret) -> str:
             f"backend={compiler_params['backend']!r} instead"
         )
     from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas import tpu as pltpu
 
     if isinstance(compiler_params, plgpu.CompilerParams):
         if backend != "mosaic_gpu":
@@ -234,10 +241,22 @@ def _check_backend(backend, compiler_params, interpret) -> str:
                 "mpmd_map on mosaic_gpu: compiler_params fields are not passed to the kernel yet; "
                 f"leave them at their defaults, got {compiler_params!r}"
             )
+    elif isinstance(compiler_params, pltpu.CompilerParams):
+        if backend != "mosaic_tpu":
+            raise ValueError(
+                "mpmd_map: compiler_params is a pltpu.CompilerParams, for backend='mosaic_tpu'; "
+                f"got backend={backend!r}"
+            )
+    elif isinstance(compiler_params, Mapping) and backend == "mosaic_tpu":
+        raise TypeError(
+            f"mpmd_map on mosaic_tpu: compiler_params {dict(compiler_params)!r} is the CPU "
+            "executor's (a wait deadline); pass a pltpu.CompilerParams or None"
+        )
     elif compiler_params is not None and not isinstance(compiler_params, Mapping):
         raise TypeError(
-            "mpmd_map: compiler_params must be a dict ({'timeout_s': seconds}), or a "
-            f"plgpu.CompilerParams with backend='mosaic_gpu'; got {compiler_params!r}"
+            "mpmd_map: compiler_params must be a dict ({'timeout_s': seconds}), a "
+            "plgpu.CompilerParams with backend='mosaic_gpu' or a pltpu.CompilerParams with "
+            f"backend='mosaic_tpu'; got {compiler_params!r}"
         )
     if interpret and backend == "cpu":
         raise ValueError(

@@ -13,7 +13,7 @@ from conveyor._compat import gpu_kernel_options
 from conveyor.interpreters import gpu_params
 
 from conveyor.jaxprs import call_with_axis_values, is_jax_ref
-from conveyor.aliasing import gpu_call_with_aliases
+from conveyor.aliasing import call_with_aliases
 from conveyor.mpmd.programs import call_program
 from conveyor.mpmd.scratch import ScratchLayout
 from conveyor.kernel import mpmd_program
@@ -82,6 +82,6 @@ def build(
                 interpret=gpu_params(interpret),
             )
 
-        return gpu_call_with_aliases(make_kernel, body, inputs, out_leaves, aliases)
+        return call_with_aliases(make_kernel, body, inputs, out_leaves, aliases)
 
     return call

@@ -41,7 +41,7 @@ def normalize(s: Any, label: str, num_instances: int) -> Scratch:
         return s
     kind = pallas_scratch_kind(s)
     if kind == "semaphore":
-        return SemaphoreType(tuple(s.shape))
+        return SemaphoreType(tuple(getattr(s, "shape", ())))  # a bare REGULAR is one semaphore
     if kind == "dma_semaphore":
         raise TypeError(
             f"mpmd_map: {label} is a DMA semaphore, which counts the bytes of asynchronous copies; "
@@ -70,6 +70,7 @@ class ScratchLayout:
     """The flat scratch leaves of one mpmd_map call and how to hand them back to a program."""
 
     leaves: tuple[Scratch, ...]
+    given: tuple[Any, ...]  # the leaves as spelled (a backend may keep Pallas's memory spaces)
     labels: tuple[str, ...]
     tree: Any  # the PyTreeDef of scratch_shapes
     by_keyword: bool  # scratch_shapes was a dict: programs take it by keyword
@@ -94,7 +95,8 @@ class ScratchLayout:
         leaves = tuple(
             normalize(s, label, num_instances) for (_, s), label in zip(with_paths, labels)
         )
-        return cls(leaves=leaves, labels=labels, tree=tree, by_keyword=by_keyword)
+        given = tuple(s for _, s in with_paths)
+        return cls(leaves=leaves, given=given, labels=labels, tree=tree, by_keyword=by_keyword)
 
     def arguments(self, refs) -> tuple[tuple, dict]:
         """(positional, keyword) scratch arguments of a program, in scratch_shapes' structure."""
