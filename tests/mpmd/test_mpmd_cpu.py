@@ -195,3 +195,25 @@ def test_errors_name_the_program_and_what_is_wrong():
 def test_unwritten_outputs_stay_poisoned():
     out = _one(lambda o: o.__setitem__(0, 1.0))()
     assert float(out[0]) == 1.0 and np.isnan(float(out[1]))
+
+
+def test_pallas_semaphore_calls_on_the_cpu_executor_are_refused_by_name():
+    """Upstream's SparseCore programs signal one instance's semaphore with
+    pl.semaphore_signal(sem, device_id=...); the CPU executor's semaphores are shared by every
+    instance, and Pallas's primitive refuses its scratch with a bare dtype error."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    def signal(o, sem):
+        pl.semaphore_signal(sem, 1, device_id={"core": 0})
+
+    def wait(o, sem):
+        pl.semaphore_wait(sem, 1)
+
+    call = cv.mpmd_map(
+        [(cv.Mesh(core=1), signal), (cv.Mesh(core=1), wait)],
+        jax.ShapeDtypeStruct((8,), jnp.int32),
+        scratch_shapes=[pltpu.SemaphoreType.REGULAR(())],
+    )
+    with pytest.raises(NotImplementedError, match=r"program 0 \('signal'\) calls pl.semaphore_"):
+        call()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +20,20 @@ def call_program(i: int, fn: Callable, refs: Sequence[Any], scratch: Sequence[An
     """Run program `i` on its refs, scratch in scratch_shapes' structure (by keyword when it was a
     dict); it must return None."""
     args, kwargs = layout.arguments(scratch)
-    result = fn(*refs, *args, **kwargs)
+    try:
+        result = fn(*refs, *args, **kwargs)
+    except ValueError as e:  # Pallas's own check of the semaphore it was handed
+        from conveyor.kernel import current_sync
+
+        cpu = current_sync("mpmd_map") == "cpu"
+        if not (cpu and re.search(r"Must (signal|wait) semaphores", str(e))):
+            raise
+        raise NotImplementedError(
+            f"mpmd_map on CPU: {program_label(i, fn)} calls pl.semaphore_signal or "
+            "pl.semaphore_wait on the CPU executor's semaphore scratch, which every instance "
+            "shares (a device_id addressing one instance's semaphore has no meaning there): use "
+            "cv.semaphore_signal / cv.semaphore_wait"
+        ) from e
     if result is not None:
         what = "an array" if hasattr(result, "shape") else f"a {type(result).__name__}"
         raise TypeError(
