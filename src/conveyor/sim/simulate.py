@@ -605,11 +605,14 @@ def simulate_gmm(
     )
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b
+    report = None
     if cfg["onchip_bytes"] is not None:  # the mosaic_tpu kernel, on its own grid
         report = _tpu_kernel_replay("gmm", group_sizes, m, k, n, dtype=dtype, hw=hw, cfg=cfg)
+    elif cfg["kernel"] == "cv mosaic_gpu":  # its thread blocks, as the kernel launches them
+        report = _gpu_kernel_replay(group_sizes, m, k, n, dtype=dtype, hw=hw, cfg=cfg)
     if imagined:
         cfg["kernel"] = f"hypothetical ({cfg['kernel']} with {dtypes.canonical(dtype)} operands)"
-    if cfg["onchip_bytes"] is not None:
+    if report is not None:
         return dataclasses.replace(report, config=dict(report.config, kernel=cfg["kernel"]))
     return _grouped(
         "simulate_gmm",
@@ -623,6 +626,67 @@ def simulate_gmm(
         workload="gmm",
         tiles_for=lambda bm, bn: count_visits(group_sizes, bm) * math.ceil(n / bn),
         extra=dict(groups=len(group_sizes), m=m),
+    )
+
+
+def _gpu_kernel_replay(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
+    """cv.gmm's Mosaic GPU kernel as it launches (`ops/gmm/gpu_blocks.py`): a thread block per
+    (column tile, visit), each running its own warp-specialized pipeline over k (filled and
+    drained per block) and then storing its output tile from shared memory, awaited before the
+    block ends. A block holds most of an SM's shared memory, so blocks run one per SM, in waves.
+    Blocks past the real visits (the grid is sized for traced group sizes) exit at once: one
+    synchronization each."""
+    from conveyor.ops.gmm import gpu_blocks
+    from conveyor.ops.gmm.metadata import max_visits
+
+    tm, tk, tn = cfg["tiling"]
+    b = dtypes.itemsize(dtype)
+    visits = count_visits(group_sizes, tm)
+    column_tiles = math.ceil(n / tn)
+    blocks, sms = column_tiles * visits, int(hw.cores.value)
+    active = min(sms, blocks)
+    plan = gpu_blocks.gmm_block_plan(k, (tm, tk, tn), transpose_rhs=False, stages=cfg["stages"])
+    store_bw = hw.hbm_bandwidth.value * hw.hbm_efficiency.value / active
+    costs = StepCosts(
+        (tm * tk * b, tk * tn * b),
+        (),
+        2.0 * tm * tk * tn,
+        hw.matrix_rate(dtype) / sms,
+        hw.reuse_bandwidth.value / active,
+        store_bw,
+    )
+    pipeline_time, boxes = run_plan(plan, costs, hw)
+    store = hw.copy_latency.value + tm * tn * b / store_bw
+    boxes.append(
+        Box("copy engine (stores)", "copy", "output tile", pipeline_time, pipeline_time + store)
+    )
+    waves = math.ceil(blocks / sms)
+    padded = (max_visits(m, tm, len(group_sizes)) - visits) * column_tiles
+    time = waves * (pipeline_time + store) + math.ceil(padded / sms) * hw.sync_latency.value
+    notes = [f"{blocks} thread blocks in {waves} waves of {sms} SMs; one block replayed"]
+    groups = sum(1 for g in group_sizes if g)
+    hbm = (m * k + groups * k * n) * b + m * n * b
+    time = _under_hbm_floor(time, hbm, hw, notes, boxes)
+    config = {
+        "m": m,
+        "k": k,
+        "n": n,
+        "dtype": dtype,
+        "tiling": [tm, tk, tn],
+        "stages": cfg["stages"],
+        "delay_release": plan.pipeline.delay_release,
+        "warp_specialized": True,
+        "compute_threads": plan.num_compute_wgs,
+        "tiles": blocks,
+        "waves": waves,
+        "padded_blocks": padded,
+        "cores": sms,
+        "kernel": cfg["kernel"],
+        "groups": len(group_sizes),
+    }
+    onchip = cfg["stages"] * (tm * tk + tk * tn) * b + cfg["staging_bytes"]
+    return Report(
+        "gmm", hw, time, 2.0 * m * k * n, hbm, 0.0, onchip, config, tuple(boxes), tuple(notes)
     )
 
 

@@ -382,3 +382,31 @@ def test_any_k_and_n_run_padded_to_the_kernels_tiles(transpose_rhs):
     np.testing.assert_array_equal(
         got[1], padded[1][:, :n, :k] if transpose_rhs else padded[1][:, :k, :n]
     )
+
+
+def test_simulator_replays_the_copies_each_thread_block_issues():
+    """cv.sim.simulate_gmm on GPU replays one thread block of this kernel (`gpu_blocks`): the
+    copies the kernel's blocks issue (recorded while it runs) are that block's planned copies,
+    once per real (column tile, visit) block; padded blocks issue none."""
+    import collections
+
+    from conveyor.ops.gmm import gpu_blocks
+    from conveyor.pipeline.lowering import record_issued
+    from conveyor.plans.program import Copy
+
+    sizes, k, n = [100, 0, 156], 256, 256  # visits: [0, 100) and [100, 256) straddle a tile
+    lhs, rhs = operands(np.random.default_rng(4711), sum(sizes), k, n, len(sizes), jnp.bfloat16)
+    with record_issued() as log:
+        # a bfloat16 output, as the simulator prices (the staging buffer sets the slot count)
+        out = _gmm(lhs, rhs, jnp.asarray(sizes, jnp.int32), preferred_element_type=jnp.bfloat16)
+        jax.block_until_ready(out)
+    report = cv.sim.simulate_gmm(sizes, k, n, hardware="h100")
+    tm, tk, tn = report.config["tiling"]
+    block = gpu_blocks.gmm_block_plan(
+        k, (tm, tk, tn), transpose_rhs=False, stages=report.config["stages"]
+    )
+    blocks = report.config["tiles"]
+    assert blocks == 3 * (n // tn)  # visits (tile 0, g0), (tile 0, g2), (tile 1, g2)
+    issued = collections.Counter(a for a in log if isinstance(a, Copy))
+    planned = collections.Counter(block.program().copies())
+    assert issued == collections.Counter({c: blocks * count for c, count in planned.items()})

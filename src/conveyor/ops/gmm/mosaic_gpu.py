@@ -16,6 +16,7 @@ import conveyor as cv
 from conveyor._compat import gpu_kernel_takes_cost_estimate
 from conveyor.cost import matmul_cost
 from conveyor.ints import cdiv, floordiv, mod
+from conveyor.ops.gmm.gpu_blocks import gmm_block_pipeline, gmm_grid
 from conveyor.ops.gmm.metadata import make_group_metadata
 from conveyor.kernel_gpu import smem_bytes
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, Tile
@@ -190,7 +191,6 @@ def gmm_mosaic_gpu(
     num_visits = meta.num_visits[None]
     column_tiles = n // tn
     band = grid_band(column_tiles)
-    rhs_block = (tn, tk) if transpose_rhs else (tk, tn)
     layout = smem_layout(
         tk, *(() if transpose_rhs else (tn,)), itemsize=jnp.dtype(lhs.dtype).itemsize
     )
@@ -249,21 +249,18 @@ def gmm_mosaic_gpu(
 
             cv.emit_pipeline_warp_specialized(
                 mma,
-                grid=(k // tk,),
                 memory_registers=40,
                 wg_axis="wg",
-                num_compute_wgs=COMPUTE_THREADS,
-                max_concurrent_steps=stages,
-                delay_release=DELAY_RELEASE,
                 compute_context=compute_context,
-                in_specs=[
-                    cv.BlockSpec((tm, tk), lambda kk: (tile, kk), transforms=layout),
-                    cv.BlockSpec(
-                        rhs_block,
-                        (lambda kk: (j, kk)) if transpose_rhs else (lambda kk: (kk, j)),
-                        transforms=layout,
-                    ),
-                ],
+                **gmm_block_pipeline(
+                    k,
+                    (tm, tk, tn),
+                    transpose_rhs=transpose_rhs,
+                    stages=stages,
+                    row_tile=tile,
+                    column_tile=j,
+                    transforms=layout,
+                ),
             )(lhs_ref, rhs_ref.at[g])
 
     # pipeline blocks divide their arrays: whole row tiles (zero rows, never stored)
@@ -279,7 +276,7 @@ def gmm_mosaic_gpu(
         interpret=interpret,
         num_threads=COMPUTE_THREADS + 1,
         thread_name="wg",
-        grid=(column_tiles * visits,),
+        grid=gmm_grid(column_tiles, visits),
         scratch_shapes=[staging],
         input_output_aliases={7: 0},
         cost_estimate=gpu_cost(matmul_cost(m, k, n, lhs, rhs, start)),
