@@ -645,18 +645,22 @@ def _gpu_kernel_replay(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
     column_tiles = math.ceil(n / tn)
     blocks, sms = column_tiles * visits, int(hw.cores.value)
     active = min(sms, blocks)
-    plan = gpu_blocks.gmm_block_plan(k, (tm, tk, tn), transpose_rhs=False, stages=cfg["stages"])
-    store_bw = hw.hbm_bandwidth.value * hw.hbm_efficiency.value / active
+    plan = gpu_blocks.block_plan(
+        gpu_blocks.gmm_block_pipeline(k, (tm, tk, tn), transpose_rhs=False, stages=cfg["stages"])
+    )
+    # a block's loads and its output store go through L2 at the SM's share (the HBM write-back
+    # of the stored tile is not on the block's path)
+    l2 = hw.reuse_bandwidth.value / active
     costs = StepCosts(
         (tm * tk * b, tk * tn * b),
         (),
         2.0 * tm * tk * tn,
         hw.matrix_rate(dtype) / sms,
-        hw.reuse_bandwidth.value / active,
-        store_bw,
+        l2,
+        l2,
     )
     pipeline_time, boxes = run_plan(plan, costs, hw)
-    store = hw.copy_latency.value + tm * tn * b / store_bw
+    store = hw.copy_latency.value + tm * tn * b / l2
     boxes.append(
         Box("copy engine (stores)", "copy", "output tile", pipeline_time, pipeline_time + store)
     )
@@ -687,6 +691,76 @@ def _gpu_kernel_replay(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
     onchip = cfg["stages"] * (tm * tk + tk * tn) * b + cfg["staging_bytes"]
     return Report(
         "gmm", hw, time, 2.0 * m * k * n, hbm, 0.0, onchip, config, tuple(boxes), tuple(notes)
+    )
+
+
+def _gpu_tgmm_replay(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
+    """cv.tgmm's Mosaic GPU kernel as it launches (`ops/gmm/gpu_blocks.py`): a thread block per
+    (group, k tile, n tile), each running a pipeline over the `tm`-row blocks its group's rows
+    touch and then storing its [tk, tn] output tile (an empty group's block stores zeros). Blocks
+    differ in length with their group, so they are scheduled as the hardware does, in grid order
+    (groups fastest), each onto the SM that frees first, one block per SM. The masking of a row
+    block shared with a neighbouring group is not priced."""
+    import heapq
+
+    from conveyor.ops.gmm import gpu_blocks
+
+    tm, tk, tn = cfg["tiling"]
+    b = dtypes.itemsize(dtype)
+    counts = count_row_blocks(group_sizes, tm)
+    groups, k_tiles, n_tiles = gpu_blocks.tgmm_grid(len(group_sizes), math.ceil(k / tk), n // tn)
+    sms = int(hw.cores.value)
+    active = min(sms, groups * k_tiles * n_tiles)
+    l2 = hw.reuse_bandwidth.value / active  # loads and the output store, as in gmm's replay
+    costs = StepCosts(
+        (tm * tk * b, tm * tn * b),
+        (),
+        2.0 * tm * tk * tn,
+        hw.matrix_rate(dtype) / sms,
+        l2,
+        l2,
+    )
+    store = hw.copy_latency.value + tk * tn * b / l2
+    block_s, boxes = {}, []
+    for rows in sorted(set(counts)):
+        pipeline_s = 0.0
+        if rows:
+            args = gpu_blocks.tgmm_block_pipeline(rows, (tm, tk, tn), stages=cfg["stages"])
+            plan = gpu_blocks.block_plan(args, dynamic=True)
+            pipeline_s, replayed = run_plan(plan, costs, hw)
+            if rows == max(counts):
+                boxes = replayed
+        block_s[rows] = pipeline_s + store
+    free = [0.0] * sms  # when each SM is next free
+    for _ in range(k_tiles * n_tiles):
+        for rows in counts:
+            heapq.heappush(free, heapq.heappop(free) + block_s[rows])
+    time = max(free)
+    notes = [
+        f"{groups * k_tiles * n_tiles} thread blocks on {sms} SMs, each SM taking the next block "
+        f"when it frees; one block replayed per row-block count ({len(block_s)})"
+    ]
+    hbm = (sum(counts) * tm * (k + n) + groups * k * n) * b  # row blocks read, outputs written
+    time = _under_hbm_floor(time, hbm, hw, notes, boxes)
+    config = {
+        "m": m,
+        "k": k,
+        "n": n,
+        "dtype": dtype,
+        "tiling": [tm, tk, tn],
+        "stages": cfg["stages"],
+        "delay_release": MOSAIC_GPU.delay_release,
+        "warp_specialized": True,
+        "compute_threads": MOSAIC_GPU.compute_threads,
+        "tiles": groups * k_tiles * n_tiles,
+        "row_blocks": sum(counts),
+        "cores": sms,
+        "kernel": cfg["kernel"],
+        "groups": groups,
+    }
+    onchip = cfg["stages"] * (tm * tk + tm * tn) * b + cfg["staging_bytes"]
+    return Report(
+        "tgmm", hw, time, 2.0 * m * k * n, hbm, 0.0, onchip, config, tuple(boxes), tuple(notes)
     )
 
 
@@ -868,10 +942,13 @@ def simulate_tgmm(
         itemsize=dtypes.itemsize(dtype),
         tpu_kernel=lambda t: _tpu_kernel("tgmm", m, k, n, dtype, t),
     )
+    gpu_kernel = cfg["kernel"] == "cv mosaic_gpu"
     if imagined:
         cfg["kernel"] = f"hypothetical ({cfg['kernel']} with {dtypes.canonical(dtype)} operands)"
     if cfg["onchip_bytes"] is not None:  # the mosaic_tpu kernel, on its own grid
         return _tpu_kernel_replay("tgmm", group_sizes, m, k, n, dtype=dtype, hw=hw, cfg=cfg)
+    if gpu_kernel:  # its thread blocks, as the kernel launches them
+        return _gpu_tgmm_replay(group_sizes, m, k, n, dtype=dtype, hw=hw, cfg=cfg)
     if cfg["tiling"] is None:
         cfg["tiling"] = (128, 128, 128)  # the tgmm reduction block is tm: no search over it
     tm = int(cfg["tiling"][0])

@@ -402,8 +402,10 @@ def test_simulator_replays_the_copies_each_thread_block_issues():
         jax.block_until_ready(out)
     report = cv.sim.simulate_gmm(sizes, k, n, hardware="h100")
     tm, tk, tn = report.config["tiling"]
-    block = gpu_blocks.gmm_block_plan(
-        k, (tm, tk, tn), transpose_rhs=False, stages=report.config["stages"]
+    block = gpu_blocks.block_plan(
+        gpu_blocks.gmm_block_pipeline(
+            k, (tm, tk, tn), transpose_rhs=False, stages=report.config["stages"]
+        )
     )
     blocks = report.config["tiles"]
     assert blocks == 3 * (n // tn)  # visits (tile 0, g0), (tile 0, g2), (tile 1, g2)

@@ -274,3 +274,38 @@ def test_the_backward_pass_exports_for_cuda_at_moe_sizes(k, n, groups):
     assert exported.mlir_module().count("custom_call @mosaic_gpu") == 2, (
         "d lhs and d rhs: one Mosaic GPU kernel each"
     )
+
+
+def test_simulator_replays_the_copies_each_thread_block_issues():
+    """cv.sim.simulate_tgmm on GPU replays this kernel's thread blocks (`gpu_blocks`): a block per
+    (group, k tile, n tile), each fetching the row blocks its group touches. The copies the kernel
+    issues (recorded while it runs) are those blocks' planned copies; an empty group's blocks
+    fetch nothing."""
+    import collections
+
+    from conveyor.ints import cdiv
+    from conveyor.ops.gmm import gpu_blocks
+    from conveyor.ops.gmm.metadata import count_row_blocks
+    from conveyor.pipeline.lowering import record_issued
+    from conveyor.plans.program import Copy
+
+    sizes, k, n = [70, 0, 130], 128, 256  # row blocks of 64: [0, 2), none, [1, 4)
+    rng = np.random.default_rng(4712)
+    x, y = _bf16(rng, (k, sum(sizes))), _bf16(rng, (sum(sizes), n))
+    with record_issued() as log:
+        # a bfloat16 output, as the simulator prices (the staging buffer sets the slot count)
+        out = _tgmm(x, y, jnp.asarray(sizes, jnp.int32), preferred_element_type=jnp.bfloat16)
+        jax.block_until_ready(out)
+    report = cv.sim.simulate_tgmm(sizes, k, n, hardware="h100")
+    tm, tk, tn = report.config["tiling"]
+    tiles_per_group = cdiv(k, tk) * (n // tn)
+    planned = collections.Counter()
+    for rows in count_row_blocks(sizes, tm):
+        if rows:
+            args = gpu_blocks.tgmm_block_pipeline(
+                rows, (tm, tk, tn), stages=report.config["stages"]
+            )
+            for copy in gpu_blocks.block_plan(args, dynamic=True).program().copies():
+                planned[copy] += tiles_per_group
+    assert count_row_blocks(sizes, tm) == [2, 0, 3]
+    assert collections.Counter(a for a in log if isinstance(a, Copy)) == planned

@@ -13,13 +13,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
+from conveyor.ops.gmm.gpu_blocks import tgmm_block_pipeline, tgmm_grid
 from conveyor.ops.gmm.metadata import local_group_bounds, row_block_span
 from conveyor.cost import matmul_cost
 from conveyor.ints import cdiv
 from conveyor.ops.gmm.mosaic_gpu import (
     COMPUTE_THREADS,
     gpu_cost,
-    DELAY_RELEASE,
     ROWS_PER_THREAD,
     accumulate_then_store,
     smem_layout,
@@ -160,17 +160,18 @@ def tgmm_mosaic_gpu(
 
         cv.emit_pipeline_warp_specialized(
             mma,
-            grid=(blocks,),
             memory_registers=40,
             wg_axis="wg",
-            num_compute_wgs=COMPUTE_THREADS,
-            max_concurrent_steps=stages,
-            delay_release=DELAY_RELEASE,
             compute_context=compute_context,
-            in_specs=[
-                cv.BlockSpec((tm, tk), lambda r: (first_block + r, kb), transforms=layout),
-                cv.BlockSpec((tm, tn), lambda r: (first_block + r, nb), transforms=layout),
-            ],
+            **tgmm_block_pipeline(
+                blocks,
+                (tm, tk, tn),
+                stages=stages,
+                first_block=first_block,
+                k_tile=kb,
+                n_tile=nb,
+                transforms=layout,
+            ),
         )(x_ref, rhs_ref)
 
     m_pad = cdiv(m, tm) * tm  # whole row blocks: the padding rows belong to no group
@@ -187,7 +188,7 @@ def tgmm_mosaic_gpu(
         interpret=interpret,
         num_threads=COMPUTE_THREADS + 1,
         thread_name="wg",
-        grid=(num_groups, k_pad // tk, n // tn),
+        grid=tgmm_grid(num_groups, k_pad // tk, n // tn),
         scratch_shapes=scratch,
         cost_estimate=gpu_cost(matmul_cost(k, m, n, x, rhs, out_struct)),
     )
