@@ -12,9 +12,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from conveyor._compat import gpu_kernel_options
 from conveyor.interpreters import gpu_params
 
-from conveyor.jaxprs import call_with_axis_values, is_jax_ref
+from conveyor.jaxprs import call_with_axis_values
 from conveyor.aliasing import call_with_aliases
-from conveyor.mpmd.programs import call_program
+from conveyor.mpmd.programs import call_program, refuse_ref_inputs, split_refs
 from conveyor.mpmd.scratch import ScratchLayout
 from conveyor.kernel import mpmd_program
 from conveyor.sync import BarrierType, SemaphoreType
@@ -49,16 +49,11 @@ def build(
     scratch_types = kernel_scratch(layout, total)
 
     def call(*inputs):
-        for i, x in enumerate(inputs):
-            if is_jax_ref(x):
-                raise NotImplementedError(
-                    f"mpmd_map on mosaic_gpu: input {i} is a jax Ref; plgpu.kernel takes arrays "
-                    "only (the CPU executor updates Refs in place)"
-                )
+        refuse_ref_inputs("mosaic_gpu", inputs)
         n_in, n_out = len(inputs), len(out_leaves)
 
         def body(*refs):
-            ins, outs, scratch_refs = refs[:n_in], refs[n_in : n_in + n_out], refs[n_in + n_out :]
+            ins, outs, scratch_refs = split_refs(refs, n_in, n_out)
             tid = lax.axis_index(THREAD_AXIS)
             with mpmd_program("mosaic_gpu"):
                 for t, (i, fn, point) in enumerate(instances):

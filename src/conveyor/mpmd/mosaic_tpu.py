@@ -14,9 +14,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from conveyor.aliasing import call_with_aliases
 from conveyor.interpreters import tpu_params
-from conveyor.jaxprs import is_jax_ref
 from conveyor.kernel import mpmd_program
-from conveyor.mpmd.programs import call_program, program_label
+from conveyor.mpmd.programs import call_program, program_label, refuse_ref_inputs, split_refs
 from conveyor.mpmd.scratch import ScratchLayout
 from conveyor.sync import BarrierType, SemaphoreType
 
@@ -110,17 +109,12 @@ def build(
     mesh = pltpu.TensorCoreMesh(axis_name=axis, num_cores=cores)
 
     def call(*inputs):
-        for i, x in enumerate(inputs):
-            if is_jax_ref(x):
-                raise NotImplementedError(
-                    f"mpmd_map on mosaic_tpu: input {i} is a jax Ref; pass arrays (the CPU "
-                    "executor updates Refs in place)"
-                )
+        refuse_ref_inputs("mosaic_tpu", inputs)
         _check_cores(axis, cores, interpret)
         n_in, n_out = len(inputs), len(out_leaves)
 
         def body(*refs):
-            ins, outs, scratch = refs[:n_in], refs[n_in : n_in + n_out], refs[n_in + n_out :]
+            ins, outs, scratch = split_refs(refs, n_in, n_out)
             with mpmd_program("mosaic_tpu"):
                 call_program(0, fn, (*ins, *outs), scratch, layout)
 

@@ -55,3 +55,19 @@ def refuse_high(x, where: str) -> None:
             f"mpmd_map: {where} a {kind} of a hijax type ({aval}); Conveyor's mpmd_map holds "
             "arrays only (one buffer per Ref): pass or close over the arrays it is made of"
         )
+
+
+def refuse_ref_inputs(backend: str, inputs) -> None:
+    """A Mosaic kernel takes arrays: a jax Ref input (which the CPU executor updates in place) is
+    refused naming it."""
+    for i, x in enumerate(inputs):
+        if is_jax_ref(x):
+            raise NotImplementedError(
+                f"mpmd_map on {backend}: input {i} is a jax Ref; its kernel takes arrays only (the "
+                "CPU executor updates Refs in place)"
+            )
+
+
+def split_refs(refs, n_in: int, n_out: int) -> tuple:
+    """A kernel body's refs as (inputs, outputs, scratch)."""
+    return refs[:n_in], refs[n_in : n_in + n_out], refs[n_in + n_out :]

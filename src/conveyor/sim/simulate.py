@@ -648,19 +648,10 @@ def _gpu_kernel_replay(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
     plan = gpu_blocks.block_plan(
         gpu_blocks.gmm_block_pipeline(k, (tm, tk, tn), transpose_rhs=False, stages=cfg["stages"])
     )
-    # a block's loads and its output store go through L2 at the SM's share (the HBM write-back
-    # of the stored tile is not on the block's path)
-    l2 = hw.reuse_bandwidth.value / active
-    costs = StepCosts(
-        (tm * tk * b, tk * tn * b),
-        (),
-        2.0 * tm * tk * tn,
-        hw.matrix_rate(dtype) / sms,
-        l2,
-        l2,
+    costs, store = _gpu_block_costs(
+        hw, dtype, (tm * tk, tk * tn), 2.0 * tm * tk * tn, tm * tn, active
     )
     pipeline_time, boxes = run_plan(plan, costs, hw)
-    store = hw.copy_latency.value + tm * tn * b / l2
     boxes.append(
         Box("copy engine (stores)", "copy", "output tile", pipeline_time, pipeline_time + store)
     )
@@ -670,27 +661,10 @@ def _gpu_kernel_replay(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
     notes = [f"{blocks} thread blocks in {waves} waves of {sms} SMs; one block replayed"]
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b
-    time = _under_hbm_floor(time, hbm, hw, notes, boxes)
-    config = {
-        "m": m,
-        "k": k,
-        "n": n,
-        "dtype": dtype,
-        "tiling": [tm, tk, tn],
-        "stages": cfg["stages"],
-        "delay_release": plan.pipeline.delay_release,
-        "warp_specialized": True,
-        "compute_threads": plan.num_compute_wgs,
-        "tiles": blocks,
-        "waves": waves,
-        "padded_blocks": padded,
-        "cores": sms,
-        "kernel": cfg["kernel"],
-        "groups": len(group_sizes),
-    }
+    extra = dict(tiles=blocks, waves=waves, padded_blocks=padded, groups=len(group_sizes))
     onchip = cfg["stages"] * (tm * tk + tk * tn) * b + cfg["staging_bytes"]
-    return Report(
-        "gmm", hw, time, 2.0 * m * k * n, hbm, 0.0, onchip, config, tuple(boxes), tuple(notes)
+    return _gpu_blocks_report(
+        "gmm", (m, k, n), dtype, hw, cfg, time, hbm, onchip, boxes, notes, extra
     )
 
 
@@ -711,16 +685,9 @@ def _gpu_tgmm_replay(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
     groups, k_tiles, n_tiles = gpu_blocks.tgmm_grid(len(group_sizes), math.ceil(k / tk), n // tn)
     sms = int(hw.cores.value)
     active = min(sms, groups * k_tiles * n_tiles)
-    l2 = hw.reuse_bandwidth.value / active  # loads and the output store, as in gmm's replay
-    costs = StepCosts(
-        (tm * tk * b, tm * tn * b),
-        (),
-        2.0 * tm * tk * tn,
-        hw.matrix_rate(dtype) / sms,
-        l2,
-        l2,
+    costs, store = _gpu_block_costs(
+        hw, dtype, (tm * tk, tm * tn), 2.0 * tm * tk * tn, tk * tn, active
     )
-    store = hw.copy_latency.value + tk * tn * b / l2
     block_s, boxes = {}, []
     for rows in sorted(set(counts)):
         pipeline_s = 0.0
@@ -741,27 +708,45 @@ def _gpu_tgmm_replay(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
         f"when it frees; one block replayed per row-block count ({len(block_s)})"
     ]
     hbm = (sum(counts) * tm * (k + n) + groups * k * n) * b  # row blocks read, outputs written
+    extra = dict(tiles=groups * k_tiles * n_tiles, row_blocks=sum(counts), groups=groups)
+    onchip = cfg["stages"] * (tm * tk + tm * tn) * b + cfg["staging_bytes"]
+    return _gpu_blocks_report(
+        "tgmm", (m, k, n), dtype, hw, cfg, time, hbm, onchip, boxes, notes, extra
+    )
+
+
+def _gpu_block_costs(hw, dtype, in_elems, flops, out_elems, active) -> tuple[StepCosts, float]:
+    """One thread block's step costs on its SM, and the time of its output tile's store: loads
+    and the store go through L2 at the SM's share of it (the HBM write-back of the stored tile is
+    not on the block's path)."""
+    b = dtypes.itemsize(dtype)
+    l2 = hw.reuse_bandwidth.value / active
+    sm_rate = hw.matrix_rate(dtype) / int(hw.cores.value)
+    costs = StepCosts(tuple(e * b for e in in_elems), (), flops, sm_rate, l2, l2)
+    return costs, hw.copy_latency.value + out_elems * b / l2
+
+
+def _gpu_blocks_report(op, mkn, dtype, hw, cfg, time, hbm, onchip, boxes, notes, extra) -> Report:
+    """A GPU kernel's thread-block replay as a Report: its configuration, `extra` beside it, the
+    time held under the floor of moving `hbm` bytes once."""
+    m, k, n = mkn
     time = _under_hbm_floor(time, hbm, hw, notes, boxes)
     config = {
         "m": m,
         "k": k,
         "n": n,
         "dtype": dtype,
-        "tiling": [tm, tk, tn],
+        "tiling": list(cfg["tiling"]),
         "stages": cfg["stages"],
         "delay_release": MOSAIC_GPU.delay_release,
         "warp_specialized": True,
         "compute_threads": MOSAIC_GPU.compute_threads,
-        "tiles": groups * k_tiles * n_tiles,
-        "row_blocks": sum(counts),
-        "cores": sms,
+        "cores": int(hw.cores.value),
         "kernel": cfg["kernel"],
-        "groups": groups,
+        **extra,
     }
-    onchip = cfg["stages"] * (tm * tk + tm * tn) * b + cfg["staging_bytes"]
-    return Report(
-        "tgmm", hw, time, 2.0 * m * k * n, hbm, 0.0, onchip, config, tuple(boxes), tuple(notes)
-    )
+    flops = 2.0 * m * k * n
+    return Report(op, hw, time, flops, hbm, 0.0, onchip, config, tuple(boxes), tuple(notes))
 
 
 # The Mosaic TPU gmm/tgmm kernels' copied operands, in their pallas_calls' order; the output last.
