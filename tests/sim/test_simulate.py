@@ -553,3 +553,27 @@ def test_a_ring_plan_is_priced_as_its_kernel_and_refuses_pipeline_options():
     for option in (dict(scratch_bytes=1024), dict(vmem_limit_bytes=1 << 20)):
         with pytest.raises(NotImplementedError, match=f"simulate: {next(iter(option))} apply"):
             cv.sim.simulate(plan, "v5e", **shape, **option)
+
+
+def test_gpu_gmm_thread_blocks_run_in_waves_of_one_per_sm():
+    """cv.gmm's mosaic_gpu kernel launches a block per (column tile, visit), one per SM at a time:
+    132 blocks fill an H100 once; 134 take a second wave for two blocks, twice the time (one group,
+    so no padded blocks; k=4096 keeps each block compute-bound, above the HBM floor)."""
+    one = cv.sim.simulate_gmm([128 * 66], 4096, 512, hardware="h100")
+    two = cv.sim.simulate_gmm([128 * 67], 4096, 512, hardware="h100")
+    assert (one.config["tiles"], one.config["waves"]) == (132, 1)
+    assert (two.config["tiles"], two.config["waves"]) == (134, 2)
+    assert one.config["padded_blocks"] == two.config["padded_blocks"] == 0
+    assert two.time_s == pytest.approx(2 * one.time_s, rel=1e-9)
+
+
+def test_gpu_tgmm_blocks_of_a_short_group_take_idle_sms():
+    """cv.tgmm's mosaic_gpu blocks (one per group, k tile and n tile) are as long as their group:
+    with 128 blocks on 132 SMs, a short group's blocks run beside the long group's, and the call
+    takes as long as the longest block either way; an empty group's blocks only store zeros."""
+    alone = cv.sim.simulate_tgmm([4096] + [0] * 7, 1024, 512, hardware="h100")
+    beside = cv.sim.simulate_tgmm([4096, 64] + [0] * 6, 1024, 512, hardware="h100")
+    assert alone.config["tiles"] == beside.config["tiles"] == 8 * 8 * 2
+    assert beside.time_s == pytest.approx(alone.time_s, rel=1e-12)
+    longer = cv.sim.simulate_tgmm([4096 + 64] + [0] * 7, 1024, 512, hardware="h100")
+    assert longer.time_s > alone.time_s  # one more row block in the longest blocks
