@@ -217,3 +217,20 @@ def test_pallas_semaphore_calls_on_the_cpu_executor_are_refused_by_name():
     )
     with pytest.raises(NotImplementedError, match=r"program 0 \('signal'\) calls pl.semaphore_"):
         call()
+
+
+def test_debug_prints_each_programs_jaxpr(capfd):
+    def add_one(x, o):
+        o[...] = x[...] + 1.0
+
+    def run(debug):
+        return cv.mpmd_map(
+            [(cv.Mesh(a=1), add_one)], jax.ShapeDtypeStruct((4,), jnp.float32), debug=debug
+        )(jnp.zeros(4, jnp.float32))
+
+    np.testing.assert_array_equal(run(False), np.ones(4))
+    assert capfd.readouterr().out == ""
+    np.testing.assert_array_equal(run(True), np.ones(4))
+    assert "lambda" in capfd.readouterr().out
+    np.testing.assert_array_equal(run({"timeout_s": 5}), np.ones(4))  # a deadline prints nothing
+    assert capfd.readouterr().out == ""

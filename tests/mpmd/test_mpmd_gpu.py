@@ -181,3 +181,28 @@ def test_the_backend_is_named_not_guessed_from_argument_types():
         one(compiler_params="fast")
     with pytest.raises(ValueError, match="the cpu backend has none"):
         one(interpret=plgpu.InterpretGPUParams())
+
+
+def test_debug_reaches_the_kernel_and_bad_values_are_refused(capfd):
+    """debug=True reaches plgpu.kernel (Pallas prints the kernel's jaxpr when lowering); a wait
+    deadline is the CPU executor's and is refused on mosaic_gpu; a debug that is neither a bool
+    nor a dict is refused on every backend."""
+
+    def one(debug, backend="mosaic_gpu"):
+        kw = GPU if backend == "mosaic_gpu" else {}
+        return cv.mpmd_map(
+            [(cv.Mesh(c=1), lambda x, o: o.__setitem__(..., x[...] + 1.0))],
+            jax.ShapeDtypeStruct((128,), jnp.float32),
+            debug=debug,
+            **kw,
+        )
+
+    x = jax.ShapeDtypeStruct((128,), jnp.float32)
+    jax.export.export(jax.jit(one(False)), platforms=["cuda"])(x)
+    assert capfd.readouterr().out == ""
+    jax.export.export(jax.jit(one(True)), platforms=["cuda"])(x)
+    assert "lambda" in capfd.readouterr().out  # the printed kernel jaxpr
+    with pytest.raises(TypeError, match="on mosaic_gpu: debug must be True or False"):
+        one({"timeout_s": 5})
+    with pytest.raises(TypeError, match="debug must be True, False or a dict"):
+        one("yes", backend="cpu")

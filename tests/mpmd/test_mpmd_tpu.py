@@ -150,3 +150,32 @@ def test_what_a_tensorcore_mesh_cannot_take_is_refused_by_name():
             jax.ShapeDtypeStruct((8, 128), jnp.float32),
             compiler_params=pltpu.CompilerParams(),
         )
+
+
+def test_debug_prints_the_kernel_jaxpr_and_a_deadline_is_refused(capfd):
+    """debug=True reaches Pallas (which prints the kernel's jaxpr); a wait deadline is the CPU
+    executor's and is refused rather than dropped."""
+
+    def double(x_ref, o_ref, buf):
+        pltpu.sync_copy(x_ref, buf)
+        buf[...] = buf[...] * 2.0
+        pltpu.sync_copy(buf, o_ref)
+
+    x = _x(1)[0]
+
+    def call(debug):
+        return cv.mpmd_map(
+            [(cv.Mesh(core=1), double)],
+            jax.ShapeDtypeStruct(BLOCK, jnp.float32),
+            scratch_shapes=[pltpu.VMEM(BLOCK, jnp.float32)],
+            backend="mosaic_tpu",
+            interpret=_interpret("eager"),
+            debug=debug,
+        )(x)
+
+    np.testing.assert_array_equal(call(False), x * 2.0)
+    assert capfd.readouterr().out == ""
+    np.testing.assert_array_equal(call(True), x * 2.0)
+    assert "lambda" in capfd.readouterr().out  # the printed kernel jaxpr
+    with pytest.raises(TypeError, match="on mosaic_tpu: debug must be True or False"):
+        call({"timeout_s": 5})

@@ -117,7 +117,9 @@ def mpmd_map(
       compiler_params: {"timeout_s": seconds} bounds every wait on the CPU executor (default 30 s);
         a `plgpu.CompilerParams` is accepted with backend="mosaic_gpu".
       interpret: run a Mosaic backend through its Pallas interpreter.
-      debug: True prints each program's jaxpr; {"timeout_s": ...} works as in compiler_params.
+      debug: True prints each program's jaxpr (on mosaic_gpu / mosaic_tpu: Pallas prints the
+        kernel's jaxpr and Mosaic module); {"timeout_s": ...} works as in compiler_params (cpu
+        only).
       cost_estimate: a `pl.CostEstimate` for the Mosaic GPU kernel (jax >= 0.12); unused on cpu.
       name: the kernel's name. metadata: a dict of str, accepted and unused.
       backend: "cpu" (the default on every platform: concurrent threads in a host callback),
@@ -145,6 +147,7 @@ def mpmd_map(
     _check_annotations(cost_estimate, metadata)
     backend = _check_backend(backend, compiler_params, interpret)
     params = _options(compiler_params, debug)
+    kernel_debug = _kernel_debug(backend, debug)
 
     def call(*args):
         in_leaves, _ = jax.tree_util.tree_flatten(args)
@@ -170,6 +173,7 @@ def mpmd_map(
                 interpret,
                 name,
                 cost_estimate,
+                debug=kernel_debug,
             )(*in_leaves)
             return jax.tree_util.tree_unflatten(out_tree, list(outs))
         if backend == "mosaic_tpu":
@@ -184,6 +188,7 @@ def mpmd_map(
                 name,
                 compiler_params if not isinstance(compiler_params, Mapping) else None,
                 cost_estimate,
+                debug=kernel_debug,
             )(*in_leaves)
             return jax.tree_util.tree_unflatten(out_tree, list(outs))
         from conveyor.mpmd import cpu_call
@@ -266,7 +271,23 @@ def _check_backend(backend, compiler_params, interpret) -> str:
     return backend
 
 
+def _kernel_debug(backend: str, debug) -> bool:
+    """What a Mosaic backend passes to its Pallas kernel as `debug`: only a bool means something
+    there (a dict's wait deadline is the CPU executor's)."""
+    if backend == "cpu" or isinstance(debug, bool):
+        return debug is True
+    raise TypeError(
+        f"mpmd_map on {backend}: debug must be True or False (Pallas prints the kernel's jaxpr); "
+        f"{debug!r} sets the CPU executor's wait deadline, which a Mosaic kernel does not have"
+    )
+
+
 def _options(compiler_params, debug) -> dict:
+    if not isinstance(debug, (bool, Mapping)):
+        raise TypeError(
+            "mpmd_map: debug must be True, False or a dict ({'timeout_s': seconds}), got "
+            f"{debug!r}"
+        )
     out = {"timeout_s": DEFAULT_TIMEOUT_S, "print_jaxpr": debug is True}
     for src in (compiler_params, debug):
         if isinstance(src, Mapping):

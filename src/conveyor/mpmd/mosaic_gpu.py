@@ -36,7 +36,16 @@ def kernel_scratch(layout: ScratchLayout, total: int) -> list:
 
 
 def build(
-    programs, axes, out_leaves, layout: ScratchLayout, aliases, interpret, name, cost_estimate=None
+    programs,
+    axes,
+    out_leaves,
+    layout: ScratchLayout,
+    aliases,
+    interpret,
+    name,
+    cost_estimate=None,
+    *,
+    debug: bool = False,
 ):
     instances = [(i, fn, point) for i, (mesh, fn) in enumerate(programs) for point in mesh.points()]
     total = len(instances)
@@ -75,6 +84,7 @@ def build(
                 thread_name=THREAD_AXIS,
                 **gpu_kernel_options(cost_estimate=cost_estimate, kernel_name=name),
                 interpret=gpu_params(interpret),
+                debug=debug,
             )
 
         return call_with_aliases(make_kernel, body, inputs, out_leaves, aliases)

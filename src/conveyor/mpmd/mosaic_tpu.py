@@ -102,6 +102,8 @@ def build(
     name,
     compiler_params=None,
     cost_estimate=None,
+    *,
+    debug: bool = False,
 ):
     axis, cores = _tensorcore_mesh(programs)
     fn = programs[0][1]
@@ -128,6 +130,7 @@ def build(
                 cost_estimate=cost_estimate,
                 name=name,
                 interpret=tpu_params(interpret),
+                debug=debug,
             )
 
         return call_with_aliases(make_kernel, body, inputs, out_leaves, aliases)
