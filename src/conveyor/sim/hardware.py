@@ -126,6 +126,19 @@ SOURCES = {
         "over the whole call; XLA's own matmul reached 92.3%); that row is then not used to "
         "validate"
     ),
+    "marin-ppermute": (
+        "marin-community/marin issue 6736 (2026-06-28): a barriered `lax.ppermute` payload sweep "
+        "on TPU v5p-8 and v6e-8, timed as repeat-count slopes inside one compiled loop (no host "
+        "launch): v5p 1-16 KiB 4.5-5.5 us, 1 MiB 16.94 us, 64 MiB 781.98 us per device; their "
+        "large-payload fit 4.55 us + bytes / 86.3 GB/s"
+    ),
+    "calib-v5p-link": (
+        "calibrated: the fraction of the v5p link rate (9.2e10 B/s, tpu-lab) at which one hop of "
+        "64 MiB, with the model's 1 us per hop, takes the 781.98 us marin-ppermute measured "
+        "(0.934); that measurement is then not used to validate. Its 1 MiB point is 22% slower "
+        "than this hop model predicts: an XLA collective's fixed cost (4.55 us in the source's "
+        "fit) is not a remote DMA's"
+    ),
     "est-link": (
         "estimate: NCCL-class ring transfers reach about 80% of the per-direction link rate"
     ),
@@ -197,6 +210,12 @@ class Hardware:
         """Achievable matrix FLOP/s per chip for operands of `dtype`."""
         return self.matrix_peak_rate(dtype) * self.matrix_efficiency.value
 
+    def hop_s(self, nbytes: float) -> float:
+        """Seconds for `nbytes` to cross one link of a ring: the achievable link rate plus the
+        per-hop latency."""
+        rate = self.link_bandwidth.value * self.link_efficiency.value
+        return nbytes / rate + self.link_latency.value
+
     def numbers(self) -> dict[str, Value]:
         out = {}
         for f in dataclasses.fields(self):
@@ -217,6 +236,7 @@ KiB, MiB = 1024, 1024**2
 # must reproduce their measurements within 1% (tests/sim/test_simulate.py).
 V5E_STEP_S = 0.2479e-6  # SOURCES["calib-v5e-step"]
 V5E_MXU_FRACTION = 0.974  # SOURCES["calib-v5e-mxu"]
+V5P_LINK_FRACTION = 0.934  # SOURCES["calib-v5p-link"]
 
 
 def _hopper(name, hbm, hbm_src, link, link_src):
@@ -307,7 +327,7 @@ HARDWARE: dict[str, Hardware] = {
         sync_latency=Value(0.05e-6, "est-sync"),
         matrix_efficiency=Value(0.85, "est-tpu-matmul"),
         hbm_efficiency=Value(0.896, "calib-copy"),
-        link_efficiency=Value(0.8, "est-link"),
+        link_efficiency=Value(V5P_LINK_FRACTION, "calib-v5p-link"),
         overlap_slowdown=Value(0.0, "est-overlap-tpu"),
     ),
 }

@@ -93,11 +93,10 @@ def simulate_moe_layer(
     local = s.experts // devices
     assignments = s.tokens * s.top_k
     chunk_rows = assignments // devices  # balanced routing: per peer, itself included
-    link_rate = hw.link_bandwidth.value * hw.link_efficiency.value
     slowdown = hw.overlap_slowdown.value if devices > 1 else 0.0
 
     def transfer_s(rows: int) -> float:
-        return rows * s.d * b / link_rate + hw.link_latency.value
+        return hw.hop_s(rows * s.d * b)
 
     def experts_s(rows: int, local: int = local) -> float:
         return _experts_s(s, local, rows, dtype=dtype, hw=hw)

@@ -989,8 +989,7 @@ def simulate_collective_matmul(
     hw = get_hardware(hardware)
     b = dtypes.itemsize(dtype)
     shard = m * (k if kind == "all_gather_matmul" else n) * b  # what travels per hop
-    link_bw = hw.link_bandwidth.value * hw.link_efficiency.value
-    hop = shard / link_bw + hw.link_latency.value
+    hop = hw.hop_s(shard)
     full = simulate_matmul(m * devices, k, n, dtype=dtype, hardware=hw)
     accumulate_s = 0.0
     if hw.kind == "gpu":

@@ -247,6 +247,16 @@ MEASUREMENTS: tuple[Measurement, ...] = (
         SCALING_BOOK,
         lambda: _scaling_book("ring"),
     ),
+    Measurement(
+        "lax.ppermute, 64 MiB per device, one hop",
+        "v5p",
+        781.98,
+        "us",
+        "marin-community/marin issue 6736: TPU v5p-8, barriered lax.ppermute, repeat-count "
+        "slope (no host launch)",
+        lambda: get_hardware("v5p").hop_s(64 * 2**20) * 1e6,
+        role="calibration",
+    ),
     *_guide_rows(),
 )
 
