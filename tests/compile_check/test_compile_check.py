@@ -108,8 +108,10 @@ def test_verdicts():
 def test_simulated_onchip_is_the_simulators_count_of_single_kernel_cases():
     gmm = cc.case("gmm", m=8192, k=4096, n=14336, groups=8)
     tgmm = cc.case("tgmm", m=8192, k=4096, n=14336, groups=8)
-    assert cc.cases.simulated_onchip(gmm, "v5e") == 2 * 2**20  # what libtpu reported
-    assert cc.cases.simulated_onchip(tgmm, "v6e") == 3.5 * 2**20
+    # the default (256, 1024, 1024) tiles' buffers and Mosaic's lhs copy; libtpu reported 8.49
+    # and 14.34 MiB (benchmarks/results/compile-check-2026-11-29.md)
+    assert cc.cases.simulated_onchip(gmm, "v5e") == 8.5 * 2**20
+    assert cc.cases.simulated_onchip(tgmm, "v6e") == 14.5 * 2**20
     assert cc.cases.simulated_onchip(gmm, "h100") == 229376  # ptxas: 229489 with the barriers
     grad = cc.case("gmm", m=8192, k=4096, n=14336, groups=8, grad=True)
     assert cc.cases.simulated_onchip(grad, "v5e") is None
@@ -234,15 +236,17 @@ def test_a_gmm_tiling_over_the_chips_vmem_is_refused_and_a_large_one_gets_a_limi
         with _on("TPU v5 lite"):
             return jax.export.export(fn, platforms=["tpu"])(*args).mlir_module()
 
-    # (2048, 4096, 4096): 2 x (16 + 32 + 16) MiB of input blocks, 2 x 16 of output, 32 of sums.
+    # (2048, 4096, 4096): 2 x (16 + 32 + 16) MiB of input blocks, 2 x 16 of output, 32 of sums,
+    # 16 of Mosaic's copy of the lhs block.
     with pytest.raises(
         NotImplementedError,
-        match=r"gmm: mosaic_tpu needs 192.0 MiB of VMEM .*"
+        match=r"gmm: mosaic_tpu needs 208.0 MiB of VMEM .*"
         r"128 MiB of TPU_V5E; pass a smaller tiling",
     ):
         export((2048, 4096, 4096))
-    # (1024, 2048, 2048): 48 MiB of buffers, 64 with the products: over v5e's default 16 MiB,
-    # so the kernel asks for 64 MiB of scoped VMEM (the default tiling asks for nothing).
+    # (1024, 2048, 2048): 48 MiB of buffers and 4 of the lhs copy, 68 with the products: over
+    # v5e's default 16 MiB, so the kernel asks for 68 MiB of scoped VMEM (128 x 512 x 512 tiles
+    # ask for nothing).
     limit = re.compile(r"scoped_memory_configs\\22: \[\{[^]]*\\22size\\22: (\d+)")
-    assert limit.findall(export((1024, 2048, 2048))) == [str(64 * 2**20)]
+    assert limit.findall(export((1024, 2048, 2048))) == [str(68 * 2**20)]
     assert limit.findall(export((128, 512, 512))) == []

@@ -266,8 +266,9 @@ def test_grouped_simulations_on_a_gpu_model_the_mosaic_gpu_kernels():
             and r.config["compute_threads"] == MOSAIC_GPU.compute_threads
         )
         tpu = fn(sizes, 1024, 1024, hardware="v5e").config
-        # cv.gmm's TPU_DEFAULT (128, 512, 512), double-buffered as Pallas TPU pipelines are
-        assert tpu["kernel"] == "cv mosaic_tpu" and tuple(tpu["tiling"]) == (128, 512, 512)
+        # cv.gmm's TPU default for 2048 rows in 4 groups (512 a group: tm at most 256),
+        # double-buffered as Pallas TPU pipelines are
+        assert tpu["kernel"] == "cv mosaic_tpu" and tuple(tpu["tiling"]) == (256, 1024, 1024)
         assert tpu["stages"] == 2
         assert (
             fn(sizes, 1024, 1024, hardware="h100", tiling=(64, 128, 128), stages=3).config["kernel"]
@@ -355,7 +356,8 @@ def _compiled_onchip() -> list[tuple[str, str, dict, float]]:
 def test_grouped_kernels_on_chip_memory_is_what_the_tpu_compiler_reported():
     """The simulator's VMEM for cv.gmm / cv.tgmm's mosaic_tpu kernel is the kernel's own count
     (ops/gmm/tpu_blocks.working_set), and that count is what libtpu's compile reported for the
-    production cases (`make compile-check`; the table prints MiB to two decimals, so within 1%)."""
+    production cases (`make compile-check`) within -2% / +3%: the buffers exactly, Mosaic's
+    relayout copy of a large left operand at the operand's size (docs/internals/gmm.md)."""
     rows = _compiled_onchip()
     assert len(rows) >= 12, rows  # gmm and tgmm cases on v5e, v6e and v5p
     hardware = {"v5e": "v5e", "v6e": "v5e", "v5p": "v5p"}  # v6e: the tiles do not depend on it
@@ -363,7 +365,8 @@ def test_grouped_kernels_on_chip_memory_is_what_the_tpu_compiler_reported():
         m, k, n, groups = int(p["m"]), int(p["k"]), int(p["n"]), int(p["groups"])
         fn = cv.sim.simulate_gmm if kind == "gmm" else cv.sim.simulate_tgmm
         r = fn([m // groups] * groups, k, n, dtype="bf16", hardware=hardware[target])
-        assert r.onchip_bytes / 2**20 == pytest.approx(mib, rel=0.01), (target, kind, p)
+        error = r.onchip_bytes / 2**20 / mib - 1
+        assert -0.02 <= error <= 0.03, (target, kind, p, error)
 
 
 def _kernel_copies(op, sizes, k, n, tiling):
@@ -418,9 +421,10 @@ def test_grouped_matmuls_on_tpu_copy_what_the_kernels_copy(op, sizes, k, n):
 def test_gmm_on_tpu_reads_a_groups_weights_once_when_k_is_one_tile():
     # Consecutive visits of a group keep its [k, tn] weight block: rhs is copied once per group
     # per column, not once per visit; with 4 k tiles it is copied at every step.
-    one = cv.sim.simulate_gmm([1024] * 4, 512, 1024, hardware="v5e").config
+    tiling = (128, 512, 512)
+    one = cv.sim.simulate_gmm([1024] * 4, 512, 1024, hardware="v5e", tiling=tiling).config
     assert one["copies"]["rhs"] == 4 * 2 and one["grid"] == [2, 32, 1]
-    four = cv.sim.simulate_gmm([1024] * 4, 2048, 1024, hardware="v5e").config
+    four = cv.sim.simulate_gmm([1024] * 4, 2048, 1024, hardware="v5e", tiling=tiling).config
     assert four["copies"]["rhs"] == 2 * 32 * 4
 
 
@@ -455,15 +459,16 @@ def test_whole_call_time_adds_a_host_dispatch_cost_only_when_asked():
 
 def test_a_tiling_on_tpu_runs_the_mosaic_tpu_kernel_with_those_tiles():
     """As cv.gmm(tiling=...) does: 512-row tiles read each group's weights a quarter as often as
-    the default 128-row ones, in 7 MiB of VMEM; a tile the kernel refuses is refused as it does."""
+    128-row ones, in 8 MiB of VMEM; a tile the kernel refuses is refused as it does."""
     sizes = [1024] * 8
-    default = cv.sim.simulate_gmm(sizes, 4096, 14336, hardware="v5e")
+    narrow = cv.sim.simulate_gmm(sizes, 4096, 14336, hardware="v5e", tiling=(128, 512, 512))
     wide = cv.sim.simulate_gmm(sizes, 4096, 14336, hardware="v5e", tiling=(512, 1024, 512))
     assert wide.config["kernel"] == "cv mosaic_tpu" and wide.config["tiling"] == [512, 1024, 512]
-    assert wide.onchip_bytes == 7 * 2**20
+    # 7 MiB of buffers and Mosaic's copy of the [512, 1024] lhs block (libtpu: 8.09 MiB on v5e)
+    assert wide.onchip_bytes == 8 * 2**20
     # weight bytes read: copies x block size ([tk, tn] = 1024 x 512 against 512 x 512)
     rhs_bytes = wide.config["copies"]["rhs"] * 1024 * 512
-    assert rhs_bytes * 4 == default.config["copies"]["rhs"] * 512 * 512
+    assert rhs_bytes * 4 == narrow.config["copies"]["rhs"] * 512 * 512
     with pytest.raises(ValueError, match="tk to be a multiple of 128"):
         cv.sim.simulate_gmm(sizes, 4096, 14336, hardware="v5e", tiling=(512, 100, 512))
 

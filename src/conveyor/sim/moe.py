@@ -9,6 +9,7 @@ import dataclasses
 
 from conveyor.ints import cdiv
 from conveyor import dtypes
+from conveyor.ops.gmm.tiling import TPU_ROW_KERNELS
 from conveyor.plans.exchange import default_stages, exchange_plan, staged_exchange_plan
 from conveyor.sim import timed
 from conveyor.sim.hardware import Hardware, get as get_hardware
@@ -229,10 +230,12 @@ def _transfer_beside(plan, hop_s: float, chunk_s: float) -> dict[tuple[int, str]
 
 def _experts_s(s: MoeShape, local: int, rows: int, *, dtype: str, hw: Hardware) -> float:
     """The SwiGLU experts' three grouped matmuls on `rows` rows spread evenly over `local`
-    experts."""
+    experts. On TPU the layer moves its rows inside the kernels (`fuse_permutation`), whose row
+    kernels run `TPU_ROW_KERNELS` tiles: priced with those."""
     sizes = [rows // local + (1 if e < rows % local else 0) for e in range(local)]
-    up = simulate_gmm(sizes, s.d, s.f, dtype=dtype, hardware=hw).time_s
-    down = simulate_gmm(sizes, s.f, s.d, dtype=dtype, hardware=hw).time_s
+    tiling = TPU_ROW_KERNELS if hw.kind == "tpu" else None
+    up = simulate_gmm(sizes, s.d, s.f, dtype=dtype, hardware=hw, tiling=tiling).time_s
+    down = simulate_gmm(sizes, s.f, s.d, dtype=dtype, hardware=hw, tiling=tiling).time_s
     return 2 * up + down
 
 

@@ -14,7 +14,7 @@ from conveyor import dtypes
 from conveyor.plans.ring import RingBlocks, RingPlan, ring_plan
 from conveyor.ops.gmm.metadata import count_row_blocks, count_visits
 from conveyor.ops.gmm import tpu_blocks
-from conveyor.ops.gmm.tiling import MOSAIC_GPU, TPU_DEFAULT
+from conveyor.ops.gmm.tiling import MOSAIC_GPU, tpu_default
 from conveyor.plans.pipeline import PipelinePlan, plan as make_plan
 from conveyor.plans.program import Copy
 from conveyor.plans.sequence import as_sequence, operand_sizes, Prefetched, sequence_program
@@ -474,14 +474,14 @@ def _grouped_kernel(
 
 
 def _tpu_kernel(
-    op: str, m: int, k: int, n: int, dtype: str, tiling: Sequence[int] | None
+    op: str, m: int, k: int, n: int, groups: int, dtype: str, tiling: Sequence[int] | None
 ) -> tuple[tuple[int, int, int], int]:
     """cv.gmm / cv.tgmm's mosaic_tpu kernel for this problem: its (tm, tk, tn) (`tiling`, or the
-    default, clamped as the kernel clamps it; a tile the kernel refuses raises its ValueError) and
-    its VMEM working set, the output in the operands' dtype (as the simulator's HBM traffic
-    assumes)."""
+    default for `groups` groups, clamped as the kernel clamps it; a tile the kernel refuses
+    raises its ValueError) and its VMEM working set, the output in the operands' dtype (as the
+    simulator's HBM traffic assumes)."""
     dt = dtypes.canonical(dtype)
-    tiles = tuple(int(t) for t in (TPU_DEFAULT if tiling is None else tiling))
+    tiles = tuple(int(t) for t in (tpu_default(m, k, n, groups) if tiling is None else tiling))
     if op == "gmm":
         tiles = tpu_blocks.gmm_tiles(m, k, n, tiles, dt)
         blocks = tpu_blocks.gmm_blocks(*tiles)
@@ -601,7 +601,7 @@ def simulate_gmm(
         block_elems=tm * tk + tk * tn,
         staging_elems=math.prod(MOSAIC_GPU.staging_shape(tm, tn)),
         itemsize=b,
-        tpu_kernel=lambda t: _tpu_kernel("gmm", m, k, n, dtype, t),
+        tpu_kernel=lambda t: _tpu_kernel("gmm", m, k, n, len(group_sizes), dtype, t),
     )
     groups = sum(1 for g in group_sizes if g)
     hbm = (m * k + groups * k * n) * b + m * n * b
@@ -925,7 +925,7 @@ def simulate_tgmm(
         block_elems=tk * tm + tm * tn,
         staging_elems=math.prod(MOSAIC_GPU.staging_shape(tk, tn)),
         itemsize=dtypes.itemsize(dtype),
-        tpu_kernel=lambda t: _tpu_kernel("tgmm", m, k, n, dtype, t),
+        tpu_kernel=lambda t: _tpu_kernel("tgmm", m, k, n, len(group_sizes), dtype, t),
     )
     gpu_kernel = cfg["kernel"] == "cv mosaic_gpu"
     if imagined:

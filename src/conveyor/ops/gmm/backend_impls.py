@@ -94,7 +94,7 @@ def _gmm_mosaic_tpu(
     out_dtype,
 ):
     m, k, n = _gmm_dims(lhs, existing_out)
-    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
+    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.tpu_default(m, k, n, group_sizes.shape[0]))
     return _mosaic_tpu().gmm_mosaic_tpu(
         lhs,
         rhs,
@@ -234,7 +234,7 @@ def _gathered_gmm_mosaic_tpu(
     out_dtype,
 ):
     m, k, n = lhs_indices.shape[0], lhs.shape[1], existing_out.shape[1]
-    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
+    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_ROW_KERNELS)
     from conveyor.ops.gmm import mosaic_tpu_rows
 
     return mosaic_tpu_rows.gathered_gmm_mosaic_tpu(
@@ -307,7 +307,7 @@ def _scatter_gmm_mosaic_tpu(
 
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
+    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_ROW_KERNELS)
     args = (lhs, rhs, group_sizes, group_offset, out_indices, row_weights)
 
     def kernel(args):
@@ -399,7 +399,7 @@ def _tgmm_mosaic_tpu(
     lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, interpret, num_groups, out_dtype
 ):
     m, k, n = _tgmm_dims(lhs, rhs)
-    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
+    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.tpu_default(m, k, n, group_sizes.shape[0]))
     return _mosaic_tpu().tgmm_mosaic_tpu(
         lhs,
         rhs,
@@ -504,7 +504,7 @@ def _gathered_tgmm_mosaic_tpu(
     weighted,
 ):
     m, k, n = indices.shape[0], lhs.shape[1], rhs.shape[1]
-    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_DEFAULT)
+    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_ROW_KERNELS)
     from conveyor.ops.gmm import mosaic_tpu_rows
 
     return mosaic_tpu_rows.gathered_tgmm_mosaic_tpu(

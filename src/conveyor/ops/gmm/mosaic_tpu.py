@@ -108,13 +108,17 @@ def _gmm_kernel(
         out_ref[...] = jnp.where(mine, acc_ref[...].astype(out_ref.dtype), out_ref[...])
 
 
-def kernel_vmem_limit(op: str, lhs_block, rhs_block, out_block, cdt, out_dtype) -> int | None:
-    """`vmem_limit_bytes` for a gmm/tgmm tiling: the working set (`tpu_blocks.working_set`, the
-    scoped VMEM libtpu reports: 2 MiB gmm, 3.5 MiB tgmm at the default tilings). Peak adds two
+def kernel_vmem_limit(
+    op: str, lhs_block, rhs_block, out_block, cdt, out_dtype, *, dot_lhs=None
+) -> int | None:
+    """`vmem_limit_bytes` for a gmm/tgmm tiling: the working set (`tpu_blocks.working_set`, within
+    a few percent of the scoped VMEM libtpu reports; `dot_lhs` as there). Peak adds two
     float32 products of the output block's shape (the dot's value and the sum), which larger
     tilings need (docs/compile-check.md). A tiling whose working set is over the chip's VMEM is
     refused naming the bytes (`tpu_vmem.vmem_limit`)."""
-    working = tpu_blocks.working_set(lhs_block, rhs_block, out_block, cdt, out_dtype)
+    working = tpu_blocks.working_set(
+        lhs_block, rhs_block, out_block, cdt, out_dtype, dot_lhs=dot_lhs
+    )
     product = shape_bytes(tuple(d for d in out_block if d is not None), jnp.float32)
     return vmem_limit(
         f"{op}",

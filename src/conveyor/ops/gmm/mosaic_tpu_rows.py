@@ -233,7 +233,13 @@ def gathered_gmm_mosaic_tpu(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=kernel_vmem_limit(
-                "gmm with lhs_indices", (tm, width), rhs_block, out_block, cdt, out_dtype
+                "gmm with lhs_indices",
+                (tm, width),
+                rhs_block,
+                out_block,
+                cdt,
+                out_dtype,
+                dot_lhs=(tm, tk),
             ),
         ),
         cost_estimate=matmul_cost(m, k, n, lhs, rhs, existing_out),
@@ -410,7 +416,13 @@ def gathered_tgmm_mosaic_tpu(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=kernel_vmem_limit(
-                "tgmm of gathered rows", (tm, width), other_block, out_block, cdt, out_dtype
+                "tgmm of gathered rows",
+                (tm, width),
+                other_block,
+                out_block,
+                cdt,
+                out_dtype,
+                dot_lhs=(tm, tk),
             ),
         ),
         cost_estimate=matmul_cost(k, m, n, lhs, rhs, existing_out),

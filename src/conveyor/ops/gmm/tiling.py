@@ -11,8 +11,33 @@ Tiling = Union[None, tuple[int, int, int], Callable[[int, int, int], "tuple[int,
 
 # The XLA backend's default row tile is xla.GMM_TM for gmm and xla.default_tgmm_tm for tgmm (k and
 # n are left whole: XLA's dot emitter tiles them itself).
-# Mosaic TPU: megablox-like defaults that fit VMEM comfortably (f32: 2x(128x512 + 512x512) inputs).
-TPU_DEFAULT = (128, 512, 512)
+# Mosaic TPU's default tiles for gmm/tgmm (`tpu_default`): rows per tile between TPU_MIN_TM and
+# TPU_MAX_TM, k / n tiles of at most TPU_MAX_TKN. Why these sizes: docs/internals/gmm.md,
+# "Default tiles on TPU".
+TPU_MIN_TM, TPU_MAX_TM, TPU_MAX_TKN = 128, 256, 1024
+# The row-moving kernels (gmm with lhs_indices or out_indices, tgmm with gathered rows) keep
+# megablox-like tiles: their per-row DMA buffers hold each 16-bit row as a whole (16, 128) VMEM
+# tile, so 512-row tiles ran out of scoped VMEM in libtpu's compile (docs/internals/gmm.md).
+TPU_ROW_KERNELS = (128, 512, 512)
+
+
+def tpu_default(m: int, k: int, n: int, num_groups: int) -> tuple[int, int, int]:
+    """Mosaic TPU's default (tm, tk, tn) for gmm/tgmm over `m` rows in `num_groups` groups.
+
+    tm is the mean rows per group rounded down to a power of two, within [128, 256]: each weight
+    block fetched serves more rows, while the tiles a group shares with its neighbours (computed
+    once per group) waste little. tk and tn are the widest of 1024, 512, 256, 128 that divides k
+    and n (1024 when none does). The kernels clamp each tile to its dimension. Depends on the
+    shapes alone, never on the host or the chip."""
+    mean = m // max(num_groups, 1)
+    tm = TPU_MIN_TM
+    while tm * 2 <= min(mean, TPU_MAX_TM):
+        tm *= 2
+    return (
+        tm,
+        _widest_dividing(TPU_MAX_TKN, k, 128),
+        _widest_dividing(TPU_MAX_TKN, n, 128),
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -4,6 +4,8 @@ both count the same bytes. No Pallas import: the simulator loads it without the 
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import jax.numpy as jnp
@@ -66,13 +68,25 @@ def _present(block: Shape) -> tuple[int, ...]:
     return tuple(d for d in block if d is not None)
 
 
-def working_set(lhs_block: Shape, rhs_block: Shape, out_block: Shape, dtype, out_dtype) -> int:
+# Mosaic TPU keeps a relayout copy of a matmul's left operand once the operand holds more than
+# this many elements: libtpu's compile of 108 gmm/tgmm tilings on v5e, v6e and v5p reported it
+# (docs/internals/gmm.md, "Default tiles on TPU"); counted at the operand's size.
+RELAYOUT_FREE_ELEMENTS = 128 * 512
+
+
+def working_set(
+    lhs_block: Shape, rhs_block: Shape, out_block: Shape, dtype, out_dtype, *, dot_lhs=None
+) -> int:
     """The kernel's VMEM: two buffers of each input block (lhs, rhs and the aliased existing
-    output), two of the output block and the float32 accumulator scratch. This is the scoped
-    VMEM libtpu reports for the kernels (benchmarks/results/compile-check-*.md)."""
+    output), two of the output block, the float32 accumulator scratch, and Mosaic's copy of the
+    matmul's left operand (`dot_lhs`, default the lhs block) when it is over
+    RELAYOUT_FREE_ELEMENTS. libtpu's scoped VMEM for the kernels is this within a few percent
+    (benchmarks/results/compile-check-*.md)."""
     lhs, rhs, out = _present(lhs_block), _present(rhs_block), _present(out_block)
     inputs = shape_bytes(lhs, dtype) + shape_bytes(rhs, dtype) + shape_bytes(out, out_dtype)
-    return 2 * inputs + 2 * shape_bytes(out, out_dtype) + shape_bytes(out, jnp.float32)
+    operand = lhs if dot_lhs is None else _present(dot_lhs)
+    relayout = shape_bytes(operand, dtype) if math.prod(operand) > RELAYOUT_FREE_ELEMENTS else 0
+    return 2 * inputs + 2 * shape_bytes(out, out_dtype) + shape_bytes(out, jnp.float32) + relayout
 
 
 def gmm_index_maps(transpose_rhs: bool = False):
