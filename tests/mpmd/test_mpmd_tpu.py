@@ -58,16 +58,21 @@ def _handoff(wait: bool):
     return program
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_cores_hand_work_over_through_hbm_and_a_semaphore(mode):
-    x = _x()
-    call = cv.mpmd_map(
-        [(cv.Mesh(core=2), _handoff(wait=True))],
+def _handoff_call(x, *, wait: bool, mode: str):
+    """`_handoff` on two TensorCores under the TPU interpreter in DMA mode `mode`."""
+    return cv.mpmd_map(
+        [(cv.Mesh(core=2), _handoff(wait=wait))],
         jax.ShapeDtypeStruct(x.shape, x.dtype),
         scratch_shapes=[pltpu.VMEM(BLOCK, jnp.float32), pltpu.SemaphoreType.REGULAR],
         backend="mosaic_tpu",
         interpret=_interpret(mode),
     )
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cores_hand_work_over_through_hbm_and_a_semaphore(mode):
+    x = _x()
+    call = _handoff_call(x, wait=True, mode=mode)
     if not SIGNALS_ACROSS_CORES:
         with pytest.raises(NotImplementedError, match="core"):
             call(x)
@@ -79,13 +84,7 @@ def test_cores_hand_work_over_through_hbm_and_a_semaphore(mode):
 
 def test_reading_before_the_signal_is_a_race():
     x = _x()
-    call = cv.mpmd_map(
-        [(cv.Mesh(core=2), _handoff(wait=False))],
-        jax.ShapeDtypeStruct(x.shape, x.dtype),
-        scratch_shapes=[pltpu.VMEM(BLOCK, jnp.float32), pltpu.SemaphoreType.REGULAR],
-        backend="mosaic_tpu",
-        interpret=_interpret("on_wait"),
-    )
+    call = _handoff_call(x, wait=False, mode="on_wait")
     expected = "RACE DETECTED" if SIGNALS_ACROSS_CORES else "core"
     with pytest.raises(Exception, match=expected):
         jax.block_until_ready(call(x))

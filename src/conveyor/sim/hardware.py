@@ -127,7 +127,7 @@ SOURCES = {
         "validate"
     ),
     "marin-ppermute": (
-        "marin-community/marin issue 6736 (2026-06-28): a barriered `lax.ppermute` payload sweep "
+        "marin-community/marin issue 6736 (June 2026): a barriered `lax.ppermute` payload sweep "
         "on TPU v5p-8 and v6e-8, timed as repeat-count slopes inside one compiled loop (no host "
         "launch): v5p 1-16 KiB 4.5-5.5 us, 1 MiB 16.94 us, 64 MiB 781.98 us per device; their "
         "large-payload fit 4.55 us + bytes / 86.3 GB/s"
