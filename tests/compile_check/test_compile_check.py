@@ -250,3 +250,42 @@ def test_a_gmm_tiling_over_the_chips_vmem_is_refused_and_a_large_one_gets_a_limi
     limit = re.compile(r"scoped_memory_configs\\22: \[\{[^]]*\\22size\\22: (\d+)")
     assert limit.findall(export((1024, 2048, 2048))) == [str(68 * 2**20)]
     assert limit.findall(export((128, 512, 512))) == []
+
+
+def test_a_gathered_gmm_counts_its_packed_row_slots_and_gets_a_limit():
+    """The gathered gmm's 16-bit row slots take twice their nominal bytes and their operand 16
+    bytes an element in libtpu's VMEM; with (256, 1024, 1024) tiles that is 19 MiB (libtpu on v5e:
+    18.82), over v5e's 16 MiB default, so the kernel asks for more (it asked for nothing and
+    failed `CompileTimeScopedVmemOom` while the slots were counted at their nominal bytes)."""
+    import conveyor as cv
+    from conveyor.ops.gmm.mosaic_tpu_rows import packed_rows_vmem
+
+    MiB = 2**20
+    assert packed_rows_vmem(256, 1024, 4096, jnp.bfloat16) == 4 * MiB + 4 * MiB
+    bf16 = jnp.bfloat16
+    args = (
+        jax.ShapeDtypeStruct((8192, 4096), bf16),
+        jax.ShapeDtypeStruct((8, 4096, 14336), bf16),
+        jax.ShapeDtypeStruct((8,), jnp.int32),
+        jax.ShapeDtypeStruct((16384,), jnp.int32),
+    )
+
+    def export(tiling):
+        fn = jax.jit(
+            lambda x, w, s, idx: cv.gmm(
+                x,
+                w,
+                s,
+                lhs_indices=idx,
+                backend="mosaic_tpu",
+                tiling=tiling,
+                preferred_element_type=bf16,
+            )
+        )
+        with _on("TPU v5 lite"):
+            return jax.export.export(fn, platforms=["tpu"])(*args).mlir_module()
+
+    limit = re.compile(r"scoped_memory_configs\\22: \[\{[^]]*\\22size\\22: (\d+)")
+    # 19 MiB counted, plus two float32 products of the [256, 1024] output block
+    assert limit.findall(export((256, 1024, 1024))) == [str(21 * MiB)]
+    assert limit.findall(export((128, 512, 512))) == []  # 6.75 MiB counted (libtpu: 6.63)

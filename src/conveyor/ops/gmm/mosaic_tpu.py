@@ -109,14 +109,15 @@ def _gmm_kernel(
 
 
 def kernel_vmem_limit(
-    op: str, lhs_block, rhs_block, out_block, cdt, out_dtype, *, dot_lhs=None
+    op: str, lhs_block, rhs_block, out_block, cdt, out_dtype, *, dot_lhs=None, extra: int = 0
 ) -> int | None:
     """`vmem_limit_bytes` for a gmm/tgmm tiling: the working set (`tpu_blocks.working_set`, within
-    a few percent of the scoped VMEM libtpu reports; `dot_lhs` as there). Peak adds two
+    a few percent of the scoped VMEM libtpu reports; `dot_lhs` as there) plus `extra` bytes the
+    kernel's own scratch takes beyond it. Peak adds two
     float32 products of the output block's shape (the dot's value and the sum), which larger
     tilings need (docs/compile-check.md). A tiling whose working set is over the chip's VMEM is
     refused naming the bytes (`tpu_vmem.vmem_limit`)."""
-    working = tpu_blocks.working_set(
+    working = extra + tpu_blocks.working_set(
         lhs_block, rhs_block, out_block, cdt, out_dtype, dot_lhs=dot_lhs
     )
     product = shape_bytes(tuple(d for d in out_block if d is not None), jnp.float32)

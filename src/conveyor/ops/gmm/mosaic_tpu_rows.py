@@ -141,6 +141,15 @@ def _gathered_gmm_kernel(
 GATHER_SLOTS_BYTES = 4 << 20
 
 
+def packed_rows_vmem(tm: int, tk: int, width: int, cdt) -> int:
+    """VMEM libtpu holds for the gathered gmm's packed 16-bit row slots ([2, tm, 1, width]) beyond
+    their nominal bytes: the slots again (each packed row takes twice its size) and the [tm, tk]
+    operand unpacked from them at 16 bytes an element (it replaces the relayout copy a plain
+    gmm's operand gets). Compiled on v5e for tm in {128, 256}, tk in {512, 1024}, k in {2048,
+    4096}: within +1.8% of libtpu (docs/internals/gmm.md, `ops/gmm/mosaic_tpu_rows.py`)."""
+    return 2 * tm * width * jnp.dtype(cdt).itemsize + 16 * tm * tk
+
+
 def gather_chunk_tiles(tm: int, tk: int, k_tiles: int, itemsize: int) -> int:
     """How many k tiles one gathered-row DMA carries: all of them when two slots of whole rows
     fit `GATHER_SLOTS_BYTES` (one DMA per row per visit and n tile), else one."""
@@ -239,7 +248,8 @@ def gathered_gmm_mosaic_tpu(
                 out_block,
                 cdt,
                 out_dtype,
-                dot_lhs=(tm, tk),
+                dot_lhs=(tm, 1) if packed else (tm, tk),
+                extra=packed_rows_vmem(tm, tk, width, cdt) if packed else 0,
             ),
         ),
         cost_estimate=matmul_cost(m, k, n, lhs, rhs, existing_out),

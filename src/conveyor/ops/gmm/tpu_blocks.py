@@ -68,9 +68,10 @@ def _present(block: Shape) -> tuple[int, ...]:
     return tuple(d for d in block if d is not None)
 
 
-# Mosaic TPU keeps a relayout copy of a matmul's left operand once the operand holds more than
-# this many elements: libtpu's compile of 108 gmm/tgmm tilings on v5e, v6e and v5p reported it
-# (docs/internals/gmm.md, "Default tiles on TPU"); counted at the operand's size.
+# Mosaic TPU keeps a relayout copy of a matmul's 16-bit left operand once the operand holds more
+# than this many elements: libtpu's compile of 108 bf16 gmm/tgmm tilings on v5e, v6e and v5p
+# reported it, and of float32 ones none (docs/internals/gmm.md, "Default tiles on TPU"); counted
+# at the operand's size.
 RELAYOUT_FREE_ELEMENTS = 128 * 512
 
 
@@ -79,13 +80,14 @@ def working_set(
 ) -> int:
     """The kernel's VMEM: two buffers of each input block (lhs, rhs and the aliased existing
     output), two of the output block, the float32 accumulator scratch, and Mosaic's copy of the
-    matmul's left operand (`dot_lhs`, default the lhs block) when it is over
+    matmul's 16-bit left operand (`dot_lhs`, default the lhs block) when it is over
     RELAYOUT_FREE_ELEMENTS. libtpu's scoped VMEM for the kernels is this within a few percent
     (benchmarks/results/compile-check-*.md)."""
     lhs, rhs, out = _present(lhs_block), _present(rhs_block), _present(out_block)
     inputs = shape_bytes(lhs, dtype) + shape_bytes(rhs, dtype) + shape_bytes(out, out_dtype)
     operand = lhs if dot_lhs is None else _present(dot_lhs)
-    relayout = shape_bytes(operand, dtype) if math.prod(operand) > RELAYOUT_FREE_ELEMENTS else 0
+    copied = jnp.dtype(dtype).itemsize < 4 and math.prod(operand) > RELAYOUT_FREE_ELEMENTS
+    relayout = shape_bytes(operand, dtype) if copied else 0
     return 2 * inputs + 2 * shape_bytes(out, out_dtype) + shape_bytes(out, jnp.float32) + relayout
 
 
