@@ -113,10 +113,10 @@ def kernel_vmem_limit(
 ) -> int | None:
     """`vmem_limit_bytes` for a gmm/tgmm tiling: the working set (`tpu_blocks.working_set`, within
     a few percent of the scoped VMEM libtpu reports; `dot_lhs` as there) plus `extra` bytes the
-    kernel's own scratch takes beyond it. Peak adds two
-    float32 products of the output block's shape (the dot's value and the sum), which larger
-    tilings need (docs/compile-check.md). A tiling whose working set is over the chip's VMEM is
-    refused naming the bytes (`tpu_vmem.vmem_limit`)."""
+    kernel's own scratch takes beyond it. Peak adds two float32 products of the output block's
+    shape (the dot's value and the sum), which larger tilings need (docs/compile-check.md). A
+    tiling whose working set is over the chip's VMEM is refused naming the bytes
+    (`tpu_vmem.vmem_limit`)."""
     working = extra + tpu_blocks.working_set(
         lhs_block, rhs_block, out_block, cdt, out_dtype, dot_lhs=dot_lhs
     )

@@ -248,6 +248,8 @@ def gathered_gmm_mosaic_tpu(
                 out_block,
                 cdt,
                 out_dtype,
+                # packed rows: `packed_rows_vmem` counts the unpacked operand, which stands for
+                # the relayout copy, so the operand named here is a single column (never copied)
                 dot_lhs=(tm, 1) if packed else (tm, tk),
                 extra=packed_rows_vmem(tm, tk, width, cdt) if packed else 0,
             ),
