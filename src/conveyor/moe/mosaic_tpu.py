@@ -1,0 +1,407 @@
+"""The overlapped expert-parallel exchange (`conveyor.plans.exchange.ExchangePlan`) as one Mosaic
+TPU kernel: remote DMAs carry each peer's rows in and the results home while the SwiGLU experts
+run, as grouped matmuls over the received rows, on the chunk that arrived before.
+
+Design notes: docs/internals/moe.md, section `moe/mosaic_tpu.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from conveyor.cost import matmul_cost, shape_bytes
+from conveyor.interpreters import tpu_params
+from conveyor.ints import cdiv
+from conveyor.kernel import KernelContext, entered_kernel
+from conveyor.ops.gmm.metadata import make_group_metadata, max_visits
+from conveyor.pipeline.api import emit_pipeline
+from conveyor.plans.exchange import ExchangePlan
+from conveyor.spmd import out_struct
+from conveyor.tpu_vmem import vmem_limit
+
+# Rows of a row tile of the experts' grouped matmuls, and of one DMA of rows: a chunk travels in
+# whole tiles, so at most TILE_ROWS - 1 padding rows per chunk cross a link.
+TILE_ROWS = 128
+SUPPORTED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _lanes(size: int) -> int:
+    """The widest of 512 / 256 / 128 dividing `size` (a multiple of 128)."""
+    return next(t for t in (512, 256, 128) if size % t == 0)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertTiles:
+    """Blocks of the two grouped matmuls: [rows, d] @ [d, f] (gate and up, fused) and
+    [rows, f] @ [f, d] (down); `tm` rows each."""
+
+    tm: int
+    d_block: int
+    f_block: int
+
+    @classmethod
+    def for_shapes(cls, d: int, f: int) -> "ExpertTiles":
+        return cls(tm=TILE_ROWS, d_block=_lanes(d), f_block=_lanes(f))
+
+    def vmem(self, dtype) -> int:
+        """VMEM of the larger of the two pipelines: two slots per block; the float32
+        accumulators (two for gate and up)."""
+        tm, bd, bf = self.tm, self.d_block, self.f_block
+        up = 2 * shape_bytes((tm, bd), dtype) + 4 * shape_bytes((bd, bf), dtype)
+        up += 2 * shape_bytes((tm, bf), dtype) + 2 * shape_bytes((tm, bf), jnp.float32)
+        down = 2 * shape_bytes((tm, bf), dtype) + 2 * shape_bytes((bf, bd), dtype)
+        down += 2 * shape_bytes((tm, bd), dtype) + shape_bytes((tm, bd), jnp.float32)
+        return max(up, down)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Chunks:
+    """Group metadata (SMEM) of the chunk each sender sends this device, flattened: sender s's
+    visit v at `[s * visits + v]`, its group g's rows at `[s * groups + g]`."""
+
+    group_ids: object
+    tile_ids: object
+    starts: object
+    ends: object
+    num_visits: object
+    visits: int
+    groups: int
+
+    def visit(self, s, v):
+        return self.group_ids[s * self.visits + v], self.tile_ids[s * self.visits + v]
+
+    def rows_of(self, s, g):
+        return self.starts[s * self.groups + g], self.ends[s * self.groups + g]
+
+
+def _grouped_swiglu(x_ref, wg_ref, wu_ref, wd_ref, h_ref, out_ref, chunks: _Chunks, s, tiles):
+    """out = (silu(x @ wg[g]) * (x @ wu[g])) @ wd[g] for the rows of each group g of sender s's
+    chunk `x_ref` [C, d] (rows past the groups: unspecified), through `h_ref` [C, f]; two
+    pipelines over (column block, visit, depth block), visits of sender s only."""
+    tm, bd, bf = tiles.tm, tiles.d_block, tiles.f_block
+    d, f = wg_ref.shape[1:]
+    visits = chunks.num_visits[s]
+
+    def first_of_tile(v):
+        prev = jnp.maximum(v - 1, 0)
+        return (v == 0) | (chunks.visit(s, v)[1] != chunks.visit(s, prev)[1])
+
+    def store(v, out, value):
+        """Write the visit's group's rows of the block (the tile's other rows keep their value)."""
+        g, tile = chunks.visit(s, v)
+        lo, hi = chunks.rows_of(s, g)
+        rows = tile * tm + lax.broadcasted_iota(jnp.int32, out.shape, 0)
+        out[...] = jnp.where((rows >= lo) & (rows < hi), value.astype(out.dtype), out[...])
+
+    row = lambda j, v, kk: (chunks.visit(s, v)[1], kk)  # noqa: E731
+    weight = lambda j, v, kk: (chunks.visit(s, v)[0], kk, j)  # noqa: E731
+    out_block = lambda j, v, kk: (chunks.visit(s, v)[1], j)  # noqa: E731
+
+    def up(acc_g, acc_u):
+        def body(idx, x, wg, wu, h):
+            _, v, kk = idx
+
+            @pl.when(kk == 0)
+            def _():
+                acc_g[...] = jnp.zeros_like(acc_g)
+                acc_u[...] = jnp.zeros_like(acc_u)
+
+            @pl.when((kk == 0) & first_of_tile(v))
+            def _():
+                h[...] = jnp.zeros_like(h)
+
+            acc_g[...] += jnp.dot(x[...], wg[...], preferred_element_type=jnp.float32)
+            acc_u[...] += jnp.dot(x[...], wu[...], preferred_element_type=jnp.float32)
+
+            @pl.when(kk == d // bd - 1)
+            def _():
+                store(v, h, jax.nn.silu(acc_g[...]) * acc_u[...])
+
+        w_spec = pl.BlockSpec((None, bd, bf), weight)
+        emit_pipeline(
+            body,
+            grid=(f // bf, visits, d // bd),
+            in_specs=[pl.BlockSpec((tm, bd), row), w_spec, w_spec],
+            out_specs=[pl.BlockSpec((tm, bf), out_block)],
+        )(x_ref, wg_ref, wu_ref, h_ref)
+
+    def down(acc):
+        def body(idx, h, wd, out):
+            _, v, kk = idx
+
+            @pl.when(kk == 0)
+            def _():
+                acc[...] = jnp.zeros_like(acc)
+
+            @pl.when((kk == 0) & first_of_tile(v))
+            def _():
+                out[...] = jnp.zeros_like(out)
+
+            acc[...] += jnp.dot(h[...], wd[...], preferred_element_type=jnp.float32)
+
+            @pl.when(kk == f // bf - 1)
+            def _():
+                store(v, out, acc[...])
+
+        emit_pipeline(
+            body,
+            grid=(d // bd, visits, f // bf),
+            in_specs=[pl.BlockSpec((tm, bf), row), pl.BlockSpec((None, bf, bd), weight)],
+            out_specs=[pl.BlockSpec((tm, bd), out_block)],
+        )(h_ref, wd_ref, out_ref)
+
+    pl.run_scoped(up, *[pltpu.VMEM((tm, bf), jnp.float32)] * 2)
+    pl.run_scoped(down, pltpu.VMEM((tm, bd), jnp.float32))
+
+
+def _kernel(
+    me_ref,
+    counts_ref,
+    group_ids,
+    tile_ids,
+    starts,
+    ends,
+    num_visits,
+    chunks_hbm,
+    wg_hbm,
+    wu_hbm,
+    wd_hbm,
+    results_hbm,
+    in_slots,
+    out_slots,
+    hidden,
+    dispatch_sems,
+    recv_sems,
+    return_sems,
+    home_sem,
+    credit_sems,
+    *,
+    plan: ExchangePlan,
+    axis,
+    tiles: ExpertTiles,
+    interpret,
+):
+    """One device's part of `plan`. counts_ref[(s * D + j) * E + e]: rows sender s sends device j
+    for its local expert e (its chunk for j, rows sorted by expert). Slots: in_slots /
+    out_slots[stream, slot] (HBM, [C, d] each); semaphores: per stream its dispatches' sends, per
+    (stream, slot) the landings and the returns' sends, one for the results landing home, and one
+    credit per peer offset (a sender waits for the receiver's credit before each dispatch)."""
+    n = plan.num_devices
+    experts = wg_hbm.shape[0]
+    tm = tiles.tm
+    me = me_ref[0]
+    chunks = _Chunks(
+        group_ids, tile_ids, starts, ends, num_visits, group_ids.shape[0] // n, experts
+    )
+    stream = {name: i for i, name in enumerate(plan.directions)}
+
+    def device(offset):
+        return lax.rem(me + offset + n, n)
+
+    def blocks(sender, receiver):
+        """Row tiles of sender's chunk for receiver (each one DMA)."""
+        at = (sender * n + receiver) * experts
+        return cdiv(sum(counts_ref[at + e] for e in range(experts)), tm)
+
+    def tile(ref, i):
+        return ref.at[pl.ds(pl.multiple_of(i * tm, tm), tm)]
+
+    def remote(src, dst, send, recv, to):
+        return pltpu.make_async_remote_copy(src, dst, send, recv, device_id={axis: to})
+
+    def each(count, fn):
+        lax.fori_loop(0, count, lambda i, c: (fn(i), c)[1], 0)
+
+    def dispatch(r):
+        to, si = device(r.dispatch_to), stream[r.direction]
+        pl.semaphore_wait(credit_sems.at[r.dispatch_to % n], 1)
+        each(
+            blocks(me, to),
+            lambda i: remote(
+                tile(chunks_hbm.at[to], i),
+                tile(in_slots.at[si, r.dispatch_slot], i),
+                dispatch_sems.at[si],
+                recv_sems.at[si, r.dispatch_slot],
+                to,
+            ).start(),
+        )
+
+    def landing(si, slot):  # any tile's DMA into the slot: waits count bytes
+        s = in_slots.at[si, slot]
+        return remote(tile(s, 0), tile(s, 0), dispatch_sems.at[si], recv_sems.at[si, slot], me)
+
+    def homecoming(si, slot):
+        s = out_slots.at[si, slot]
+        return remote(tile(s, 0), tile(results_hbm.at[me], 0), return_sems.at[si, slot], home_sem, me)
+
+    def await_return(direction, slot, step):
+        """Wait until the results computed at `step` in `slot` have left for home."""
+        src, si = device(plan.offset(step, direction)), stream[direction]
+        each(blocks(src, me), lambda i: homecoming(si, slot).wait_send())
+
+    def run_experts(src, x, out):
+        _grouped_swiglu(x, wg_hbm, wu_hbm, wd_hbm, hidden, out, chunks, src, tiles)
+
+    with entered_kernel(KernelContext(backend="mosaic_tpu", interpret=interpret, grid=(1,))):
+        for direction in plan.directions:
+            for o in plan.initial_credits(direction):
+                pl.semaphore_signal(credit_sems.at[(-o) % n], 1, device_id={axis: device(o)})
+        returned = []  # (stream, slot, step) of the returns started, not yet awaited
+        for records in plan.steps():
+            for r in records:  # every stream's dispatch before any experts: both links busy
+                if r.dispatches:
+                    dispatch(r)
+            for r in records:
+                if not r.computes:
+                    continue
+                if not r.receives:  # the local chunk
+                    run_experts(me, chunks_hbm.at[me], results_hbm.at[me])
+                    continue
+                si, src = stream[r.direction], device(r.source)
+                each(blocks(src, me), lambda i, si=si, r=r: landing(si, r.slot).wait_recv())
+                if r.rewrites_output_of is not None:  # its results must be home first
+                    returned.remove((r.direction, r.slot, r.rewrites_output_of))
+                    await_return(r.direction, r.slot, r.rewrites_output_of)
+                run_experts(src, in_slots.at[si, r.slot], out_slots.at[si, r.slot])
+                if r.grants_to is not None:
+                    pl.semaphore_signal(
+                        credit_sems.at[(-r.grants_to) % n], 1, device_id={axis: device(r.grants_to)}
+                    )
+                each(
+                    blocks(src, me),
+                    lambda i, si=si, r=r, src=src: remote(
+                        tile(out_slots.at[si, r.slot], i),
+                        tile(results_hbm.at[me], i),
+                        return_sems.at[si, r.slot],
+                        home_sem,
+                        src,
+                    ).start(),
+                )
+                returned.append((r.direction, r.slot, r.step))
+        # leave only once every copy of this device has landed and its own are done
+        for j in range(n):
+            peer = device(j)
+            if j:
+                each(blocks(me, peer), lambda i: homecoming(0, 0).wait_recv())
+        for records in plan.steps():
+            for r in records:
+                if r.dispatches:
+                    si = stream[r.direction]
+                    each(
+                        blocks(me, device(r.dispatch_to)),
+                        lambda i, si=si: landing(si, 0).wait_send(),
+                    )
+        for direction, slot, step in returned:
+            await_return(direction, slot, step)
+
+
+def check_shapes(d: int, f: int, dtype) -> None:
+    """What the kernel needs of the layer's shapes and dtype, refused by name otherwise."""
+    if jnp.dtype(dtype) not in SUPPORTED:
+        raise NotImplementedError(
+            f"x: the mosaic_tpu overlapped exchange supports float32 and bfloat16, got "
+            f"{jnp.dtype(dtype).name}; pass backend='xla'"
+        )
+    for name, size in (("d (x's columns)", d), ("f (the experts' hidden size)", f)):
+        if size % 128:
+            raise NotImplementedError(
+                f"{name}: the mosaic_tpu overlapped exchange tiles it in 128-lane blocks and "
+                f"needs a multiple of 128, got {size}; pass backend='xla'"
+            )
+
+
+def overlapped_exchange_mosaic_tpu(
+    rows: jax.Array,
+    ids: jax.Array,
+    per_dest: jax.Array,
+    first_of_dest: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    *,
+    plan: ExchangePlan,
+    axis_name,
+    interpret=None,
+) -> jax.Array:
+    """`conveyor.moe.overlapped.overlapped_exchange` with the SwiGLU experts, in one kernel:
+    this device's `rows` (sorted by destination, then local expert `ids`; `per_dest[j]` rows for
+    device j from `first_of_dest[j]`) go to their owners, through their experts, and back to the
+    same rows."""
+    assignments, d = rows.shape
+    experts, _, f = w_gate.shape
+    n = plan.num_devices
+    check_shapes(d, f, rows.dtype)
+    tiles = ExpertTiles.for_shapes(d, f)
+    tm = tiles.tm
+    cap = cdiv(assignments, tm) * tm  # a chunk: every assignment, in whole tiles
+    r = jnp.arange(cap, dtype=jnp.int32)
+    # chunks[j]: my rows for device j, then padding (never computed on, never sent)
+    at = jnp.minimum(first_of_dest[:, None] + r[None, :], assignments - 1)
+    chunks = rows[at]
+    dest = jnp.searchsorted(jnp.cumsum(per_dest), jnp.arange(assignments), side="right")
+    counts = jnp.zeros((n, experts), jnp.int32).at[dest, ids].add(1)
+    all_counts = lax.all_gather(counts, axis_name)  # [sender, receiver, expert]
+    me = lax.axis_index(axis_name).astype(jnp.int32)
+    metas = jax.vmap(lambda sizes: make_group_metadata(sizes, cap, tm))(all_counts[:, me])
+    flat = lambda a: a.reshape(-1).astype(jnp.int32)  # noqa: E731
+    prefetch = (
+        me[None],
+        flat(all_counts),
+        flat(metas.group_ids),
+        flat(metas.tile_ids),
+        flat(metas.group_starts),
+        flat(metas.group_ends),
+        flat(metas.num_visits),
+    )
+    assert metas.group_ids.shape[1] == max_visits(cap, tm, experts)
+    k = len(plan.directions)
+    slot = (cap, d)
+    outs = [
+        ((n, *slot), rows.dtype),  # results: chunk j's, home from device j
+        ((k, plan.buffering, *slot), rows.dtype),  # in slots
+        ((k, plan.buffering, *slot), rows.dtype),  # out slots
+        ((cap, f), rows.dtype),  # the hidden activations of one chunk
+    ]
+    semaphores = [
+        pltpu.SemaphoreType.DMA((k,)),
+        pltpu.SemaphoreType.DMA((k, plan.buffering)),
+        pltpu.SemaphoreType.DMA((k, plan.buffering)),
+        pltpu.SemaphoreType.DMA,
+        pltpu.SemaphoreType.REGULAR((n,)),
+    ]
+    working = tiles.vmem(rows.dtype)
+    limit = vmem_limit(
+        "moe overlapped exchange",
+        working=working,
+        peak=working + 2 * shape_bytes((tm, tiles.f_block), jnp.float32),
+        remedy="pass backend='xla'",
+    )
+    anywhere = pl.BlockSpec(memory_space=pl.ANY)
+    weights = tuple(w.astype(rows.dtype) for w in (w_gate, w_up, w_down))
+    call = pl.pallas_call(
+        functools.partial(_kernel, plan=plan, axis=axis_name, tiles=tiles, interpret=interpret),
+        out_shape=tuple(out_struct(shape, dt, rows, w_gate) for shape, dt in outs),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(prefetch),
+            grid=(1,),
+            in_specs=[anywhere] * 4,
+            out_specs=[anywhere] * len(outs),
+            scratch_shapes=semaphores,
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), has_side_effects=True, vmem_limit_bytes=limit
+        ),
+        cost_estimate=matmul_cost(n * cap, d, 3 * f, chunks, *weights),
+        interpret=tpu_params(interpret),
+        name="conveyor_moe_overlapped_exchange",
+    )
+    results = call(*prefetch, chunks, *weights)[0]
+    # each row's result, from its destination's chunk
+    return results[dest, jnp.arange(assignments) - first_of_dest[dest]]
