@@ -13,6 +13,7 @@ from jax import lax
 
 from conveyor.moe.exchange import ragged_all_to_all
 from conveyor.moe.overlapped import overlapped_exchange, staged_exchange
+from conveyor.moe.mosaic_tpu import overlapped_experts_mosaic_tpu
 from conveyor.moe.layer import check_layer_args, combine, expert_hidden, sorted_swiglu
 from conveyor.ops.gmm.api import gmm_scatter_add
 from conveyor.moe.routing import load_balancing_loss, route
@@ -52,6 +53,7 @@ def moe_ffn_expert_parallel(
     fuse_permutation: bool = True,
     overlap: str | None = None,
     overlap_stages: int | None = None,
+    interpret=False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`moe_ffn` with experts sharded over `axis_name`; call it inside `jax.shard_map`.
 
@@ -72,10 +74,15 @@ def moe_ffn_expert_parallel(
         chunk in flight while the experts run on the one before and its results sent home during
         the next; "experts" exchanges one local expert per stage with every peer at once, the
         next stage's rows in flight while the experts run (each expert's weights read once;
-        needs 2 or more local experts). Same results as the exact exchange.
+        needs 2 or more local experts). Same results as the exact exchange. With
+        backend="mosaic_tpu", "peers" runs as one Mosaic TPU kernel: remote DMAs carry the chunks
+        and results while its grouped matmuls run the experts (`conveyor.moe.mosaic_tpu`; its
+        backward pass is the XLA plan's).
       overlap_stages: overlap="experts": how many stages the local experts split into (contiguous
         groups), in [1, local experts]; default one per local expert, at most 8
         (`conveyor.plans.exchange.default_stages`).
+      interpret: with backend="mosaic_tpu" (or "mosaic_gpu"), run the kernels through their Pallas
+        interpreter (True, or the interpreter's params): how the layer is tested on CPU.
 
     Returns:
       (y [tokens, d], the load-balancing loss over all tokens of loss_axes, the number of this
@@ -139,8 +146,8 @@ def moe_ffn_expert_parallel(
     dest = sorted_experts // local_experts
     per_dest = jnp.zeros((devices,), jnp.int32).at[dest].add(1)
     first_of_dest = jnp.cumsum(per_dest) - per_dest
-    experts = lambda rows, ids: _experts(
-        rows, ids, local_experts, w_gate, w_up, w_down, backend, fuse_permutation
+    experts = lambda rows, ids, w_gate=w_gate, w_up=w_up, w_down=w_down: _experts(
+        rows, ids, local_experts, w_gate, w_up, w_down, backend, fuse_permutation, interpret
     )
     rows, ids = x[order // top_k], sorted_experts % local_experts
     dropped = jnp.zeros((), jnp.int32)  # dropless unless a capacity drops some
@@ -151,9 +158,18 @@ def moe_ffn_expert_parallel(
         results = staged_exchange(rows, ids, dest, experts, plan=plan, **where)
     elif overlap == "peers":
         plan = exchange_plan(num_devices=devices)
-        results = overlapped_exchange(
-            rows, ids, per_dest, first_of_dest, experts, plan=plan, **where
-        )
+
+        def unfused(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down):
+            by = lambda r, i: experts(r, i, w_gate, w_up, w_down)  # noqa: E731
+            return overlapped_exchange(rows, ids, per_dest, first_of_dest, by, plan=plan, **where)
+
+        args = (rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down)
+        if backend == "mosaic_tpu":
+            results = overlapped_experts_mosaic_tpu(
+                *args, unfused=unfused, plan=plan, axis_name=axis_name, interpret=interpret
+            )
+        else:
+            results = unfused(*args)
     elif capacity_factor is None:
         results = _exact_exchange(
             rows, ids, per_dest, first_of_dest, experts, devices=devices, **where
@@ -168,15 +184,19 @@ def moe_ffn_expert_parallel(
     return combine(results, order, routing, x), aux, dropped
 
 
-def _experts(rows, ids, local_experts, w_gate, w_up, w_down, backend, fuse_permutation):
+def _experts(
+    rows, ids, local_experts, w_gate, w_up, w_down, backend, fuse_permutation, interpret=False
+):
     """The SwiGLU experts on received `rows` whose local expert is `ids` (padding: `local_experts`),
     results in the rows' order."""
     by_expert = jnp.argsort(ids, stable=True)  # padding sorts last
     group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[ids].add(1)[:local_experts]
     if not fuse_permutation:
-        out = sorted_swiglu(rows[by_expert], group_sizes, w_gate, w_up, w_down, backend)
+        out = sorted_swiglu(
+            rows[by_expert], group_sizes, w_gate, w_up, w_down, backend, interpret
+        )
         return jnp.zeros_like(out).at[by_expert].set(out)
-    h = expert_hidden(rows, by_expert, group_sizes, w_gate, w_up, backend)
+    h = expert_hidden(rows, by_expert, group_sizes, w_gate, w_up, backend, interpret)
     # the last projection puts each result back in its received row (a permutation: each row
     # once); padding rows belong to no group and stay 0
     return gmm_scatter_add(
@@ -187,6 +207,7 @@ def _experts(rows, ids, local_experts, w_gate, w_up, w_down, backend, fuse_permu
         num_out_rows=rows.shape[0],
         preferred_element_type=rows.dtype,
         backend=backend,
+        interpret=interpret,
     )
 
 

@@ -102,20 +102,28 @@ def moe_ffn(
     return y, load_balancing_loss(routing)
 
 
-def sorted_swiglu(xs, group_sizes, w_gate, w_up, w_down, backend):
+def sorted_swiglu(xs, group_sizes, w_gate, w_up, w_down, backend, interpret=False):
     """The unfused experts: `(silu(xs @ w_gate[e]) * (xs @ w_up[e])) @ w_down[e]` for rows `xs`
     already sorted by expert (`group_sizes` rows each; rows past them come out as 0)."""
-    mm = lambda a, w: gmm(a, w, group_sizes, preferred_element_type=xs.dtype, backend=backend)
+    mm = lambda a, w: gmm(
+        a, w, group_sizes, preferred_element_type=xs.dtype, backend=backend, interpret=interpret
+    )
     return mm(jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up), w_down)
 
 
-def expert_hidden(x, rows, group_sizes, w_gate, w_up, backend):
+def expert_hidden(x, rows, group_sizes, w_gate, w_up, backend, interpret=False):
     """`silu(xs @ w_gate[e]) * (xs @ w_up[e])` for `xs = x[rows]`, whose rows are sorted by expert
     e (`group_sizes` rows each; rows past them come out as 0). Both projections gather their rows
     of x themselves (`cv.gmm`'s lhs_indices: in the kernel's loads on TPU), so the sorted copy of
     x is never written."""
     mm = lambda w: gmm(
-        x, w, group_sizes, lhs_indices=rows, preferred_element_type=x.dtype, backend=backend
+        x,
+        w,
+        group_sizes,
+        lhs_indices=rows,
+        preferred_element_type=x.dtype,
+        backend=backend,
+        interpret=interpret,
     )
     return jax.nn.silu(mm(w_gate)) * mm(w_up)
 

@@ -130,6 +130,7 @@ def _grouped_swiglu(x_ref, wg_ref, wu_ref, wd_ref, h_ref, out_ref, chunks: _Chun
             grid=(f // bf, visits, d // bd),
             in_specs=[pl.BlockSpec((tm, bd), row), w_spec, w_spec],
             out_specs=[pl.BlockSpec((tm, bf), out_block)],
+            max_concurrent_steps=2,
         )(x_ref, wg_ref, wu_ref, h_ref)
 
     def down(acc):
@@ -155,6 +156,7 @@ def _grouped_swiglu(x_ref, wg_ref, wu_ref, wd_ref, h_ref, out_ref, chunks: _Chun
             grid=(d // bd, visits, f // bf),
             in_specs=[pl.BlockSpec((tm, bf), row), pl.BlockSpec((None, bf, bd), weight)],
             out_specs=[pl.BlockSpec((tm, bd), out_block)],
+            max_concurrent_steps=2,
         )(h_ref, wd_ref, out_ref)
 
     pl.run_scoped(up, *[pltpu.VMEM((tm, bf), jnp.float32)] * 2)
@@ -405,3 +407,33 @@ def overlapped_exchange_mosaic_tpu(
     results = call(*prefetch, chunks, *weights)[0]
     # each row's result, from its destination's chunk
     return results[dest, jnp.arange(assignments) - first_of_dest[dest]]
+
+
+def overlapped_experts_mosaic_tpu(
+    rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down, *, unfused, **kernel_options
+) -> jax.Array:
+    """`overlapped_exchange_mosaic_tpu`, differentiable: its backward pass is the VJP of
+    `unfused(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down)`, the same plan and
+    experts through XLA's collectives and the grouped-matmul kernels (its forward recomputed)."""
+
+    @jax.custom_vjp
+    def run(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down):
+        return overlapped_exchange_mosaic_tpu(
+            rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down, **kernel_options
+        )
+
+    def forward(*args):
+        return run(*args), args
+
+    def backward(args, grad):
+        rows, ids, per_dest, first_of_dest, *weights = args
+        _, pull = jax.vjp(
+            lambda rows, *weights: unfused(rows, ids, per_dest, first_of_dest, *weights),
+            rows,
+            *weights,
+        )
+        d_rows, *d_weights = pull(grad)
+        return (d_rows, None, None, None, *d_weights)
+
+    run.defvjp(forward, backward)
+    return run(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down)

@@ -1,0 +1,85 @@
+"""The overlapped exchange as one Mosaic TPU kernel (`overlap="peers"`, backend="mosaic_tpu"):
+through the TPU interpreter on simulated devices with its race detector on, against the dense
+reference, forward and gradients, in both DMA execution modes (a race can hide in one of them)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import tpu as pltpu
+
+import conveyor as cv
+from conveyor.moe.mosaic_tpu import ExpertTiles
+from tests.moe.test_moe_layer import tol
+from tests.moe.test_overlapped import sharded
+
+TOKENS_PER_DEVICE, D, F = 8, 128, 256  # the kernel tiles d and f in 128-lane blocks
+
+
+def params(devices, seed, experts_per_device=2, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    e = devices * experts_per_device
+    n = lambda *s: jnp.asarray(rng.standard_normal(s) / np.sqrt(s[-2]), dtype)  # noqa: E731
+    return dict(
+        x=jnp.asarray(rng.standard_normal((devices * TOKENS_PER_DEVICE, D)), dtype),
+        router_w=n(D, e).astype(jnp.float32),
+        w_gate=n(e, D, F),
+        w_up=n(e, D, F),
+        w_down=n(e, F, D),
+    )
+
+
+def kernel_layer(devices, top_k, mode):
+    ip = pltpu.InterpretParams(detect_races=True, dma_execution_mode=mode)
+    return sharded(devices, top_k, "peers", backend="mosaic_tpu", interpret=ip)
+
+
+@pytest.mark.parametrize(
+    "devices, top_k, mode",
+    # 8: two streams, 4 peers from the left, 3 from the right (two slots each, reused); 2: one
+    # stream, one peer; eager mode on 5 devices (two streams, two peers each)
+    [(8, 2, "on_wait"), (2, 3, "on_wait"), (5, 2, "eager")],
+)
+def test_forward_matches_the_dense_reference(devices, top_k, mode):
+    p = params(devices, seed=devices)
+    y, aux, dropped = jax.jit(kernel_layer(devices, top_k, mode))(p)
+    y_ref, aux_ref = cv.moe.moe_ffn_reference(**p, top_k=top_k)
+    assert int(dropped) == 0
+    # each output row: top_k results of a d -> f -> d SwiGLU, summed in float32
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=tol(y_ref, D + F))
+    np.testing.assert_allclose(aux, aux_ref, rtol=1e-5)
+
+
+def test_gradients_match_the_dense_reference():
+    """Forward in the kernel, backward through the XLA plan's VJP (2 devices: the wiring; the
+    plan's gradients on more devices are tests/moe/test_overlapped.py's)."""
+    devices, top_k = 2, 2
+    p = params(devices, seed=13)
+
+    def loss(fn):
+        def f(p):
+            y, aux = fn(p)[:2]
+            return jnp.sum(jnp.sin(y)) + aux
+
+        return f
+
+    got = jax.jit(jax.grad(loss(kernel_layer(devices, top_k, "on_wait"))))(p)
+    want = jax.grad(loss(lambda p: cv.moe.moe_ffn_reference(**p, top_k=top_k)))(p)
+    for name in p:
+        np.testing.assert_allclose(
+            got[name], want[name], rtol=0, atol=tol(want[name], 2 * (D + F)), err_msg=name
+        )
+
+
+def test_shapes_the_kernel_cannot_tile_are_refused_by_name():
+    p = params(2, seed=0)
+    narrow = dict(p, w_gate=p["w_gate"][..., :200], w_up=p["w_up"][..., :200])
+    narrow["w_down"] = p["w_down"][:, :200]
+    with pytest.raises(NotImplementedError, match=r"f \(the experts' hidden size\).*got 200"):
+        jax.jit(kernel_layer(2, 1, "on_wait"))(narrow)
+
+
+def test_tiles_follow_the_layer_widths():
+    t = ExpertTiles.for_shapes(4096, 14336)
+    assert (t.tm, t.d_block, t.f_block) == (128, 512, 512)
+    assert ExpertTiles.for_shapes(384, 640).d_block == 128
