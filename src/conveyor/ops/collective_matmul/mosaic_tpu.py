@@ -79,6 +79,7 @@ def _matmul(
         grid=(n // bn, m // bm, k // bk),
         in_specs=in_specs + [out_spec] * accumulates,
         out_specs=[out_spec],
+        max_concurrent_steps=2,  # the next blocks land while these multiply
     )(*operands, out_ref)
 
 
@@ -96,6 +97,7 @@ def _add_into(acc_ref, partial_ref, *, blocks: RingBlocks, add) -> None:
         grid=(rows // spec.block_shape[0], cols // spec.block_shape[1]),
         in_specs=[spec, spec],
         out_specs=[spec],
+        max_concurrent_steps=2,
     )(acc_ref, partial_ref, acc_ref)
 
 
