@@ -2,6 +2,7 @@
 simulated devices, against the dense reference of the whole batch, for rings of odd and even size
 (one or two streams), forward and gradients; and its plan checked free of races and deadlocks."""
 
+import collections
 import re
 
 import jax
@@ -231,3 +232,20 @@ def test_the_staged_plan_is_checked():
         staged_exchange_plan(num_devices=3, stages=3, buffering=1)
     with pytest.raises(ValueError, match=r"stages: expected an int >= 1, got 0"):
         staged_exchange_plan(num_devices=3, stages=0)
+
+
+@pytest.mark.parametrize("devices, bidirectional", [(8, True), (5, False), (1, True)])
+def test_operation_records_cover_every_peer_once(devices, bidirectional):
+    """What the kernel reports (tests/moe/test_overlapped_mosaic_tpu.py holds it to this): one
+    experts run per peer's chunk and the local one, one dispatch, receive and return per peer, and
+    a slot waited for (its earlier return) exactly when a credit freed it."""
+    plan = exchange_plan(num_devices=devices, bidirectional=bidirectional)
+    ops = collections.Counter(r.operation for r in plan.operation_records())
+    peers = devices - 1
+    assert ops["experts"] == devices
+    assert ops["dispatch"] == ops["receive"] == ops["return"] == peers
+    assert (
+        ops["grant"]
+        == ops["await_return"]
+        == sum(max(0, plan.stream_uses(s) - plan.buffering) for s in plan.directions)
+    )

@@ -2,6 +2,8 @@
 through the TPU interpreter on simulated devices with its race detector on, against the dense
 reference, forward and gradients, in both DMA execution modes (a race can hide in one of them)."""
 
+import collections
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
 from conveyor.moe.mosaic_tpu import ExpertTiles
+from conveyor.pipeline.lowering import record_issued
+from conveyor.plans.exchange import ExchangeOperation, exchange_plan
 from tests.moe.test_moe_layer import tol
 from tests.moe.test_overlapped import sharded
 
@@ -40,9 +44,26 @@ def kernel_layer(devices, top_k, mode):
     # stream, one peer; eager mode on 5 devices (two streams, two peers each)
     [(8, 2, "on_wait"), (2, 3, "on_wait"), (5, 2, "eager")],
 )
-def test_forward_matches_the_dense_reference(devices, top_k, mode):
+def test_forward_matches_the_dense_reference_and_the_plan(devices, top_k, mode):
+    """Conformance too: per device, the operations the kernel reports while the interpreter runs it
+    (`record_issued`) are the plan's `operation_records()`, as many times each (the callbacks are
+    unordered)."""
     p = params(devices, seed=devices)
-    y, aux, dropped = jax.jit(kernel_layer(devices, top_k, mode))(p)
+    with record_issued() as log:
+        y, aux, dropped = jax.jit(kernel_layer(devices, top_k, mode))(p)
+        jax.effects_barrier()
+    got = collections.Counter(r for r in log if isinstance(r, ExchangeOperation))
+    want = collections.Counter(
+        {
+            r: n * devices
+            for r, n in collections.Counter(
+                exchange_plan(num_devices=devices).operation_records()
+            ).items()
+        }
+    )
+    assert got == want, (sorted(map(str, got - want)), sorted(map(str, want - got)))
+    if devices == 8:  # 4 and 3 peers a stream through 2 slots: slots are reused
+        assert {r.operation for r in want} >= {"grant", "await_return"}
     y_ref, aux_ref = cv.moe.moe_ffn_reference(**p, top_k=top_k)
     assert int(dropped) == 0
     # each output row: top_k results of a d -> f -> d SwiGLU, summed in float32

@@ -22,7 +22,8 @@ from conveyor.ints import cdiv
 from conveyor.kernel import KernelContext, entered_kernel
 from conveyor.ops.gmm.metadata import make_group_metadata, max_visits
 from conveyor.pipeline.api import emit_pipeline
-from conveyor.plans.exchange import ExchangePlan
+from conveyor.pipeline.lowering import issued
+from conveyor.plans.exchange import ExchangeOperation, ExchangePlan
 from conveyor.spmd import out_struct
 from conveyor.tpu_vmem import vmem_limit
 
@@ -221,7 +222,11 @@ def _kernel(
     def each(count, fn):
         lax.fori_loop(0, count, lambda i, c: (fn(i), c)[1], 0)
 
+    def report(operation, r, slot):
+        issued(ExchangeOperation, operation, r.direction, step=r.step, slot=slot)
+
     def dispatch(r):
+        report("dispatch", r, r.dispatch_slot)
         to, si = device(r.dispatch_to), stream[r.direction]
         pl.semaphore_wait(credit_sems.at[r.dispatch_to % n], 1)
         each(
@@ -241,7 +246,9 @@ def _kernel(
 
     def homecoming(si, slot):
         s = out_slots.at[si, slot]
-        return remote(tile(s, 0), tile(results_hbm.at[me], 0), return_sems.at[si, slot], home_sem, me)
+        return remote(
+            tile(s, 0), tile(results_hbm.at[me], 0), return_sems.at[si, slot], home_sem, me
+        )
 
     def await_return(direction, slot, step):
         """Wait until the results computed at `step` in `slot` have left for home."""
@@ -264,18 +271,24 @@ def _kernel(
                 if not r.computes:
                     continue
                 if not r.receives:  # the local chunk
+                    report("experts", r, r.slot)
                     run_experts(me, chunks_hbm.at[me], results_hbm.at[me])
                     continue
                 si, src = stream[r.direction], device(r.source)
+                report("receive", r, r.slot)
                 each(blocks(src, me), lambda i, si=si, r=r: landing(si, r.slot).wait_recv())
                 if r.rewrites_output_of is not None:  # its results must be home first
+                    report("await_return", r, r.slot)
                     returned.remove((r.direction, r.slot, r.rewrites_output_of))
                     await_return(r.direction, r.slot, r.rewrites_output_of)
+                report("experts", r, r.slot)
                 run_experts(src, in_slots.at[si, r.slot], out_slots.at[si, r.slot])
                 if r.grants_to is not None:
+                    report("grant", r, r.slot)
                     pl.semaphore_signal(
                         credit_sems.at[(-r.grants_to) % n], 1, device_id={axis: device(r.grants_to)}
                     )
+                report("return", r, r.slot)
                 each(
                     blocks(src, me),
                     lambda i, si=si, r=r, src=src: remote(

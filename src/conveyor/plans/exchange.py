@@ -45,6 +45,17 @@ class ExchangeStep:
 STREAMS = ("right", "left")
 
 
+@dataclasses.dataclass(frozen=True)
+class ExchangeOperation:
+    """One operation of the exchange kernel: `operation` of stream `direction` at `step`, on
+    `slot` (`ExchangePlan.operation_records`)."""
+
+    operation: str
+    direction: str
+    step: int
+    slot: int
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExchangePlan:
     """The overlapped exchange of an expert-parallel layer; build it with `exchange_plan(...)`."""
@@ -119,6 +130,31 @@ class ExchangePlan:
         `buffering` free slots)."""
         first = range(1, min(self.buffering, self.stream_uses(direction)) + 1)
         return tuple(self.offset(t, direction) for t in first)
+
+    def operation_records(self) -> tuple["ExchangeOperation", ...]:
+        """What a device's kernel does, in order, as it reports it
+        (`conveyor.pipeline.lowering.record_issued`): per step, every stream's dispatch, then per
+        stream: wait for the chunk, wait for the return its output slot last held, the experts,
+        the credit, the return home. `slot`: the slot involved (-1: the local chunk)."""
+        out = []
+        for records in self.steps():
+            out += [
+                ExchangeOperation("dispatch", r.direction, r.step, r.dispatch_slot)
+                for r in records
+                if r.dispatches
+            ]
+            for r in records:
+                if not r.computes:
+                    continue
+                ops = [
+                    ("receive", r.receives),
+                    ("await_return", r.rewrites_output_of is not None),
+                    ("experts", True),
+                    ("grant", r.grants_to is not None),
+                    ("return", r.returns),
+                ]
+                out += [ExchangeOperation(op, r.direction, r.step, r.slot) for op, on in ops if on]
+        return tuple(out)
 
     def check_covers_peers(self) -> None:
         """Every device's experts run on every device's chunk exactly once (a plan invariant)."""
