@@ -192,9 +192,7 @@ def _experts(
     by_expert = jnp.argsort(ids, stable=True)  # padding sorts last
     group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[ids].add(1)[:local_experts]
     if not fuse_permutation:
-        out = sorted_swiglu(
-            rows[by_expert], group_sizes, w_gate, w_up, w_down, backend, interpret
-        )
+        out = sorted_swiglu(rows[by_expert], group_sizes, w_gate, w_up, w_down, backend, interpret)
         return jnp.zeros_like(out).at[by_expert].set(out)
     h = expert_hidden(rows, by_expert, group_sizes, w_gate, w_up, backend, interpret)
     # the last projection puts each result back in its received row (a permutation: each row
