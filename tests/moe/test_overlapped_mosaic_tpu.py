@@ -41,8 +41,8 @@ def kernel_layer(devices, top_k, mode):
 @pytest.mark.parametrize(
     "devices, top_k, mode",
     # 8: two streams, 4 peers from the left, 3 from the right (two slots each, reused); 2: one
-    # stream, one peer; eager mode on 5 devices (two streams, two peers each)
-    [(8, 2, "on_wait"), (2, 3, "on_wait"), (5, 2, "eager")],
+    # stream, one peer; 1: the local chunk only; eager mode on 5 devices (two peers a stream)
+    [(8, 2, "on_wait"), (2, 3, "on_wait"), (1, 2, "on_wait"), (5, 2, "eager")],
 )
 def test_forward_matches_the_dense_reference_and_the_plan(devices, top_k, mode):
     """Conformance too: per device, the operations the kernel reports while the interpreter runs it
@@ -104,3 +104,7 @@ def test_tiles_follow_the_layer_widths():
     t = ExpertTiles.for_shapes(4096, 14336)
     assert (t.tm, t.d_block, t.f_block) == (128, 512, 512)
     assert ExpertTiles.for_shapes(384, 640).d_block == 128
+    # libtpu 0.0.50.1 reported exactly this scoped VMEM for the kernel at Mixtral's and the
+    # DeepSeek-like shape on v5e, v6e and v5p (docs/internals/moe.md)
+    assert t.vmem(jnp.bfloat16) == 3 * 2**20
+    assert ExpertTiles.for_shapes(7168, 2048).vmem(jnp.bfloat16) == 3 * 2**20

@@ -171,8 +171,9 @@ def _moe(ctx, *, tokens, d, f, experts, top_k, grad=False):
 def _moe_ep(ctx, *, devices, tokens, d, f, experts, top_k, grad=False, overlap=None):
     """cv.moe.moe_ffn_expert_parallel (bf16) on a 2 x devices/2 data x expert mesh: the exact
     exchange (ragged_all_to_all) and three gmm kernels per device, or with `overlap` the plan's
-    per-peer ragged sends and three gmm kernels per chunk; grad adds tgmm. `tokens` is the whole
-    batch, sharded over both axes."""
+    steps: overlap="peers" on TPU is one kernel (remote DMAs, the experts' grouped matmuls inside),
+    elsewhere per-peer ragged sends and three gmm kernels per chunk; grad adds the backward pass
+    (the XLA plan's, with tgmm). `tokens` is the whole batch, sharded over both axes."""
     import conveyor as cv
 
     bf16 = jnp.bfloat16
@@ -370,7 +371,9 @@ def production() -> list[Case]:
         # (narrow experts, top-8; 64 of them, not 256, to keep the compile short)
         case("moe_ep", devices=8, tokens=8192, d=4096, f=14336, experts=8, top_k=2, grad=True),
         case("moe_ep", devices=8, tokens=8192, d=7168, f=2048, experts=64, top_k=8, grad=True),
-        # the overlapped exchange: per-peer ragged sends around per-chunk expert matmuls
+        # the overlapped exchange: on TPU the exchange kernel forward (remote DMAs around its own
+        # grouped matmuls), the XLA plan backward; on GPU per-peer ragged sends around per-chunk
+        # expert matmuls
         case(
             "moe_ep",
             devices=8,
@@ -380,6 +383,16 @@ def production() -> list[Case]:
             experts=8,
             top_k=2,
             grad=True,
+            overlap="peers",
+        ),
+        case(
+            "moe_ep",
+            devices=8,
+            tokens=8192,
+            d=7168,
+            f=2048,
+            experts=64,
+            top_k=8,
             overlap="peers",
         ),
         # staged by local expert (16 per chip in 8 stages), where per-peer chunks would re-read
