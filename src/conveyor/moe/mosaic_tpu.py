@@ -82,10 +82,13 @@ class _Chunks:
         return self.starts[s * self.groups + g], self.ends[s * self.groups + g]
 
 
-def _grouped_swiglu(x_ref, wg_ref, wu_ref, wd_ref, h_ref, out_ref, chunks: _Chunks, s, tiles):
+def _grouped_swiglu(
+    x_ref, wg_ref, wu_ref, wd_ref, h_ref, out_ref, chunks: _Chunks, s, tiles, x_at=0, out_at=0
+):
     """out = (silu(x @ wg[g]) * (x @ wu[g])) @ wd[g] for the rows of each group g of sender s's
-    chunk `x_ref` [C, d] (rows past the groups: unspecified), through `h_ref` [C, f]; two
-    pipelines over (column block, visit, depth block), visits of sender s only."""
+    chunk, which starts at row tile `x_at` of `x_ref` (its results at row tile `out_at` of
+    `out_ref`; rows past the groups: unspecified), through `h_ref` [C, f]; two pipelines over
+    (column block, visit, depth block), visits of sender s only."""
     tm, bd, bf = tiles.tm, tiles.d_block, tiles.f_block
     d, f = wg_ref.shape[1:]
     visits = chunks.num_visits[s]
@@ -101,9 +104,11 @@ def _grouped_swiglu(x_ref, wg_ref, wu_ref, wd_ref, h_ref, out_ref, chunks: _Chun
         rows = tile * tm + lax.broadcasted_iota(jnp.int32, out.shape, 0)
         out[...] = jnp.where((rows >= lo) & (rows < hi), value.astype(out.dtype), out[...])
 
-    row = lambda j, v, kk: (chunks.visit(s, v)[1], kk)  # noqa: E731
+    x_row = lambda j, v, kk: (x_at + chunks.visit(s, v)[1], kk)  # noqa: E731
+    h_row = lambda j, v, kk: (chunks.visit(s, v)[1], kk)  # noqa: E731
     weight = lambda j, v, kk: (chunks.visit(s, v)[0], kk, j)  # noqa: E731
-    out_block = lambda j, v, kk: (chunks.visit(s, v)[1], j)  # noqa: E731
+    h_block = lambda j, v, kk: (chunks.visit(s, v)[1], j)  # noqa: E731
+    out_block = lambda j, v, kk: (out_at + chunks.visit(s, v)[1], j)  # noqa: E731
 
     def up(acc_g, acc_u):
         def body(idx, x, wg, wu, h):
@@ -129,8 +134,8 @@ def _grouped_swiglu(x_ref, wg_ref, wu_ref, wd_ref, h_ref, out_ref, chunks: _Chun
         emit_pipeline(
             body,
             grid=(f // bf, visits, d // bd),
-            in_specs=[pl.BlockSpec((tm, bd), row), w_spec, w_spec],
-            out_specs=[pl.BlockSpec((tm, bf), out_block)],
+            in_specs=[pl.BlockSpec((tm, bd), x_row), w_spec, w_spec],
+            out_specs=[pl.BlockSpec((tm, bf), h_block)],
             max_concurrent_steps=2,
         )(x_ref, wg_ref, wu_ref, h_ref)
 
@@ -155,7 +160,7 @@ def _grouped_swiglu(x_ref, wg_ref, wu_ref, wd_ref, h_ref, out_ref, chunks: _Chun
         emit_pipeline(
             body,
             grid=(d // bd, visits, f // bf),
-            in_specs=[pl.BlockSpec((tm, bf), row), pl.BlockSpec((None, bf, bd), weight)],
+            in_specs=[pl.BlockSpec((tm, bf), h_row), pl.BlockSpec((None, bf, bd), weight)],
             out_specs=[pl.BlockSpec((tm, bd), out_block)],
             max_concurrent_steps=2,
         )(h_ref, wd_ref, out_ref)
@@ -167,12 +172,13 @@ def _grouped_swiglu(x_ref, wg_ref, wu_ref, wd_ref, h_ref, out_ref, chunks: _Chun
 def _kernel(
     me_ref,
     counts_ref,
+    regions_ref,
     group_ids,
     tile_ids,
     starts,
     ends,
     num_visits,
-    chunks_hbm,
+    packed_hbm,
     wg_hbm,
     wu_hbm,
     wd_hbm,
@@ -192,7 +198,9 @@ def _kernel(
     interpret,
 ):
     """One device's part of `plan`. counts_ref[(s * D + j) * E + e]: rows sender s sends device j
-    for its local expert e (its chunk for j, rows sorted by expert). Slots: in_slots /
+    for its local expert e (its chunk for j, rows sorted by expert); regions_ref[s * D + j]: the
+    row tile where that chunk starts in sender s's `packed_hbm` (and its results in s's
+    `results_hbm`). Slots: in_slots /
     out_slots[stream, slot] (HBM, [C, d] each); semaphores: per stream its dispatches' sends, per
     (stream, slot) the landings and the returns' sends, one for the results landing home, and one
     credit per peer offset (a sender waits for the receiver's credit before each dispatch)."""
@@ -216,6 +224,9 @@ def _kernel(
     def tile(ref, i):
         return ref.at[pl.ds(pl.multiple_of(i * tm, tm), tm)]
 
+    def region(sender, receiver):
+        return regions_ref[sender * n + receiver]
+
     def remote(src, dst, send, recv, to):
         return pltpu.make_async_remote_copy(src, dst, send, recv, device_id={axis: to})
 
@@ -232,7 +243,7 @@ def _kernel(
         each(
             blocks(me, to),
             lambda i: remote(
-                tile(chunks_hbm.at[to], i),
+                tile(packed_hbm, region(me, to) + i),
                 tile(in_slots.at[si, r.dispatch_slot], i),
                 dispatch_sems.at[si],
                 recv_sems.at[si, r.dispatch_slot],
@@ -246,17 +257,17 @@ def _kernel(
 
     def homecoming(si, slot):
         s = out_slots.at[si, slot]
-        return remote(
-            tile(s, 0), tile(results_hbm.at[me], 0), return_sems.at[si, slot], home_sem, me
-        )
+        return remote(tile(s, 0), tile(results_hbm, 0), return_sems.at[si, slot], home_sem, me)
 
     def await_return(direction, slot, step):
         """Wait until the results computed at `step` in `slot` have left for home."""
         src, si = device(plan.offset(step, direction)), stream[direction]
         each(blocks(src, me), lambda i: homecoming(si, slot).wait_send())
 
-    def run_experts(src, x, out):
-        _grouped_swiglu(x, wg_hbm, wu_hbm, wd_hbm, hidden, out, chunks, src, tiles)
+    def run_experts(src, x, out, at=0):
+        _grouped_swiglu(
+            x, wg_hbm, wu_hbm, wd_hbm, hidden, out, chunks, src, tiles, x_at=at, out_at=at
+        )
 
     with entered_kernel(KernelContext(backend="mosaic_tpu", interpret=interpret, grid=(1,))):
         for direction in plan.directions:
@@ -272,7 +283,7 @@ def _kernel(
                     continue
                 if not r.receives:  # the local chunk
                     report("experts", r, r.slot)
-                    run_experts(me, chunks_hbm.at[me], results_hbm.at[me])
+                    run_experts(me, packed_hbm, results_hbm, at=region(me, me))
                     continue
                 si, src = stream[r.direction], device(r.source)
                 report("receive", r, r.slot)
@@ -293,7 +304,7 @@ def _kernel(
                     blocks(src, me),
                     lambda i, si=si, r=r, src=src: remote(
                         tile(out_slots.at[si, r.slot], i),
-                        tile(results_hbm.at[me], i),
+                        tile(results_hbm, region(src, me) + i),
                         return_sems.at[si, r.slot],
                         home_sem,
                         src,
@@ -355,20 +366,25 @@ def overlapped_exchange_mosaic_tpu(
     check_shapes(d, f, rows.dtype)
     tiles = ExpertTiles.for_shapes(d, f)
     tm = tiles.tm
-    cap = cdiv(assignments, tm) * tm  # a chunk: every assignment, in whole tiles
-    r = jnp.arange(cap, dtype=jnp.int32)
-    # chunks[j]: my rows for device j, then padding (never computed on, never sent)
-    at = jnp.minimum(first_of_dest[:, None] + r[None, :], assignments - 1)
-    chunks = rows[at]
+    cap = cdiv(assignments, tm) * tm  # a chunk at most: every assignment, in whole tiles
     dest = jnp.searchsorted(jnp.cumsum(per_dest), jnp.arange(assignments), side="right")
     counts = jnp.zeros((n, experts), jnp.int32).at[dest, ids].add(1)
     all_counts = lax.all_gather(counts, axis_name)  # [sender, receiver, expert]
     me = lax.axis_index(axis_name).astype(jnp.int32)
+    # each sender's rows for receiver j start at a whole tile (Mosaic DMAs tile-aligned rows):
+    # `regions[s, j]`, in tiles; `packed` holds mine so (the padding is never computed on, sent
+    # or read), and my results come home to the same rows
+    tiles_of = (jnp.sum(all_counts, axis=2) + tm - 1) // tm  # [sender, receiver]
+    regions = jnp.cumsum(tiles_of, axis=1) - tiles_of
+    packed_rows = cap + n * tm  # at most tm - 1 padding rows per receiver
+    at = regions[me, dest] * tm + jnp.arange(assignments) - first_of_dest[dest]
+    packed = jnp.zeros((packed_rows, d), rows.dtype).at[at].set(rows, unique_indices=True)
     metas = jax.vmap(lambda sizes: make_group_metadata(sizes, cap, tm))(all_counts[:, me])
     flat = lambda a: a.reshape(-1).astype(jnp.int32)  # noqa: E731
     prefetch = (
         me[None],
         flat(all_counts),
+        flat(regions),
         flat(metas.group_ids),
         flat(metas.tile_ids),
         flat(metas.group_starts),
@@ -379,7 +395,7 @@ def overlapped_exchange_mosaic_tpu(
     k = len(plan.directions)
     slot = (cap, d)
     outs = [
-        ((n, *slot), rows.dtype),  # results: chunk j's, home from device j
+        ((packed_rows, d), rows.dtype),  # results: in `packed`'s rows, home from each receiver
         ((k, plan.buffering, *slot), rows.dtype),  # in slots
         ((k, plan.buffering, *slot), rows.dtype),  # out slots
         ((cap, f), rows.dtype),  # the hidden activations of one chunk
@@ -413,13 +429,12 @@ def overlapped_exchange_mosaic_tpu(
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",), has_side_effects=True, vmem_limit_bytes=limit
         ),
-        cost_estimate=matmul_cost(n * cap, d, 3 * f, chunks, *weights),
+        cost_estimate=matmul_cost(assignments, d, 3 * f, packed, *weights),
         interpret=tpu_params(interpret),
         name="conveyor_moe_overlapped_exchange",
     )
-    results = call(*prefetch, chunks, *weights)[0]
-    # each row's result, from its destination's chunk
-    return results[dest, jnp.arange(assignments) - first_of_dest[dest]]
+    results = call(*prefetch, packed, *weights)[0]
+    return results[at]
 
 
 def overlapped_experts_mosaic_tpu(
