@@ -121,12 +121,20 @@ def compile_case(case: Case, target: Target, dump_dir: str) -> dict[str, Any]:
             result["status"] = "compiled"
             if case.devices > 1:
                 result["collectives"] = collectives(compiled.as_text())
+                result["hbm_temp"] = temporaries(compiled)
             if target.platform == "tpu":
                 result["kernels"] = tpu_kernels(compiled.as_text(), target)
     if target.platform == "cuda":
         result["kernels"] = gpu_kernels(dump_dir, target)
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
+
+
+def temporaries(compiled) -> int | None:
+    """Bytes of device memory the compiled program allocates beyond its arguments and outputs
+    (the compiler's memory analysis; None where the backend gives none)."""
+    analysis = compiled.memory_analysis()
+    return None if analysis is None else int(analysis.temp_size_in_bytes)
 
 
 COLLECTIVES = {
