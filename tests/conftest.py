@@ -75,6 +75,7 @@ SUBPROCESS_MODULES = {
 SLOW_MODULES = {"test_expert_parallel.py", "test_moe_layer.py", "test_overlapped.py"}
 INTERPRETER_MODULES = {
     "test_mosaic_tpu_ring.py",
+    "test_overlapped_mosaic_tpu.py",
     "test_mosaic_gpu.py",
     "test_mosaic_gpu_tgmm.py",
     "test_mosaic_tpu.py",

@@ -20,6 +20,7 @@ LOADED_WHEN_USED = (
     "conveyor.pipeline.mosaic_tpu",
     "conveyor.pipeline.mosaic_gpu",
     "conveyor.ops.gmm.mosaic_tpu",
+    "conveyor.moe.mosaic_tpu",
     "conveyor.ops.gmm.mosaic_gpu",
     "conveyor.mpmd.mosaic_gpu",
     "conveyor.bench",

@@ -98,6 +98,9 @@ def test_shapes_the_kernel_cannot_tile_are_refused_by_name():
     narrow["w_down"] = p["w_down"][:, :200]
     with pytest.raises(NotImplementedError, match=r"f \(the experts' hidden size\).*got 200"):
         jax.jit(kernel_layer(2, 1, "on_wait"))(narrow)
+    mixed = dict(p, w_down=p["w_down"].astype(jnp.bfloat16))
+    with pytest.raises(NotImplementedError, match=r"w_down: .* x's dtype \(float32\).*bfloat16"):
+        jax.jit(kernel_layer(2, 1, "on_wait"))(mixed)
 
 
 def test_tiles_follow_the_layer_widths():

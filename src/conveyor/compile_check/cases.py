@@ -395,6 +395,19 @@ def production() -> list[Case]:
             top_k=8,
             overlap="peers",
         ),
+        # 4096 tokens per chip (`cv.sim`'s MoE shapes): the rows reported are the programs'
+        # temporaries in HBM, exact exchange against the per-peer kernel
+        case("moe_ep", devices=8, tokens=32768, d=7168, f=2048, experts=64, top_k=8),
+        case(
+            "moe_ep",
+            devices=8,
+            tokens=32768,
+            d=7168,
+            f=2048,
+            experts=64,
+            top_k=8,
+            overlap="peers",
+        ),
         # staged by local expert (16 per chip in 8 stages), where per-peer chunks would re-read
         # the weights: its per-stage buffers are rematerialized to fit HBM
         case(

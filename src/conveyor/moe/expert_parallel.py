@@ -13,7 +13,6 @@ from jax import lax
 
 from conveyor.moe.exchange import ragged_all_to_all
 from conveyor.moe.overlapped import overlapped_exchange, staged_exchange
-from conveyor.moe.mosaic_tpu import overlapped_experts_mosaic_tpu
 from conveyor.moe.layer import check_layer_args, combine, expert_hidden, sorted_swiglu
 from conveyor.ops.gmm.api import gmm_scatter_add
 from conveyor.moe.routing import load_balancing_loss, route
@@ -165,6 +164,8 @@ def moe_ffn_expert_parallel(
 
         args = (rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down)
         if backend == "mosaic_tpu":
+            from conveyor.moe.mosaic_tpu import overlapped_experts_mosaic_tpu
+
             results = overlapped_experts_mosaic_tpu(
                 *args, unfused=unfused, plan=plan, axis_name=axis_name, interpret=interpret
             )

@@ -328,13 +328,22 @@ def _kernel(
             await_return(direction, slot, step)
 
 
-def check_shapes(d: int, f: int, dtype) -> None:
-    """What the kernel needs of the layer's shapes and dtype, refused by name otherwise."""
-    if jnp.dtype(dtype) not in SUPPORTED:
+def check_operands(rows, w_gate, w_up, w_down) -> None:
+    """What the kernel needs of the layer's shapes and dtypes, refused by name otherwise."""
+    dtype = jnp.dtype(rows.dtype)
+    if dtype not in SUPPORTED:
         raise NotImplementedError(
             f"x: the mosaic_tpu overlapped exchange supports float32 and bfloat16, got "
-            f"{jnp.dtype(dtype).name}; pass backend='xla'"
+            f"{dtype.name}; pass backend='xla'"
         )
+    for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+        if jnp.dtype(w.dtype) != dtype:
+            raise NotImplementedError(
+                f"{name}: the mosaic_tpu overlapped exchange computes in x's dtype ({dtype.name}) "
+                f"and needs the weights in it too, got {jnp.dtype(w.dtype).name}; cast them, or "
+                "pass backend='xla'"
+            )
+    d, f = rows.shape[1], w_gate.shape[2]
     for name, size in (("d (x's columns)", d), ("f (the experts' hidden size)", f)):
         if size % 128:
             raise NotImplementedError(
@@ -363,7 +372,7 @@ def overlapped_exchange_mosaic_tpu(
     assignments, d = rows.shape
     experts, _, f = w_gate.shape
     n = plan.num_devices
-    check_shapes(d, f, rows.dtype)
+    check_operands(rows, w_gate, w_up, w_down)
     tiles = ExpertTiles.for_shapes(d, f)
     tm = tiles.tm
     cap = cdiv(assignments, tm) * tm  # a chunk at most: every assignment, in whole tiles
@@ -415,7 +424,7 @@ def overlapped_exchange_mosaic_tpu(
         remedy="pass backend='xla'",
     )
     anywhere = pl.BlockSpec(memory_space=pl.ANY)
-    weights = tuple(w.astype(rows.dtype) for w in (w_gate, w_up, w_down))
+    weights = (w_gate, w_up, w_down)
     call = pl.pallas_call(
         functools.partial(_kernel, plan=plan, axis=axis_name, tiles=tiles, interpret=interpret),
         out_shape=tuple(out_struct(shape, dt, rows, w_gate) for shape, dt in outs),

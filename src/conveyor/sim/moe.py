@@ -231,7 +231,10 @@ def _transfer_beside(plan, hop_s: float, chunk_s: float) -> dict[tuple[int, str]
 def _experts_s(s: MoeShape, local: int, rows: int, *, dtype: str, hw: Hardware) -> float:
     """The SwiGLU experts' three grouped matmuls on `rows` rows spread evenly over `local`
     experts. On TPU the layer moves its rows inside the kernels (`fuse_permutation`), whose row
-    kernels run `TPU_ROW_KERNELS` tiles: priced with those."""
+    kernels run `TPU_ROW_KERNELS` tiles: priced with those. The per-peer exchange kernel's own
+    grouped matmuls (`moe/mosaic_tpu.py`) run the same tiles at the Mixtral and DeepSeek widths;
+    its gate and up projections share one pipeline (one fetch of each row block), priced here as
+    two grouped matmuls."""
     sizes = [rows // local + (1 if e < rows % local else 0) for e in range(local)]
     tiling = TPU_ROW_KERNELS if hw.kind == "tpu" else None
     up = simulate_gmm(sizes, s.d, s.f, dtype=dtype, hardware=hw, tiling=tiling).time_s
