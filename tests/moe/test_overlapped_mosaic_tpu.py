@@ -104,11 +104,15 @@ def test_shapes_the_kernel_cannot_tile_are_refused_by_name():
         jax.jit(kernel_layer(2, 1, "on_wait"))(mixed)
 
 
-def test_tiles_follow_the_layer_widths():
-    t = ExpertTiles.for_shapes(4096, 14336)
-    assert (t.tm, t.d_block, t.f_block) == (128, 512, 512)
-    assert ExpertTiles.for_shapes(384, 640).d_block == 128
-    # libtpu 0.0.50.1 reported exactly this scoped VMEM for the kernel at Mixtral's and the
-    # DeepSeek-like shape on v5e, v6e and v5p (docs/internals/moe.md)
-    assert t.vmem(jnp.bfloat16) == 3 * 2**20
-    assert ExpertTiles.for_shapes(7168, 2048).vmem(jnp.bfloat16) == 3 * 2**20
+def test_tiles_follow_the_gmm_defaults_and_count_what_libtpu_holds():
+    """`tiling.tpu_default` over a chunk of balanced routing; VMEM counted as libtpu 0.0.50.1
+    reported it for the bf16 kernel on v5e (Mixtral 12.49 MiB; DeepSeek-like 10.15 MiB at 128
+    rows a group, 12.49 at 512: docs/internals/moe.md), never under it."""
+    mixtral = ExpertTiles.for_layer(rows=512, groups=1, d=4096, f=14336)
+    assert (mixtral.tm, mixtral.d_block, mixtral.f_block) == (256, 1024, 1024)
+    assert mixtral.vmem(jnp.bfloat16) == 12.5 * 2**20
+    deepseek = ExpertTiles.for_layer(rows=2048, groups=16, d=7168, f=2048)
+    assert (deepseek.tm, deepseek.d_block, deepseek.f_block) == (128, 1024, 1024)
+    assert deepseek.vmem(jnp.bfloat16) == 10.25 * 2**20
+    small = ExpertTiles.for_layer(rows=16, groups=2, d=384, f=256)
+    assert (small.tm, small.d_block, small.f_block) == (128, 128, 256)

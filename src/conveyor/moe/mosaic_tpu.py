@@ -21,45 +21,50 @@ from conveyor.interpreters import tpu_params
 from conveyor.ints import cdiv
 from conveyor.kernel import KernelContext, entered_kernel
 from conveyor.ops.gmm.metadata import make_group_metadata, max_visits
+from conveyor.ops.gmm.tiling import tpu_default
+from conveyor.ops.gmm.tpu_blocks import RELAYOUT_FREE_ELEMENTS
 from conveyor.pipeline.api import emit_pipeline
 from conveyor.pipeline.lowering import issued
 from conveyor.plans.exchange import ExchangeOperation, ExchangePlan
 from conveyor.spmd import out_struct
 from conveyor.tpu_vmem import vmem_limit
 
-# Rows of a row tile of the experts' grouped matmuls, and of one DMA of rows: a chunk travels in
-# whole tiles, so at most TILE_ROWS - 1 padding rows per chunk cross a link.
-TILE_ROWS = 128
 SUPPORTED = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-
-
-def _lanes(size: int) -> int:
-    """The widest of 512 / 256 / 128 dividing `size` (a multiple of 128)."""
-    return next(t for t in (512, 256, 128) if size % t == 0)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ExpertTiles:
     """Blocks of the two grouped matmuls: [rows, d] @ [d, f] (gate and up, fused) and
-    [rows, f] @ [f, d] (down); `tm` rows each."""
+    [rows, f] @ [f, d] (down); `tm` rows each. A chunk also travels in whole `tm`-row tiles (one
+    DMA each), so at most tm - 1 padding rows per chunk cross a link."""
 
     tm: int
     d_block: int
     f_block: int
 
     @classmethod
-    def for_shapes(cls, d: int, f: int) -> "ExpertTiles":
-        return cls(tm=TILE_ROWS, d_block=_lanes(d), f_block=_lanes(f))
+    def for_layer(cls, *, rows: int, groups: int, d: int, f: int) -> "ExpertTiles":
+        """`tiling.tpu_default` for a chunk of `rows` rows in `groups` local experts (the gmm
+        kernels' default: tm from the mean rows per group, the widest blocks dividing d and f).
+        Shapes only."""
+        tm, d_block, f_block = tpu_default(rows, d, f, groups)
+        return cls(tm=tm, d_block=min(d_block, d), f_block=min(f_block, f))
 
     def vmem(self, dtype) -> int:
-        """VMEM of the larger of the two pipelines: two slots per block; the float32
-        accumulators (two for gate and up)."""
+        """VMEM of the larger of the two pipelines: two slots of every block, the float32
+        accumulators (two for gate and up), and Mosaic's relayout copy of a 16-bit left operand
+        (`tpu_blocks.working_set`'s rule)."""
         tm, bd, bf = self.tm, self.d_block, self.f_block
+
+        def relayout(block):
+            copied = jnp.dtype(dtype).itemsize < 4 and block[0] * block[1] > RELAYOUT_FREE_ELEMENTS
+            return shape_bytes(block, dtype) if copied else 0
+
         up = 2 * shape_bytes((tm, bd), dtype) + 4 * shape_bytes((bd, bf), dtype)
         up += 2 * shape_bytes((tm, bf), dtype) + 2 * shape_bytes((tm, bf), jnp.float32)
         down = 2 * shape_bytes((tm, bf), dtype) + 2 * shape_bytes((bf, bd), dtype)
         down += 2 * shape_bytes((tm, bd), dtype) + shape_bytes((tm, bd), jnp.float32)
-        return max(up, down)
+        return max(up + relayout((tm, bd)), down + relayout((tm, bf)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,7 +378,8 @@ def overlapped_exchange_mosaic_tpu(
     experts, _, f = w_gate.shape
     n = plan.num_devices
     check_operands(rows, w_gate, w_up, w_down)
-    tiles = ExpertTiles.for_shapes(d, f)
+    # balanced routing: a chunk holds 1 / n of the assignments, in `experts` groups
+    tiles = ExpertTiles.for_layer(rows=max(assignments // n, 1), groups=experts, d=d, f=f)
     tm = tiles.tm
     cap = cdiv(assignments, tm) * tm  # a chunk at most: every assignment, in whole tiles
     dest = jnp.searchsorted(jnp.cumsum(per_dest), jnp.arange(assignments), side="right")
