@@ -9,7 +9,7 @@ import dataclasses
 
 from conveyor.ints import cdiv
 from conveyor import dtypes
-from conveyor.ops.gmm.tiling import TPU_ROW_KERNELS, tpu_default
+from conveyor.ops.gmm.tiling import tpu_default
 from conveyor.plans.exchange import default_stages, exchange_plan, staged_exchange_plan
 from conveyor.sim import timed
 from conveyor.sim.hardware import Hardware, get as get_hardware
@@ -144,9 +144,7 @@ def simulate_moe_layer(
         experts_total = stages * stage_s
     elif exchange == "peers":
         plan = exchange_plan(num_devices=devices, buffering=buffering)
-        # on TPU the exchange kernel runs the experts with its own tiles
-        chunk_s = _experts_s(s, local, chunk_rows, dtype=dtype, hw=hw, in_kernel=True)
-        hop = transfer_s(chunk_rows)
+        chunk_s, hop = experts_s(chunk_rows), transfer_s(chunk_rows)
         beside = _transfer_beside(plan, hop, chunk_s)
         time, boxes = _run_on_dev0(
             plan.program(), hop, lambda a: chunk_s + slowdown * beside[(a.step, a.stream)]
@@ -230,21 +228,16 @@ def _transfer_beside(plan, hop_s: float, chunk_s: float) -> dict[tuple[int, str]
     return out
 
 
-def _experts_s(
-    s: MoeShape, local: int, rows: int, *, dtype: str, hw: Hardware, in_kernel: bool = False
-) -> float:
+def _experts_s(s: MoeShape, local: int, rows: int, *, dtype: str, hw: Hardware) -> float:
     """The SwiGLU experts' three grouped matmuls on `rows` rows spread evenly over `local`
-    experts. On TPU the layer moves its rows inside the kernels (`fuse_permutation`), whose row
-    kernels run `TPU_ROW_KERNELS` tiles: priced with those; `in_kernel`: the per-peer exchange
-    kernel's own grouped matmuls (`moe/mosaic_tpu.py`), whose tiles are `tiling.tpu_default` of a
-    chunk (its gate and up projections share one pipeline, one fetch of each row block: priced
-    here as two grouped matmuls)."""
+    experts. On TPU every layer's experts run `tiling.tpu_default` tiles of their rows: the
+    row-moving gmm kernels (`fuse_permutation`) and the per-peer exchange kernel's own grouped
+    matmuls (`moe/mosaic_tpu.py`, whose gate and up projections share one pipeline, one fetch of
+    each row block: priced here as two grouped matmuls)."""
     sizes = [rows // local + (1 if e < rows % local else 0) for e in range(local)]
 
     def tiles(k: int, n: int):
-        if hw.kind != "tpu":
-            return None
-        return tpu_default(rows, k, n, local) if in_kernel else TPU_ROW_KERNELS
+        return tpu_default(rows, k, n, local) if hw.kind == "tpu" else None
 
     up = simulate_gmm(sizes, s.d, s.f, dtype=dtype, hardware=hw, tiling=tiles(s.d, s.f)).time_s
     down = simulate_gmm(sizes, s.f, s.d, dtype=dtype, hardware=hw, tiling=tiles(s.f, s.d)).time_s

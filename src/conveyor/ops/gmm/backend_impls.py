@@ -234,7 +234,7 @@ def _gathered_gmm_mosaic_tpu(
     out_dtype,
 ):
     m, k, n = lhs_indices.shape[0], lhs.shape[1], existing_out.shape[1]
-    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_ROW_KERNELS)
+    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.tpu_default(m, k, n, rhs.shape[0]))
     from conveyor.ops.gmm import mosaic_tpu_rows
 
     return mosaic_tpu_rows.gathered_gmm_mosaic_tpu(
@@ -307,7 +307,7 @@ def _scatter_gmm_mosaic_tpu(
 
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_ROW_KERNELS)
+    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.tpu_default(m, k, n, rhs.shape[0]))
     args = (lhs, rhs, group_sizes, group_offset, out_indices, row_weights)
 
     def kernel(args):
@@ -504,7 +504,7 @@ def _gathered_tgmm_mosaic_tpu(
     weighted,
 ):
     m, k, n = indices.shape[0], lhs.shape[1], rhs.shape[1]
-    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.TPU_ROW_KERNELS)
+    t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.tpu_default(m, k, n, num_groups))
     from conveyor.ops.gmm import mosaic_tpu_rows
 
     return mosaic_tpu_rows.gathered_tgmm_mosaic_tpu(

@@ -434,7 +434,10 @@ def gathered_tgmm_mosaic_tpu(
                 out_block,
                 cdt,
                 out_dtype,
-                dot_lhs=(tm, tk),
+                # packed rows: their slots again and the operand unpacked from them, as in the
+                # gathered gmm (which then stands for a gathered lhs's relayout copy)
+                dot_lhs=(tm, 1) if packed and gathered_side == "lhs" else (tm, tk),
+                extra=packed_rows_vmem(tm, width, width, cdt) if packed else 0,
             ),
         ),
         cost_estimate=matmul_cost(k, m, n, lhs, rhs, existing_out),

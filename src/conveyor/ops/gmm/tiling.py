@@ -15,10 +15,6 @@ Tiling = Union[None, tuple[int, int, int], Callable[[int, int, int], "tuple[int,
 # TPU_MAX_TM, k / n tiles of at most TPU_MAX_TKN. Why these sizes: docs/internals/gmm.md,
 # "Default tiles on TPU".
 TPU_MIN_TM, TPU_MAX_TM, TPU_MAX_TKN = 128, 256, 1024
-# The row-moving kernels (gmm with lhs_indices or out_indices, tgmm with gathered rows) keep
-# megablox-like tiles: their per-row DMA buffers hold each 16-bit row as a whole (16, 128) VMEM
-# tile, so 512-row tiles ran out of scoped VMEM in libtpu's compile (docs/internals/gmm.md).
-TPU_ROW_KERNELS = (128, 512, 512)
 
 
 def tpu_default(m: int, k: int, n: int, num_groups: int) -> tuple[int, int, int]:
