@@ -84,6 +84,13 @@ def test_gradients_match_the_dense_reference(overlap, stages):
     """experts: 3 local experts in 2 stages (uneven groups: 2 and 1)."""
     devices, top_k = 4, 2
     p = params(devices, seed=11, experts_per_device=3)
+    options = {} if stages is None else dict(overlap_stages=stages)
+    assert_gradients_match_the_reference(sharded(devices, top_k, overlap, **options), p, top_k)
+
+
+def assert_gradients_match_the_reference(layer, p, top_k, depth=D + F):
+    """The gradients of sum(sin(y)) + aux through `layer` against the dense reference's; `depth`:
+    the d -> f -> d chain's length (forward and backward: twice that, tests/tolerance.py)."""
 
     def loss(fn):
         def f(p):
@@ -92,12 +99,11 @@ def test_gradients_match_the_dense_reference(overlap, stages):
 
         return f
 
-    options = {} if stages is None else dict(overlap_stages=stages)
-    got = jax.jit(jax.grad(loss(sharded(devices, top_k, overlap, **options))))(p)
+    got = jax.jit(jax.grad(loss(layer)))(p)
     want = jax.grad(loss(lambda p: cv.moe.moe_ffn_reference(**p, top_k=top_k)))(p)
     for name in p:
         np.testing.assert_allclose(
-            got[name], want[name], rtol=0, atol=tol(want[name], 2 * (D + F)), err_msg=name
+            got[name], want[name], rtol=0, atol=tol(want[name], 2 * depth), err_msg=name
         )
 
 

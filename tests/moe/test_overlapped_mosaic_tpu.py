@@ -15,7 +15,7 @@ from conveyor.moe.mosaic_tpu import ExpertTiles
 from conveyor.pipeline.lowering import record_issued
 from conveyor.plans.exchange import ExchangeOperation, exchange_plan
 from tests.moe.test_moe_layer import tol
-from tests.moe.test_overlapped import sharded
+from tests.moe.test_overlapped import assert_gradients_match_the_reference, sharded
 
 TOKENS_PER_DEVICE, D, F = 8, 128, 256  # the kernel tiles d and f in 128-lane blocks
 
@@ -78,19 +78,8 @@ def test_gradients_match_the_dense_reference():
     devices, top_k = 1, 2
     p = params(devices, seed=13)
 
-    def loss(fn):
-        def f(p):
-            y, aux = fn(p)[:2]
-            return jnp.sum(jnp.sin(y)) + aux
-
-        return f
-
-    got = jax.jit(jax.grad(loss(kernel_layer(devices, top_k, "on_wait"))))(p)
-    want = jax.grad(loss(lambda p: cv.moe.moe_ffn_reference(**p, top_k=top_k)))(p)
-    for name in p:
-        np.testing.assert_allclose(
-            got[name], want[name], rtol=0, atol=tol(want[name], 2 * (D + F)), err_msg=name
-        )
+    layer = kernel_layer(devices, top_k, "on_wait")
+    assert_gradients_match_the_reference(layer, p, top_k, depth=D + F)
 
 
 def test_shapes_the_kernel_cannot_tile_are_refused_by_name():

@@ -342,6 +342,10 @@ KINDS: dict[str, Callable] = {
 }
 
 MIXTRAL = dict(m=8192, k=4096, n=14336)
+# expert parallelism on 8 chips: Mixtral-like (8 experts, top-2) and DeepSeek-like (narrow
+# experts, top-8; 64 of them, not 256, to keep the compile short)
+MIXTRAL_EP = dict(d=4096, f=14336, experts=8, top_k=2)
+DEEPSEEK_EP = dict(d=7168, f=2048, experts=64, top_k=8)
 
 
 def production() -> list[Case]:
@@ -367,60 +371,20 @@ def production() -> list[Case]:
         case("gmm", **MIXTRAL, groups=8, grad=True),
         case("gmm", **MIXTRAL, groups=8, grad=True, sharded=True),
         case("moe", tokens=8192, d=4096, f=14336, experts=8, top_k=2, grad=True),
-        # expert parallelism on 8 chips: Mixtral-like (8 experts, top-2) and DeepSeek-like
-        # (narrow experts, top-8; 64 of them, not 256, to keep the compile short)
-        case("moe_ep", devices=8, tokens=8192, d=4096, f=14336, experts=8, top_k=2, grad=True),
-        case("moe_ep", devices=8, tokens=8192, d=7168, f=2048, experts=64, top_k=8, grad=True),
+        case("moe_ep", devices=8, tokens=8192, **MIXTRAL_EP, grad=True),
+        case("moe_ep", devices=8, tokens=8192, **DEEPSEEK_EP, grad=True),
         # the overlapped exchange: on TPU the exchange kernel forward (remote DMAs around its own
         # grouped matmuls), the XLA plan backward; on GPU per-peer ragged sends around per-chunk
         # expert matmuls
-        case(
-            "moe_ep",
-            devices=8,
-            tokens=8192,
-            d=4096,
-            f=14336,
-            experts=8,
-            top_k=2,
-            grad=True,
-            overlap="peers",
-        ),
-        case(
-            "moe_ep",
-            devices=8,
-            tokens=8192,
-            d=7168,
-            f=2048,
-            experts=64,
-            top_k=8,
-            overlap="peers",
-        ),
+        case("moe_ep", devices=8, tokens=8192, **MIXTRAL_EP, grad=True, overlap="peers"),
+        case("moe_ep", devices=8, tokens=8192, **DEEPSEEK_EP, overlap="peers"),
         # 4096 tokens per chip (`cv.sim`'s MoE shapes): the rows reported are the programs'
         # temporaries in HBM, exact exchange against the per-peer kernel
-        case("moe_ep", devices=8, tokens=32768, d=7168, f=2048, experts=64, top_k=8),
-        case(
-            "moe_ep",
-            devices=8,
-            tokens=32768,
-            d=7168,
-            f=2048,
-            experts=64,
-            top_k=8,
-            overlap="peers",
-        ),
+        case("moe_ep", devices=8, tokens=32768, **DEEPSEEK_EP),
+        case("moe_ep", devices=8, tokens=32768, **DEEPSEEK_EP, overlap="peers"),
         # staged by local expert (16 per chip in 8 stages), where per-peer chunks would re-read
         # the weights: its per-stage buffers are rematerialized to fit HBM
-        case(
-            "moe_ep",
-            devices=8,
-            tokens=8192,
-            d=7168,
-            f=2048,
-            experts=64,
-            top_k=8,
-            grad=True,
-            overlap="experts",
-        ),
+        case("moe_ep", devices=8, tokens=8192, **DEEPSEEK_EP, grad=True, overlap="experts"),
         case("example", fn="matmul", m=4096, k=4096, n=4096),
         case("example", fn="matmul_warp_specialized", m=4096, k=4096, n=4096),
         # 4000 rows: the last 64-row block is partial (a window of 32 rows)

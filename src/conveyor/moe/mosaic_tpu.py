@@ -205,10 +205,10 @@ def _kernel(
     """One device's part of `plan`. counts_ref[(s * D + j) * E + e]: rows sender s sends device j
     for its local expert e (its chunk for j, rows sorted by expert); regions_ref[s * D + j]: the
     row tile where that chunk starts in sender s's `packed_hbm` (and its results in s's
-    `results_hbm`). Slots: in_slots /
-    out_slots[stream, slot] (HBM, [C, d] each); semaphores: per stream its dispatches' sends, per
-    (stream, slot) the landings and the returns' sends, one for the results landing home, and one
-    credit per peer offset (a sender waits for the receiver's credit before each dispatch)."""
+    `results_hbm`). Slots: in_slots / out_slots[stream, slot] (HBM, [C, d] each); semaphores: per
+    stream its dispatches' sends, per (stream, slot) the landings and the returns' sends, one for
+    the results landing home, and one credit per peer offset (a sender waits for the receiver's
+    credit before each dispatch)."""
     n = plan.num_devices
     experts = wg_hbm.shape[0]
     tm = tiles.tm
