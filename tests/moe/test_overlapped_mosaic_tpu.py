@@ -40,10 +40,11 @@ def kernel_layer(devices, top_k, mode):
 
 @pytest.mark.parametrize(
     "devices, top_k, mode",
-    # 8: two streams, 4 peers from the left, 3 from the right (two slots each, reused); 3: eager
-    # DMAs, one peer a stream (the suite's time budget keeps it small); one device, the local
-    # chunk alone, is the gradient test's forward pass
-    [(8, 2, "on_wait"), (3, 3, "eager")],
+    # 8 devices: two streams, 4 peers from the left and 3 from the right, through two slots each
+    # (reused); both DMA modes, a different top-k each; one device, the local chunk alone, is the
+    # gradient test's forward pass (other device counts run the same plan in
+    # tests/moe/test_overlapped.py)
+    [(8, 2, "on_wait"), (8, 3, "eager")],
 )
 def test_forward_matches_the_dense_reference_and_the_plan(devices, top_k, mode):
     """Conformance too: per device, the operations the kernel reports while the interpreter runs it

@@ -80,8 +80,11 @@ class _Chunks:
     visits: int
     groups: int
 
-    def visit(self, s, v):
-        return self.group_ids[s * self.visits + v], self.tile_ids[s * self.visits + v]
+    def group(self, s, v):
+        return self.group_ids[s * self.visits + v]
+
+    def tile(self, s, v):
+        return self.tile_ids[s * self.visits + v]
 
     def rows_of(self, s, g):
         return self.starts[s * self.groups + g], self.ends[s * self.groups + g]
@@ -100,20 +103,20 @@ def _grouped_swiglu(
 
     def first_of_tile(v):
         prev = jnp.maximum(v - 1, 0)
-        return (v == 0) | (chunks.visit(s, v)[1] != chunks.visit(s, prev)[1])
+        return (v == 0) | (chunks.tile(s, v) != chunks.tile(s, prev))
 
     def store(v, out, value):
         """Write the visit's group's rows of the block (the tile's other rows keep their value)."""
-        g, tile = chunks.visit(s, v)
-        lo, hi = chunks.rows_of(s, g)
+        tile = chunks.tile(s, v)
+        lo, hi = chunks.rows_of(s, chunks.group(s, v))
         rows = tile * tm + lax.broadcasted_iota(jnp.int32, out.shape, 0)
         out[...] = jnp.where((rows >= lo) & (rows < hi), value.astype(out.dtype), out[...])
 
-    x_row = lambda j, v, kk: (x_at + chunks.visit(s, v)[1], kk)  # noqa: E731
-    h_row = lambda j, v, kk: (chunks.visit(s, v)[1], kk)  # noqa: E731
-    weight = lambda j, v, kk: (chunks.visit(s, v)[0], kk, j)  # noqa: E731
-    h_block = lambda j, v, kk: (chunks.visit(s, v)[1], j)  # noqa: E731
-    out_block = lambda j, v, kk: (out_at + chunks.visit(s, v)[1], j)  # noqa: E731
+    x_row = lambda j, v, kk: (x_at + chunks.tile(s, v), kk)  # noqa: E731
+    h_row = lambda j, v, kk: (chunks.tile(s, v), kk)  # noqa: E731
+    weight = lambda j, v, kk: (chunks.group(s, v), kk, j)  # noqa: E731
+    h_block = lambda j, v, kk: (chunks.tile(s, v), j)  # noqa: E731
+    out_block = lambda j, v, kk: (out_at + chunks.tile(s, v), j)  # noqa: E731
 
     def up(acc_g, acc_u):
         def body(idx, x, wg, wu, h):
@@ -176,7 +179,7 @@ def _grouped_swiglu(
 
 def _kernel(
     me_ref,
-    counts_ref,
+    tiles_ref,
     regions_ref,
     group_ids,
     tile_ids,
@@ -202,9 +205,9 @@ def _kernel(
     tiles: ExpertTiles,
     interpret,
 ):
-    """One device's part of `plan`. counts_ref[(s * D + j) * E + e]: rows sender s sends device j
-    for its local expert e (its chunk for j, rows sorted by expert); regions_ref[s * D + j]: the
-    row tile where that chunk starts in sender s's `packed_hbm` (and its results in s's
+    """One device's part of `plan`. tiles_ref[s * D + j]: the row tiles of sender s's chunk for
+    device j (its rows sorted by local expert); regions_ref[s * D + j]: the row tile where that
+    chunk starts in sender s's `packed_hbm` (and its results in s's
     `results_hbm`). Slots: in_slots / out_slots[stream, slot] (HBM, [C, d] each); semaphores: per
     stream its dispatches' sends, per (stream, slot) the landings and the returns' sends, one for
     the results landing home, and one credit per peer offset (a sender waits for the receiver's
@@ -223,8 +226,7 @@ def _kernel(
 
     def blocks(sender, receiver):
         """Row tiles of sender's chunk for receiver (each one DMA)."""
-        at = (sender * n + receiver) * experts
-        return cdiv(sum(counts_ref[at + e] for e in range(experts)), tm)
+        return tiles_ref[sender * n + receiver]
 
     def tile(ref, i):
         return ref.at[pl.ds(pl.multiple_of(i * tm, tm), tm)]
@@ -398,7 +400,7 @@ def overlapped_exchange_mosaic_tpu(
     flat = lambda a: a.reshape(-1).astype(jnp.int32)  # noqa: E731
     prefetch = (
         me[None],
-        flat(all_counts),
+        flat(tiles_of),
         flat(regions),
         flat(metas.group_ids),
         flat(metas.tile_ids),
