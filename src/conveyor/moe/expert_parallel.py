@@ -204,6 +204,7 @@ def _experts(
         group_sizes,
         by_expert,
         num_out_rows=rows.shape[0],
+        unique_indices=True,
         preferred_element_type=rows.dtype,
         backend=backend,
         interpret=interpret,

@@ -201,6 +201,45 @@ def test_forward_over_reverse_and_vmap(backend):
         assert_close(out[b], oracle(lhs, rhs, sizes, idx, both[b], TOKENS), TOP_K * K, jnp.float32)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unique_indices_store_the_same_rows(backend, monkeypatch):
+    """unique_indices=True (results back to the rows they came from: a permutation of some output
+    rows, as cv.moe's experts use it) gives exactly the values of adding into zeros (one float32
+    term a row), rows past the groups add nothing and rows nobody names are 0. mosaic_tpu runs
+    its storing epilogue, race detector on, without the run-time check for repeats."""
+    lhs, rhs, sizes, _, w = problem(14)
+    sizes = sizes.copy()
+    sizes[-1] -= 6  # the last 6 rows belong to no group
+    lhs = lhs.at[M - 6 :].set(jnp.nan)
+    num_rows = M + 5
+    idx = jnp.asarray(np.random.default_rng(14).permutation(num_rows)[:M], jnp.int32)
+    run = lambda unique: scatter_add(  # noqa: E731
+        backend,
+        lhs,
+        rhs,
+        jnp.asarray(sizes),
+        idx,
+        num_out_rows=num_rows,
+        row_weights=w,
+        unique_indices=unique,
+    )
+    added = run(False)
+    if backend == "mosaic_tpu":  # the kernel alone: no run-time check, no fallback beside it
+        from conveyor.ops.gmm import scattered
+
+        def checked(*a):
+            raise AssertionError("unique_indices=True still checks for repeats")
+
+        monkeypatch.setattr(scattered, "repeats_within_a_group", checked)
+    stored = run(True)
+    np.testing.assert_array_equal(stored, added)
+    expect = oracle(lhs[: M - 6], rhs, sizes, idx[: M - 6], w[: M - 6], num_rows)
+    assert_close(stored, expect, K, jnp.float32)
+    named = np.zeros(num_rows, bool)
+    named[np.asarray(idx[: M - 6])] = True
+    np.testing.assert_array_equal(np.asarray(stored)[~named], 0.0)
+
+
 @pytest.mark.parametrize("mode", ["eager", "on_wait"])
 def test_mosaic_tpu_epilogue_race_free_in_both_dma_modes(mode):
     """The race detector on in both DMA modes: a visit's row reads, its adds and its writes,
@@ -360,3 +399,7 @@ def test_bad_arguments_are_refused_by_name():
         run(row_weights=jnp.ones(M, jnp.int32))
     with pytest.raises(ValueError, match="rhs: contraction size must match lhs's k=135"):
         run(lhs=lhs[:, :-1])
+    with pytest.raises(ValueError, match="out_indices: unique_indices=True promises no index twi"):
+        run(unique_indices=True)  # top-2 routing: each token's row is named twice
+    with pytest.raises(TypeError, match="unique_indices: expected a bool, got 1"):
+        run(unique_indices=1)

@@ -83,6 +83,21 @@ def _check_indices(indices, name: str, num_rows: int, rows_doc: str):
     return indices
 
 
+def _check_unique(out_indices, unique_indices) -> None:
+    """`unique_indices` is a bool; with True, concrete `out_indices` hold no index twice."""
+    if not isinstance(unique_indices, bool):
+        raise TypeError(f"unique_indices: expected a bool, got {unique_indices!r}")
+    if not unique_indices or not _is_concrete(out_indices):
+        return  # traced: the caller's promise (documented)
+    values, counts = np.unique(np.asarray(out_indices), return_counts=True)
+    if (counts > 1).any():
+        first = int(values[counts > 1][0])
+        raise ValueError(
+            f"out_indices: unique_indices=True promises no index twice, got row {first} "
+            f"{int(counts[counts > 1][0])} times; pass unique_indices=False to add repeats"
+        )
+
+
 def _check_lhs_indices(lhs_indices, num_rows: int) -> int:
     """`lhs_indices` is a 1-d integer array naming rows of lhs; returns its length (m)."""
     if num_rows == 0:
@@ -370,6 +385,7 @@ def gmm_scatter_add(
     tiling: tiling_lib.Tiling = None,
     group_offset: jax.Array | int | None = None,
     transpose_rhs: bool = False,
+    unique_indices: bool = False,
     backend: str | None = None,
     interpret=False,
 ) -> jax.Array:
@@ -391,6 +407,12 @@ def gmm_scatter_add(
       num_out_rows: the output's row count (static int >= 1).
       row_weights: float [m], each row's weight (default 1); differentiable.
       preferred_element_type: output dtype (the sums are float32, rounded once).
+      unique_indices: the caller's promise that `out_indices` holds no index twice (a
+        permutation of some output rows, as when results go back to the rows they came from):
+        each named row is then written, not added to, and mosaic_tpu skips its run-time check
+        for repeats and the unfused computation kept beside the kernel for them. Same results.
+        Concrete indices with a repeat are refused; traced ones with a repeat give unspecified
+        rows (as `jnp.ndarray.at[...].set(unique_indices=True)`).
       tiling, transpose_rhs, backend, interpret: as in `gmm`. mosaic_tpu's epilogue updates the
         rows of one visit together, so where one group names an output row twice it computes
         that call the unfused way (decided at run time, same results).
@@ -422,6 +444,7 @@ def gmm_scatter_add(
         raise ValueError(
             f"out_indices: expected one index per lhs row ({m}), got {out_indices.shape[0]}"
         )
+    _check_unique(out_indices, unique_indices)
     if row_weights is None:
         row_weights = jnp.ones((m,), jnp.float32)
     _check_array(row_weights, "row_weights", 1, f"[m] = [{m}]")
@@ -446,6 +469,7 @@ def gmm_scatter_add(
         row_weights,
         num_rows=int(num_out_rows),
         transpose_rhs=bool(transpose_rhs),
+        unique_indices=unique_indices,
         out_dtype=out_dtype,
         backend=backend,
         tiling=tiling_lib.as_static(tiling, m, k, rhs.shape[1] if transpose_rhs else rhs.shape[2]),

@@ -276,14 +276,27 @@ def _scatter_then(run):
     """The scatter-add gmm as a plain gmm (`run`, float32 out) and an XLA scatter-add."""
 
     def scattered(
-        lhs, rhs, group_sizes, group_offset, out_indices, row_weights, *, num_rows, out_dtype, **p
+        lhs,
+        rhs,
+        group_sizes,
+        group_offset,
+        out_indices,
+        row_weights,
+        *,
+        num_rows,
+        out_dtype,
+        unique_indices=False,
+        **p,
     ):
         n = rhs.shape[1] if p["transpose_rhs"] else rhs.shape[2]
         zeros = jnp.zeros((lhs.shape[0], n), jnp.float32)
         prod = run(lhs, rhs, group_sizes, group_offset, zeros, out_dtype=jnp.float32, **p)
         rows = jnp.clip(out_indices.astype(jnp.int32), 0, num_rows - 1)
         weighted = row_weights.astype(jnp.float32)[:, None] * prod  # rows of no group: 0 * w
-        return jnp.zeros((num_rows, n), jnp.float32).at[rows].add(weighted).astype(out_dtype)
+        out = jnp.zeros((num_rows, n), jnp.float32).at[rows]
+        if unique_indices:  # one term a row: 0 + x is x, the same float32 value as the add
+            return out.set(weighted, unique_indices=True).astype(out_dtype)
+        return out.add(weighted).astype(out_dtype)
 
     return scattered
 
@@ -301,6 +314,7 @@ def _scatter_gmm_mosaic_tpu(
     transpose_rhs,
     num_rows,
     out_dtype,
+    unique_indices=False,
 ):
     from conveyor.ops.gmm import mosaic_tpu_rows
     from conveyor.ops.gmm.scattered import repeats_within_a_group
@@ -312,9 +326,17 @@ def _scatter_gmm_mosaic_tpu(
 
     def kernel(args):
         out = mosaic_tpu_rows.scatter_gmm_mosaic_tpu(
-            *args, num_rows=num_rows, transpose_rhs=transpose_rhs, tiling=t, interpret=interpret
+            *args,
+            num_rows=num_rows,
+            transpose_rhs=transpose_rhs,
+            tiling=t,
+            interpret=interpret,
+            store=unique_indices,
         )
         return out.astype(out_dtype)
+
+    if unique_indices:  # no repeats to route around: the kernel alone, storing its rows
+        return kernel(args)
 
     def unfused(args):
         # a group naming one output row twice: the kernel's row updates would collide

@@ -469,11 +469,13 @@ def _scatter_gmm_kernel(
     tn,
     k,
     transpose_rhs,
+    store,
 ):
     """gmm's kernel whose epilogue adds the visit's weighted rows into the output rows their
     indices name: it reads those rows by DMA, adds, and writes them back, waiting for the writes
     before the next visit (which may name the same rows). Rows of one visit are one group's,
-    whose indices are distinct (the caller routes repeats elsewhere), so they never collide."""
+    whose indices are distinct (the caller routes repeats elsewhere), so they never collide.
+    With `store` (no index twice in the whole call) the rows are written without being read."""
     del y_init  # aliased to y_hbm
     j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     nk = pl.num_programs(2)
@@ -505,12 +507,15 @@ def _scatter_gmm_kernel(
         def each_row(fn):
             lax.fori_loop(lo, hi, lambda r, c: (fn(r), c)[1], 0)
 
-        each_row(lambda r: copy(r, True).start())
-        each_row(lambda r: copy(r, True).wait())
-        rows = base + lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
-        mine = (rows >= starts[g]) & (rows < ends[g])
-        added = rows_buf[...] + acc_ref[...] * weight_ref[...]
-        rows_buf[...] = jnp.where(mine, added, rows_buf[...])
+        if store:  # only the rows [lo, hi) leave the buffer: the others need no mask
+            rows_buf[...] = acc_ref[...] * weight_ref[...]
+        else:
+            each_row(lambda r: copy(r, True).start())
+            each_row(lambda r: copy(r, True).wait())
+            rows = base + lax.broadcasted_iota(jnp.int32, acc_ref.shape, 0)
+            mine = (rows >= starts[g]) & (rows < ends[g])
+            added = rows_buf[...] + acc_ref[...] * weight_ref[...]
+            rows_buf[...] = jnp.where(mine, added, rows_buf[...])
         each_row(lambda r: copy(r, False).start())
         each_row(lambda r: copy(r, False).wait())
 
@@ -527,10 +532,12 @@ def scatter_gmm_mosaic_tpu(
     transpose_rhs,
     tiling,
     interpret,
+    store=False,
 ):
     """float32 [num_rows, n]: `row_weights[i] * (lhs[i] @ rhs[group(i)])` added into row
     `out_indices[i]`, for the rows of the local groups, in the kernel's epilogue (no [m, n]
-    product is written). Indices must be distinct within each group (see the kernel)."""
+    product is written). Indices must be distinct within each group (see the kernel); with
+    `store`, distinct in the whole call (each row is written, not added to)."""
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -551,7 +558,13 @@ def scatter_gmm_mosaic_tpu(
     lhs_block, rhs_block, out_block = tpu_blocks.gmm_blocks(tm, tk, tn, transpose_rhs)
     call = pl.pallas_call(
         functools.partial(
-            _scatter_gmm_kernel, tm=tm, tk=tk, tn=tn, k=k, transpose_rhs=transpose_rhs
+            _scatter_gmm_kernel,
+            tm=tm,
+            tk=tk,
+            tn=tn,
+            k=k,
+            transpose_rhs=transpose_rhs,
+            store=store,
         ),
         out_shape=jax.ShapeDtypeStruct(y.shape, jnp.float32),
         grid_spec=pltpu.PrefetchScalarGridSpec(
