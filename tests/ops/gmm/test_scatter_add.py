@@ -201,13 +201,17 @@ def test_forward_over_reverse_and_vmap(backend):
         assert_close(out[b], oracle(lhs, rhs, sizes, idx, both[b], TOKENS), TOP_K * K, jnp.float32)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_unique_indices_store_the_same_rows(backend, monkeypatch):
+@pytest.mark.parametrize(
+    "backend, dtype",
+    [(b, jnp.float32) for b in BACKENDS] + [("mosaic_tpu", jnp.bfloat16)],
+)
+def test_unique_indices_store_the_same_rows(backend, dtype, monkeypatch):
     """unique_indices=True (results back to the rows they came from: a permutation of some output
     rows, as cv.moe's experts use it) gives exactly the values of adding into zeros (one float32
-    term a row), rows past the groups add nothing and rows nobody names are 0. mosaic_tpu runs
-    its storing epilogue, race detector on, without the run-time check for repeats."""
-    lhs, rhs, sizes, _, w = problem(14)
+    term a row, rounded once to the output dtype), rows past the groups add nothing and rows
+    nobody names are 0. mosaic_tpu runs its storing epilogue, race detector on, without the
+    run-time check for repeats; 16-bit rows leave it in the output's dtype ([tm, 1, tn] views)."""
+    lhs, rhs, sizes, _, w = problem(14, dtype=dtype)
     sizes = sizes.copy()
     sizes[-1] -= 6  # the last 6 rows belong to no group
     lhs = lhs.at[M - 6 :].set(jnp.nan)
@@ -222,6 +226,7 @@ def test_unique_indices_store_the_same_rows(backend, monkeypatch):
         num_out_rows=num_rows,
         row_weights=w,
         unique_indices=unique,
+        preferred_element_type=dtype,
     )
     added = run(False)
     if backend == "mosaic_tpu":  # the kernel alone: no run-time check, no fallback beside it
@@ -232,9 +237,10 @@ def test_unique_indices_store_the_same_rows(backend, monkeypatch):
 
         monkeypatch.setattr(scattered, "repeats_within_a_group", checked)
     stored = run(True)
+    assert stored.dtype == dtype
     np.testing.assert_array_equal(stored, added)
     expect = oracle(lhs[: M - 6], rhs, sizes, idx[: M - 6], w[: M - 6], num_rows)
-    assert_close(stored, expect, K, jnp.float32)
+    assert_close(stored, expect, K, dtype)
     named = np.zeros(num_rows, bool)
     named[np.asarray(idx[: M - 6])] = True
     np.testing.assert_array_equal(np.asarray(stored)[~named], 0.0)

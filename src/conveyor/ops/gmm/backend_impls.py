@@ -332,6 +332,7 @@ def _scatter_gmm_mosaic_tpu(
             tiling=t,
             interpret=interpret,
             store=unique_indices,
+            out_dtype=out_dtype,
         )
         return out.astype(out_dtype)
 

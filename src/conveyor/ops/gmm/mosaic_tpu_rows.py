@@ -475,7 +475,9 @@ def _scatter_gmm_kernel(
     indices name: it reads those rows by DMA, adds, and writes them back, waiting for the writes
     before the next visit (which may name the same rows). Rows of one visit are one group's,
     whose indices are distinct (the caller routes repeats elsewhere), so they never collide.
-    With `store` (no index twice in the whole call) the rows are written without being read."""
+    With `store` (no index twice in the whole call) the rows are written without being read, in
+    the output's dtype; 16-bit rows travel as [tm, 1, tn] views (a row's own tile, as the gathered
+    kernel's loads)."""
     del y_init  # aliased to y_hbm
     j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     nk = pl.num_programs(2)
@@ -497,9 +499,15 @@ def _scatter_gmm_kernel(
         lo = jnp.maximum(starts[g] - base, 0)
         hi = jnp.minimum(ends[g] - base, tm)
 
+        packed = len(y_hbm.shape) == 3
+
         def copy(r, into_vmem):
-            hbm = y_hbm.at[pl.ds(out_rows[base + r], 1), pl.ds(j * tn, tn)]
-            vmem = rows_buf.at[pl.ds(r, 1)]
+            if packed:
+                hbm = y_hbm.at[out_rows[base + r], :, pl.ds(j * tn, tn)]
+                vmem = rows_buf.at[r]
+            else:
+                hbm = y_hbm.at[pl.ds(out_rows[base + r], 1), pl.ds(j * tn, tn)]
+                vmem = rows_buf.at[pl.ds(r, 1)]
             if into_vmem:
                 return pltpu.make_async_copy(hbm, vmem, sem.at[0])
             return pltpu.make_async_copy(vmem, hbm, sem.at[1])
@@ -508,7 +516,8 @@ def _scatter_gmm_kernel(
             lax.fori_loop(lo, hi, lambda r, c: (fn(r), c)[1], 0)
 
         if store:  # only the rows [lo, hi) leave the buffer: the others need no mask
-            rows_buf[...] = acc_ref[...] * weight_ref[...]
+            value = (acc_ref[...] * weight_ref[...]).astype(rows_buf.dtype)
+            rows_buf[...] = value.reshape(rows_buf.shape)
         else:
             each_row(lambda r: copy(r, True).start())
             each_row(lambda r: copy(r, True).wait())
@@ -533,11 +542,13 @@ def scatter_gmm_mosaic_tpu(
     tiling,
     interpret,
     store=False,
+    out_dtype=jnp.float32,
 ):
     """float32 [num_rows, n]: `row_weights[i] * (lhs[i] @ rhs[group(i)])` added into row
     `out_indices[i]`, for the rows of the local groups, in the kernel's epilogue (no [m, n]
     product is written). Indices must be distinct within each group (see the kernel); with
-    `store`, distinct in the whole call (each row is written, not added to)."""
+    `store`, distinct in the whole call: each row is written, not added to, rounded once to
+    `out_dtype` (the dtype of the result; float32 without `store`)."""
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -554,7 +565,10 @@ def scatter_gmm_mosaic_tpu(
         lhs = pad_to(lhs, (tm, 1))
         rhs = pad_to(rhs, (1, tn, 1) if transpose_rhs else (1, 1, tn))
     # whole column tiles, so that every DMA stays inside the rows; the padding is sliced off
-    y = jnp.zeros((num_rows, cdiv(n, tn) * tn), jnp.float32)
+    y_dtype = jnp.dtype(out_dtype if store else jnp.float32)
+    packed = y_dtype.itemsize < 4
+    y_shape = (num_rows, 1, cdiv(n, tn) * tn) if packed else (num_rows, cdiv(n, tn) * tn)
+    y = jnp.zeros(y_shape, y_dtype)
     lhs_block, rhs_block, out_block = tpu_blocks.gmm_blocks(tm, tk, tn, transpose_rhs)
     call = pl.pallas_call(
         functools.partial(
@@ -566,7 +580,7 @@ def scatter_gmm_mosaic_tpu(
             transpose_rhs=transpose_rhs,
             store=store,
         ),
-        out_shape=jax.ShapeDtypeStruct(y.shape, jnp.float32),
+        out_shape=jax.ShapeDtypeStruct(y.shape, y_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=grid,
@@ -579,7 +593,7 @@ def scatter_gmm_mosaic_tpu(
             out_specs=pl.BlockSpec(memory_space=pl.ANY),
             scratch_shapes=[
                 pltpu.VMEM((tm, tn), jnp.float32),
-                pltpu.VMEM((tm, tn), jnp.float32),
+                pltpu.VMEM((tm, 1, tn) if packed else (tm, tn), y_dtype),
                 pltpu.SemaphoreType.DMA((2,)),
             ],
         ),
@@ -602,4 +616,4 @@ def scatter_gmm_mosaic_tpu(
         weights,
         y,
     )
-    return out[:, :n]
+    return out.reshape(num_rows, -1)[:, :n]
