@@ -104,8 +104,16 @@ def test_verdicts():
     assert cc.verdict({**_row(**vmem), "simulated_onchip": 4 * 2**20}) == "ok"  # over: reported
     assert "cv.sim counts 2.00 MiB" in cc.markdown([{**_row(**vmem), "simulated_onchip": 2**21}])
     # a case on several chips: its exchanges and the program's temporaries in device memory
-    many = {**_row(**vmem), "collectives": {"ragged-all-to-all": 3}, "hbm_temp": 5_505_302_016}
-    assert "ragged-all-to-all x3<br>temporaries 5.51 GB per chip" in cc.markdown([many])
+    many = {
+        **_row(**vmem),
+        "collectives": {"ragged-all-to-all": 3},
+        "hbm_temp": 5_505_302_016,
+        "bytes_accessed": 26_212_192_256,
+    }
+    assert (
+        "ragged-all-to-all x3<br>temporaries 5.51 GB per chip<br>accesses 26.21 GB per chip"
+        in cc.markdown([many])
+    )
 
 
 def test_simulated_onchip_is_the_simulators_count_of_single_kernel_cases():

@@ -122,12 +122,22 @@ def compile_case(case: Case, target: Target, dump_dir: str) -> dict[str, Any]:
             if case.devices > 1:
                 result["collectives"] = collectives(compiled.as_text())
                 result["hbm_temp"] = temporaries(compiled)
+                result["bytes_accessed"] = bytes_accessed(compiled)
             if target.platform == "tpu":
                 result["kernels"] = tpu_kernels(compiled.as_text(), target)
     if target.platform == "cuda":
         result["kernels"] = gpu_kernels(dump_dir, target)
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
+
+
+def bytes_accessed(compiled) -> int | None:
+    """Bytes of device memory the compiled program reads and writes (XLA's cost analysis: its
+    own ops as compiled, each Pallas kernel at the `cost_estimate` the kernel passes)."""
+    analysis = compiled.cost_analysis()
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) and analysis else analysis
+    value = (analysis or {}).get("bytes accessed")
+    return None if value is None else int(value)
 
 
 def temporaries(compiled) -> int | None:
