@@ -82,7 +82,7 @@ def _expert_parallel(platform_mesh, **options):
     )
 
 
-def _lowered_text(platform: str, grad: bool, **options) -> str:
+def _lowered_text(platform: str, grad: bool, dtype=jnp.float32, **options) -> str:
     kind = {"tpu": "TPU v5 lite", "cuda": "NVIDIA H100 80GB HBM3"}.get(platform, "cpu")
     mesh = AbstractMesh(
         (2, 4),
@@ -93,6 +93,10 @@ def _lowered_text(platform: str, grad: bool, **options) -> str:
     f = _expert_parallel(mesh, **options)
     fn = jax.grad(lambda p: jnp.sum(f(p))) if grad else f
     avals = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), params(0))
+    avals = {
+        k: jax.ShapeDtypeStruct(a.shape, dtype if k != "router_w" else a.dtype)
+        for k, a in avals.items()
+    }
     # XLA's ragged_all_to_all custom call has no export compatibility guarantee yet: exporting it
     # needs this opt-in (docs/moe.md says so); compiling it (make compile-check) does not.
     unchecked = [jax.export.DisabledSafetyCheck.custom_call("ragged_all_to_all")]
@@ -111,6 +115,25 @@ def test_the_layer_lowers_to_the_ragged_collective_for_tpu(grad):
     # which the ragged collective's transpose exchanges.
     dense = re.findall(r'"stablehlo.all_to_all"\(.*?\) : \((tensor<[^>]*>)\)', text)
     assert set(dense) <= {"tensor<4xi32>"}, dense
+
+
+def _row_exchanges(text: str) -> list[str]:
+    """The operand types of the program's ragged exchanges of 2-d or more arrays (rows)."""
+    types = re.findall(r"custom_call @ragged_all_to_all\(.*?\) .*?: \((tensor<[^>]*>)", text)
+    return [t for t in types if t.count("x") >= 2]
+
+
+@pytest.mark.parametrize("backend", [None, "mosaic_tpu", "xla"])
+def test_16bit_rows_travel_as_row_tiles_unless_differentiated(backend):
+    """On TPU the exact exchange moves bfloat16 rows as [rows, 1, d], the layout the row-moving
+    gmm kernels read and write (libtpu then copies neither side: docs/internals/moe.md), both
+    ways; not when the layer is differentiated (that view cost the training step memory), and
+    not for the xla backend, whose gmm reads plain rows."""
+    forward = _row_exchanges(_lowered_text("tpu", False, jnp.bfloat16, backend=backend))
+    viewed = [t for t in forward if "x1x" in t]
+    assert len(forward) == 2 and len(viewed) == (0 if backend == "xla" else 2), forward
+    backward = _row_exchanges(_lowered_text("tpu", True, jnp.bfloat16, backend=backend))
+    assert len(backward) == 4 and not [t for t in backward if "x1x" in t], backward
 
 
 def test_the_cpu_lowering_has_no_ragged_collective():

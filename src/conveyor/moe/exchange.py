@@ -23,15 +23,27 @@ def ragged_all_to_all(
     recv_sizes: jax.Array,
     *,
     axis_name,
+    tpu_rows_view: bool = False,
 ) -> jax.Array:
     """`jax.lax.ragged_all_to_all` with one slice per peer (the arrays of offsets and sizes have
     the length of `axis_name`), lowered as the real collective on TPU and GPU and emulated on
-    CPU."""
+    CPU. `tpu_rows_view`: on TPU, 16-bit [rows, d] operands travel as [rows, 1, d], the layout in
+    which the TPU row-moving gmm kernels read and write 16-bit rows (a row its own tile), so that
+    XLA copies neither the received rows into it nor the results out of it; for buffers those
+    kernels consume or produce (see the design notes: in training it costs memory)."""
     # The result varies like the operand (the real collective would type it like `output`).
     args = match_varying(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes)
     real = functools.partial(lax.ragged_all_to_all, axis_name=axis_name)
     emulated = functools.partial(_emulated, axis_name=axis_name)
-    return lax.platform_dependent(*args, cpu=emulated, default=real)
+    branches = dict(cpu=emulated, default=real)
+    if tpu_rows_view and operand.ndim == 2 and jnp.dtype(operand.dtype).itemsize == 2:
+
+        def as_row_tiles(operand, output, *offsets_and_sizes):
+            moved = real(operand[:, None], output[:, None], *offsets_and_sizes)
+            return moved.reshape(output.shape)
+
+        branches["tpu"] = as_row_tiles
+    return lax.platform_dependent(*args, **branches)
 
 
 def _emulated(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
