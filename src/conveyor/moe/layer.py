@@ -130,12 +130,14 @@ def expert_hidden(x, rows, group_sizes, w_gate, w_up, backend, interpret=False):
 
 def combine(out, order, routing, x):
     """Add each assignment's result (`out[i]` belongs to assignment `order[i]`, a flat
-    (token, slot) index) into its token's row, weighted by its gate; float32 sums, x's dtype."""
-    top_k = routing.experts.shape[1]
-    weights = routing.gates.reshape(-1)[order].astype(jnp.float32)
-    y = (
-        jnp.zeros(x.shape, jnp.float32)
-        .at[order // top_k]
-        .add(out.astype(jnp.float32) * weights[:, None])
-    )
+    (token, slot) index) into its token's row, weighted by its gate; float32 sums, x's dtype.
+
+    `order` is a permutation, so each token gathers its top_k results and sums them: one pass
+    over `out`, where a scatter-add would write a float32 copy of it and read that back."""
+    tokens, top_k = routing.experts.shape
+    slot = jnp.zeros_like(order).at[order].set(
+        jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True
+    )  # the inverse permutation: assignment a's result is out[slot[a]]
+    per_token = out[slot].reshape(tokens, top_k, out.shape[-1]).astype(jnp.float32)
+    y = jnp.sum(per_token * routing.gates.astype(jnp.float32)[:, :, None], axis=1)
     return y.astype(x.dtype)
