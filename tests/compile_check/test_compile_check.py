@@ -60,6 +60,38 @@ def test_tpu_vmem_is_read_from_the_kernels_own_backend_config():
     ]
 
 
+# A compiled program: a fused computation before ENTRY (not counted), a kernel whose metadata
+# spans lines, an exchange, a VMEM array (S(1)) and scalar arithmetic.
+PROGRAM = """\
+%fused (p: bf16[64,128]) -> bf16[64,128] {
+  %big = bf16[4096,4096]{1,0} broadcast(%p), dimensions={}
+}
+
+ENTRY %main (a: bf16[64,128], i: s32[64]) -> f32[64,128] {
+  %a = bf16[64,128]{1,0:T(8,128)(2,1)} parameter(0)
+  %i = s32[64]{0:T(128)} parameter(1)
+  %zeros = bf16[256,128]{1,0:T(8,128)(2,1)} broadcast(%c), dimensions={}
+  %k = bf16[256,128]{1,0} custom-call(%a, %zeros), custom_call_target="tpu_custom_call", \
+frontend_attributes={kernel_metadata={
+"mesh_axes":"x"
+}}
+  %sent = bf16[256,128]{1,0} ragged-all-to-all(%a, %k, %i, %i, %i, %i)
+  %n = s32[]{:T(128)S(6)} add(%x, %y)
+  %staged = f32[64,128]{1,0:T(8,128)S(1)} fusion(%a), kind=kLoop, calls=%fused
+  ROOT %out = f32[64,128]{1,0:T(8,128)} fusion(%sent, %staged, %i), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_xla_op_bytes_counts_xlas_own_ops_in_device_memory():
+    zeros = 256 * 128 * 2  # written
+    staged = 64 * 128 * 2  # reads a; its result is in VMEM
+    out = 256 * 128 * 2 + 64 * 4 + 64 * 128 * 4  # reads sent and i (staged: VMEM), writes out
+    assert device.xla_op_bytes(PROGRAM) == zeros + staged + out
+    with pytest.raises(ValueError, match="no ENTRY computation"):
+        device.xla_op_bytes("%f = f32[2]{0} parameter(0)")
+
+
 def test_only_conveyors_own_errors_count_as_refusals():
     with pytest.raises(NotImplementedError) as own:
         tpu_vmem.vmem_limit("k", working=2**40, peak=2**40, remedy="r")
@@ -109,10 +141,11 @@ def test_verdicts():
         "collectives": {"ragged-all-to-all": 3},
         "hbm_temp": 5_505_302_016,
         "bytes_accessed": 26_212_192_256,
+        "xla_op_bytes": 7_841_256_678,
     }
     assert (
-        "ragged-all-to-all x3<br>temporaries 5.51 GB per chip<br>accesses 26.21 GB per chip"
-        in cc.markdown([many])
+        "ragged-all-to-all x3<br>temporaries 5.51 GB per chip<br>accesses 26.21 GB per chip<br>"
+        "XLA's own ops move 7.84 GB per chip" in cc.markdown([many])
     )
 
 

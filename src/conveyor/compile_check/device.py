@@ -7,6 +7,7 @@ the environment when the first kernel compiles, and an LLVM fatal error ends the
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -123,6 +124,7 @@ def compile_case(case: Case, target: Target, dump_dir: str) -> dict[str, Any]:
                 result["collectives"] = collectives(compiled.as_text())
                 result["hbm_temp"] = temporaries(compiled)
                 result["bytes_accessed"] = bytes_accessed(compiled)
+                result["xla_op_bytes"] = xla_op_bytes(compiled.as_text())
             if target.platform == "tpu":
                 result["kernels"] = tpu_kernels(compiled.as_text(), target)
     if target.platform == "cuda":
@@ -159,6 +161,56 @@ def collectives(hlo: str) -> dict[str, int]:
     return {
         name: n for name, pattern in COLLECTIVES.items() if (n := len(re.findall(pattern, hlo)))
     }
+
+
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+_BYTES.update({"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8})
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]\{([^}]*)\}")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = (.*?) ([a-z][\w\-]*)\(([^)]*)\)")
+# ops that move no array of their own (views, scalars, the program's arguments)
+_NOT_PASSES = {"parameter", "constant", "get-tuple-element", "bitcast", "tuple", "after-all"}
+_NOT_PASSES |= {"partition-id", "replica-id", "copy-start", "copy-done"}
+
+
+def _device_memory_bytes(shape: str) -> int:
+    """Bytes of the arrays in an HLO shape that live in device memory (HBM): arrays a layout
+    places in another memory space (`S(n)`: TPU VMEM, SMEM, semaphores) do not count."""
+    total = 0
+    for dtype, dims, layout in _ARRAY.findall(shape):
+        if dtype in _BYTES and not re.search(r"S\([1-9]\d*\)", layout):
+            total += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def xla_op_bytes(hlo: str) -> int:
+    """Bytes of device memory XLA's own ops read and write in a compiled program's entry
+    computation: each op's operands and result, whole. Not counted: the Pallas kernels
+    (custom calls), the collectives, views and scalars. An upper bound on what the ops move
+    (an op reading a slice of an operand counts all of it)."""
+    start = hlo.find("\nENTRY ")
+    if start < 0:
+        raise ValueError("hlo: no ENTRY computation in the compiled program's text")
+    end = re.compile(r"\n}(?:\n|$)").search(hlo, start)  # a kernel's metadata spans lines
+    shapes: dict[str, str] = {}
+    total = 0
+    for line in hlo[start : end.start() if end else None].splitlines()[1:]:
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        name, shape, op, operands = m.groups()
+        shapes[name] = shape
+        if op in _NOT_PASSES or op == "custom-call" or _is_collective(op):
+            continue
+        if not re.search(r"\[[\d,]*\d[\d,]*\]", shape):  # scalar arithmetic
+            continue
+        names = re.findall(r"%([\w.\-]+)", operands)
+        total += _device_memory_bytes(shape)
+        total += sum(_device_memory_bytes(shapes.get(n, "")) for n in names)
+    return total
+
+
+def _is_collective(op: str) -> bool:
+    return op.startswith(("all-", "ragged-all-to-all", "collective-", "reduce-scatter"))
 
 
 def raised_by_conveyor(error: BaseException) -> bool:

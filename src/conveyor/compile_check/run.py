@@ -133,13 +133,16 @@ def simulated(row: dict) -> list[str]:
 
 def exchanges(row: dict) -> list[str]:
     """The compiled program's all-to-all exchanges, its temporaries in device memory and the
-    bytes it accesses (XLA's cost analysis), when the case runs on several chips."""
+    bytes it accesses (XLA's cost analysis) and those XLA's own ops move (`device.xla_op_bytes`),
+    when the case runs on several chips."""
     found = row.get("collectives")
     out = [", ".join(f"{name} x{n}" for name, n in sorted(found.items()))] if found else []
     if row.get("hbm_temp") is not None:
         out.append(f"temporaries {row['hbm_temp'] / 1e9:.2f} GB per chip")
     if row.get("bytes_accessed") is not None:
         out.append(f"accesses {row['bytes_accessed'] / 1e9:.2f} GB per chip")
+    if row.get("xla_op_bytes") is not None:
+        out.append(f"XLA's own ops move {row['xla_op_bytes'] / 1e9:.2f} GB per chip")
     return out
 
 

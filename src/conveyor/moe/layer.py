@@ -135,8 +135,10 @@ def combine(out, order, routing, x):
     `order` is a permutation, so each token gathers its top_k results and sums them: one pass
     over `out`, where a scatter-add would write a float32 copy of it and read that back."""
     tokens, top_k = routing.experts.shape
-    slot = jnp.zeros_like(order).at[order].set(
-        jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True
+    slot = (
+        jnp.zeros_like(order)
+        .at[order]
+        .set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
     )  # the inverse permutation: assignment a's result is out[slot[a]]
     per_token = out[slot].reshape(tokens, top_k, out.shape[-1]).astype(jnp.float32)
     y = jnp.sum(per_token * routing.gates.astype(jnp.float32)[:, :, None], axis=1)
