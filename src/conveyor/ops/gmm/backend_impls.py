@@ -293,10 +293,12 @@ def _scatter_then(run):
         prod = run(lhs, rhs, group_sizes, group_offset, zeros, out_dtype=jnp.float32, **p)
         rows = jnp.clip(out_indices.astype(jnp.int32), 0, num_rows - 1)
         weighted = row_weights.astype(jnp.float32)[:, None] * prod  # rows of no group: 0 * w
-        out = jnp.zeros((num_rows, n), jnp.float32).at[rows]
-        if unique_indices:  # one term a row: 0 + x is x, the same float32 value as the add
-            return out.set(weighted, unique_indices=True).astype(out_dtype)
-        return out.add(weighted).astype(out_dtype)
+        if unique_indices:
+            # one term a row: rounding it to out_dtype before the set gives what rounding the
+            # float32 sum 0 + x after it does, without a float32 [num_rows, n] buffer
+            out = jnp.zeros((num_rows, n), out_dtype).at[rows]
+            return out.set(weighted.astype(out_dtype), unique_indices=True)
+        return jnp.zeros((num_rows, n), jnp.float32).at[rows].add(weighted).astype(out_dtype)
 
     return scattered
 
