@@ -79,6 +79,24 @@ def test_forward_matches_the_dense_reference(overlap, devices, top_k, fused):
     np.testing.assert_allclose(aux, aux_ref, rtol=1e-5)
 
 
+@pytest.mark.parametrize("overlap", [None, "experts", "peers"])
+def test_every_token_to_one_device_fills_its_receive_buffer_exactly(overlap):
+    """Every token of every device routes to device 0's two experts (and a third elsewhere,
+    top-3): device 0 receives 2 rows a token from each of 3 devices, the most its receive buffer
+    holds (`most_received`: min(top_k, local experts) rows a token, not top_k); a stage of the
+    expert-staged exchange (one local expert each) receives 1 row a token, its buffer's size."""
+    devices, top_k = 3, 3
+    p = params(devices, seed=7)
+    x = p["x"].at[:, 0].set(10.0)
+    router_w = p["router_w"].at[0].set(0.0).at[0, :2].set(5.0)  # experts 0 and 1 on device 0
+    p = dict(p, x=x, router_w=router_w)
+    assert cv.moe.route(x, router_w, top_k=top_k).experts[:, :2].max() == 1
+    y, _, dropped = jax.jit(sharded(devices, top_k, overlap))(p)
+    y_ref, _ = cv.moe.moe_ffn_reference(**p, top_k=top_k)
+    assert int(dropped) == 0
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=tol(y_ref, D + F))
+
+
 @pytest.mark.parametrize("overlap, stages", [("peers", None), ("experts", 2)])
 def test_gradients_match_the_dense_reference(overlap, stages):
     """experts: 3 local experts in 2 stages (uneven groups: 2 and 1)."""

@@ -101,3 +101,11 @@ def send_exact(chunk, size, recv_size, *, shift, axis_name, devices):
         jnp.where(peers == (me - shift) % devices, recv_size, 0),
         axis_name=axis_name,
     )
+
+
+def most_received(tokens: int, top_k: int, devices: int, experts_there: int) -> int:
+    """The most rows one device can receive in an exchange that carries rows for `experts_there`
+    of its experts: each of the `devices` senders sends each token's rows for those experts, and
+    a token's top_k experts are distinct (top-k routing), so at most min(top_k, experts_there)
+    rows a token. The size of a dropless exchange's receive buffer."""
+    return devices * tokens * min(top_k, experts_there)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from conveyor.moe.exchange import ragged_all_to_all
+from conveyor.moe.exchange import most_received, ragged_all_to_all
 from conveyor.moe.overlapped import overlapped_exchange, staged_exchange
 from conveyor.moe.layer import check_layer_args, combine, expert_hidden, sorted_swiglu
 from conveyor.ops.gmm.api import gmm_scatter_add
@@ -157,7 +157,7 @@ def moe_ffn_expert_parallel(
     if overlap == "experts":
         stages = overlap_stages or default_stages(local_experts)
         plan = staged_exchange_plan(num_devices=devices, stages=stages)
-        results = staged_exchange(rows, ids, dest, experts, plan=plan, **where)
+        results = staged_exchange(rows, ids, dest, experts, plan=plan, top_k=top_k, **where)
     elif overlap == "peers":
         plan = exchange_plan(num_devices=devices)
 
@@ -185,6 +185,7 @@ def moe_ffn_expert_parallel(
             w_down,
             experts=experts,
             devices=devices,
+            top_k=top_k,
             tpu_rows_view=rows_view,
             **where,
         )
@@ -262,6 +263,7 @@ def _exact_exchange(
     axis_name,
     devices,
     local_experts,
+    top_k,
     tpu_rows_view=False,
 ):
     """Dropless: each device's rows (sorted by destination, `per_dest` each from `first_of_dest`)
@@ -274,7 +276,7 @@ def _exact_exchange(
     # where my slice lands at each destination: after the slices of the senders before me
     at_destination = (jnp.cumsum(sizes, axis=0) - sizes)[me]
     received_at = jnp.cumsum(recv_sizes) - recv_sizes  # sender i's slice in my buffer
-    buffer = devices * assignments  # the worst case: every row to me
+    buffer = most_received(assignments // top_k, top_k, devices, local_experts)
     send = lambda a, out, **view: ragged_all_to_all(  # noqa: E731
         a,
         out,

@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from conveyor.moe.exchange import ragged_all_to_all, send_chunk
+from conveyor.ints import cdiv
+from conveyor.moe.exchange import most_received, ragged_all_to_all, send_chunk
 from conveyor.plans.exchange import ExchangePlan, StagedExchangePlan
 
 
@@ -91,11 +92,13 @@ def staged_exchange(
     plan: StagedExchangePlan,
     axis_name,
     local_experts: int,
+    top_k: int,
 ) -> jax.Array:
     """Dropless, expert-staged (`StagedExchangePlan`): this device's `rows`, sorted by global
     expert (so by destination `dest`, then local expert `local_ids`), go to their owners one
     group of local experts per stage through the exact ragged exchange, the next stage's
-    dispatch issued before this stage's experts; the results come back to the same rows."""
+    dispatch issued before this stage's experts; the results come back to the same rows. A stage's
+    receive buffer holds the most rows its experts can get (`most_received`)."""
     n, stages = plan.num_devices, plan.stages
     assignments = rows.shape[0]
     me = lax.axis_index(axis_name)
@@ -105,7 +108,7 @@ def staged_exchange(
     first = (jnp.cumsum(counts.reshape(-1)) - counts.reshape(-1)).reshape(n, stages)
     everyone = lax.all_gather(counts, axis_name)  # [sender, destination, stage]
     firsts = lax.all_gather(first, axis_name)
-    buffer = n * assignments  # the worst case: every sender's rows of one stage are mine
+    buffer = most_received(assignments // top_k, top_k, n, cdiv(local_experts, stages))
 
     def dispatch(s):
         sizes = everyone[:, :, s]  # [sender, destination]
