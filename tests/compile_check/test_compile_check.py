@@ -61,7 +61,8 @@ def test_tpu_vmem_is_read_from_the_kernels_own_backend_config():
 
 
 # A compiled program: a fused computation before ENTRY (not counted), a kernel whose metadata
-# spans lines, an exchange, a VMEM array (S(1)) and scalar arithmetic.
+# spans lines, an exchange, a VMEM array (S(1)), scalar arithmetic and an async gather (as v5p
+# runs them on its SparseCores: counted once).
 PROGRAM = """\
 %fused (p: bf16[64,128]) -> bf16[64,128] {
   %big = bf16[4096,4096]{1,0} broadcast(%p), dimensions={}
@@ -78,6 +79,9 @@ frontend_attributes={kernel_metadata={
   %sent = bf16[256,128]{1,0} ragged-all-to-all(%a, %k, %i, %i, %i, %i)
   %n = s32[]{:T(128)S(6)} add(%x, %y)
   %staged = f32[64,128]{1,0:T(8,128)S(1)} fusion(%a), kind=kLoop, calls=%fused
+  %g.start = ((), ()) call-start(), async_execution_thread="sparsecore"
+  %g.update = ((bf16[64,128]{1,0}, s32[64]{0}), bf16[64,128]{1,0}) call-update(%g.start, %a, %i)
+  %g = bf16[64,128]{1,0} call-done(%g.update)
   ROOT %out = f32[64,128]{1,0:T(8,128)} fusion(%sent, %staged, %i), kind=kLoop, calls=%fused
 }
 """
@@ -87,7 +91,8 @@ def test_xla_op_bytes_counts_xlas_own_ops_in_device_memory():
     zeros = 256 * 128 * 2  # written
     staged = 64 * 128 * 2  # reads a; its result is in VMEM
     out = 256 * 128 * 2 + 64 * 4 + 64 * 128 * 4  # reads sent and i (staged: VMEM), writes out
-    assert device.xla_op_bytes(PROGRAM) == zeros + staged + out
+    gather = 64 * 128 * 2 + 64 * 4 + 64 * 128 * 2  # reads a and i, writes g
+    assert device.xla_op_bytes(PROGRAM) == zeros + staged + gather + out
     with pytest.raises(ValueError, match="no ENTRY computation"):
         device.xla_op_bytes("%f = f32[2]{0} parameter(0)")
 

@@ -21,7 +21,8 @@ def test_the_unfused_layers_add_their_parts():
     dense = cv.sim.simulate_moe_layer(SMALL, exchange="dense")
     for r in (exact, dense):
         assert r.time_us == pytest.approx(sum(b.end - b.start for b in r.boxes) * 1e6)
-    assert exact.time_us == pytest.approx(exact.config["experts_us"] + exact.config["exchange_us"])
+    parts = ("experts_us", "exchange_us", "xla_passes_us")
+    assert exact.time_us == pytest.approx(sum(exact.config[p] for p in parts))
     # dropless dense buffers reserve tokens * top_k rows per peer: devices times the exact rows
     assert dense.link_bytes == pytest.approx(8 * exact.link_bytes)
     assert dense.time_s > exact.time_s
@@ -36,7 +37,7 @@ def test_the_overlap_leaves_only_the_last_return_exposed():
     per_chunk = r.config["experts_us"] / 8
     hop = r.config["exchange_us"] / 8
     assert hop < per_chunk  # the case the claim is about
-    assert r.time_us == pytest.approx(r.config["experts_us"] + hop)
+    assert r.time_us == pytest.approx(r.config["experts_us"] + hop + r.config["xla_passes_us"])
 
 
 def test_a_slowdown_beside_transfers_costs_the_overlap():
@@ -95,7 +96,14 @@ def test_the_expert_staged_layer_reads_each_experts_weights_once():
     exact = cv.sim.simulate_moe_layer("deepseek", exchange="exact")
     staged = cv.sim.simulate_moe_layer("deepseek", exchange="experts")
     assert staged.config["experts_us"] < 1.1 * exact.config["experts_us"]
-    assert staged.time_s < exact.time_s
+    # but XLA's passes run over every stage's receive buffer: 8 stages of 4 local experts each,
+    # a buffer of 8 chips x 4096 tokens x min(top_k=8, 4) rows, where the exact exchange has one
+    # of 8 x 4096 x 8 rows: four times the bytes, and on H100 the slower layer
+    row = 7168 * 2
+    filled = "receive buffer zero-filled"
+    assert staged.config["xla_passes"][filled] == 8 * (8 * 4096 * 4) * row
+    assert exact.config["xla_passes"][filled] == 8 * 4096 * 8 * row
+    assert staged.time_s > exact.time_s
     with pytest.raises(ValueError, match=r"stages: expected an int that divides the 32 local"):
         cv.sim.simulate_moe_layer("deepseek", exchange="experts", stages=5)
     with pytest.raises(ValueError, match=r"'experts' stages by local expert .* has 1 on each"):
@@ -108,3 +116,27 @@ def test_the_cli_checks_the_staged_plan(capsys):
     args = ["--devices", "2", "--expert-stages", "3", "--no-credits"]
     assert cli.main(["check", "exchange", *args]) == 1
     assert "RACE" in capsys.readouterr().out
+
+
+def test_xla_passes_price_the_layers_buffers():
+    """The XLA ops between the kernels: the exact exchange's passes run over its receive buffer
+    (devices x tokens x min(top_k, local experts) rows, whole), the TPU exchange kernel's only
+    over this chip's rows; GPU adds the row gathers and the float32 product XLA does there."""
+    shape = cv.sim.MoeShape(name="s", tokens=512, d=256, f=512, experts=8, top_k=4)
+    tpu, gpu = cv.sim.hardware.get("v5e"), cv.sim.hardware.get("h100")
+    passes = lambda e, hw, devices=4: cv.sim.moe.xla_passes(shape, e, devices=devices, hw=hw)
+    rows, a = 4 * 512 * 2, 512 * 4  # 2 local experts < top_k: 2 rows a token at most
+    exact = passes("exact", tpu)
+    assert exact["receive buffer zero-filled"] == rows * 256 * 2
+    assert exact["SiLU product"] == 3 * rows * 512 * 2
+    assert exact["rows gathered into send order"] == 2 * a * 256 * 2
+    assert "rows gathered into expert order" not in exact  # the kernels gather on TPU
+    assert passes("exact", gpu)["rows gathered into expert order"] == 2 * rows * 256 * 2
+    peers = passes("peers", tpu)
+    assert "SiLU product" not in peers and "receive buffer zero-filled" not in peers
+    assert "receive buffer zero-filled" not in passes("exact", tpu, devices=1)
+    report = cv.sim.simulate_moe_layer(shape, exchange="exact", devices=4, hardware=tpu)
+    assert report.config["xla_passes"] == exact
+    assert report.config["xla_passes_us"] == pytest.approx(
+        sum(exact.values()) / (tpu.hbm_bandwidth.value * tpu.hbm_efficiency.value) * 1e6
+    )

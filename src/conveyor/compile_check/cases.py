@@ -441,6 +441,27 @@ def simulated_onchip(c: Case, target: str) -> int | None:
     return report.onchip_bytes
 
 
+def simulated_xla_op_bytes(c: Case, target: str) -> int | None:
+    """The bytes `cv.sim` prices for the XLA ops between the kernels of a forward moe_ep case
+    (`sim.moe.xla_passes`), which the compiled program's (`device.xla_op_bytes`) is set beside;
+    None for the other cases and for gradients (the simulator prices forward passes)."""
+    p = dict(c.params)
+    if c.kind != "moe_ep" or p.get("grad") or target not in SIM_HARDWARE:
+        return None
+    from conveyor.sim.hardware import get
+    from conveyor.sim.moe import MoeShape, xla_passes
+
+    devices = p["devices"] // 2  # the expert axis of the 2 x devices/2 mesh
+    shape = MoeShape(
+        name=c.name,
+        tokens=p["tokens"] // p["devices"],
+        **{k: p[k] for k in ("d", "f", "experts", "top_k")},
+    )
+    exchange = {None: "exact", "peers": "peers", "experts": "experts"}[p.get("overlap")]
+    passes = xla_passes(shape, exchange, devices=devices, hw=get(SIM_HARDWARE[target]))
+    return sum(passes.values())
+
+
 def applies(c: Case, platform: str) -> bool:
     """Whether Conveyor has a kernel for case `c` on `platform` (rings are TPU-only; the
     warp-specialized pipeline runs on GPU warpgroups)."""

@@ -184,8 +184,9 @@ def _device_memory_bytes(shape: str) -> int:
 
 def xla_op_bytes(hlo: str) -> int:
     """Bytes of device memory XLA's own ops read and write in a compiled program's entry
-    computation: each op's operands and result, whole. Not counted: the Pallas kernels
-    (custom calls), the collectives, views and scalars. An upper bound on what the ops move
+    computation: each op's operands and result, whole (an async op, such as v5p's gathers on its
+    SparseCores, once). Not counted: the Pallas kernels (custom calls), the collectives, views
+    and scalars. An upper bound on what the ops move
     (an op reading a slice of an operand counts all of it)."""
     start = hlo.find("\nENTRY ")
     if start < 0:
@@ -203,9 +204,12 @@ def xla_op_bytes(hlo: str) -> int:
             continue
         if not re.search(r"\[[\d,]*\d[\d,]*\]", shape):  # scalar arithmetic
             continue
-        names = re.findall(r"%([\w.\-]+)", operands)
+        if op.endswith("-done"):  # an async op's result: counted with its start or update
+            continue
         total += _device_memory_bytes(shape)
-        total += sum(_device_memory_bytes(shapes.get(n, "")) for n in names)
+        if not op.endswith(("-start", "-update")):  # their results hold their operands
+            names = re.findall(r"%([\w.\-]+)", operands)
+            total += sum(_device_memory_bytes(shapes.get(n, "")) for n in names)
     return total
 
 

@@ -62,7 +62,7 @@ def run(
     (case, target), in the order of `targets`, then `cases`."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from conveyor.compile_check.cases import applies, simulated_onchip
+    from conveyor.compile_check.cases import applies, simulated_onchip, simulated_xla_op_bytes
 
     cases = list(cases)
     work = [(c, t) for t in targets for c in cases if applies(c, t.platform)]
@@ -73,6 +73,7 @@ def run(
             "target": target.name,
             "case": case.name,
             "simulated_onchip": simulated_onchip(case, target.name),
+            "simulated_xla_op_bytes": simulated_xla_op_bytes(case, target.name),
             **run_one(case, target, timeout_s=timeout_s),
         }
         progress(line(row))
@@ -142,7 +143,9 @@ def exchanges(row: dict) -> list[str]:
     if row.get("bytes_accessed") is not None:
         out.append(f"accesses {row['bytes_accessed'] / 1e9:.2f} GB per chip")
     if row.get("xla_op_bytes") is not None:
-        out.append(f"XLA's own ops move {row['xla_op_bytes'] / 1e9:.2f} GB per chip")
+        sim = row.get("simulated_xla_op_bytes")
+        priced = f" (cv.sim prices {sim / 1e9:.2f})" if sim is not None else ""
+        out.append(f"XLA's own ops move {row['xla_op_bytes'] / 1e9:.2f} GB per chip{priced}")
     return out
 
 

@@ -10,6 +10,7 @@ import dataclasses
 from conveyor.ints import cdiv
 from conveyor import dtypes
 from conveyor.ops.gmm.tiling import tpu_default
+from conveyor.moe.exchange import most_received
 from conveyor.plans.exchange import default_stages, exchange_plan, staged_exchange_plan
 from conveyor.sim import timed
 from conveyor.sim.hardware import Hardware, get as get_hardware
@@ -165,6 +166,10 @@ def simulate_moe_layer(
         time = t
         moved = 2 * (devices - 1) * peer_rows * s.d * b
         experts_total = all_experts
+    passes = xla_passes(s, exchange, devices=devices, hw=hw, dtype=dtype, stages=stages)
+    passes_s = sum(passes.values()) / (hw.hbm_bandwidth.value * hw.hbm_efficiency.value)
+    boxes.append(Box("compute", "compute", "XLA passes", time, time + passes_s))
+    time += passes_s
     comm = 2 * exact_one_way
     config = {
         "shape": s.name,
@@ -179,14 +184,16 @@ def simulate_moe_layer(
         "bidirectional": devices > 2,
         "experts_us": experts_total * 1e6,
         "exchange_us": comm * 1e6,
+        "xla_passes_us": passes_s * 1e6,
+        "xla_passes": passes,
     }
     if exchange in ("peers", "experts"):
         config["buffering"] = plan.buffering
         # exposed: what the layer takes beyond its own (per-chunk) expert matmuls
         exposed = time - experts_total
-        config["hidden"] = max(0.0, min(1.0, 1.0 - exposed / comm)) if comm > 0 else 0.0
+        config["hidden"] = max(0.0, min(1.0, 1.0 - (exposed - passes_s) / comm)) if comm else 0.0
     flops = 2.0 * assignments * 3 * s.d * s.f
-    hbm = (local * 3 * s.d * s.f + 4 * assignments * s.d) * b
+    hbm = (local * 3 * s.d * s.f + 4 * assignments * s.d) * b + sum(passes.values())
     return Report(
         f"moe layer ({LABELS[exchange]} exchange)",
         hw,
@@ -198,6 +205,74 @@ def simulate_moe_layer(
         config,
         tuple(boxes),
     )
+
+
+def xla_passes(
+    s: MoeShape,
+    exchange: str,
+    *,
+    devices: int,
+    hw: Hardware,
+    dtype: str = "bf16",
+    stages: int | None = None,
+) -> dict[str, int]:
+    """Bytes of device memory per chip that the layer's XLA ops between its kernels read and
+    write in a forward pass, by pass: what Conveyor's layer code asks XLA for with the default
+    backend of `hw` (on TPU the row-moving gmm kernels and, for "peers", the exchange kernel; on
+    GPU the gmm kernels, rows gathered and results set by XLA). Balanced routing; the buffers a
+    plan sizes for the worst case count whole, since XLA's ops run over all of them. Checked
+    against the compiled programs by `conveyor compile-check` (design notes)."""
+    b = dtypes.itemsize(dtype)
+    d, f, t = s.d, s.f, s.tokens
+    local = s.experts // devices
+    a = t * s.top_k  # assignments on this chip
+    gpu = hw.kind != "tpu"
+
+    def experts(rows: int) -> dict[str, int]:
+        """The SwiGLU experts on a buffer of `rows` rows."""
+        out = {
+            "gate and up outputs zero-filled": 2 * rows * f * b,
+            "SiLU product": 3 * rows * f * b,
+        }
+        if gpu:  # gathered in XLA; the product in float32, set into the output by XLA
+            out["rows gathered into expert order"] = 2 * rows * d * b
+            out["float32 product zero-filled"] = rows * d * 4
+            out["results set"] = rows * d * (4 + 2 * b)
+        else:
+            out["results zero-filled"] = rows * d * b
+        return out
+
+    def add(into: dict[str, int], more: dict[str, int], times: int = 1) -> None:
+        for name, nbytes in more.items():
+            into[name] = into.get(name, 0) + times * nbytes
+
+    passes = {
+        "rows gathered into send order": 2 * a * d * b,
+        "results gathered into token order and summed": 3 * a * d * b + t * d * b,
+    }
+    if devices == 1:
+        add(passes, experts(a))
+    elif exchange in ("exact", "dense"):
+        rows = most_received(t, s.top_k, devices, local) if exchange == "exact" else devices * a
+        add(passes, {"receive buffer zero-filled": rows * d * b})
+        add(passes, experts(rows))
+        if exchange == "dense":  # packed into [devices, capacity] blocks and unpacked
+            add(passes, {"rows packed and unpacked": devices * a * d * b + 4 * a * d * b})
+        elif not gpu and b == 2:  # 16-bit rows travel as [rows, 1, d]: copies either side
+            add(passes, {"rows viewed as [rows, 1, d] and back": 4 * a * d * b})
+    elif exchange == "experts":
+        stages = default_stages(local) if stages is None else stages
+        rows = most_received(t, s.top_k, devices, cdiv(local, stages))
+        add(passes, {"receive buffer zero-filled": rows * d * b}, stages)
+        add(passes, experts(rows), stages)
+        add(passes, {"results zero-filled": a * d * b})
+    elif gpu:  # "peers" in XLA: every chunk padded to `a` rows, packed, received and placed
+        add(passes, {"chunks packed and placed": 4 * a * d * b}, devices)
+        add(passes, {"receive buffer zero-filled": a * d * b}, devices - 1)
+        add(passes, experts(a), devices)
+    else:  # "peers" as one TPU kernel: rows packed into its regions and results unpacked
+        add(passes, {"rows packed into the kernel's regions and unpacked": 5 * a * d * b})
+    return passes
 
 
 def _run_on_dev0(prog, hop_s: float, compute_s) -> tuple[float, list[Box]]:
