@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
+import conveyor as cv
 from conveyor import compile_check as cc
 from conveyor import ints, tpu_vmem
 from conveyor.compile_check import device
@@ -152,6 +153,12 @@ def test_verdicts():
         "ragged-all-to-all x3<br>temporaries 5.51 GB per chip<br>accesses 26.21 GB per chip<br>"
         "XLA's own ops move 7.84 GB per chip" in cc.markdown([many])
     )
+    # the simulator's price of the XLA passes, within 25% of the compiled program's either way
+    priced = {**many, "simulated_xla_op_bytes": 7_262_437_376}
+    assert cc.verdict(priced) == "ok"
+    assert "XLA's own ops move 7.84 GB per chip (cv.sim prices 7.26)" in cc.markdown([priced])
+    assert cc.verdict({**many, "simulated_xla_op_bytes": 5_800_000_000}) == "sim passes"
+    assert cc.verdict({**many, "simulated_xla_op_bytes": 9_900_000_000}) == "sim passes"
 
 
 def test_simulated_onchip_is_the_simulators_count_of_single_kernel_cases():
@@ -164,6 +171,19 @@ def test_simulated_onchip_is_the_simulators_count_of_single_kernel_cases():
     assert cc.cases.simulated_onchip(gmm, "h100") == 229376  # ptxas: 229489 with the barriers
     grad = cc.case("gmm", m=8192, k=4096, n=14336, groups=8, grad=True)
     assert cc.cases.simulated_onchip(grad, "v5e") is None
+
+
+def test_simulated_passes_are_priced_for_forward_moe_layers_on_modelled_chips():
+    fwd = cc.case("moe_ep", devices=8, tokens=32768, d=7168, f=2048, experts=64, top_k=8)
+    grad = cc.case("moe_ep", devices=8, tokens=8192, d=7168, f=2048, experts=64, top_k=8, grad=True)
+    shape = cv.sim.MoeShape(name="s", tokens=4096, d=7168, f=2048, experts=64, top_k=8)
+    passes = cv.sim.moe.xla_passes(shape, "exact", devices=4, hw=cv.sim.hardware.get("v5e"))
+    assert cc.cases.simulated_xla_op_bytes(fwd, "v6e") == sum(passes.values())
+    assert cc.cases.simulated_xla_op_bytes(grad, "v5e") is None
+    assert (
+        cc.cases.simulated_xla_op_bytes(cc.case("gmm", **dict(m=64, k=64, n=64, groups=2)), "h100")
+        is None
+    )
 
 
 def test_production_cases_have_unique_names_and_rings_only_on_tpu():

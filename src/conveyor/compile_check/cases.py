@@ -385,6 +385,8 @@ def production() -> list[Case]:
         # staged by local expert (16 per chip in 8 stages), where per-peer chunks would re-read
         # the weights: its per-stage buffers are rematerialized to fit HBM
         case("moe_ep", devices=8, tokens=8192, **DEEPSEEK_EP, grad=True, overlap="experts"),
+        # ... and its forward pass, where the simulator's fitted TPU copies are checked
+        case("moe_ep", devices=8, tokens=8192, **DEEPSEEK_EP, overlap="experts"),
         case("example", fn="matmul", m=4096, k=4096, n=4096),
         case("example", fn="matmul_warp_specialized", m=4096, k=4096, n=4096),
         # 4000 rows: the last 64-row block is partial (a window of 32 rows)
