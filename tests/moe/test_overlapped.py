@@ -79,7 +79,7 @@ def test_forward_matches_the_dense_reference(overlap, devices, top_k, fused):
     np.testing.assert_allclose(aux, aux_ref, rtol=1e-5)
 
 
-@pytest.mark.parametrize("overlap", [None, "experts", "peers"])
+@pytest.mark.parametrize("overlap", [None, "experts"])
 def test_every_token_to_one_device_fills_its_receive_buffer_exactly(overlap):
     """Every token of every device routes to device 0's two experts (and a third elsewhere,
     top-3): device 0 receives 2 rows a token from each of 3 devices, the most its receive buffer
