@@ -135,6 +135,10 @@ def test_xla_passes_price_the_layers_buffers():
     peers = passes("peers", tpu)
     assert "SiLU product" not in peers and "receive buffer zero-filled" not in peers
     assert "receive buffer zero-filled" not in passes("exact", tpu, devices=1)
+    with pytest.raises(ValueError, match="exchange: expected one of"):
+        passes("exactly", tpu)
+    with pytest.raises(ValueError, match="devices: must divide the 8 experts, got 3"):
+        passes("exact", tpu, devices=3)
     report = cv.sim.simulate_moe_layer(shape, exchange="exact", devices=4, hardware=tpu)
     assert report.config["xla_passes"] == exact
     assert report.config["xla_passes_us"] == pytest.approx(

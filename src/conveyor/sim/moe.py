@@ -74,10 +74,10 @@ def simulate_moe_layer(
     refused by name.
 
     The report's config holds the parts: `experts_us` (the layer's expert matmuls alone),
-    `exchange_us` (the exact exchange's transfers, both ways, alone) and, for "peers" and
-    "experts",
-    `hidden`: 1 - (time - experts_us) / exchange_us, the fraction of the transfer time the overlap
-    hides (the experts' slowdown beside transfers counts as exposed)."""
+    `exchange_us` (the exact exchange's transfers, both ways, alone), `xla_passes_us` and
+    `xla_passes` (the XLA ops between the kernels: `xla_passes`) and, for "peers" and "experts",
+    `hidden`: 1 - (time - experts_us - xla_passes_us) / exchange_us, the fraction of the transfer
+    time the overlap hides (the experts' slowdown beside transfers counts as exposed)."""
     s = SHAPES.get(shape, shape) if isinstance(shape, str) else shape
     if not isinstance(s, MoeShape):
         raise ValueError(f"shape: expected a MoeShape or one of {sorted(SHAPES)}, got {shape!r}")
@@ -228,6 +228,12 @@ def xla_passes(
     GPU the gmm kernels, rows gathered and results set by XLA). Balanced routing; the buffers a
     plan sizes for the worst case count whole, since XLA's ops run over all of them. Checked
     against the compiled programs by `conveyor compile-check` (design notes)."""
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices: expected an int >= 1, got {devices!r}")
+    if s.experts % devices:
+        raise ValueError(f"devices: must divide the {s.experts} experts, got {devices}")
     b = dtypes.itemsize(dtype)
     d, f, t = s.d, s.f, s.tokens
     local = s.experts // devices
