@@ -120,13 +120,14 @@ def compile_case(case: Case, target: Target, dump_dir: str) -> dict[str, Any]:
             result.update(status="failed", error=f"{type(e).__name__}: {e}")
         else:
             result["status"] = "compiled"
+            hlo = compiled.as_text()
             if case.devices > 1:
-                result["collectives"] = collectives(compiled.as_text())
+                result["collectives"] = collectives(hlo)
                 result["hbm_temp"] = temporaries(compiled)
                 result["bytes_accessed"] = bytes_accessed(compiled)
-                result["xla_op_bytes"] = xla_op_bytes(compiled.as_text())
+                result["xla_op_bytes"] = xla_op_bytes(hlo)
             if target.platform == "tpu":
-                result["kernels"] = tpu_kernels(compiled.as_text(), target)
+                result["kernels"] = tpu_kernels(hlo, target)
     if target.platform == "cuda":
         result["kernels"] = gpu_kernels(dump_dir, target)
     result["seconds"] = round(time.perf_counter() - t0, 2)
@@ -185,9 +186,9 @@ def _device_memory_bytes(shape: str) -> int:
 def xla_op_bytes(hlo: str) -> int:
     """Bytes of device memory XLA's own ops read and write in a compiled program's entry
     computation: each op's operands and result, whole (an async op, such as v5p's gathers on its
-    SparseCores, once). Not counted: the Pallas kernels (custom calls), the collectives, views
-    and scalars. An upper bound on what the ops move
-    (an op reading a slice of an operand counts all of it)."""
+    SparseCores, once). Not counted: the Pallas kernels (custom calls), the collectives and
+    views. An upper bound on what the ops move (an op reading a slice of an operand counts all
+    of it)."""
     start = hlo.find("\nENTRY ")
     if start < 0:
         raise ValueError("hlo: no ENTRY computation in the compiled program's text")
@@ -201,8 +202,6 @@ def xla_op_bytes(hlo: str) -> int:
         name, shape, op, operands = m.groups()
         shapes[name] = shape
         if op in _NOT_PASSES or op == "custom-call" or _is_collective(op):
-            continue
-        if not re.search(r"\[[\d,]*\d[\d,]*\]", shape):  # scalar arithmetic
             continue
         if op.endswith("-done"):  # an async op's result: counted with its start or update
             continue
