@@ -40,11 +40,11 @@ def kernel_layer(devices, top_k, mode):
 
 @pytest.mark.parametrize(
     "devices, top_k, mode",
-    # 8 devices: two streams, 4 peers from the left and 3 from the right, through two slots each
+    # 6 devices: two streams, 3 peers from the left and 2 from the right, through two slots each
     # (reused); both DMA modes, a different top-k each; one device, the local chunk alone, is the
     # gradient test's forward pass (other device counts run the same plan in
     # tests/moe/test_overlapped.py)
-    [(8, 2, "on_wait"), (8, 3, "eager")],
+    [(6, 2, "on_wait"), (6, 3, "eager")],
 )
 def test_forward_matches_the_dense_reference_and_the_plan(devices, top_k, mode):
     """Conformance too: per device, the operations the kernel reports while the interpreter runs it
@@ -64,7 +64,7 @@ def test_forward_matches_the_dense_reference_and_the_plan(devices, top_k, mode):
         }
     )
     assert got == want, (sorted(map(str, got - want)), sorted(map(str, want - got)))
-    if devices == 8:  # 4 and 3 peers a stream through 2 slots: slots are reused
+    if devices >= 6:  # 3 and 2 peers a stream through 2 slots: slots are reused
         assert {r.operation for r in want} >= {"grant", "await_return"}
     y_ref, aux_ref = cv.moe.moe_ffn_reference(**p, top_k=top_k)
     assert int(dropped) == 0

@@ -217,7 +217,9 @@ def test_reduce_scatter_exports_for_tpu():
 
 @pytest.mark.parametrize(
     "ring, bidirectional, mode",
-    _with_modes([(2, False), (4, False), (8, False), (3, True), (4, True), (8, True)]),
+    # rings up to 4 (3: an odd bidirectional one); 8-chip rings run the same protocol in the
+    # tests above, and which dimension a step's blocks index does not depend on the ring's size
+    _with_modes([(2, False), (4, False), (3, True), (4, True)]),
 )
 def test_row_gather_and_column_scatter_rings(ring, bidirectional, mode):
     """gather_dim=0 (each computing record writes the output row block of its shard's source)

@@ -268,13 +268,13 @@ def test_mosaic_tpu_epilogue_race_free_in_both_dma_modes(mode):
 
 @pytest.mark.parametrize(
     "mode, side, dtype",
+    # each mode, side and dtype at least once (a bf16 cotangent, packed, in both modes)
     [
         ("eager", "rhs", jnp.float32),
-        ("eager", "rhs", jnp.bfloat16),
         ("on_wait", "rhs", jnp.bfloat16),
         ("eager", "lhs", jnp.bfloat16),
     ],
-    ids=["eager-rhs-f32", "eager-rhs-bf16", "on_wait-rhs-bf16", "eager-lhs-bf16"],
+    ids=["eager-rhs-f32", "on_wait-rhs-bf16", "eager-lhs-bf16"],
 )
 def test_mosaic_tpu_weight_gradient_kernel_gathers_weighted_rows_race_free(mode, side, dtype):
     """The kernel of the weights' gradient (rhs: `lhs[rows]^T @ (w ct[idx])[rows]` per group;
