@@ -96,6 +96,27 @@ def test_xla_op_bytes_counts_xlas_own_ops_in_device_memory():
     assert device.xla_op_bytes(PROGRAM) == zeros + staged + gather + out
     with pytest.raises(ValueError, match="no ENTRY computation"):
         device.xla_op_bytes("%f = f32[2]{0} parameter(0)")
+    with pytest.raises(ValueError, match="platform: expected 'tpu' or 'cuda', got 'rocm'"):
+        device.xla_op_bytes(PROGRAM, "rocm")
+
+
+def test_xla_op_bytes_on_gpu_counts_its_colored_buffers_but_not_the_hosts():
+    """XLA:GPU puts a collective's buffers in memory space 1 or 7, still HBM; 5 is the host."""
+    program = """\
+HloModule m
+
+ENTRY %main (a: bf16[64,128]) -> bf16[64,128] {
+  %a = bf16[64,128]{1,0} parameter(0)
+  %recv = bf16[64,128]{1,0:S(7)} fusion(%a), kind=kLoop, calls=%zeros
+  %host = bf16[64,128]{1,0:S(5)} copy(%a)
+  ROOT %sum = bf16[64,128]{1,0} fusion(%recv, %host), kind=kLoop, calls=%add
+}
+"""
+    block = 64 * 128 * 2
+    # recv: reads a, writes recv; host: reads a (its result is the host's); sum: recv in, out
+    assert device.xla_op_bytes(program, "cuda") == 2 * block + block + 2 * block
+    # on TPU a memory space other than 0 is not HBM
+    assert device.xla_op_bytes(program, "tpu") == block + block + block
 
 
 def test_only_conveyors_own_errors_count_as_refusals():

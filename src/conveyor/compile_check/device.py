@@ -125,7 +125,7 @@ def compile_case(case: Case, target: Target, dump_dir: str) -> dict[str, Any]:
                 result["collectives"] = collectives(hlo)
                 result["hbm_temp"] = temporaries(compiled)
                 result["bytes_accessed"] = bytes_accessed(compiled)
-                result["xla_op_bytes"] = xla_op_bytes(hlo)
+                result["xla_op_bytes"] = xla_op_bytes(hlo, target.platform)
             if target.platform == "tpu":
                 result["kernels"] = tpu_kernels(hlo, target)
     if target.platform == "cuda":
@@ -173,22 +173,32 @@ _NOT_PASSES = {"parameter", "constant", "get-tuple-element", "bitcast", "tuple",
 _NOT_PASSES |= {"partition-id", "replica-id", "copy-start", "copy-done"}
 
 
-def _device_memory_bytes(shape: str) -> int:
-    """Bytes of the arrays in an HLO shape that live in device memory (HBM): arrays a layout
-    places in another memory space (`S(n)`: TPU VMEM, SMEM, semaphores) do not count."""
+# Memory spaces (a layout's `S(n)`) that are not device memory: on TPU every one but the
+# default (VMEM, SMEM, semaphores, host); on GPU only the host's (5): XLA:GPU colours buffers
+# in device memory too (1: collective buffers, 2: temporaries, and the like).
+_HOST_MEMORY_SPACE = 5
+
+
+def _device_memory_bytes(shape: str, platform: str = "tpu") -> int:
+    """Bytes of the arrays in an HLO shape that live in device memory (HBM) on `platform`."""
     total = 0
     for dtype, dims, layout in _ARRAY.findall(shape):
-        if dtype in _BYTES and not re.search(r"S\([1-9]\d*\)", layout):
+        space = re.search(r"S\((\d+)\)", layout)
+        space = int(space.group(1)) if space else 0
+        off_device = space != 0 if platform == "tpu" else space == _HOST_MEMORY_SPACE
+        if dtype in _BYTES and not off_device:
             total += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
     return total
 
 
-def xla_op_bytes(hlo: str) -> int:
+def xla_op_bytes(hlo: str, platform: str = "tpu") -> int:
     """Bytes of device memory XLA's own ops read and write in a compiled program's entry
-    computation: each op's operands and result, whole (an async op, such as v5p's gathers on its
-    SparseCores, once). Not counted: the Pallas kernels (custom calls), the collectives and
-    views. An upper bound on what the ops move (an op reading a slice of an operand counts all
-    of it)."""
+    computation on `platform` ("tpu" or "cuda"): each op's operands and result, whole (an async
+    op, such as v5p's gathers on its SparseCores, once). Not counted: the Pallas kernels (custom
+    calls), the collectives and views. An upper bound on what the ops move (an op reading a slice
+    of an operand counts all of it)."""
+    if platform not in ("tpu", "cuda"):
+        raise ValueError(f"platform: expected 'tpu' or 'cuda', got {platform!r}")
     start = hlo.find("\nENTRY ")
     if start < 0:
         raise ValueError("hlo: no ENTRY computation in the compiled program's text")
@@ -205,10 +215,10 @@ def xla_op_bytes(hlo: str) -> int:
             continue
         if op.endswith("-done"):  # an async op's result: counted with its start or update
             continue
-        total += _device_memory_bytes(shape)
+        total += _device_memory_bytes(shape, platform)
         if not op.endswith(("-start", "-update")):  # their results hold their operands
             names = re.findall(r"%([\w.\-]+)", operands)
-            total += sum(_device_memory_bytes(shapes.get(n, "")) for n in names)
+            total += sum(_device_memory_bytes(shapes.get(n, ""), platform) for n in names)
     return total
 
 

@@ -246,10 +246,10 @@ def xla_passes(
             "gate and up outputs zero-filled": 2 * rows * f * b,
             "SiLU product": 3 * rows * f * b,
         }
-        if gpu:  # gathered in XLA; the product in float32, set into the output by XLA
+        if gpu:  # gathered in XLA; the product in float32 (rows past the groups left
+            # unwritten), gathered back into the received order by XLA, rounded
             out["rows gathered into expert order"] = 2 * rows * d * b
-            out["float32 product zero-filled"] = rows * d * 4
-            out["results set"] = rows * d * (4 + 2 * b)
+            out["results gathered back into received order"] = rows * d * (4 + b)
         else:
             out["results zero-filled"] = rows * d * b
         return out
@@ -258,15 +258,20 @@ def xla_passes(
         for name, nbytes in more.items():
             into[name] = into.get(name, 0) + times * nbytes
 
+    # XLA:GPU fuses the gathers with what reads them (the tokens read once; the results gathered
+    # as they are summed); libtpu writes each gathered copy first
+    gathered = t * d * b if gpu else a * d * b
     passes = {
-        "rows gathered into send order": 2 * a * d * b,
-        "results gathered into token order and summed": 3 * a * d * b + t * d * b,
+        "rows gathered into send order": gathered + a * d * b,
+        "results gathered into token order and summed": gathered + a * d * b + t * d * b,
     }
     if devices == 1:
         add(passes, experts(a))
     elif exchange in ("exact", "dense"):
         rows = most_received(t, s.top_k, devices, local) if exchange == "exact" else devices * a
         add(passes, {"receive buffer zero-filled": rows * d * b})
+        if exchange == "exact":  # the results' way back lands in a buffer of its own
+            add(passes, {"results' receive buffer zero-filled": a * d * b})
         add(passes, experts(rows))
         if exchange == "dense":  # packed into [devices, capacity] blocks and unpacked
             add(passes, {"rows packed and unpacked": devices * a * d * b + 4 * a * d * b})
@@ -285,7 +290,7 @@ def xla_passes(
         add(passes, {"receive buffer zero-filled": a * d * b}, devices - 1)
         add(passes, experts(a), devices)
     else:  # "peers" as one TPU kernel: rows packed into its regions and results unpacked
-        add(passes, {"rows packed into the kernel's regions and unpacked": 5 * a * d * b})
+        add(passes, {"rows packed into the kernel's regions and unpacked": 6 * a * d * b})
     return passes
 
 

@@ -202,20 +202,24 @@ def test_forward_over_reverse_and_vmap(backend):
 
 
 @pytest.mark.parametrize(
-    "backend, dtype",
-    [(b, jnp.float32) for b in BACKENDS] + [("mosaic_tpu", jnp.bfloat16)],
+    "backend, dtype, spare",
+    [(b, jnp.float32, 5) for b in BACKENDS]
+    + [("mosaic_tpu", jnp.bfloat16, 5)]
+    + [(b, jnp.float32, 0) for b in ("xla", "reference")],
 )
-def test_unique_indices_store_the_same_rows(backend, dtype, monkeypatch):
+def test_unique_indices_store_the_same_rows(backend, dtype, spare, monkeypatch):
     """unique_indices=True (results back to the rows they came from: a permutation of some output
     rows, as cv.moe's experts use it) gives exactly the values of adding into zeros (one float32
     term a row, rounded once to the output dtype), rows past the groups add nothing and rows
     nobody names are 0. mosaic_tpu runs its storing epilogue, race detector on, without the
-    run-time check for repeats; 16-bit rows leave it in the output's dtype ([tm, 1, tn] views)."""
+    run-time check for repeats; 16-bit rows leave it in the output's dtype ([tm, 1, tn] views).
+    With no `spare` output rows the indices are a permutation of lhs's rows, which the XLA path
+    gathers through its inverse."""
     lhs, rhs, sizes, _, w = problem(14, dtype=dtype)
     sizes = sizes.copy()
     sizes[-1] -= 6  # the last 6 rows belong to no group
     lhs = lhs.at[M - 6 :].set(jnp.nan)
-    num_rows = M + 5
+    num_rows = M + spare
     idx = jnp.asarray(np.random.default_rng(14).permutation(num_rows)[:M], jnp.int32)
     run = lambda unique: scatter_add(  # noqa: E731
         backend,
@@ -365,19 +369,33 @@ def test_weight_gradient_differentiates_again(backend):
         assert_close(got, want, M * K * N, jnp.float32)
 
 
-def test_mosaic_gpu_writes_the_product_then_scatter_adds():
+@pytest.mark.parametrize("unique", [False, True])
+def test_mosaic_gpu_writes_the_product_then_scatter_adds(unique):
+    """The kernel leaves the product's rows past the groups unwritten (the interpreter fills them
+    with NaN): they add nothing, and output rows no index names are exactly 0."""
     lhs, rhs, sizes, idx, w = problem(12, dtype=jnp.bfloat16)
+    sizes = sizes.copy()
+    sizes[-1] -= 6  # the last 6 rows belong to no group
+    if unique:  # a permutation: every row to its own output row, gathered through its inverse
+        idx = jnp.asarray(np.random.default_rng(12).permutation(M))
+    num_rows = M if unique else TOKENS + 3  # three output rows no index names
     out = cv.gmm_scatter_add(
         lhs,
         rhs,
         jnp.asarray(sizes),
         idx,
-        num_out_rows=TOKENS,
+        num_out_rows=num_rows,
         row_weights=w,
+        unique_indices=unique,
         backend="mosaic_gpu",
         interpret=True,
     )
-    assert_close(out, oracle(lhs, rhs, sizes, idx, w, TOKENS), TOP_K * K, jnp.float32)
+    expect = oracle(lhs[: M - 6], rhs, sizes, idx[: M - 6], w[: M - 6], num_rows)
+    assert_close(out, expect, TOP_K * K, jnp.float32)
+    unnamed = np.ones(num_rows, bool)
+    unnamed[np.asarray(idx[: M - 6])] = False
+    assert unnamed.sum() == (6 if unique else 3)
+    np.testing.assert_array_equal(np.asarray(out)[unnamed], 0.0)
 
 
 # ---- bad input ---------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from conveyor import backends
 from conveyor.backends import Implementation, Registry
 from conveyor.ops.gmm import reference, tiling as tiling_lib, xla
+from conveyor.ops.gmm.metadata import local_row_mask
 
 
 def _mosaic_tpu():
@@ -30,6 +31,14 @@ def _tgmm_dims(lhs, rhs):
 
 
 # ---- gmm -----------------------------------------------------------------------------------------
+# An implementation takes existing_out=None (the scatter-add's product, below) as "rows outside
+# the local groups: any value"; mosaic_gpu leaves them unwritten, the others start from zeros.
+
+
+def _zeros_if_none(existing_out, lhs, rhs, transpose_rhs, out_dtype):
+    if existing_out is not None:
+        return existing_out
+    return jnp.zeros((lhs.shape[0], rhs.shape[1] if transpose_rhs else rhs.shape[2]), out_dtype)
 
 
 def _gmm_reference(
@@ -49,7 +58,7 @@ def _gmm_reference(
         rhs,
         group_sizes,
         group_offset,
-        existing_out,
+        _zeros_if_none(existing_out, lhs, rhs, transpose_rhs, out_dtype),
         transpose_rhs=transpose_rhs,
         out_dtype=out_dtype,
     )
@@ -67,6 +76,7 @@ def _gmm_xla(
     transpose_rhs,
     out_dtype,
 ):
+    existing_out = _zeros_if_none(existing_out, lhs, rhs, transpose_rhs, out_dtype)
     m, k, n = _gmm_dims(lhs, existing_out)
     t = tiling_lib.resolve(tiling, m, k, n, (xla.GMM_TM, k, n))
     return xla.gmm_xla(
@@ -108,8 +118,9 @@ def _gmm_mosaic_tpu(
     )
 
 
-def _mosaic_gpu_gmm_tile(tiling, lhs, existing_out, transpose_rhs):
-    m, k, n = _gmm_dims(lhs, existing_out)
+def _mosaic_gpu_gmm_tile(tiling, lhs, rhs, transpose_rhs):
+    m, k = lhs.shape
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     return tiling_lib.resolve(
         tiling, m, k, n, tiling_lib.MOSAIC_GPU.gmm_tiles_for(k, n, transpose_rhs=transpose_rhs)
     )
@@ -137,7 +148,7 @@ def _gmm_padded_for_gpu(lhs, rhs, existing_out, transpose_rhs):
     k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
     lhs = _pad_to(lhs, 1, k_unit)
     rhs = _pad_to(_pad_to(rhs, k_axis, k_unit), n_axis, n_unit)
-    return lhs, rhs, _pad_to(existing_out, 1, n_unit)
+    return lhs, rhs, None if existing_out is None else _pad_to(existing_out, 1, n_unit)
 
 
 def _gmm_mosaic_gpu(
@@ -154,9 +165,9 @@ def _gmm_mosaic_gpu(
 ):
     from conveyor.ops.gmm import mosaic_gpu
 
-    n = existing_out.shape[1]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     lhs, rhs, existing_out = _gmm_padded_for_gpu(lhs, rhs, existing_out, transpose_rhs)
-    t = _mosaic_gpu_gmm_tile(tiling, lhs, existing_out, transpose_rhs)
+    t = _mosaic_gpu_gmm_tile(tiling, lhs, rhs, transpose_rhs)
     out = mosaic_gpu.gmm_mosaic_gpu(
         lhs,
         rhs,
@@ -184,7 +195,7 @@ def _gmm_mosaic_gpu_check(
     lhs, rhs, existing_out = _gmm_padded_for_gpu(
         _shape_of(lhs), _shape_of(rhs), _shape_of(existing_out), transpose_rhs
     )
-    t = _mosaic_gpu_gmm_tile(tiling, lhs, existing_out, transpose_rhs)
+    t = _mosaic_gpu_gmm_tile(tiling, lhs, rhs, transpose_rhs)
     try:
         mosaic_gpu.check_gmm_args(lhs, rhs, t, transpose_rhs)
     # the kernel's argument rules, refused by name when it is named explicitly
@@ -273,7 +284,8 @@ GATHERED_GMM = Registry(
 
 
 def _scatter_then(run):
-    """The scatter-add gmm as a plain gmm (`run`, float32 out) and an XLA scatter-add."""
+    """The scatter-add gmm as a plain gmm (`run`, float32 out, given no start: the rows outside the
+    local groups are then unspecified, masked here) and an XLA scatter-add."""
 
     def scattered(
         lhs,
@@ -288,16 +300,23 @@ def _scatter_then(run):
         unique_indices=False,
         **p,
     ):
+        m = lhs.shape[0]
         n = rhs.shape[1] if p["transpose_rhs"] else rhs.shape[2]
-        zeros = jnp.zeros((lhs.shape[0], n), jnp.float32)
-        prod = run(lhs, rhs, group_sizes, group_offset, zeros, out_dtype=jnp.float32, **p)
+        prod = run(lhs, rhs, group_sizes, group_offset, None, out_dtype=jnp.float32, **p)
+        computed = local_row_mask(group_sizes, group_offset, rhs.shape[0], m)[:, None]
         rows = jnp.clip(out_indices.astype(jnp.int32), 0, num_rows - 1)
-        weighted = row_weights.astype(jnp.float32)[:, None] * prod  # rows of no group: 0 * w
+        weighted = jnp.where(computed, row_weights.astype(jnp.float32)[:, None] * prod, 0.0)
         if unique_indices:
             # one term a row: rounding it to out_dtype before the set gives what rounding the
             # float32 sum 0 + x after it does, without a float32 [num_rows, n] buffer
+            rounded = weighted.astype(out_dtype)
+            if num_rows == m:  # m distinct rows of m: a permutation, gathered through its inverse
+                # (every output row read once; no zero-filled output for the set)
+                iota = jnp.arange(m, dtype=jnp.int32)
+                source = jnp.zeros((m,), jnp.int32).at[rows].set(iota, unique_indices=True)
+                return rounded[source]
             out = jnp.zeros((num_rows, n), out_dtype).at[rows]
-            return out.set(weighted.astype(out_dtype), unique_indices=True)
+            return out.set(rounded, unique_indices=True)
         return jnp.zeros((num_rows, n), jnp.float32).at[rows].add(weighted).astype(out_dtype)
 
     return scattered

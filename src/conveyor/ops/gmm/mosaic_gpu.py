@@ -181,6 +181,8 @@ def gmm_mosaic_gpu(
     tiling,
     interpret,
 ):
+    """`gmm` on Hopper: rows of the local groups computed, the others `existing_out`'s (or, given
+    None, left as the output buffer held them)."""
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -209,10 +211,9 @@ def gmm_mosaic_gpu(
         nvis_ref,
         lhs_ref,
         rhs_ref,
-        start_ref,
-        out_ref,
-        acc_smem,
+        *refs,  # [start_ref (aliased to out_ref),] out_ref, acc_smem
     ):
+        out_ref, acc_smem = refs[-2:]
         j, v = banded_tile(cv.program_id(0), column_tiles=column_tiles, visits=visits, band=band)
         wg = lax.axis_index("wg")
         # this warpgroup's wg_rows x wg_cols part
@@ -267,19 +268,22 @@ def gmm_mosaic_gpu(
     m_pad = cdiv(m, tm) * tm
     if m_pad != m:
         lhs = jnp.pad(lhs, ((0, m_pad - m), (0, 0)))
-    # The output starts as existing_out (or zeros) and the kernel writes only its groups' rows.
-    start = existing_out.astype(out_dtype)
+    # The kernel writes only its groups' rows: the output starts as existing_out, or (None) as
+    # whatever the buffer held (the caller masks the other rows; the interpreter fills them with
+    # NaN), which saves XLA a pass writing the start.
+    out = jax.ShapeDtypeStruct((m, n), out_dtype)
+    start = () if existing_out is None else (existing_out.astype(out_dtype),)
     call = cv.kernel(
         kernel,
-        jax.ShapeDtypeStruct((m, n), out_dtype),
+        out,
         backend="mosaic_gpu",
         interpret=interpret,
         num_threads=COMPUTE_THREADS + 1,
         thread_name="wg",
         grid=gmm_grid(column_tiles, visits),
         scratch_shapes=[staging],
-        input_output_aliases={7: 0},
-        cost_estimate=gpu_cost(matmul_cost(m, k, n, lhs, rhs, start)),
+        input_output_aliases={7: 0} if start else {},
+        cost_estimate=gpu_cost(matmul_cost(m, k, n, lhs, rhs, out)),
     )
     return call(
         meta.group_ids,
@@ -289,7 +293,7 @@ def gmm_mosaic_gpu(
         num_visits,
         lhs,
         rhs,
-        start,
+        *start,
     )
 
 
