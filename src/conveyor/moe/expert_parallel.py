@@ -211,7 +211,7 @@ def _experts(
         return jnp.zeros_like(out).at[by_expert].set(out)
     h = expert_hidden(rows, by_expert, group_sizes, w_gate, w_up, backend, interpret)
     # the last projection puts each result back in its received row (a permutation: each row
-    # once); padding rows belong to no group and stay 0
+    # once); padding rows belong to no group and are never read, so they need no zero fill
     return gmm_scatter_add(
         h,
         w_down,
@@ -219,6 +219,7 @@ def _experts(
         by_expert,
         num_out_rows=rows.shape[0],
         unique_indices=True,
+        unwritten_rows="unspecified",
         preferred_element_type=rows.dtype,
         backend=backend,
         interpret=interpret,

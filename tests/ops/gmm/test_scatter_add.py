@@ -250,6 +250,39 @@ def test_unique_indices_store_the_same_rows(backend, dtype, spare, monkeypatch):
     np.testing.assert_array_equal(np.asarray(stored)[~named], 0.0)
 
 
+def test_unwritten_rows_unspecified_spares_mosaic_tpu_the_zero_fill():
+    """unwritten_rows="unspecified": the named rows as with "zero"; mosaic_tpu's output is no
+    longer a zero-filled buffer, so the rows nobody names hold what the interpreter fills
+    unwritten memory with (NaN); the other backends may keep them 0."""
+    lhs, rhs, sizes, _, w = problem(16)
+    sizes = sizes.copy()
+    sizes[-1] -= 6  # the last 6 rows belong to no group: their output rows are not written
+    num_rows = M + 2
+    idx = jnp.asarray(np.random.default_rng(16).permutation(num_rows)[:M], jnp.int32)
+
+    def run(backend, rows):
+        return scatter_add(
+            backend,
+            lhs,
+            rhs,
+            jnp.asarray(sizes),
+            idx,
+            num_out_rows=num_rows,
+            row_weights=w,
+            unique_indices=True,
+            unwritten_rows=rows,
+        )
+
+    named = np.zeros(num_rows, bool)
+    named[np.asarray(idx[: M - 6])] = True
+    for backend in BACKENDS:
+        zero, unspecified = run(backend, "zero"), run(backend, "unspecified")
+        np.testing.assert_array_equal(np.asarray(unspecified)[named], np.asarray(zero)[named])
+        np.testing.assert_array_equal(np.asarray(zero)[~named], 0.0)
+        if backend == "mosaic_tpu":
+            assert np.isnan(np.asarray(unspecified)[~named]).all()
+
+
 @pytest.mark.parametrize("mode", ["eager", "on_wait"])
 def test_mosaic_tpu_epilogue_race_free_in_both_dma_modes(mode):
     """The race detector on in both DMA modes: a visit's row reads, its adds and its writes,
@@ -427,3 +460,7 @@ def test_bad_arguments_are_refused_by_name():
         run(unique_indices=True)  # top-2 routing: each token's row is named twice
     with pytest.raises(TypeError, match="unique_indices: expected a bool, got 1"):
         run(unique_indices=1)
+    with pytest.raises(ValueError, match="unwritten_rows: expected 'zero' or 'unspecified', go"):
+        run(unwritten_rows="nan")
+    with pytest.raises(ValueError, match="unwritten_rows: 'unspecified' needs unique_indices=T"):
+        run(unwritten_rows="unspecified")

@@ -386,6 +386,7 @@ def gmm_scatter_add(
     group_offset: jax.Array | int | None = None,
     transpose_rhs: bool = False,
     unique_indices: bool = False,
+    unwritten_rows: str = "zero",
     backend: str | None = None,
     interpret=False,
 ) -> jax.Array:
@@ -413,6 +414,11 @@ def gmm_scatter_add(
         for repeats and the unfused computation kept beside the kernel for them. Same results.
         Concrete indices with a repeat are refused; traced ones with a repeat give unspecified
         rows (as `jnp.ndarray.at[...].set(unique_indices=True)`).
+      unwritten_rows: "zero" (default): output rows no row of a local group names are 0.
+        "unspecified" (with `unique_indices=True` only): they hold whatever the output's buffer
+        held, which spares a backend that writes only the named rows (mosaic_tpu) a zero-filled
+        output; for a caller that never reads them (the expert-parallel layer's padding rows).
+        Other backends may give 0 there; the Pallas interpreter gives NaN.
       tiling, transpose_rhs, backend, interpret: as in `gmm`. mosaic_tpu's epilogue updates the
         rows of one visit together, so where one group names an output row twice it computes
         that call the unfused way (decided at run time, same results).
@@ -445,6 +451,15 @@ def gmm_scatter_add(
             f"out_indices: expected one index per lhs row ({m}), got {out_indices.shape[0]}"
         )
     _check_unique(out_indices, unique_indices)
+    if unwritten_rows not in ("zero", "unspecified"):
+        raise ValueError(
+            f"unwritten_rows: expected 'zero' or 'unspecified', got {unwritten_rows!r}"
+        )
+    if unwritten_rows == "unspecified" and unique_indices is not True:
+        raise ValueError(
+            "unwritten_rows: 'unspecified' needs unique_indices=True (rows added into are read "
+            "first, so they must start at 0)"
+        )
     if row_weights is None:
         row_weights = jnp.ones((m,), jnp.float32)
     _check_array(row_weights, "row_weights", 1, f"[m] = [{m}]")
@@ -470,6 +485,7 @@ def gmm_scatter_add(
         num_rows=int(num_out_rows),
         transpose_rhs=bool(transpose_rhs),
         unique_indices=unique_indices,
+        zero_unwritten=unwritten_rows == "zero",
         out_dtype=out_dtype,
         backend=backend,
         tiling=tiling_lib.as_static(tiling, m, k, rhs.shape[1] if transpose_rhs else rhs.shape[2]),

@@ -298,6 +298,7 @@ def _scatter_then(run):
         num_rows,
         out_dtype,
         unique_indices=False,
+        zero_unwritten=True,  # False allows any value there: these give 0 anyway
         **p,
     ):
         m = lhs.shape[0]
@@ -336,6 +337,7 @@ def _scatter_gmm_mosaic_tpu(
     num_rows,
     out_dtype,
     unique_indices=False,
+    zero_unwritten=True,
 ):
     from conveyor.ops.gmm import mosaic_tpu_rows
     from conveyor.ops.gmm.scattered import repeats_within_a_group
@@ -353,6 +355,7 @@ def _scatter_gmm_mosaic_tpu(
             tiling=t,
             interpret=interpret,
             store=unique_indices,
+            zero_unwritten=zero_unwritten or not unique_indices,
             out_dtype=out_dtype,
         )
         return out.astype(out_dtype)

@@ -458,12 +458,7 @@ def _scatter_gmm_kernel(
     lhs_ref,
     rhs_ref,
     weight_ref,
-    y_init,
-    y_hbm,
-    acc_ref,
-    rows_buf,
-    sem,
-    *,
+    *refs,  # [y_init (aliased to y_hbm),] y_hbm, acc_ref, rows_buf, sem
     tm,
     tk,
     tn,
@@ -478,7 +473,7 @@ def _scatter_gmm_kernel(
     With `store` (no index twice in the whole call) the rows are written without being read, in
     the output's dtype; 16-bit rows travel as [tm, 1, tn] views (a row's own tile, as the gathered
     kernel's loads)."""
-    del y_init  # aliased to y_hbm
+    y_hbm, acc_ref, rows_buf, sem = refs[-4:]
     j, v, kk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     nk = pl.num_programs(2)
     live = v < num_visits[0]
@@ -542,13 +537,18 @@ def scatter_gmm_mosaic_tpu(
     tiling,
     interpret,
     store=False,
+    zero_unwritten=True,
     out_dtype=jnp.float32,
 ):
     """float32 [num_rows, n]: `row_weights[i] * (lhs[i] @ rhs[group(i)])` added into row
     `out_indices[i]`, for the rows of the local groups, in the kernel's epilogue (no [m, n]
     product is written). Indices must be distinct within each group (see the kernel); with
     `store`, distinct in the whole call: each row is written, not added to, rounded once to
-    `out_dtype` (the dtype of the result; float32 without `store`)."""
+    `out_dtype` (the dtype of the result; float32 without `store`). With `store` and not
+    `zero_unwritten` the output starts as its buffer held it (no zero-filled input aliased to
+    it): rows no index of a local group names are unspecified."""
+    if not (zero_unwritten or store):
+        raise ValueError("zero_unwritten=False needs store=True: added-into rows are read first")
     m, k = lhs.shape
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
@@ -568,7 +568,7 @@ def scatter_gmm_mosaic_tpu(
     y_dtype = jnp.dtype(out_dtype if store else jnp.float32)
     packed = y_dtype.itemsize < 4
     y_shape = (num_rows, 1, cdiv(n, tn) * tn) if packed else (num_rows, cdiv(n, tn) * tn)
-    y = jnp.zeros(y_shape, y_dtype)
+    y = (jnp.zeros(y_shape, y_dtype),) if zero_unwritten else ()
     lhs_block, rhs_block, out_block = tpu_blocks.gmm_blocks(tm, tk, tn, transpose_rhs)
     call = pl.pallas_call(
         functools.partial(
@@ -580,7 +580,7 @@ def scatter_gmm_mosaic_tpu(
             transpose_rhs=transpose_rhs,
             store=store,
         ),
-        out_shape=jax.ShapeDtypeStruct(y.shape, y_dtype),
+        out_shape=jax.ShapeDtypeStruct(y_shape, y_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=grid,
@@ -588,7 +588,7 @@ def scatter_gmm_mosaic_tpu(
                 pl.BlockSpec(lhs_block, lhs_map),
                 pl.BlockSpec(rhs_block, rhs_map),
                 pl.BlockSpec((tm, 1), lambda j, v, kk, group_ids, tile_ids, *_: (tile_ids[v], 0)),
-                pl.BlockSpec(memory_space=pl.ANY),
+                *[pl.BlockSpec(memory_space=pl.ANY) for _ in y],
             ],
             out_specs=pl.BlockSpec(memory_space=pl.ANY),
             scratch_shapes=[
@@ -597,14 +597,14 @@ def scatter_gmm_mosaic_tpu(
                 pltpu.SemaphoreType.DMA((2,)),
             ],
         ),
-        input_output_aliases={9: 0},
+        input_output_aliases={9: 0} if y else {},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=kernel_vmem_limit(
                 "gmm_scatter_add", lhs_block, rhs_block, out_block, cdt, jnp.float32
             ),
         ),
-        cost_estimate=matmul_cost(m, k, n, lhs, rhs, y),
+        cost_estimate=matmul_cost(m, k, n, lhs, rhs, jax.ShapeDtypeStruct(y_shape, y_dtype)),
         interpret=tpu_params(interpret),
         name="conveyor_scatter_gmm",
     )
@@ -614,6 +614,6 @@ def scatter_gmm_mosaic_tpu(
         lhs,
         rhs,
         weights,
-        y,
+        *y,
     )
     return out.reshape(num_rows, -1)[:, :n]
