@@ -201,6 +201,35 @@ def test_forward_over_reverse_and_vmap(backend):
         assert_close(out[b], oracle(lhs, rhs, sizes, idx, both[b], TOKENS), TOP_K * K, jnp.float32)
 
 
+def unique_problem(seed, spare, dtype=jnp.float32):
+    """A problem whose last 6 rows (NaN) belong to no group and whose indices name distinct rows
+    of M + spare output rows, with `run(backend, **options)` computing it; `named`: the output
+    rows a row of a group names."""
+    lhs, rhs, sizes, _, w = problem(seed, dtype=dtype)
+    lhs = lhs.at[M - 6 :].set(jnp.nan)
+    sizes = sizes.copy()
+    sizes[-1] -= 6
+    num_rows = M + spare
+    idx = jnp.asarray(np.random.default_rng(seed).permutation(num_rows)[:M], jnp.int32)
+    named = np.zeros(num_rows, bool)
+    named[np.asarray(idx[: M - 6])] = True
+
+    def run(backend, **options):
+        return scatter_add(
+            backend,
+            lhs,
+            rhs,
+            jnp.asarray(sizes),
+            idx,
+            num_out_rows=num_rows,
+            row_weights=w,
+            preferred_element_type=dtype,
+            **options,
+        )
+
+    return run, (lhs, rhs, sizes, idx, w, num_rows), named
+
+
 @pytest.mark.parametrize(
     "backend, dtype, spare",
     [(b, jnp.float32, 5) for b in BACKENDS]
@@ -215,23 +244,8 @@ def test_unique_indices_store_the_same_rows(backend, dtype, spare, monkeypatch):
     run-time check for repeats; 16-bit rows leave it in the output's dtype ([tm, 1, tn] views).
     With no `spare` output rows the indices are a permutation of lhs's rows, which the XLA path
     gathers through its inverse."""
-    lhs, rhs, sizes, _, w = problem(14, dtype=dtype)
-    sizes = sizes.copy()
-    sizes[-1] -= 6  # the last 6 rows belong to no group
-    lhs = lhs.at[M - 6 :].set(jnp.nan)
-    num_rows = M + spare
-    idx = jnp.asarray(np.random.default_rng(14).permutation(num_rows)[:M], jnp.int32)
-    run = lambda unique: scatter_add(  # noqa: E731
-        backend,
-        lhs,
-        rhs,
-        jnp.asarray(sizes),
-        idx,
-        num_out_rows=num_rows,
-        row_weights=w,
-        unique_indices=unique,
-        preferred_element_type=dtype,
-    )
+    solve, (lhs, rhs, sizes, idx, w, num_rows), named = unique_problem(14, spare, dtype)
+    run = lambda unique: solve(backend, unique_indices=unique)  # noqa: E731
     added = run(False)
     if backend == "mosaic_tpu":  # the kernel alone: no run-time check, no fallback beside it
         from conveyor.ops.gmm import scattered
@@ -245,8 +259,6 @@ def test_unique_indices_store_the_same_rows(backend, dtype, spare, monkeypatch):
     np.testing.assert_array_equal(stored, added)
     expect = oracle(lhs[: M - 6], rhs, sizes, idx[: M - 6], w[: M - 6], num_rows)
     assert_close(stored, expect, K, dtype)
-    named = np.zeros(num_rows, bool)
-    named[np.asarray(idx[: M - 6])] = True
     np.testing.assert_array_equal(np.asarray(stored)[~named], 0.0)
 
 
@@ -254,27 +266,8 @@ def test_unwritten_rows_unspecified_spares_mosaic_tpu_the_zero_fill():
     """unwritten_rows="unspecified": the named rows as with "zero"; mosaic_tpu's output is no
     longer a zero-filled buffer, so the rows nobody names hold what the interpreter fills
     unwritten memory with (NaN); the other backends may keep them 0."""
-    lhs, rhs, sizes, _, w = problem(16)
-    sizes = sizes.copy()
-    sizes[-1] -= 6  # the last 6 rows belong to no group: their output rows are not written
-    num_rows = M + 2
-    idx = jnp.asarray(np.random.default_rng(16).permutation(num_rows)[:M], jnp.int32)
-
-    def run(backend, rows):
-        return scatter_add(
-            backend,
-            lhs,
-            rhs,
-            jnp.asarray(sizes),
-            idx,
-            num_out_rows=num_rows,
-            row_weights=w,
-            unique_indices=True,
-            unwritten_rows=rows,
-        )
-
-    named = np.zeros(num_rows, bool)
-    named[np.asarray(idx[: M - 6])] = True
+    solve, _, named = unique_problem(16, 2)
+    run = lambda backend, rows: solve(backend, unique_indices=True, unwritten_rows=rows)  # noqa: E731
     for backend in BACKENDS:
         zero, unspecified = run(backend, "zero"), run(backend, "unspecified")
         np.testing.assert_array_equal(np.asarray(unspecified)[named], np.asarray(zero)[named])
