@@ -209,7 +209,7 @@ def _experts(
     if not fuse_permutation:
         out = sorted_swiglu(rows[by_expert], group_sizes, w_gate, w_up, w_down, backend, interpret)
         return jnp.zeros_like(out).at[by_expert].set(out)
-    h = expert_hidden(rows, by_expert, group_sizes, w_gate, w_up, backend, interpret)
+    h = expert_hidden(rows, by_expert, group_sizes, w_gate, w_up, backend, interpret, unique=True)
     # the last projection puts each result back in its received row (a permutation: each row
     # once); padding rows belong to no group and are never read, so they need no zero fill
     return gmm_scatter_add(

@@ -111,16 +111,17 @@ def sorted_swiglu(xs, group_sizes, w_gate, w_up, w_down, backend, interpret=Fals
     return mm(jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up), w_down)
 
 
-def expert_hidden(x, rows, group_sizes, w_gate, w_up, backend, interpret=False):
+def expert_hidden(x, rows, group_sizes, w_gate, w_up, backend, interpret=False, unique=False):
     """`silu(xs @ w_gate[e]) * (xs @ w_up[e])` for `xs = x[rows]`, whose rows are sorted by expert
     e (`group_sizes` rows each; rows past them come out as 0). Both projections gather their rows
     of x themselves (`cv.gmm`'s lhs_indices: in the kernel's loads on TPU), so the sorted copy of
-    x is never written."""
+    x is never written. `unique`: no index of `rows` repeats (x's gradient rows are then set)."""
     mm = lambda w: gmm(
         x,
         w,
         group_sizes,
         lhs_indices=rows,
+        unique_indices=unique,
         preferred_element_type=x.dtype,
         backend=backend,
         interpret=interpret,

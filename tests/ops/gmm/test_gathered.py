@@ -160,6 +160,34 @@ def test_gradients_match_autodiff_of_the_gather(backend):
     assert np.abs(np.asarray(got[0])).min(axis=1).max() > 0  # every token received gradient
 
 
+@pytest.mark.parametrize("spare", [0, 9], ids=["permutation", "some rows"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_unique_indices_set_lhs_gradient_rows_to_the_same_values(spare, dtype):
+    """unique_indices=True: lhs's gradient rows are set (gathered through the inverse when the
+    indices name every row of lhs), where without it they are added into a float32 buffer: the
+    same values, bit for bit (one term a row), rows past the groups and rows nobody names 0."""
+    rng = np.random.default_rng(22)
+    m, rows = 40, 40 + spare
+    lhs, rhs = operands(rng, rows, K, N, 3, dtype)
+    idx = jnp.asarray(rng.permutation(rows)[:m], jnp.int32)
+    gs = jnp.asarray(skewed_sizes(rng, m, 3, total=m - 5))  # 5 rows no group owns
+    ct = jnp.asarray(rng.standard_normal((m, N)), dtype)
+
+    def grad(unique):
+        def loss(l):
+            out = cv.gmm(l, rhs, gs, lhs_indices=idx, unique_indices=unique, backend="xla")
+            return jnp.vdot(out.astype(jnp.float32), ct.astype(jnp.float32))
+
+        return np.asarray(jax.grad(loss)(lhs))
+
+    added, stored = grad(False), grad(True)
+    np.testing.assert_array_equal(stored, added)
+    named = np.zeros(rows, bool)
+    named[np.asarray(idx[: m - 5])] = True
+    np.testing.assert_array_equal(stored[~named], 0.0)
+    assert np.abs(stored[named]).min(axis=1).max() > 0
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_transpose_rhs_weight_gradient_gathers_in_the_kernel(backend):
     """With transpose_rhs, d rhs[g] = ct[rows of g]^T @ lhs[idx[rows of g]]: the gathered rows
@@ -323,6 +351,12 @@ def test_bad_indices_are_refused_by_name():
         cv.gmm(lhs, rhs, gs, lhs_indices=idx, existing_out=jnp.zeros((ROWS, N)))
     with pytest.raises(ValueError, match="lhs: expected at least one row"):
         cv.gmm(lhs[:0], rhs, gs, lhs_indices=idx)
+    with pytest.raises(ValueError, match="lhs_indices: unique_indices=True promises no index tw"):
+        cv.gmm(lhs, rhs, gs, lhs_indices=idx.at[1].set(idx[0]), unique_indices=True)
+    with pytest.raises(ValueError, match="unique_indices: applies to lhs_indices, none given"):
+        cv.gmm(jnp.zeros((M, K)), rhs, gs, unique_indices=True)
+    with pytest.raises(TypeError, match="unique_indices: expected a bool, got 1"):
+        cv.gmm(lhs, rhs, gs, lhs_indices=idx, unique_indices=1)
 
 
 def test_mosaic_gpu_gathers_in_xla_then_runs_its_kernel():

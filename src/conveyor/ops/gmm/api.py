@@ -83,17 +83,17 @@ def _check_indices(indices, name: str, num_rows: int, rows_doc: str):
     return indices
 
 
-def _check_unique(out_indices, unique_indices) -> None:
-    """`unique_indices` is a bool; with True, concrete `out_indices` hold no index twice."""
+def _check_unique(indices, unique_indices, name: str = "out_indices") -> None:
+    """`unique_indices` is a bool; with True, concrete `indices` hold no index twice."""
     if not isinstance(unique_indices, bool):
         raise TypeError(f"unique_indices: expected a bool, got {unique_indices!r}")
-    if not unique_indices or not _is_concrete(out_indices):
+    if not unique_indices or not _is_concrete(indices):
         return  # traced: the caller's promise (documented)
-    values, counts = np.unique(np.asarray(out_indices), return_counts=True)
+    values, counts = np.unique(np.asarray(indices), return_counts=True)
     if (counts > 1).any():
         first = int(values[counts > 1][0])
         raise ValueError(
-            f"out_indices: unique_indices=True promises no index twice, got row {first} "
+            f"{name}: unique_indices=True promises no index twice, got row {first} "
             f"{int(counts[counts > 1][0])} times; pass unique_indices=False to add repeats"
         )
 
@@ -169,6 +169,7 @@ def gmm(
     existing_out: jax.Array | None = None,
     transpose_rhs: bool = False,
     lhs_indices: jax.Array | None = None,
+    unique_indices: bool = False,
     backend: str | None = None,
     interpret=False,
 ) -> jax.Array:
@@ -202,6 +203,10 @@ def gmm(
         indices outside [0, rows) are refused; traced ones are clamped to that range, and the
         gradient goes to the rows that were read. On a mesh with Explicit axes, call it inside
         shard_map.
+      unique_indices: with `lhs_indices`, the caller's promise that no index repeats (rows
+        gathered back into expert order, as the expert-parallel layer's): lhs's gradient then
+        sets each row rather than adding into a float32 buffer (gathers it, when the indices
+        name every row of lhs). Same results. Concrete indices with a repeat are refused.
       backend: "xla", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the op is
         lowered, for the platform it is lowered for: mosaic_tpu for TPU, xla for CPU, CUDA and
         ROCm (`conveyor.backends`). mosaic_gpu (Hopper; named explicitly until it has run on a
@@ -227,6 +232,11 @@ def gmm(
     m, k = lhs.shape
     if lhs_indices is not None:
         m = _check_lhs_indices(lhs_indices, lhs.shape[0])
+        _check_unique(lhs_indices, unique_indices, "lhs_indices")
+    elif unique_indices is not False:
+        raise ValueError(
+            f"unique_indices: applies to lhs_indices, none given; got {unique_indices!r}"
+        )
     num_groups, rk, n = (rhs.shape[0], rhs.shape[2], rhs.shape[1]) if transpose_rhs else rhs.shape
     if rk != k:
         raise ValueError(
@@ -265,6 +275,7 @@ def gmm(
             group_offset,
             existing_out,
             lhs_indices.astype(jnp.int32),
+            unique_indices=unique_indices,
             transpose_rhs=bool(transpose_rhs),
             out_dtype=out_dtype,
             backend=backend,

@@ -622,6 +622,7 @@ def run_gathered_gmm(
     *,
     backend,
     platform="cpu",
+    unique_indices=False,  # the gradient's concern (gathered.py), not the forward's
     **params,
 ):
     """gmm of gathered lhs rows by the named implementation, or by `platform`'s default order."""
