@@ -54,8 +54,12 @@ def _fresh_interpreter_state():
 #   of Mosaic kernels.
 # subprocess: tests that start Python processes (the CLI, the multi-process launcher).
 # A test's tier follows from what it runs: its module, an explicit `pytest.mark.slow`, or its
-# parameters and name naming a Mosaic backend or an interpreter. Tiers run in this order.
+# parameters and name naming a Mosaic backend or an interpreter. The fast tier runs first; the
+# others, which `make test` runs together on TEST_WORKERS processes, longest tests first
+# (RUN_ORDER): the few long subprocess tests then start early instead of finishing last on one
+# worker while the other waits.
 TIERS = ("fast", "slow", "interpreter", "subprocess")
+RUN_ORDER = ("fast", "subprocess", "interpreter", "slow")
 SCHEDULE_FIRST = (
     "test_plan.py",
     "test_check.py",
@@ -108,7 +112,7 @@ def _tier(item) -> str:
 def _order(item) -> tuple[int, int]:
     tier = _tier(item)
     first = tier == "fast" and item.path.name in SCHEDULE_FIRST
-    return TIERS.index(tier), (
+    return RUN_ORDER.index(tier), (
         SCHEDULE_FIRST.index(item.path.name) if first else len(SCHEDULE_FIRST)
     )
 

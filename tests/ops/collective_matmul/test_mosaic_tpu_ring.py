@@ -164,7 +164,10 @@ def test_exports_for_tpu():
 
 
 @pytest.mark.parametrize(
-    "ring, bidirectional, mode", _with_modes([(r, b) for r in (2, 3, 4, 8) for b in (False, True)])
+    # rings up to 4 (3 steps: every slot reused); the 8-chip ring runs the gather's protocol
+    # above, and compile-check compiles the reduce-scatter ring at 8 chips
+    "ring, bidirectional, mode",
+    _with_modes([(r, b) for r in (2, 3, 4) for b in (False, True)]),
 )
 def test_reduce_scatter_ring_is_correct_and_race_free(ring, mode, bidirectional):
     mesh = Mesh(np.array(jax.devices()[:ring]), ("x",))
