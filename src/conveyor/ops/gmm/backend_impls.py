@@ -302,25 +302,29 @@ def _scatter_then(run):
         **p,
     ):
         m = lhs.shape[0]
-        n = rhs.shape[1] if p["transpose_rhs"] else rhs.shape[2]
         prod = run(lhs, rhs, group_sizes, group_offset, None, out_dtype=jnp.float32, **p)
         computed = local_row_mask(group_sizes, group_offset, rhs.shape[0], m)[:, None]
         rows = jnp.clip(out_indices.astype(jnp.int32), 0, num_rows - 1)
         weighted = jnp.where(computed, row_weights.astype(jnp.float32)[:, None] * prod, 0.0)
-        if unique_indices:
-            # one term a row: rounding it to out_dtype before the set gives what rounding the
-            # float32 sum 0 + x after it does, without a float32 [num_rows, n] buffer
-            rounded = weighted.astype(out_dtype)
-            if num_rows == m:  # m distinct rows of m: a permutation, gathered through its inverse
-                # (every output row read once; no zero-filled output for the set)
-                iota = jnp.arange(m, dtype=jnp.int32)
-                source = jnp.zeros((m,), jnp.int32).at[rows].set(iota, unique_indices=True)
-                return rounded[source]
-            out = jnp.zeros((num_rows, n), out_dtype).at[rows]
-            return out.set(rounded, unique_indices=True)
-        return jnp.zeros((num_rows, n), jnp.float32).at[rows].add(weighted).astype(out_dtype)
+        return put_rows(weighted, rows, num_rows, unique_indices, out_dtype)
 
     return scattered
+
+
+def put_rows(values, rows, num_rows: int, unique: bool, dtype):
+    """[num_rows, n] of `dtype`: row `rows[i]` gets the float32 `values[i]`, summed over repeats
+    in float32 and rounded once; rows nobody names are 0. With `unique` (no index twice) each row
+    is rounded and set (the same values: 0 + x is x) without a float32 [num_rows, n] buffer, and
+    indices naming every row (a permutation) are gathered through their inverse: no zero-filled
+    output at all."""
+    m, n = values.shape
+    if not unique:
+        return jnp.zeros((num_rows, n), jnp.float32).at[rows].add(values).astype(dtype)
+    rounded = values.astype(dtype)
+    if num_rows == m:
+        iota = jnp.arange(m, dtype=jnp.int32)
+        return rounded[jnp.zeros((m,), jnp.int32).at[rows].set(iota, unique_indices=True)]
+    return jnp.zeros((num_rows, n), dtype).at[rows].set(rounded, unique_indices=True)
 
 
 def _scatter_gmm_mosaic_tpu(
@@ -355,7 +359,7 @@ def _scatter_gmm_mosaic_tpu(
             tiling=t,
             interpret=interpret,
             store=unique_indices,
-            zero_unwritten=zero_unwritten or not unique_indices,
+            zero_unwritten=zero_unwritten,
             out_dtype=out_dtype,
         )
         return out.astype(out_dtype)

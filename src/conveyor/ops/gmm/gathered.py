@@ -180,23 +180,6 @@ def _aval(x):
     return x.aval if is_undefined_primal(x) else x
 
 
-def _rows_back(per_row, rows, num_rows: int, unique: bool, dtype):
-    """[num_rows, k] of `dtype`: row `rows[i]` gets `per_row[i]` (float32), summed over repeats.
-    With `unique` (no index twice) each row is set, not added into a float32 buffer (the same
-    values: 0 + x is x), and indices naming every row are gathered through their inverse."""
-    m = rows.shape[0]
-    if not unique:
-        return (
-            jnp.zeros((num_rows, per_row.shape[1]), jnp.float32).at[rows].add(per_row).astype(dtype)
-        )
-    if num_rows == m:  # a permutation
-        iota = jnp.arange(m, dtype=jnp.int32)
-        source = jnp.zeros((m,), jnp.int32).at[rows].set(iota, unique_indices=True)
-        return per_row.astype(dtype)[source]
-    out = jnp.zeros((num_rows, per_row.shape[1]), dtype)
-    return out.at[rows].set(per_row.astype(dtype), unique_indices=True)
-
-
 def _transpose(
     ct, lhs, rhs, gs, go, ex, idx, *, transpose_rhs, out_dtype, unique_indices=False, **params
 ):
@@ -221,7 +204,7 @@ def _transpose(
             out_dtype=jnp.float32,
             **bp,
         )
-        ct_lhs = _rows_back(per_row, rows, num_rows, unique_indices, lhs.aval.dtype)
+        ct_lhs = backend_impls.put_rows(per_row, rows, num_rows, unique_indices, lhs.aval.dtype)
     if is_undefined_primal(rhs):
         # d rhs[g] = lhs[idx[rows of g]]^T @ ct[rows of g] ([k, n]), or its transpose with
         # transpose_rhs ([n, k]: ct's rows against the gathered rows); gathered in the kernel
