@@ -100,6 +100,27 @@ def test_xla_op_bytes_counts_xlas_own_ops_in_device_memory():
         device.xla_op_bytes(PROGRAM, "rocm")
 
 
+def test_an_async_slice_counts_its_slice_not_its_source():
+    """libtpu prefetches a weight into VMEM in 4 MiB slices (`slice-start`); each slice's result
+    tuple names the whole 24 MiB source, which counted once per slice made a 6-slice prefetch
+    144 MiB of traffic instead of 24."""
+    source = "s8[25165824]{0:T(1024)(128)(4,1)}"
+    lines = [
+        f"  %s{i} = (({source}), s8[4194304]{{0:T(1024)(128)(4,1)S(1)}}, s32[]{{:S(2)}}) "
+        f"slice-start(%w), slice={{[{i * 4194304}:{(i + 1) * 4194304}]}}\n"
+        f"  %d{i} = s8[4194304]{{0:T(1024)(128)(4,1)S(1)}} slice-done(%s{i})"
+        for i in range(6)
+    ]
+    program = (
+        "HloModule m\n\nENTRY %main (w: s8[25165824]) -> s8[4194304] {\n"
+        f"  %w = {source} parameter(0)\n" + "\n".join(lines) + "\n}\n"
+    )
+    assert device.xla_op_bytes(program, "tpu") == 6 * 4194304
+    # a slice between two arrays off device memory moves nothing through HBM
+    offchip = program.replace(source, "s8[25165824]{0:T(1024)(128)(4,1)S(1)}")
+    assert device.xla_op_bytes(offchip, "tpu") == 0
+
+
 def test_xla_op_bytes_on_gpu_counts_its_colored_buffers_but_not_the_hosts():
     """XLA:GPU puts a collective's buffers in memory space 1 or 7, still HBM; 5 is the host."""
     program = """\

@@ -191,12 +191,28 @@ def _device_memory_bytes(shape: str, platform: str = "tpu") -> int:
     return total
 
 
+def _sliced_bytes(shape: str, platform: str) -> int:
+    """The bytes an async slice (`slice-start`, libtpu's sliced prefetch into VMEM) moves through
+    device memory: its slice, once, read from or written to HBM (its result's tuple also names the
+    whole source, which it does not read)."""
+    arrays = _ARRAY.findall(shape)
+    if len(arrays) < 2:
+        raise ValueError(
+            f"slice-start: expected ((source), slice, ...) in its shape, got {shape!r}"
+        )
+    source, sliced = (_device_memory_bytes("{}[{}]{{{}}}".format(*a), platform) for a in arrays[:2])
+    if source or sliced:
+        dtype, dims, _ = arrays[1]
+        return _BYTES.get(dtype, 0) * math.prod(int(d) for d in dims.split(",") if d)
+    return 0
+
+
 def xla_op_bytes(hlo: str, platform: str = "tpu") -> int:
     """Bytes of device memory XLA's own ops read and write in a compiled program's entry
     computation on `platform` ("tpu" or "cuda"): each op's operands and result, whole (an async
-    op, such as v5p's gathers on its SparseCores, once). Not counted: the Pallas kernels (custom
-    calls), the collectives and views. An upper bound on what the ops move (an op reading a slice
-    of an operand counts all of it)."""
+    op, such as v5p's gathers on its SparseCores, once; an async slice, its slice). Not counted:
+    the Pallas kernels (custom calls), the collectives and views. An upper bound on what the ops
+    move (an op reading a slice of an operand counts all of it, but for async slices)."""
     if platform not in ("tpu", "cuda"):
         raise ValueError(f"platform: expected 'tpu' or 'cuda', got {platform!r}")
     start = hlo.find("\nENTRY ")
@@ -214,6 +230,9 @@ def xla_op_bytes(hlo: str, platform: str = "tpu") -> int:
         if op in _NOT_PASSES or op == "custom-call" or _is_collective(op):
             continue
         if op.endswith("-done"):  # an async op's result: counted with its start or update
+            continue
+        if op == "slice-start":  # ((source), slice, context): the slice moves, not its source
+            total += _sliced_bytes(shape, platform)
             continue
         total += _device_memory_bytes(shape, platform)
         if not op.endswith(("-start", "-update")):  # their results hold their operands
