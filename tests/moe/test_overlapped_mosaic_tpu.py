@@ -6,6 +6,7 @@ import collections
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
@@ -74,13 +75,39 @@ def test_forward_matches_the_dense_reference_and_the_plan(devices, top_k, mode):
 
 
 def test_gradients_match_the_dense_reference():
-    """Forward in the kernel, backward through the XLA plan's VJP (1 device: the wiring; the
-    plan's gradients on more devices are tests/moe/test_overlapped.py's)."""
-    devices, top_k = 1, 2
+    """Forward in the kernel, backward through the exact exchange's VJP (its forward recomputed
+    in XLA), on two devices: a peer's rows travel both ways."""
+    devices, top_k = 2, 2
     p = params(devices, seed=13)
 
     layer = kernel_layer(devices, top_k, "on_wait")
     assert_gradients_match_the_reference(layer, p, top_k, depth=D + F)
+
+
+def _calls(jaxpr, counts):
+    """Primitive name -> how many times the program binds it, inside nested programs too."""
+    for eqn in jaxpr.eqns:
+        counts[eqn.primitive.name] += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jex.ClosedJaxpr):
+                    _calls(sub.jaxpr, counts)
+                elif isinstance(sub, jex.Jaxpr):
+                    _calls(sub, counts)
+    return counts
+
+
+def test_each_weights_gradient_is_one_tgmm_not_one_per_peer():
+    """The backward pass is the exact exchange's: the experts run once over every received row, so
+    each of the three weights' gradients is one gathered tgmm (the per-peer plan's VJP ran one per
+    peer, each into a zero-filled weight-sized start, then summed them in XLA)."""
+    devices = 4
+    p = params(devices, seed=3)
+    layer = kernel_layer(devices, 2, "on_wait")
+    jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(layer(p)[0])))(p)
+    calls = _calls(jaxpr.jaxpr, collections.Counter())
+    assert calls["conveyor_gathered_tgmm"] == 3, calls
+    assert calls["pallas_call"] == 1  # the forward: the exchange kernel
 
 
 def test_shapes_the_kernel_cannot_tile_are_refused_by_name():

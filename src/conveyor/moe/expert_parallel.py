@@ -160,20 +160,29 @@ def moe_ffn_expert_parallel(
         results = staged_exchange(rows, ids, dest, experts, plan=plan, top_k=top_k, **where)
     elif overlap == "peers":
         plan = exchange_plan(num_devices=devices)
-
-        def unfused(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down):
-            by = lambda r, i: experts(r, i, w_gate, w_up, w_down)  # noqa: E731
-            return overlapped_exchange(rows, ids, per_dest, first_of_dest, by, plan=plan, **where)
-
-        args = (rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down)
         if backend == "mosaic_tpu":
             from conveyor.moe.mosaic_tpu import overlapped_experts_mosaic_tpu
 
+            def exact(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down):
+                by = lambda r, i: experts(r, i, w_gate, w_up, w_down)  # noqa: E731
+                return _exact_exchange(
+                    rows, ids, per_dest, first_of_dest, by, devices=devices, top_k=top_k, **where
+                )
+
+            # the backward pass recomputes a forward in XLA anyway: the exact exchange's (the same
+            # function) runs the experts once over all received rows, so each weight's gradient
+            # is one tgmm, not one per peer zero-started and summed (docs/internals/moe.md)
             results = overlapped_experts_mosaic_tpu(
-                *args, unfused=unfused, plan=plan, axis_name=axis_name, interpret=interpret
+                *(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down),
+                unfused=exact,
+                plan=plan,
+                axis_name=axis_name,
+                interpret=interpret,
             )
         else:
-            results = unfused(*args)
+            results = overlapped_exchange(
+                rows, ids, per_dest, first_of_dest, experts, plan=plan, **where
+            )
     elif capacity_factor is None:
         results = _exact_exchange_viewed_unless_differentiated(
             rows,

@@ -458,8 +458,8 @@ def overlapped_experts_mosaic_tpu(
     rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down, *, unfused, **kernel_options
 ) -> jax.Array:
     """`overlapped_exchange_mosaic_tpu`, differentiable: its backward pass is the VJP of
-    `unfused(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down)`, the same plan and
-    experts through XLA's collectives and the grouped-matmul kernels (its forward recomputed)."""
+    `unfused(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down)`, an XLA program of the
+    same function (XLA's collectives and the grouped-matmul kernels; its forward recomputed)."""
 
     @jax.custom_vjp
     def run(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down):
