@@ -7,6 +7,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jex
 import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
@@ -123,6 +124,41 @@ def assert_gradients_match_the_reference(layer, p, top_k, depth=D + F):
         np.testing.assert_allclose(
             got[name], want[name], rtol=0, atol=tol(want[name], 2 * depth), err_msg=name
         )
+
+
+def primitive_calls(jaxpr, counts=None) -> collections.Counter:
+    """Primitive name -> how many times the program binds it, inside nested programs too."""
+    counts = collections.Counter() if counts is None else counts
+    for eqn in jaxpr.eqns:
+        counts[eqn.primitive.name] += 1
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jex.ClosedJaxpr):
+                    primitive_calls(sub.jaxpr, counts)
+                elif isinstance(sub, jex.Jaxpr):
+                    primitive_calls(sub, counts)
+    return counts
+
+
+def test_the_staged_layer_is_differentiated_as_the_exact_exchange():
+    """Its backward pass recomputes the exact exchange (the same function) and runs its VJP: each
+    of the three weights' gradients is one gathered tgmm (the plan's own VJP ran one per stage and
+    saved every stage's buffers); their values: test_gradients_match_the_dense_reference."""
+    devices = 4
+    p = params(devices, seed=5)
+    layer = sharded(devices, 2, "experts", overlap_stages=2)
+    calls = primitive_calls(jax.make_jaxpr(jax.grad(lambda p: jnp.sum(layer(p)[0])))(p).jaxpr)
+    assert calls["conveyor_gathered_tgmm"] == 3, calls
+
+
+def test_forward_mode_through_a_custom_vjp_layer_is_refused():
+    """Reverse mode only for the staged layer (and the per-peer TPU kernel): forward mode would
+    need the plan's own tangents, which the layer does not define (docs/moe.md)."""
+    p = params(2, seed=5)
+    layer = sharded(2, 2, "experts")
+    tangents = jax.tree.map(jnp.zeros_like, p)
+    with pytest.raises(TypeError, match=r"forward-mode autodiff \(jvp\) to a custom_vjp"):
+        jax.jit(lambda p: jax.jvp(lambda p: layer(p)[0], (p,), (tangents,)))(p)
 
 
 def test_overlap_errors_are_named():

@@ -6,7 +6,6 @@ import collections
 
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jex
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
@@ -16,7 +15,11 @@ from conveyor.moe.mosaic_tpu import ExpertTiles
 from conveyor.pipeline.lowering import record_issued
 from conveyor.plans.exchange import ExchangeOperation, exchange_plan
 from tests.moe.test_moe_layer import tol
-from tests.moe.test_overlapped import assert_gradients_match_the_reference, sharded
+from tests.moe.test_overlapped import (
+    assert_gradients_match_the_reference,
+    primitive_calls,
+    sharded,
+)
 
 TOKENS_PER_DEVICE, D, F = 8, 128, 256  # the kernel tiles d and f in 128-lane blocks
 
@@ -84,19 +87,6 @@ def test_gradients_match_the_dense_reference():
     assert_gradients_match_the_reference(layer, p, top_k, depth=D + F)
 
 
-def _calls(jaxpr, counts):
-    """Primitive name -> how many times the program binds it, inside nested programs too."""
-    for eqn in jaxpr.eqns:
-        counts[eqn.primitive.name] += 1
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, jex.ClosedJaxpr):
-                    _calls(sub.jaxpr, counts)
-                elif isinstance(sub, jex.Jaxpr):
-                    _calls(sub, counts)
-    return counts
-
-
 def test_each_weights_gradient_is_one_tgmm_not_one_per_peer():
     """The backward pass is the exact exchange's: the experts run once over every received row, so
     each of the three weights' gradients is one gathered tgmm (the per-peer plan's VJP ran one per
@@ -105,7 +95,7 @@ def test_each_weights_gradient_is_one_tgmm_not_one_per_peer():
     p = params(devices, seed=3)
     layer = kernel_layer(devices, 2, "on_wait")
     jaxpr = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(layer(p)[0])))(p)
-    calls = _calls(jaxpr.jaxpr, collections.Counter())
+    calls = primitive_calls(jaxpr.jaxpr)
     assert calls["conveyor_gathered_tgmm"] == 3, calls
     assert calls["pallas_call"] == 1  # the forward: the exchange kernel
 

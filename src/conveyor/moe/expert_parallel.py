@@ -154,35 +154,34 @@ def moe_ffn_expert_parallel(
     where = dict(axis_name=axis_name, local_experts=local_experts)
     # on TPU the row-moving gmm kernels take the received rows and give the results
     rows_view = fuse_permutation and backend in (None, "mosaic_tpu")
+    weights, routed = (w_gate, w_up, w_down), (ids, per_dest, first_of_dest, dest)
+    exact_options = dict(experts=experts, devices=devices, top_k=top_k, **where)
     if overlap == "experts":
-        stages = overlap_stages or default_stages(local_experts)
-        plan = staged_exchange_plan(num_devices=devices, stages=stages)
-        results = staged_exchange(rows, ids, dest, experts, plan=plan, top_k=top_k, **where)
+        plan = staged_exchange_plan(
+            num_devices=devices, stages=overlap_stages or default_stages(local_experts)
+        )
+
+        def staged(rows, weights, routed):
+            by = lambda r, i: experts(r, i, *weights)  # noqa: E731
+            return staged_exchange(rows, routed[0], routed[3], by, plan=plan, top_k=top_k, **where)
+
+        results = _differentiated_as_exact(staged, rows, weights, routed, **exact_options)
+    elif overlap == "peers" and backend == "mosaic_tpu":
+        from conveyor.moe.mosaic_tpu import overlapped_exchange_mosaic_tpu
+
+        plan = exchange_plan(num_devices=devices)
+
+        def kernel(rows, weights, routed):
+            return overlapped_exchange_mosaic_tpu(
+                rows, *routed[:3], *weights, plan=plan, axis_name=axis_name, interpret=interpret
+            )
+
+        results = _differentiated_as_exact(kernel, rows, weights, routed, **exact_options)
     elif overlap == "peers":
         plan = exchange_plan(num_devices=devices)
-        if backend == "mosaic_tpu":
-            from conveyor.moe.mosaic_tpu import overlapped_experts_mosaic_tpu
-
-            def exact(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down):
-                by = lambda r, i: experts(r, i, w_gate, w_up, w_down)  # noqa: E731
-                return _exact_exchange(
-                    rows, ids, per_dest, first_of_dest, by, devices=devices, top_k=top_k, **where
-                )
-
-            # the backward pass recomputes a forward in XLA anyway: the exact exchange's (the same
-            # function) runs the experts once over all received rows, so each weight's gradient
-            # is one tgmm, not one per peer zero-started and summed (docs/internals/moe.md)
-            results = overlapped_experts_mosaic_tpu(
-                *(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down),
-                unfused=exact,
-                plan=plan,
-                axis_name=axis_name,
-                interpret=interpret,
-            )
-        else:
-            results = overlapped_exchange(
-                rows, ids, per_dest, first_of_dest, experts, plan=plan, **where
-            )
+        results = overlapped_exchange(
+            rows, ids, per_dest, first_of_dest, experts, plan=plan, **where
+        )
     elif capacity_factor is None:
         results = _exact_exchange_viewed_unless_differentiated(
             rows,
@@ -233,6 +232,38 @@ def _experts(
         backend=backend,
         interpret=interpret,
     )
+
+
+def _differentiated_as_exact(forward, rows, weights, routed, *, experts, **exact_options):
+    """`forward(rows, weights, routed)`, an overlapped exchange of the experts (the staged XLA plan,
+    the per-peer TPU kernel), differentiated as the exact exchange, the same function: the
+    backward pass recomputes the exact exchange's forward (one transfer each way, the experts
+    once over every received row) and runs its VJP. So each weight's gradient is one tgmm, where
+    the plans' own VJPs ran one per peer or stage (per peer: each into a zero-filled weight-sized
+    start, summed in XLA), and no per-chunk or per-stage buffer is saved for the backward pass.
+    `routed`: (ids, per_dest, first_of_dest, dest), integers. Reverse mode only (a custom VJP):
+    forward-mode differentiation is refused by JAX (docs/moe.md)."""
+
+    @jax.custom_vjp
+    def run(rows, weights, routed):
+        return forward(rows, weights, routed)
+
+    def run_forward(rows, weights, routed):
+        return forward(rows, weights, routed), (rows, weights, routed)
+
+    def run_backward(saved, grad):
+        rows, weights, (ids, per_dest, first_of_dest, _) = saved
+
+        def exact(rows, weights):
+            by = lambda r, i: experts(r, i, *weights)  # noqa: E731
+            return _exact_exchange(rows, ids, per_dest, first_of_dest, by, **exact_options)
+
+        _, pull = jax.vjp(exact, rows, weights)
+        d_rows, d_weights = pull(grad)
+        return d_rows, d_weights, None
+
+    run.defvjp(run_forward, run_backward)
+    return run(rows, weights, routed)
 
 
 def _exact_exchange_viewed_unless_differentiated(

@@ -452,33 +452,3 @@ def overlapped_exchange_mosaic_tpu(
     )
     results = call(*prefetch, packed, *weights)[0]
     return results[at]
-
-
-def overlapped_experts_mosaic_tpu(
-    rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down, *, unfused, **kernel_options
-) -> jax.Array:
-    """`overlapped_exchange_mosaic_tpu`, differentiable: its backward pass is the VJP of
-    `unfused(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down)`, an XLA program of the
-    same function (XLA's collectives and the grouped-matmul kernels; its forward recomputed)."""
-
-    @jax.custom_vjp
-    def run(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down):
-        return overlapped_exchange_mosaic_tpu(
-            rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down, **kernel_options
-        )
-
-    def forward(*args):
-        return run(*args), args
-
-    def backward(args, grad):
-        rows, ids, per_dest, first_of_dest, *weights = args
-        _, pull = jax.vjp(
-            lambda rows, *weights: unfused(rows, ids, per_dest, first_of_dest, *weights),
-            rows,
-            *weights,
-        )
-        d_rows, *d_weights = pull(grad)
-        return (d_rows, None, None, None, *d_weights)
-
-    run.defvjp(forward, backward)
-    return run(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down)

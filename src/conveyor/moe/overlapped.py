@@ -98,7 +98,9 @@ def staged_exchange(
     expert (so by destination `dest`, then local expert `local_ids`), go to their owners one
     group of local experts per stage through the exact ragged exchange, the next stage's
     dispatch issued before this stage's experts; the results come back to the same rows. A stage's
-    receive buffer holds the most rows its experts can get (`most_received`)."""
+    receive buffer holds the most rows its experts can get (`most_received`). The layer does not
+    differentiate this plan: its gradients are the exact exchange's, recomputed in the backward
+    pass (`expert_parallel._differentiated_as_exact`), so no stage's buffers are saved for it."""
     n, stages = plan.num_devices, plan.stages
     assignments = rows.shape[0]
     me = lax.axis_index(axis_name)
@@ -135,9 +137,7 @@ def staged_exchange(
         if r.dispatches:
             arrived[r.step + 1] = dispatch(r.step + 1)
         got_rows, got_ids, recv_sizes = arrived.pop(r.step)
-        # rematerialized in the backward pass: saving every stage's worst-case buffers would hold
-        # `stages` times the exact exchange's (docs/moe.md: 30.3 GB at a DeepSeek-like shape)
-        out = jax.checkpoint(experts)(got_rows, got_ids)
+        out = experts(got_rows, got_ids)
         received_at = jnp.cumsum(recv_sizes) - recv_sizes
         results = ragged_all_to_all(
             out,

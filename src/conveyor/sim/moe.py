@@ -208,9 +208,10 @@ def simulate_moe_layer(
 
 
 # Passes over a stage's receive buffer that libtpu's program of the expert-staged layer adds
-# around each stage's exchanges and kernels (layout copies, slices): fitted on its compile of the
-# DeepSeek-like layer at 1024 tokens per chip on v5e (docs/internals/simulator.md).
-TPU_STAGE_COPIES = 8
+# around each stage's exchanges and kernels (layout copies, slices): fitted on its compiles of the
+# DeepSeek-like layer at 1024 and 4096 tokens per chip on v5e, v6e and v5p
+# (docs/internals/simulator.md).
+TPU_STAGE_COPIES = 7
 
 
 def xla_passes(
