@@ -76,8 +76,10 @@ def moe_ffn_expert_parallel(
         next stage's rows in flight while the experts run (each expert's weights read once;
         needs 2 or more local experts). Same results as the exact exchange. With
         backend="mosaic_tpu", "peers" runs as one Mosaic TPU kernel: remote DMAs carry the chunks
-        and results while its grouped matmuls run the experts (`conveyor.moe.mosaic_tpu`; its
-        backward pass is the XLA plan's).
+        and results while its grouped matmuls run the experts (`conveyor.moe.mosaic_tpu`).
+        Gradients: "experts", and "peers" with backend="mosaic_tpu", are differentiated as the
+        exact exchange (its forward recomputed in the backward pass), in reverse mode only;
+        "peers" on the other backends differentiates its own plan.
       overlap_stages: overlap="experts": how many stages the local experts split into (contiguous
         groups), in [1, local experts]; default one per local expert, at most 8
         (`conveyor.plans.exchange.default_stages`).

@@ -162,10 +162,12 @@ def test_gradients_match_autodiff_of_the_gather(backend):
 
 @pytest.mark.parametrize("spare", [0, 9], ids=["permutation", "some rows"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_unique_indices_set_lhs_gradient_rows_to_the_same_values(spare, dtype):
-    """unique_indices=True: lhs's gradient rows are set (gathered through the inverse when the
-    indices name every row of lhs), where without it they are added into a float32 buffer: the
-    same values, bit for bit (one term a row), rows past the groups and rows nobody names 0."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unique_indices_set_lhs_gradient_rows_to_the_same_values(backend, spare, dtype):
+    """unique_indices=True: lhs's gradient rows are rounded to lhs's dtype by the per-row product
+    itself and set (gathered through the inverse when the indices name every row of lhs), where
+    without it they are added into a float32 buffer and rounded after: the same values, bit for
+    bit (one term a row), rows past the groups and rows nobody names 0."""
     rng = np.random.default_rng(22)
     m, rows = 40, 40 + spare
     lhs, rhs = operands(rng, rows, K, N, 3, dtype)
@@ -175,7 +177,7 @@ def test_unique_indices_set_lhs_gradient_rows_to_the_same_values(spare, dtype):
 
     def grad(unique):
         def loss(l):
-            out = cv.gmm(l, rhs, gs, lhs_indices=idx, unique_indices=unique, backend="xla")
+            out = gathered_gmm(backend, l, rhs, gs, lhs_indices=idx, unique_indices=unique)
             return jnp.vdot(out.astype(jnp.float32), ct.astype(jnp.float32))
 
         return np.asarray(jax.grad(loss)(lhs))

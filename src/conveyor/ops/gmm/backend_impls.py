@@ -312,11 +312,11 @@ def _scatter_then(run):
 
 
 def put_rows(values, rows, num_rows: int, unique: bool, dtype):
-    """[num_rows, n] of `dtype`: row `rows[i]` gets the float32 `values[i]`, summed over repeats
-    in float32 and rounded once; rows nobody names are 0. With `unique` (no index twice) each row
-    is rounded and set (the same values: 0 + x is x) without a float32 [num_rows, n] buffer, and
-    indices naming every row (a permutation) are gathered through their inverse: no zero-filled
-    output at all."""
+    """[num_rows, n] of `dtype`: row `rows[i]` gets `values[i]` (float32 unless `unique`), summed
+    over repeats in float32 and rounded once; rows nobody names are 0. With `unique` (no index
+    twice) each row is rounded and set (the same values: 0 + x is x) without a float32
+    [num_rows, n] buffer, and indices naming every row (a permutation) are gathered through their
+    inverse: no zero-filled output at all."""
     m, n = values.shape
     if not unique:
         return jnp.zeros((num_rows, n), jnp.float32).at[rows].add(values).astype(dtype)

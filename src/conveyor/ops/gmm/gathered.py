@@ -193,15 +193,19 @@ def _transpose(
     rows = clamp_indices(idx, num_rows)
     ct_lhs = ct_rhs = ct_ex = None
     if is_undefined_primal(lhs):
-        # d lhs[idx[i]] += ct[i] @ rhs[group(i)]^T; rows outside local groups contribute 0.
+        # d lhs[idx[i]] += ct[i] @ rhs[group(i)]^T; rows outside local groups contribute 0. Rows
+        # named twice add in float32; unique rows are set, so the kernel rounds each to lhs's
+        # dtype itself (the same value: float32 accumulation, one rounding) and writes half the
+        # bytes a float32 product would.
+        per_row_dtype = lhs.aval.dtype if unique_indices else jnp.float32
         per_row = bind_gmm(
             ct,
             rhs,
             gs,
             go,
-            jnp.zeros((m, k), jnp.float32),
+            jnp.zeros((m, k), per_row_dtype),
             transpose_rhs=not transpose_rhs,
-            out_dtype=jnp.float32,
+            out_dtype=per_row_dtype,
             **bp,
         )
         ct_lhs = backend_impls.put_rows(per_row, rows, num_rows, unique_indices, lhs.aval.dtype)
