@@ -161,6 +161,22 @@ def test_forward_mode_through_a_custom_vjp_layer_is_refused():
         jax.jit(lambda p: jax.jvp(lambda p: layer(p)[0], (p,), (tangents,)))(p)
 
 
+@pytest.mark.parametrize("overlap", [None, "peers"])
+def test_forward_mode_through_the_other_layers_matches_the_reference(overlap):
+    """The exact layer and the per-peer plan on xla keep forward mode: a JVP of the output
+    against the dense reference's, random tangents in every parameter."""
+    devices, top_k = 2, 2
+    p = params(devices, seed=6)
+    rng = np.random.default_rng(7)
+    tangents = jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype), p)
+    layer = sharded(devices, top_k, overlap)
+    _, got = jax.jit(lambda p, t: jax.jvp(lambda p: layer(p)[0], (p,), (t,)))(p, tangents)
+    reference = lambda p: cv.moe.moe_ffn_reference(**p, top_k=top_k)[0]  # noqa: E731
+    _, want = jax.jvp(reference, (p,), (tangents,))
+    # a tangent is a sum of as many products as the output: the forward chain's tolerance, doubled
+    np.testing.assert_allclose(got, want, rtol=0, atol=tol(want, 2 * (D + F)))
+
+
 def test_overlap_errors_are_named():
     p = params(2, seed=0)
     with pytest.raises(
