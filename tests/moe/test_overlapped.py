@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import conveyor as cv
+from conveyor.moe import expert_parallel, overlapped
 from conveyor.moe.exchange import _send_whole, send_exact
 from conveyor.plans.exchange import (
     ExchangePlan,
@@ -124,6 +125,26 @@ def assert_gradients_match_the_reference(layer, p, top_k, depth=D + F):
         np.testing.assert_allclose(
             got[name], want[name], rtol=0, atol=tol(want[name], 2 * depth), err_msg=name
         )
+
+
+@pytest.mark.parametrize("overlap, fused", [(None, True), (None, False), ("experts", True)])
+def test_unfilled_buffers_are_written_before_they_are_read(monkeypatch, overlap, fused):
+    """The exchanges' receive buffers start unfilled in forward passes (`exchange.unfilled`: no
+    fill pass on TPU and GPU, zeros on CPU); here they start as NaN, so a padding row that a
+    result read would show in the output (or, through the staged layer's forward in training, in
+    the gradients). 3 devices, top-2: the receive buffers are sized for the worst case, so
+    padding exists."""
+    nan_filled = lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)  # noqa: E731
+    monkeypatch.setattr(expert_parallel, "unfilled", nan_filled)
+    monkeypatch.setattr(overlapped, "unfilled", nan_filled)
+    devices, top_k = 3, 2
+    p = params(devices, seed=19)
+    layer = sharded(devices, top_k, overlap, fuse_permutation=fused)
+    y = jax.jit(layer)(p)[0]
+    y_ref, _ = cv.moe.moe_ffn_reference(**p, top_k=top_k)
+    assert np.isfinite(np.asarray(y)).all()
+    np.testing.assert_allclose(y, y_ref, rtol=0, atol=tol(y_ref, D + F))
+    assert_gradients_match_the_reference(layer, p, top_k)
 
 
 def primitive_calls(jaxpr, counts=None) -> collections.Counter:

@@ -11,6 +11,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
+from conveyor.moe import expert_parallel, overlapped
 from conveyor.moe.mosaic_tpu import ExpertTiles
 from conveyor.pipeline.lowering import record_issued
 from conveyor.plans.exchange import ExchangeOperation, exchange_plan
@@ -126,11 +127,16 @@ def test_tiles_follow_the_gmm_defaults_and_count_what_libtpu_holds():
 
 
 @pytest.mark.parametrize("overlap", [None, "experts"])
-def test_row_kernels_leave_padding_rows_unwritten_and_unread(overlap):
+def test_row_kernels_leave_padding_rows_unwritten_and_unread(monkeypatch, overlap):
     """The exact and the expert-staged layers with the row-moving gmm kernels (mosaic_tpu, through
     the interpreter, which fills memory no one wrote with NaN): the results' padding rows are not
     zero-filled (`unwritten_rows="unspecified"`) and nothing reads them, so the output matches the
-    dense reference; the receive buffers are sized for the worst case, so padding exists."""
+    dense reference; the receive buffers are sized for the worst case, so padding exists, and
+    they start unfilled (`exchange.unfilled`, NaN here): the kernels' gathers read padding rows
+    into partial tiles and must mask them."""
+    nan_filled = lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)  # noqa: E731
+    monkeypatch.setattr(expert_parallel, "unfilled", nan_filled)
+    monkeypatch.setattr(overlapped, "unfilled", nan_filled)
     devices, top_k = 2, 2
     p = params(devices, seed=17)
     layer = sharded(devices, top_k, overlap, backend="mosaic_tpu", interpret=True)

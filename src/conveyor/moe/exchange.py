@@ -14,6 +14,14 @@ from jax import lax
 from conveyor.spmd import match_varying
 
 
+def unfilled(shape: tuple[int, ...], dtype) -> jax.Array:
+    """A buffer whose rows its user overwrites or never reads (an exchange's output: the rows
+    that arrive, and padding nobody reads): `jax.lax.empty`, uninitialized on TPU and GPU (no
+    pass that fills it) and zeros on CPU. The tests fill it with NaN instead to show that no
+    result reads a row left unwritten."""
+    return lax.empty(shape, dtype)
+
+
 def ragged_all_to_all(
     operand: jax.Array,
     output: jax.Array,

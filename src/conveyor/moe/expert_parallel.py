@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from conveyor.moe.exchange import most_received, ragged_all_to_all
+from conveyor.moe.exchange import most_received, ragged_all_to_all, unfilled
 from conveyor.moe.overlapped import overlapped_exchange, staged_exchange
 from conveyor.moe.layer import check_layer_args, combine, expert_hidden, sorted_swiglu
 from conveyor.ops.gmm.api import gmm_scatter_add
@@ -185,7 +185,7 @@ def moe_ffn_expert_parallel(
             rows, ids, per_dest, first_of_dest, experts, plan=plan, **where
         )
     elif capacity_factor is None:
-        results = _exact_exchange_viewed_unless_differentiated(
+        results = _exact_exchange_lean_unless_differentiated(
             rows,
             ids,
             per_dest,
@@ -268,32 +268,36 @@ def _differentiated_as_exact(forward, rows, weights, routed, *, experts, **exact
     return run(rows, weights, routed)
 
 
-def _exact_exchange_viewed_unless_differentiated(
+def _exact_exchange_lean_unless_differentiated(
     rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down, *, experts, tpu_rows_view, **where
 ):
-    """`_exact_exchange` with `tpu_rows_view` when the layer is not differentiated, and without it
-    when it is (a custom JVP whose rule runs it unviewed): the same numbers either way. libtpu,
+    """`_exact_exchange` with the forward pass's lean buffers when the layer is not
+    differentiated (`tpu_rows_view` as asked, the receive buffer unfilled), and plain ones when it
+    is (a custom JVP whose rule runs it without either): the same numbers either way. libtpu,
     DeepSeek-like layer on v5e: the view cut the forward pass's temporaries from 11.44 to 6.04 GB
-    per chip but raised the training step's from 7.83 to 9.84 GB (docs/internals/moe.md)."""
+    per chip but raised the training step's from 7.83 to 9.84 GB; the unfilled receive buffer cut
+    the forward pass's XLA traffic from 9.01 to 7.13 GB and its temporaries to 5.32, but raised
+    the training step's temporaries from 5.23 to 6.00 GB (docs/internals/moe.md)."""
 
-    def run(view, *args):
+    def run(lean, *args):
         rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down = args
         by = lambda r, i: experts(r, i, w_gate, w_up, w_down)  # noqa: E731
-        return _exact_exchange(rows, ids, per_dest, first_of_dest, by, tpu_rows_view=view, **where)
-
-    args = (rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down)
-    if not tpu_rows_view:
-        return run(False, *args)
+        return _exact_exchange(
+            *(rows, ids, per_dest, first_of_dest, by),
+            tpu_rows_view=lean and tpu_rows_view,
+            unfilled_receive=lean,
+            **where,
+        )
 
     @jax.custom_jvp
-    def viewed(*args):
+    def lean(*args):
         return run(True, *args)
 
-    @viewed.defjvp
-    def unviewed(primals, tangents):
+    @lean.defjvp
+    def plain(primals, tangents):
         return jax.jvp(functools.partial(run, False), primals, tangents)
 
-    return viewed(*args)
+    return lean(rows, ids, per_dest, first_of_dest, w_gate, w_up, w_down)
 
 
 def _exact_exchange(
@@ -308,10 +312,13 @@ def _exact_exchange(
     local_experts,
     top_k,
     tpu_rows_view=False,
+    unfilled_receive=False,
 ):
     """Dropless: each device's rows (sorted by destination, `per_dest` each from `first_of_dest`)
     go to their owners as ragged slices, and the results come back to the same rows
-    (`tpu_rows_view`: see `exchange.ragged_all_to_all`)."""
+    (`tpu_rows_view`: see `exchange.ragged_all_to_all`). `unfilled_receive`: the receive
+    buffer's rows past those received are left unfilled (`exchange.unfilled`); the experts never
+    read them."""
     assignments, d = rows.shape
     sizes = lax.all_gather(per_dest, axis_name)  # [sender, destination]
     me = lax.axis_index(axis_name)
@@ -330,7 +337,9 @@ def _exact_exchange(
         axis_name=axis_name,
         **view,
     )
-    recv_rows = send(rows, jnp.zeros((buffer, d), rows.dtype), tpu_rows_view=tpu_rows_view)
+    # rows past those received are never read: the experts compute only their groups' rows
+    start = unfilled if unfilled_receive else jnp.zeros
+    recv_rows = send(rows, start((buffer, d), rows.dtype), tpu_rows_view=tpu_rows_view)
     recv_ids = send(ids, jnp.full((buffer,), local_experts, ids.dtype))
     out = experts(recv_rows, recv_ids)
     # back: sender i's rows return to where they left it (its first_of_dest[me])

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from conveyor.ints import cdiv
-from conveyor.moe.exchange import most_received, ragged_all_to_all, send_chunk
+from conveyor.moe.exchange import most_received, ragged_all_to_all, send_chunk, unfilled
 from conveyor.plans.exchange import ExchangePlan, StagedExchangePlan
 
 
@@ -118,7 +118,9 @@ def staged_exchange(
         recv_sizes = sizes[:, me]
 
         def send(a, fill):
-            out = jnp.full((buffer, *a.shape[1:]), fill, a.dtype)
+            # rows past those received: padding ids name no local expert; their rows are not read
+            shape = (buffer, *a.shape[1:])
+            out = unfilled(shape, a.dtype) if fill is None else jnp.full(shape, fill, a.dtype)
             return ragged_all_to_all(
                 a,
                 out,
@@ -129,7 +131,7 @@ def staged_exchange(
                 axis_name=axis_name,
             )
 
-        return send(rows, 0), send(local_ids, local_experts), recv_sizes
+        return send(rows, None), send(local_ids, local_experts), recv_sizes
 
     results = jnp.zeros_like(rows)
     arrived = {0: dispatch(0)}

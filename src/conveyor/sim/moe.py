@@ -269,9 +269,11 @@ def xla_passes(
         add(passes, experts(a))
     elif exchange in ("exact", "dense"):
         rows = most_received(t, s.top_k, devices, local) if exchange == "exact" else devices * a
-        add(passes, {"receive buffer zero-filled": rows * d * b})
-        if exchange == "exact":  # the results' way back lands in a buffer of its own
+        if exchange == "exact":  # a forward pass's receive buffer is not filled (padding unread);
+            # the results' way back lands in a zero-filled buffer of its own
             add(passes, {"results' receive buffer zero-filled": a * d * b})
+        else:
+            add(passes, {"receive buffer zero-filled": rows * d * b})
         add(passes, experts(rows))
         if exchange == "dense":  # packed into [devices, capacity] blocks and unpacked
             add(passes, {"rows packed and unpacked": devices * a * d * b + 4 * a * d * b})
@@ -280,8 +282,7 @@ def xla_passes(
     elif exchange == "experts":
         stages = default_stages(local) if stages is None else stages
         rows = most_received(t, s.top_k, devices, cdiv(local, stages))
-        add(passes, {"receive buffer zero-filled": rows * d * b}, stages)
-        add(passes, experts(rows), stages)
+        add(passes, experts(rows), stages)  # each stage's receive buffer unfilled
         add(passes, {"results zero-filled": a * d * b})
         if not gpu:  # fitted: libtpu copies each stage's rows between layouts (design notes)
             add(passes, {"rows copied between layouts": TPU_STAGE_COPIES * rows * d * b}, stages)
