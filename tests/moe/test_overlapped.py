@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import conveyor as cv
-from conveyor.moe import expert_parallel, overlapped
+from conveyor.moe import expert_parallel
 from conveyor.moe.exchange import _send_whole, send_exact
 from conveyor.plans.exchange import (
     ExchangePlan,
@@ -127,19 +127,18 @@ def assert_gradients_match_the_reference(layer, p, top_k, depth=D + F):
         )
 
 
-@pytest.mark.parametrize("overlap, fused", [(None, True), (None, False), ("experts", True)])
-def test_unfilled_buffers_are_written_before_they_are_read(monkeypatch, overlap, fused):
-    """The exchanges' receive buffers start unfilled in forward passes (`exchange.unfilled`: no
-    fill pass on TPU and GPU, zeros on CPU); here they start as NaN, so a padding row that a
-    result read would show in the output (or, through the staged layer's forward in training, in
-    the gradients). 3 devices, top-2: the receive buffers are sized for the worst case, so
-    padding exists."""
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_unfilled_receive_buffer_is_written_before_it_is_read(monkeypatch, fused):
+    """The exact exchange's receive buffer starts unfilled in forward passes (`exchange.unfilled`:
+    no fill pass on TPU and GPU, zeros on CPU); here it starts as NaN, so a padding row that a
+    result read would show in the output. 3 devices, top-2: the receive buffer is sized for the
+    worst case, so padding exists. Differentiated, the layer zero-fills it (the gradients below
+    are taken with NaN still in place for the forward pass)."""
     nan_filled = lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)  # noqa: E731
     monkeypatch.setattr(expert_parallel, "unfilled", nan_filled)
-    monkeypatch.setattr(overlapped, "unfilled", nan_filled)
     devices, top_k = 3, 2
     p = params(devices, seed=19)
-    layer = sharded(devices, top_k, overlap, fuse_permutation=fused)
+    layer = sharded(devices, top_k, None, fuse_permutation=fused)
     y = jax.jit(layer)(p)[0]
     y_ref, _ = cv.moe.moe_ffn_reference(**p, top_k=top_k)
     assert np.isfinite(np.asarray(y)).all()

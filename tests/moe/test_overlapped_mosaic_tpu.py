@@ -11,7 +11,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
-from conveyor.moe import expert_parallel, overlapped
+from conveyor.moe import expert_parallel
 from conveyor.moe.mosaic_tpu import ExpertTiles
 from conveyor.pipeline.lowering import record_issued
 from conveyor.plans.exchange import ExchangeOperation, exchange_plan
@@ -132,11 +132,10 @@ def test_row_kernels_leave_padding_rows_unwritten_and_unread(monkeypatch, overla
     the interpreter, which fills memory no one wrote with NaN): the results' padding rows are not
     zero-filled (`unwritten_rows="unspecified"`) and nothing reads them, so the output matches the
     dense reference; the receive buffers are sized for the worst case, so padding exists, and
-    they start unfilled (`exchange.unfilled`, NaN here): the kernels' gathers read padding rows
-    into partial tiles and must mask them."""
+    the exact exchange's starts unfilled (`exchange.unfilled`, NaN here): the kernels' gathers
+    read its padding rows into partial tiles and must mask them."""
     nan_filled = lambda shape, dtype: jnp.full(shape, jnp.nan, dtype)  # noqa: E731
     monkeypatch.setattr(expert_parallel, "unfilled", nan_filled)
-    monkeypatch.setattr(overlapped, "unfilled", nan_filled)
     devices, top_k = 2, 2
     p = params(devices, seed=17)
     layer = sharded(devices, top_k, overlap, backend="mosaic_tpu", interpret=True)

@@ -104,8 +104,10 @@ def test_the_expert_staged_layer_reads_each_experts_weights_once():
     silu = "SiLU product"
     assert staged.config["xla_passes"][silu] == 8 * 3 * (8 * 4096 * 4) * hidden
     assert exact.config["xla_passes"][silu] == 3 * 8 * 4096 * 8 * hidden
-    # a forward pass leaves the receive buffers unfilled (their padding rows are never read)
-    assert "receive buffer zero-filled" not in staged.config["xla_passes"]
+    # the exact exchange's forward pass leaves its receive buffer unfilled, the staged one not
+    filled = staged.config["xla_passes"]["receive buffer zero-filled"]
+    assert filled == 8 * (8 * 4096 * 4) * 7168 * 2
+    assert "receive buffer zero-filled" not in exact.config["xla_passes"]
     assert staged.time_s > exact.time_s
     with pytest.raises(ValueError, match=r"stages: expected an int that divides the 32 local"):
         cv.sim.simulate_moe_layer("deepseek", exchange="experts", stages=5)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from conveyor.ints import cdiv
-from conveyor.moe.exchange import most_received, ragged_all_to_all, send_chunk, unfilled
+from conveyor.moe.exchange import most_received, ragged_all_to_all, send_chunk
 from conveyor.plans.exchange import ExchangePlan, StagedExchangePlan
 
 
@@ -118,9 +118,10 @@ def staged_exchange(
         recv_sizes = sizes[:, me]
 
         def send(a, fill):
-            # rows past those received: padding ids name no local expert; their rows are not read
-            shape = (buffer, *a.shape[1:])
-            out = unfilled(shape, a.dtype) if fill is None else jnp.full(shape, fill, a.dtype)
+            # zero-filled, though the rows past those received are never read: unfilled
+            # (`exchange.unfilled`), libtpu's forward pass moved 7.96 -> 4.90 GB on v5e but
+            # 10.11 -> 9.20 on v6e, which one priced count of layout copies cannot follow
+            out = jnp.full((buffer, *a.shape[1:]), fill, a.dtype)
             return ragged_all_to_all(
                 a,
                 out,
@@ -131,7 +132,7 @@ def staged_exchange(
                 axis_name=axis_name,
             )
 
-        return send(rows, None), send(local_ids, local_experts), recv_sizes
+        return send(rows, 0), send(local_ids, local_experts), recv_sizes
 
     results = jnp.zeros_like(rows)
     arrived = {0: dispatch(0)}

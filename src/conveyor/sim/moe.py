@@ -282,7 +282,8 @@ def xla_passes(
     elif exchange == "experts":
         stages = default_stages(local) if stages is None else stages
         rows = most_received(t, s.top_k, devices, cdiv(local, stages))
-        add(passes, experts(rows), stages)  # each stage's receive buffer unfilled
+        add(passes, {"receive buffer zero-filled": rows * d * b}, stages)
+        add(passes, experts(rows), stages)
         add(passes, {"results zero-filled": a * d * b})
         if not gpu:  # fitted: libtpu copies each stage's rows between layouts (design notes)
             add(passes, {"rows copied between layouts": TPU_STAGE_COPIES * rows * d * b}, stages)
