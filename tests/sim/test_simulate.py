@@ -383,7 +383,10 @@ def _kernel_copies(op, sizes, k, n, tiling):
 
     m = sum(sizes)
     tm, tk, tn = tiling
-    meta = make_group_metadata(jnp.asarray(sizes, jnp.int32), m, tm)
+    # cv.tgmm without existing_out visits each empty group once (to write its zeros)
+    meta = make_group_metadata(
+        jnp.asarray(sizes, jnp.int32), m, tm, visit_empty_groups=op == "tgmm"
+    )
     visits = int(meta.num_visits)
     gids, tids = [int(x) for x in meta.group_ids], [int(x) for x in meta.tile_ids]
     if op == "gmm":
@@ -394,7 +397,10 @@ def _kernel_copies(op, sizes, k, n, tiling):
         grid = tpu_blocks.tgmm_grid(k, n, tk, tn, visits)
     steps = list(itertools.product(*(range(d) for d in grid)))
     copies = {}
-    for name, index_map in (("lhs", lhs), ("rhs", rhs), ("existing_out", out), ("out", out)):
+    operands = [("lhs", lhs), ("rhs", rhs), ("existing_out", out), ("out", out)]
+    if op == "tgmm":  # (called without existing_out: the kernel takes none)
+        del operands[2]
+    for name, index_map in operands:
         keys = [tuple(int(x) for x in index_map(*s, gids, tids)) for s in steps]
         copies[name] = sum(1 for i, key in enumerate(keys) if i == 0 or key != keys[i - 1])
     return copies

@@ -6,6 +6,7 @@ Design notes: docs/internals/simulator.md, section `sim/simulate.py`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -488,7 +489,8 @@ def _tpu_kernel(
     else:
         tiles = tpu_blocks.tgmm_tiles(m, k, n, tiles, dt)
         blocks = tpu_blocks.tgmm_blocks(*tiles)
-    return tiles, tpu_blocks.working_set(*blocks, dt, dt)
+    # cv.tgmm without existing_out (the simulated call) takes no existing_out block
+    return tiles, tpu_blocks.working_set(*blocks, dt, dt, existing_out=op == "gmm")
 
 
 # The operand dtypes the cv.gmm / cv.tgmm kernels take, per hardware kind: mosaic_gpu multiplies
@@ -750,7 +752,12 @@ def _gpu_blocks_report(op, mkn, dtype, hw, cfg, time, hbm, onchip, boxes, notes,
 
 
 # The Mosaic TPU gmm/tgmm kernels' copied operands, in their pallas_calls' order; the output last.
-TPU_KERNEL_OPERANDS = ("lhs", "rhs", "existing_out", "out")
+# cv.gmm's kernel takes existing_out (its rows outside the groups); cv.tgmm's, called without one,
+# does not: its sums start from zeros and it visits each empty group once to write them.
+TPU_KERNEL_OPERANDS = {
+    "gmm": ("lhs", "rhs", "existing_out", "out"),
+    "tgmm": ("lhs", "rhs", "out"),
+}
 
 
 class _Table:
@@ -793,7 +800,10 @@ def _tpu_kernel_replay(op: str, group_sizes, m, k, n, *, dtype, hw, cfg) -> Repo
     tm, tk, tn = cfg["tiling"]
     b = dtypes.itemsize(dtype)
     # One compiled program instead of a few dozen eagerly dispatched ops (each compiled once).
-    metadata = jax.jit(make_group_metadata, static_argnums=(1, 2))
+    metadata = jax.jit(
+        functools.partial(make_group_metadata, visit_empty_groups=op == "tgmm"),
+        static_argnums=(1, 2),
+    )
     meta = metadata(jnp.asarray(group_sizes, jnp.int32), m, tm)
     visits = int(meta.num_visits)
     gids = _Table(np.asarray(meta.group_ids)[:visits])
@@ -820,8 +830,11 @@ def _tpu_kernel_replay(op: str, group_sizes, m, k, n, *, dtype, hw, cfg) -> Repo
                 visits,
             ), lambda imap: lambda c, v: imap(c // grid[1], c % grid[1], v, gids, tids)
 
-    sizes = [math.prod(d for d in block if d is not None) * b for block in blocks]
-    sizes = dict(zip(TPU_KERNEL_OPERANDS, (sizes[0], sizes[1], sizes[2], sizes[2])))
+    operands = TPU_KERNEL_OPERANDS[op]
+    lhs_bytes, rhs_bytes, out_bytes = (
+        math.prod(d for d in block if d is not None) * b for block in blocks
+    )
+    sizes = {"lhs": lhs_bytes, "rhs": rhs_bytes, "existing_out": out_bytes, "out": out_bytes}
     cores = min(int(hw.cores.value), columns)
     per_core = math.ceil(columns / cores)
 
@@ -829,18 +842,17 @@ def _tpu_kernel_replay(op: str, group_sizes, m, k, n, *, dtype, hw, cfg) -> Repo
         replayed, bind = replay_grid(shown)
         lhs_map, rhs_map, out_map = maps
         lhs_block, rhs_block, out_block = blocks
+        in_specs = [BlockSpec(lhs_block, bind(lhs_map)), BlockSpec(rhs_block, bind(rhs_map))]
+        if "existing_out" in operands:  # aliased to the output
+            in_specs.append(BlockSpec(out_block, bind(out_map)))
         p = make_plan(
             grid=replayed,
-            in_specs=[
-                BlockSpec(lhs_block, bind(lhs_map)),
-                BlockSpec(rhs_block, bind(rhs_map)),
-                BlockSpec(out_block, bind(out_map)),  # existing_out, aliased to the output
-            ],
+            in_specs=in_specs,
             out_specs=[BlockSpec(out_block, bind(out_map))],
             max_concurrent_steps=cfg["stages"],
         )
         costs = StepCosts(
-            (sizes["lhs"], sizes["rhs"], sizes["existing_out"]),
+            tuple(sizes[name] for name in operands[:-1]),
             (sizes["out"],),
             2.0 * tm * tk * tn,
             hw.matrix_rate(dtype) / int(hw.cores.value),
@@ -855,7 +867,7 @@ def _tpu_kernel_replay(op: str, group_sizes, m, k, n, *, dtype, hw, cfg) -> Repo
             for a in acts:
                 if isinstance(a, Copy):
                     counts[a.operand] += 1
-        return time, boxes, dict(zip(TPU_KERNEL_OPERANDS, (counts[name] for name in names)))
+        return time, boxes, dict(zip(operands, (counts[name] for name in names)))
 
     shown = min(per_core, REPLAYED_COLUMNS)
     time, boxes, copies = replay(shown)

@@ -360,8 +360,9 @@ def tgmm(
     group_offset = _check_group_offset(group_offset, total, num_actual_groups)
     tiling_lib.check_tiling(tiling)
     shape = (num_actual_groups, k, n)
-    if existing_out is None:
-        existing_out = jnp.zeros(shape, out_dtype)
+    from_zeros = existing_out is None
+    if from_zeros:
+        existing_out = jnp.zeros(shape, out_dtype)  # its shape only: see bind_tgmm
     else:
         _check_array(existing_out, "existing_out", 3, f"[num_actual_groups, k, n] = {list(shape)}")
         if tuple(existing_out.shape) != shape:
@@ -378,6 +379,7 @@ def tgmm(
         existing_out,
         num_groups=num_actual_groups,
         out_dtype=out_dtype,
+        from_zeros=from_zeros,
         backend=backend,
         tiling=tiling_lib.as_static(tiling, m, k, n),
         interpret=_interpret_param(interpret, backend, "tgmm"),

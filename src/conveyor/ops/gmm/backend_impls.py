@@ -415,6 +415,13 @@ SCATTER_GMM = Registry(
 # ---- tgmm ----------------------------------------------------------------------------------------
 
 
+def _tgmm_start(existing_out, lhs, rhs, num_groups, out_dtype):
+    """tgmm's existing_out, or (None: the sums start from zeros, see `run_tgmm`) zeros."""
+    if existing_out is not None:
+        return existing_out
+    return jnp.zeros((num_groups, lhs.shape[0], rhs.shape[1]), out_dtype)
+
+
 def _tgmm_reference(
     lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, interpret, num_groups, out_dtype
 ):
@@ -423,7 +430,7 @@ def _tgmm_reference(
         rhs,
         group_sizes,
         group_offset,
-        existing_out,
+        _tgmm_start(existing_out, lhs, rhs, num_groups, out_dtype),
         num_groups=num_groups,
         out_dtype=out_dtype,
     )
@@ -439,7 +446,7 @@ def _tgmm_xla(
         rhs,
         group_sizes,
         group_offset,
-        existing_out,
+        _tgmm_start(existing_out, lhs, rhs, num_groups, out_dtype),
         tiling=t,
         num_groups=num_groups,
         out_dtype=out_dtype,
@@ -476,6 +483,7 @@ def _tgmm_mosaic_gpu(
 
     # n padded with zero columns to the kernel's narrowest column tile; their outputs are dropped
     n = rhs.shape[1]
+    existing_out = _tgmm_start(existing_out, lhs, rhs, num_groups, out_dtype)
     rhs = _pad_to(rhs, 1, mosaic_gpu_tgmm.MIN_TN)
     existing_out = _pad_to(existing_out, 2, mosaic_gpu_tgmm.MIN_TN)
     t = _mosaic_gpu_tgmm_tile(tiling, lhs, rhs)
@@ -608,9 +616,22 @@ def run_gmm(
 
 
 def run_tgmm(
-    lhs, rhs, group_sizes, group_offset, existing_out, *, backend, platform="cpu", **params
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    *,
+    backend,
+    platform="cpu",
+    from_zeros=False,
+    **params,
 ):
-    """tgmm by the named implementation, or (backend="auto") by `platform`'s default order."""
+    """tgmm by the named implementation, or (backend="auto") by `platform`'s default order. With
+    `from_zeros` (see `primitives.bind_tgmm`) the implementation gets existing_out=None: mosaic_tpu
+    then writes every group's block itself, the others start from zeros."""
+    if from_zeros:
+        existing_out = None
     return _run(
         TGMM, backend, platform, (lhs, rhs, group_sizes, group_offset, existing_out), params
     )
@@ -662,9 +683,12 @@ def run_gathered_tgmm(
     *,
     backend,
     platform="cpu",
+    from_zeros=False,
     **params,
 ):
     """tgmm with one side's rows gathered by the named implementation, or by `platform`'s
-    default order."""
+    default order; `from_zeros` as `run_tgmm`'s."""
+    if from_zeros:
+        existing_out = None
     args = (lhs, rhs, group_sizes, group_offset, existing_out, indices, weights)
     return _run(GATHERED_TGMM, backend, platform, args, params)

@@ -73,7 +73,7 @@ def bind_gathered_tgmm(
     lhs, rhs, group_sizes, group_offset, existing_out, indices, weights=None, **params
 ):
     """gathered_tgmm_p on operands cast to vary over the same mesh axes; `weights=None` is
-    unweighted."""
+    unweighted; `from_zeros` as `bind_tgmm`'s."""
     params["weighted"] = weights is not None
     if weights is None:
         weights = jnp.zeros(indices.shape, jnp.float32)  # not read
@@ -87,20 +87,35 @@ def _tgmm_jvp(primals, tangents, *, weighted, **params):
     weights = w if weighted else None
     out = bind_gathered_tgmm(lhs, rhs, gs, go, ex, idx, weights, **params)
     zeros = jnp.zeros(ex.shape, params["out_dtype"])
+    product = dict(params, from_zeros=True)
     terms = []
     if type(t_lhs) is not Zero:
-        terms.append(bind_gathered_tgmm(t_lhs, rhs, gs, go, zeros, idx, weights, **params))
+        terms.append(bind_gathered_tgmm(t_lhs, rhs, gs, go, zeros, idx, weights, **product))
     if type(t_rhs) is not Zero:
-        terms.append(bind_gathered_tgmm(lhs, t_rhs, gs, go, zeros, idx, weights, **params))
+        terms.append(bind_gathered_tgmm(lhs, t_rhs, gs, go, zeros, idx, weights, **product))
     if weighted and type(t_w) is not Zero:
-        terms.append(bind_gathered_tgmm(lhs, rhs, gs, go, zeros, idx, t_w, **params))
-    if type(t_ex) is not Zero:
+        terms.append(bind_gathered_tgmm(lhs, rhs, gs, go, zeros, idx, t_w, **product))
+    if type(t_ex) is not Zero and not params["from_zeros"]:
         terms.append(t_ex.astype(params["out_dtype"]))
     return out, _sum_tangents(terms, out)
 
 
 def _tgmm_transpose(
-    ct, lhs, rhs, gs, go, ex, idx, w, *, gathered_side, weighted, num_groups, out_dtype, **params
+    ct,
+    lhs,
+    rhs,
+    gs,
+    go,
+    ex,
+    idx,
+    w,
+    *,
+    gathered_side,
+    weighted,
+    num_groups,
+    out_dtype,
+    from_zeros,
+    **params,
 ):
     operands = (lhs, rhs, gs, go, ex, idx, w)
     if type(ct) is Zero:
@@ -149,7 +164,9 @@ def _tgmm_transpose(
             **bp,
         )
         ct_other = (scale() * weighted_rows).astype(other.aval.dtype)
-    ct_ex = ct.astype(ex.aval.dtype) if is_undefined_primal(ex) else None
+    ct_ex = None
+    if is_undefined_primal(ex):  # (not read with from_zeros)
+        ct_ex = Zero(ex.aval) if from_zeros else ct.astype(ex.aval.dtype)
     ct_lhs, ct_rhs = (ct_src, ct_other) if gathered_side == "lhs" else (ct_other, ct_src)
     return [ct_lhs, ct_rhs, None, None, ct_ex, None, ct_w]
 
@@ -223,6 +240,7 @@ def _transpose(
             gathered_side=side,
             num_groups=num_groups,
             out_dtype=rhs.aval.dtype,
+            from_zeros=True,
             **bp,
         )
     if is_undefined_primal(ex):

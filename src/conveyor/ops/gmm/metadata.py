@@ -101,15 +101,20 @@ class GroupMetadata:
 
 
 def max_visits(m: int, tm: int, num_groups: int) -> int:
-    """Static upper bound on the number of (tile, group) visits."""
+    """Static upper bound on the number of (tile, group) visits; with `visit_empty_groups` too
+    (an empty group's one visit takes no tile from the others, and m >= 1 there)."""
     return cdiv(m, tm) + max(num_groups - 1, 0)
 
 
-def count_visits(group_sizes, tm: int, m: int | None = None) -> int:
+def count_visits(
+    group_sizes, tm: int, m: int | None = None, *, visit_empty_groups: bool = False
+) -> int:
     """How many (row tile, group) visits `make_group_metadata` schedules, from concrete sizes in
     plain Python (for the simulator and cost models): one per tile a group's rows touch, so a group
-    that starts mid-tile shares that tile with its predecessor (see `count_row_blocks`)."""
-    return sum(count_row_blocks(group_sizes, tm, m))
+    that starts mid-tile shares that tile with its predecessor (see `count_row_blocks`), and one
+    per empty group with `visit_empty_groups`."""
+    counts = count_row_blocks(group_sizes, tm, m)
+    return sum(max(c, 1) for c in counts) if visit_empty_groups else sum(counts)
 
 
 def row_block_span(lo, hi, tm: int):
@@ -146,6 +151,7 @@ def make_group_metadata(
     *,
     group_offset: jax.Array | int = 0,
     num_groups: int | None = None,
+    visit_empty_groups: bool = False,
 ) -> GroupMetadata:
     """Build the tile visit schedule of a grouped matmul.
 
@@ -155,6 +161,9 @@ def make_group_metadata(
       tm: row tile size (positive).
       group_offset: first global group of this shard (scalar, may be traced).
       num_groups: number of local groups (default: all of `group_sizes`).
+      visit_empty_groups: give every empty local group one visit too, of the tile its (empty)
+        row range starts in, clamped to the last tile (a kernel that writes each group's output
+        block, as tgmm without `existing_out`, writes an empty group's zeros there). Needs m >= 1.
 
     Returns:
       A `GroupMetadata`; works under `jit` with traced sizes and offset.
@@ -163,13 +172,18 @@ def make_group_metadata(
         raise ValueError(f"tm: expected a positive tile size, got {tm!r}")
     if num_groups is None:
         num_groups = group_sizes.shape[0]
+    if visit_empty_groups and m < 1:
+        raise ValueError(f"visit_empty_groups: needs m >= 1 (a tile to visit), got m={m}")
     starts, ends = local_group_bounds(
         jnp.asarray(group_sizes), jnp.asarray(group_offset, jnp.int32), num_groups, m
     )
     nonempty = ends > starts
-    first_tile = starts // tm
+    # (an empty group at row m starts past the last tile: its visit reads the last one)
+    first_tile = jnp.minimum(starts // tm, max(cdiv(m, tm) - 1, 0))
     last_tile = (jnp.maximum(ends, 1) - 1) // tm
-    tiles_per_group = jnp.where(nonempty, last_tile - first_tile + 1, 0).astype(jnp.int32)
+    tiles_per_group = jnp.where(
+        nonempty, last_tile - first_tile + 1, 1 if visit_empty_groups else 0
+    ).astype(jnp.int32)
     visits_end = jnp.cumsum(tiles_per_group)
     visits_start = visits_end - tiles_per_group
     num_visits = visits_end[-1] if num_groups else jnp.int32(0)

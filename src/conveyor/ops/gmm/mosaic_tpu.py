@@ -109,16 +109,26 @@ def _gmm_kernel(
 
 
 def kernel_vmem_limit(
-    op: str, lhs_block, rhs_block, out_block, cdt, out_dtype, *, dot_lhs=None, extra: int = 0
+    op: str,
+    lhs_block,
+    rhs_block,
+    out_block,
+    cdt,
+    out_dtype,
+    *,
+    dot_lhs=None,
+    extra: int = 0,
+    existing_out: bool = True,
 ) -> int | None:
     """`vmem_limit_bytes` for a gmm/tgmm tiling: the working set (`tpu_blocks.working_set`, within
-    a few percent of the scoped VMEM libtpu reports; `dot_lhs` as there) plus `extra` bytes the
+    a few percent of the scoped VMEM libtpu reports; `dot_lhs` and `existing_out` as there) plus
+    `extra` bytes the
     kernel's own scratch takes beyond it. Peak adds two float32 products of the output block's
     shape (the dot's value and the sum), which larger tilings need (docs/compile-check.md). A
     tiling whose working set is over the chip's VMEM is refused naming the bytes
     (`tpu_vmem.vmem_limit`)."""
     working = extra + tpu_blocks.working_set(
-        lhs_block, rhs_block, out_block, cdt, out_dtype, dot_lhs=dot_lhs
+        lhs_block, rhs_block, out_block, cdt, out_dtype, dot_lhs=dot_lhs, existing_out=existing_out
     )
     product = shape_bytes(tuple(d for d in out_block if d is not None), jnp.float32)
     return vmem_limit(
@@ -202,9 +212,12 @@ def gmm_mosaic_tpu(
     return out[:m, :n]
 
 
-def _tgmm_kernel(
-    group_ids, tile_ids, starts, ends, num_visits, lhs_ref, rhs_ref, ex_ref, out_ref, acc_ref, *, tm
-):
+def _tgmm_kernel(group_ids, tile_ids, starts, ends, num_visits, lhs_ref, rhs_ref, *refs, tm):
+    """One (k tile, n tile) block of every group's [k, n] product, summed over the group's
+    visits in the float32 scratch, then written once (plus existing_out's block when the kernel
+    takes one, refs = (ex_ref, out_ref, acc_ref); else refs = (out_ref, acc_ref), and an empty
+    group's one visit writes its zeros)."""
+    ex_ref, out_ref, acc_ref = refs if len(refs) == 3 else (None, *refs)
     v = pl.program_id(2)
     last = pl.num_programs(2) - 1
     g = group_ids[v]
@@ -227,12 +240,16 @@ def _tgmm_kernel(
 
     @pl.when(last_visit)
     def _():
-        out_ref[...] = (ex_ref[...].astype(jnp.float32) + acc_ref[...]).astype(out_ref.dtype)
+        total = acc_ref[...] if ex_ref is None else ex_ref[...].astype(jnp.float32) + acc_ref[...]
+        out_ref[...] = total.astype(out_ref.dtype)
 
 
 def tgmm_mosaic_tpu(
     lhs, rhs, group_sizes, group_offset, existing_out, *, num_groups, out_dtype, tiling, interpret
 ):
+    """[num_groups, k, n]: per local group, `lhs[:, rows] @ rhs[rows]` plus existing_out, or
+    (existing_out None) from zeros: then the kernel takes no existing_out, aliases nothing and
+    visits each empty group once to write its zeros."""
     k, m = lhs.shape
     n = rhs.shape[1]
     cdt = compute_dtype(lhs.dtype, rhs.dtype)
@@ -243,46 +260,56 @@ def tgmm_mosaic_tpu(
     # The lhs block is (tk, tm): here tm is a lane dimension (multiple of 128) and tk a sublane one.
     tm, tk, tn = tpu_blocks.tgmm_tiles(m, k, n, (tiling.tm, tiling.tk, tiling.tn), cdt)
     lhs_block, rhs_block, out_block = tpu_blocks.tgmm_blocks(tm, tk, tn)
-    meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
+    from_zeros = existing_out is None
+    meta = make_group_metadata(
+        group_sizes,
+        m,
+        tm,
+        group_offset=group_offset,
+        num_groups=num_groups,
+        visit_empty_groups=from_zeros,
+    )
     visits = meta.group_ids.shape[0]
     grid = tpu_blocks.tgmm_grid(k, n, tk, tn, visits)
 
-    lhs, rhs, existing_out = lhs.astype(cdt), rhs.astype(cdt), existing_out.astype(out_dtype)
+    lhs, rhs = lhs.astype(cdt), rhs.astype(cdt)
     if interpret:  # see gmm_mosaic_tpu: pad the edges the interpreter mishandles
         lhs = pad_to(lhs, (tk, tm))
         rhs = pad_to(rhs, (tm, tn))
-        existing_out = pad_to(existing_out, (1, tk, tn))
-
+    out_shape = jax.ShapeDtypeStruct((num_groups, *lhs.shape[:1], rhs.shape[1]), out_dtype)
+    operands = [lhs, rhs]
     lhs_map, rhs_map, out_map = tpu_blocks.tgmm_index_maps()
+    in_specs = [pl.BlockSpec(lhs_block, lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
+    if not from_zeros:
+        existing_out = existing_out.astype(out_dtype)
+        operands.append(pad_to(existing_out, (1, tk, tn)) if interpret else existing_out)
+        in_specs.append(pl.BlockSpec(out_block, out_map))
     call = pl.pallas_call(
         functools.partial(_tgmm_kernel, tm=tm),
-        out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=grid,
-            in_specs=[
-                pl.BlockSpec(lhs_block, lhs_map),
-                pl.BlockSpec(rhs_block, rhs_map),
-                pl.BlockSpec(out_block, out_map),
-            ],
+            in_specs=in_specs,
             out_specs=pl.BlockSpec(out_block, out_map),
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)],
         ),
-        input_output_aliases={7: 0},
+        input_output_aliases={} if from_zeros else {7: 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=kernel_vmem_limit(
-                "tgmm", lhs_block, rhs_block, out_block, cdt, out_dtype
+                "tgmm",
+                lhs_block,
+                rhs_block,
+                out_block,
+                cdt,
+                out_dtype,
+                existing_out=not from_zeros,
             ),
         ),
-        cost_estimate=matmul_cost(k, m, n, lhs, rhs, existing_out),
+        cost_estimate=matmul_cost(k, m, n, lhs, rhs, out_shape),
         interpret=tpu_params(interpret),
         name="conveyor_tgmm",
     )
-    out = call(
-        *prefetched_metadata(meta),
-        lhs,
-        rhs,
-        existing_out,
-    )
+    out = call(*prefetched_metadata(meta), *operands)
     return out[:, :k, :n]

@@ -288,7 +288,11 @@ def _gathered_tgmm_kernel(
     rhs) columns of the visit's rows, one DMA per row, fetched while the previous visit runs (into
     the other of two slots; each (k tile, n tile) pair's visits fetch their own first rows, so both
     axes stay parallel), and scaled by the rows' weights when `weighted`."""
-    weight_ref, ex_ref, out_ref, acc_ref, buf, sem = refs if weighted else (None, *refs)
+    if not weighted:
+        refs = (None, *refs)
+    if len(refs) == 5:  # no existing_out: the sums start from zeros
+        refs = (*refs[:1], None, *refs[1:])
+    weight_ref, ex_ref, out_ref, acc_ref, buf, sem = refs
     kk, nn, v = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     chunk = kk if gathered_side == "lhs" else nn
     last = pl.num_programs(2) - 1
@@ -345,7 +349,8 @@ def _gathered_tgmm_kernel(
 
     @pl.when(last_visit)
     def _():
-        out_ref[...] = (ex_ref[...].astype(jnp.float32) + acc_ref[...]).astype(out_ref.dtype)
+        total = acc_ref[...] if ex_ref is None else ex_ref[...].astype(jnp.float32) + acc_ref[...]
+        out_ref[...] = total.astype(out_ref.dtype)
 
 
 def gathered_tgmm_mosaic_tpu(
@@ -363,8 +368,9 @@ def gathered_tgmm_mosaic_tpu(
     tiling,
     interpret,
 ):
-    """[G, k, n]: per group, `A[rows]^T @ B[rows]` plus existing_out, where one side's rows are
-    gathered by the kernel's DMAs from HBM (and scaled by `weights` unless None): with
+    """[G, k, n]: per group, `A[rows]^T @ B[rows]` plus existing_out (None: from zeros, as in
+    `tgmm_mosaic_tpu`), where one side's rows are gathered by the kernel's DMAs from HBM (and
+    scaled by `weights` unless None): with
     `gathered_side="lhs"` A = lhs[indices] and B = rhs ([m, n]); with "rhs" A = lhs ([m, k]) and
     B = rhs[indices]. The weight gradients of the gathered gmm and of gmm_scatter_add without a
     gathered copy of the tokens. The gathered operand's columns are padded to whole tiles;
@@ -377,10 +383,17 @@ def gathered_tgmm_mosaic_tpu(
         )
     tm, tk, tn = tpu_blocks.tgmm_tiles(m, k, n, (tiling.tm, tiling.tk, tiling.tn), cdt)
     _, rhs_block, out_block = tpu_blocks.tgmm_blocks(tm, tk, tn)
-    meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
+    from_zeros = existing_out is None
+    meta = make_group_metadata(
+        group_sizes,
+        m,
+        tm,
+        group_offset=group_offset,
+        num_groups=num_groups,
+        visit_empty_groups=from_zeros,
+    )
     grid = tpu_blocks.tgmm_grid(k, n, tk, tn, meta.group_ids.shape[0])
     _, rhs_map, out_map = tpu_blocks.tgmm_index_maps()
-    existing_out = existing_out.astype(out_dtype)
     if gathered_side == "lhs":
         width, other, other_block, other_map = tk, rhs, rhs_block, rhs_map
         rows, src, packed = _gather_source(lhs, indices, tm, tk, cdt)
@@ -392,16 +405,20 @@ def gathered_tgmm_mosaic_tpu(
             return tile_ids[v], i
 
     other = other.astype(cdt)
+    out_shape = (num_groups, k, n)
     if interpret:  # see gmm_mosaic_tpu: pad the edges the interpreter mishandles
         other = pad_to(other, other_block)
-        existing_out = pad_to(existing_out, (1, tk, tn))
+        out_shape = (num_groups, k + (-k) % tk, n + (-n) % tn)
     operands = [rows, src, other]
     in_specs = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(other_block, other_map)]
     if weights is not None:
         operands.append(jnp.pad(weights.astype(jnp.float32), (0, -m % tm))[:, None])
         in_specs.append(pl.BlockSpec((tm, 1), lambda i, j, v, _, tile_ids, *__: (tile_ids[v], 0)))
-    operands.append(existing_out)
-    in_specs.append(pl.BlockSpec(out_block, out_map))
+    if not from_zeros:
+        existing_out = existing_out.astype(out_dtype)
+        operands.append(pad_to(existing_out, (1, tk, tn)) if interpret else existing_out)
+        in_specs.append(pl.BlockSpec(out_block, out_map))
+    out_shape = jax.ShapeDtypeStruct(out_shape, out_dtype)
     buf = (2, tm, 1, width) if packed else (2, tm, width)
     call = pl.pallas_call(
         functools.partial(
@@ -412,7 +429,7 @@ def gathered_tgmm_mosaic_tpu(
             weighted=weights is not None,
             packed=packed,
         ),
-        out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=grid,
@@ -424,7 +441,7 @@ def gathered_tgmm_mosaic_tpu(
                 pltpu.SemaphoreType.DMA((2,)),
             ],
         ),
-        input_output_aliases={5 + len(operands) - 1: 0},
+        input_output_aliases={} if from_zeros else {5 + len(operands) - 1: 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
             vmem_limit_bytes=kernel_vmem_limit(
@@ -438,9 +455,10 @@ def gathered_tgmm_mosaic_tpu(
                 # gathered gmm (which then stands for a gathered lhs's relayout copy)
                 dot_lhs=(tm, 1) if packed and gathered_side == "lhs" else (tm, tk),
                 extra=packed_rows_vmem(tm, width, width, cdt) if packed else 0,
+                existing_out=not from_zeros,
             ),
         ),
-        cost_estimate=matmul_cost(k, m, n, lhs, rhs, existing_out),
+        cost_estimate=matmul_cost(k, m, n, lhs, rhs, out_shape),
         interpret=tpu_params(interpret),
         name="conveyor_gathered_tgmm",
     )

@@ -120,7 +120,10 @@ def bind_gmm(lhs, rhs, group_sizes, group_offset, existing_out, **params):
 
 
 def bind_tgmm(lhs, rhs, group_sizes, group_offset, existing_out, **params):
-    """tgmm_p on operands cast to vary over the same mesh axes."""
+    """tgmm_p on operands cast to vary over the same mesh axes. With `from_zeros=True` the sums
+    start from zeros and `existing_out` gives only the output's shape and dtype: every backend
+    ignores its values, and the mosaic_tpu kernel takes no such operand (no zero fill to write and
+    read back; it visits empty groups to write their zeros)."""
     return tgmm_p.bind(*match_varying(lhs, rhs, group_sizes, group_offset, existing_out), **params)
 
 
@@ -155,12 +158,13 @@ def _tgmm_jvp(primals, tangents, **params):
     t_lhs, t_rhs, _, _, t_ex = tangents
     out = bind_tgmm(lhs, rhs, gs, go, ex, **params)
     zeros = jnp.zeros(ex.shape, params["out_dtype"])
+    product = dict(params, from_zeros=True)
     terms = []
     if type(t_lhs) is not Zero:
-        terms.append(bind_tgmm(t_lhs, rhs, gs, go, zeros, **params))
+        terms.append(bind_tgmm(t_lhs, rhs, gs, go, zeros, **product))
     if type(t_rhs) is not Zero:
-        terms.append(bind_tgmm(lhs, t_rhs, gs, go, zeros, **params))
-    if type(t_ex) is not Zero:
+        terms.append(bind_tgmm(lhs, t_rhs, gs, go, zeros, **product))
+    if type(t_ex) is not Zero and not params["from_zeros"]:
         terms.append(t_ex.astype(params["out_dtype"]))
     return out, _sum_tangents(terms, out)
 
@@ -212,6 +216,7 @@ def _gmm_transpose(ct, lhs, rhs, gs, go, ex, *, transpose_rhs, out_dtype, **para
             jnp.zeros(rhs.aval.shape, rhs.aval.dtype),
             num_groups=num_groups,
             out_dtype=rhs.aval.dtype,
+            from_zeros=True,
             **bp,
         )
     if is_undefined_primal(ex):
@@ -220,7 +225,7 @@ def _gmm_transpose(ct, lhs, rhs, gs, go, ex, *, transpose_rhs, out_dtype, **para
     return [ct_lhs, ct_rhs, None, None, ct_ex]
 
 
-def _tgmm_transpose(ct, lhs, rhs, gs, go, ex, *, num_groups, out_dtype, **params):
+def _tgmm_transpose(ct, lhs, rhs, gs, go, ex, *, num_groups, out_dtype, from_zeros, **params):
     bp = _backend_params(params)
     if type(ct) is Zero:
         return [
@@ -253,8 +258,8 @@ def _tgmm_transpose(ct, lhs, rhs, gs, go, ex, *, num_groups, out_dtype, **params
             out_dtype=rhs.aval.dtype,
             **bp,
         )
-    if is_undefined_primal(ex):
-        ct_ex = ct.astype(ex.aval.dtype)
+    if is_undefined_primal(ex):  # (not read with from_zeros)
+        ct_ex = Zero(ex.aval) if from_zeros else ct.astype(ex.aval.dtype)
     return [ct_lhs, ct_rhs, None, None, ct_ex]
 
 

@@ -141,6 +141,7 @@ def _transpose(ct, lhs, rhs, gs, go, idx, wts, *, transpose_rhs, num_rows, out_d
             gathered_side=side,
             num_groups=num_groups,
             out_dtype=rhs.aval.dtype,
+            from_zeros=True,
             **bp,
         )
     return [ct_lhs, ct_rhs, None, None, None, ct_wts]

@@ -76,15 +76,24 @@ RELAYOUT_FREE_ELEMENTS = 128 * 512
 
 
 def working_set(
-    lhs_block: Shape, rhs_block: Shape, out_block: Shape, dtype, out_dtype, *, dot_lhs=None
+    lhs_block: Shape,
+    rhs_block: Shape,
+    out_block: Shape,
+    dtype,
+    out_dtype,
+    *,
+    dot_lhs=None,
+    existing_out: bool = True,
 ) -> int:
-    """The kernel's VMEM: two buffers of each input block (lhs, rhs and the aliased existing
-    output), two of the output block, the float32 accumulator scratch, and Mosaic's copy of the
-    matmul's 16-bit left operand (`dot_lhs`, default the lhs block) when it is over
-    RELAYOUT_FREE_ELEMENTS. libtpu's scoped VMEM for the kernels is this within a few percent
-    (benchmarks/results/compile-check-*.md)."""
+    """The kernel's VMEM: two buffers of each input block (lhs, rhs and, when the kernel takes
+    one, the aliased existing output), two of the output block, the float32 accumulator scratch,
+    and Mosaic's copy of the matmul's 16-bit left operand (`dot_lhs`, default the lhs block) when
+    it is over RELAYOUT_FREE_ELEMENTS. libtpu's scoped VMEM for the kernels is this within a few
+    percent (benchmarks/results/compile-check-*.md)."""
     lhs, rhs, out = _present(lhs_block), _present(rhs_block), _present(out_block)
-    inputs = shape_bytes(lhs, dtype) + shape_bytes(rhs, dtype) + shape_bytes(out, out_dtype)
+    inputs = shape_bytes(lhs, dtype) + shape_bytes(rhs, dtype)
+    if existing_out:
+        inputs += shape_bytes(out, out_dtype)
     operand = lhs if dot_lhs is None else _present(dot_lhs)
     copied = jnp.dtype(dtype).itemsize < 4 and math.prod(operand) > RELAYOUT_FREE_ELEMENTS
     relayout = shape_bytes(operand, dtype) if copied else 0
