@@ -5,7 +5,8 @@ write each group's block themselves, an empty group's zeros included.
 
 Each backend is held to a float64 NumPy oracle (tolerance: tests/tolerance.py, m-long float32
 sums); existing_out is NaN, so a backend that read it would fail. mosaic_tpu runs in the Pallas
-TPU interpreter with race detection on (tests/conftest.py).
+TPU interpreter with race detection on (tests/conftest.py), mosaic_gpu in its interpreter on
+bfloat16 operands (wgmma's; the oracle takes the same rounded values).
 """
 
 import re
@@ -21,7 +22,7 @@ from conveyor.ops.gmm.primitives import bind_tgmm
 from tests.ops.gmm.base import assert_close
 from tests.ops.gmm.problems import numpy_tgmm
 
-BACKENDS = ("xla", "reference", "mosaic_tpu")
+BACKENDS = ("xla", "reference", "mosaic_tpu", "mosaic_gpu")
 M, K, N = 256, 136, 24  # two 128-row tiles (tgmm's tm is a lane tile), a partial k tile
 TILING = (128, 128, 128)
 # Empty groups first, in the middle and last; the last empty group starts at the groups' end
@@ -31,23 +32,26 @@ SIZES = ([0, 100, 0, 60, 0], [0, 168, 0, 88, 0], [10, 0, 0, 246, 0], [0, 0, 0, 0
 
 
 def _params(backend, num_groups):
-    interpreted = backend == "mosaic_tpu"
     return dict(
         num_groups=num_groups,
         out_dtype=jnp.float32,
         from_zeros=True,
         backend=backend,
-        tiling=TILING if interpreted else None,
-        interpret=True if interpreted else None,
+        tiling=TILING if backend == "mosaic_tpu" else None,
+        interpret=True if backend.startswith("mosaic") else None,
     )
+
+
+def _normal(rng, shape, backend):
+    dtype = jnp.bfloat16 if backend == "mosaic_gpu" else jnp.float32
+    return jnp.asarray(rng.standard_normal(shape), dtype)
 
 
 @pytest.mark.parametrize("sizes", SIZES)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_tgmm_from_zeros_ignores_existing_out_and_writes_empty_groups_zeros(backend, sizes):
     rng = np.random.default_rng(sum(sizes) + len(sizes))
-    x = jnp.asarray(rng.standard_normal((K, M)), jnp.float32)
-    y = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+    x, y = _normal(rng, (K, M), backend), _normal(rng, (M, N), backend)
     g = len(sizes)
     poison = jnp.full((g, K, N), jnp.nan, jnp.float32)
     out = bind_tgmm(
@@ -63,8 +67,7 @@ def test_tgmm_from_zeros_on_a_shard_of_the_groups(backend):
     """Local groups 1..3 of 5 (group_offset 1): the empty ones among them are written too."""
     sizes = [20, 0, 130, 0, 30]
     rng = np.random.default_rng(5)
-    x = jnp.asarray(rng.standard_normal((K, M)), jnp.float32)
-    y = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+    x, y = _normal(rng, (K, M), backend), _normal(rng, (M, N), backend)
     poison = jnp.full((3, K, N), jnp.nan, jnp.float32)
     out = bind_tgmm(
         x, y, jnp.asarray(sizes, jnp.int32), jnp.int32(1), poison, **_params(backend, 3)
@@ -82,12 +85,10 @@ def test_gathered_tgmm_from_zeros_ignores_existing_out(backend, side):
     rows = 29  # the gathered side's own rows; M of them are gathered
     idx = jnp.asarray(rng.integers(0, rows, M), jnp.int32)
     if side == "lhs":  # A = lhs[idx] ([M, K] gathered), B = rhs ([M, N])
-        lhs = jnp.asarray(rng.standard_normal((rows, K)), jnp.float32)
-        rhs = jnp.asarray(rng.standard_normal((M, N)), jnp.float32)
+        lhs, rhs = _normal(rng, (rows, K), backend), _normal(rng, (M, N), backend)
         a, b = np.asarray(lhs)[np.asarray(idx)], np.asarray(rhs)
     else:  # A = lhs ([M, K]), B = rhs[idx] ([M, N] gathered)
-        lhs = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
-        rhs = jnp.asarray(rng.standard_normal((rows, N)), jnp.float32)
+        lhs, rhs = _normal(rng, (M, K), backend), _normal(rng, (rows, N), backend)
         a, b = np.asarray(lhs), np.asarray(rhs)[np.asarray(idx)]
     poison = jnp.full((len(sizes), K, N), jnp.nan, jnp.float32)
     out = bind_gathered_tgmm(

@@ -483,9 +483,9 @@ def _tgmm_mosaic_gpu(
 
     # n padded with zero columns to the kernel's narrowest column tile; their outputs are dropped
     n = rhs.shape[1]
-    existing_out = _tgmm_start(existing_out, lhs, rhs, num_groups, out_dtype)
     rhs = _pad_to(rhs, 1, mosaic_gpu_tgmm.MIN_TN)
-    existing_out = _pad_to(existing_out, 2, mosaic_gpu_tgmm.MIN_TN)
+    if existing_out is not None:  # (None: from zeros; the kernel writes every group's block)
+        existing_out = _pad_to(existing_out, 2, mosaic_gpu_tgmm.MIN_TN)
     t = _mosaic_gpu_tgmm_tile(tiling, lhs, rhs)
     out = mosaic_gpu_tgmm.tgmm_mosaic_gpu(
         lhs,

@@ -193,6 +193,8 @@ def tgmm_mosaic_gpu(
         cost_estimate=gpu_cost(matmul_cost(k, m, n, x, rhs, out_struct)),
     )
     computed = call(starts, ends, x, rhs)
+    if existing_out is None:  # the sums start from zeros
+        return computed
     return existing_out.astype(out_dtype) + computed
 
 
