@@ -599,12 +599,16 @@ GATHERED_TGMM = Registry(
 )
 
 
-def _run(registry: Registry, backend: str, platform: str, args, params):
-    impl = (
-        registry.for_platform(platform, *args, **params)
-        if backend == backends.AUTO
-        else registry.get(backend)
-    )
+def _run(registry: Registry, backend: str, platform: str, args, params, *, rows: int):
+    """`registry`'s implementation named `backend` (or `platform`'s first that takes the args)
+    on `args`. A problem of no `rows` runs no kernel (the TPU and GPU kernels need a row tile):
+    every backend gives the reference's result, empty or existing_out (or zeros)."""
+    if rows == 0:
+        impl = registry.get("reference")
+    elif backend == backends.AUTO:
+        impl = registry.for_platform(platform, *args, **params)
+    else:
+        impl = registry.get(backend)
     return impl.run(*args, **params)
 
 
@@ -612,7 +616,8 @@ def run_gmm(
     lhs, rhs, group_sizes, group_offset, existing_out, *, backend, platform="cpu", **params
 ):
     """gmm by the named implementation, or (backend="auto") by `platform`'s default order."""
-    return _run(GMM, backend, platform, (lhs, rhs, group_sizes, group_offset, existing_out), params)
+    args = (lhs, rhs, group_sizes, group_offset, existing_out)
+    return _run(GMM, backend, platform, args, params, rows=lhs.shape[0])
 
 
 def run_tgmm(
@@ -632,9 +637,8 @@ def run_tgmm(
     then writes every group's block itself, the others start from zeros."""
     if from_zeros:
         existing_out = None
-    return _run(
-        TGMM, backend, platform, (lhs, rhs, group_sizes, group_offset, existing_out), params
-    )
+    args = (lhs, rhs, group_sizes, group_offset, existing_out)
+    return _run(TGMM, backend, platform, args, params, rows=lhs.shape[1])
 
 
 def run_gathered_gmm(
@@ -652,7 +656,7 @@ def run_gathered_gmm(
 ):
     """gmm of gathered lhs rows by the named implementation, or by `platform`'s default order."""
     args = (lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices)
-    return _run(GATHERED_GMM, backend, platform, args, params)
+    return _run(GATHERED_GMM, backend, platform, args, params, rows=lhs_indices.shape[0])
 
 
 def run_scatter_gmm(
@@ -669,7 +673,7 @@ def run_scatter_gmm(
 ):
     """gmm_scatter_add by the named implementation, or by `platform`'s default order."""
     args = (lhs, rhs, group_sizes, group_offset, out_indices, row_weights)
-    return _run(SCATTER_GMM, backend, platform, args, params)
+    return _run(SCATTER_GMM, backend, platform, args, params, rows=lhs.shape[0])
 
 
 def run_gathered_tgmm(
@@ -691,4 +695,4 @@ def run_gathered_tgmm(
     if from_zeros:
         existing_out = None
     args = (lhs, rhs, group_sizes, group_offset, existing_out, indices, weights)
-    return _run(GATHERED_TGMM, backend, platform, args, params)
+    return _run(GATHERED_TGMM, backend, platform, args, params, rows=indices.shape[0])
