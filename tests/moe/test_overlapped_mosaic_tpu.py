@@ -144,3 +144,29 @@ def test_row_kernels_leave_padding_rows_unwritten_and_unread(monkeypatch, overla
     assert int(dropped) == 0
     assert np.isfinite(np.asarray(y)).all()
     np.testing.assert_allclose(y, y_ref, rtol=0, atol=tol(y_ref, D + F))
+
+
+def test_row_kernels_gradients_never_read_padding_rows():
+    """The exact layer's training step with the row-moving gmm kernels (mosaic_tpu, through the
+    interpreter: memory no one wrote is NaN): the projections leave the padding rows of their
+    outputs unwritten (`unwritten_rows="unspecified"`), and the backward pass multiplies them by
+    zero cotangents in the SiLU product's derivative (NaN there); the gradient kernels mask rows
+    outside the groups, so every gradient is finite and matches the dense reference's."""
+    devices, top_k = 2, 2
+    p = params(devices, seed=23)
+    tokens = p["x"].shape[0]
+    ct = jnp.asarray(np.random.default_rng(24).standard_normal((tokens, D)), jnp.float32)
+    layer = sharded(devices, top_k, None, backend="mosaic_tpu", interpret=True)
+
+    def loss(p):
+        return jnp.vdot(layer(p)[0], ct)
+
+    def ref_loss(p):
+        return jnp.vdot(cv.moe.moe_ffn_reference(**p, top_k=top_k)[0], ct)
+
+    got, want = jax.jit(jax.grad(loss))(p), jax.jit(jax.grad(ref_loss))(p)
+    for name in ("x", "w_gate", "w_up", "w_down"):
+        assert np.isfinite(np.asarray(got[name])).all(), name
+        np.testing.assert_allclose(
+            got[name], want[name], rtol=0, atol=tol(want[name], 2 * (D + F) + tokens), err_msg=name
+        )

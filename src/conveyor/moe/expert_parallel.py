@@ -219,9 +219,21 @@ def _experts(
     if not fuse_permutation:
         out = sorted_swiglu(rows[by_expert], group_sizes, w_gate, w_up, w_down, backend, interpret)
         return jnp.zeros_like(out).at[by_expert].set(out)
-    h = expert_hidden(rows, by_expert, group_sizes, w_gate, w_up, backend, interpret, unique=True)
+    # padding rows belong to no group and are never read (the last projection's kernel reads
+    # only its groups' rows), so no projection zero-fills them
+    h = expert_hidden(
+        rows,
+        by_expert,
+        group_sizes,
+        w_gate,
+        w_up,
+        backend,
+        interpret,
+        unique=True,
+        unwritten_rows="unspecified",
+    )
     # the last projection puts each result back in its received row (a permutation: each row
-    # once); padding rows belong to no group and are never read, so they need no zero fill
+    # once)
     return gmm_scatter_add(
         h,
         w_down,

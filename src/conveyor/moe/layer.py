@@ -87,7 +87,8 @@ def moe_ffn(
     if not fuse_permutation:
         out = sorted_swiglu(x[rows], group_sizes, w_gate, w_up, w_down, backend)
         return combine(out, order, routing, x), load_balancing_loss(routing)
-    h = expert_hidden(x, rows, group_sizes, w_gate, w_up, backend)
+    # every assignment row belongs to a group: nothing for the projections to zero-fill
+    h = expert_hidden(x, rows, group_sizes, w_gate, w_up, backend, unwritten_rows="unspecified")
     # the last projection adds each assignment's row, weighted by its gate, into its token's row
     y = gmm_scatter_add(
         h,
@@ -111,9 +112,20 @@ def sorted_swiglu(xs, group_sizes, w_gate, w_up, w_down, backend, interpret=Fals
     return mm(jax.nn.silu(mm(xs, w_gate)) * mm(xs, w_up), w_down)
 
 
-def expert_hidden(x, rows, group_sizes, w_gate, w_up, backend, interpret=False, unique=False):
+def expert_hidden(
+    x,
+    rows,
+    group_sizes,
+    w_gate,
+    w_up,
+    backend,
+    interpret=False,
+    unique=False,
+    unwritten_rows="zero",
+):
     """`silu(xs @ w_gate[e]) * (xs @ w_up[e])` for `xs = x[rows]`, whose rows are sorted by expert
-    e (`group_sizes` rows each; rows past them come out as 0). Both projections gather their rows
+    e (`group_sizes` rows each; rows past them come out as 0, or with
+    `unwritten_rows="unspecified"` as anything: `cv.gmm`'s). Both projections gather their rows
     of x themselves (`cv.gmm`'s lhs_indices: in the kernel's loads on TPU), so the sorted copy of
     x is never written. `unique`: no index of `rows` repeats (x's gradient rows are then set)."""
     mm = lambda w: gmm(
@@ -122,6 +134,7 @@ def expert_hidden(x, rows, group_sizes, w_gate, w_up, backend, interpret=False, 
         group_sizes,
         lhs_indices=rows,
         unique_indices=unique,
+        unwritten_rows=unwritten_rows,
         preferred_element_type=x.dtype,
         backend=backend,
         interpret=interpret,

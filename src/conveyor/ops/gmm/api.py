@@ -170,6 +170,7 @@ def gmm(
     transpose_rhs: bool = False,
     lhs_indices: jax.Array | None = None,
     unique_indices: bool = False,
+    unwritten_rows: str = "zero",
     backend: str | None = None,
     interpret=False,
 ) -> jax.Array:
@@ -207,6 +208,11 @@ def gmm(
         gathered back into expert order, as the expert-parallel layer's): lhs's gradient then
         sets each row rather than adding into a float32 buffer (gathers it, when the indices
         name every row of lhs). Same results. Concrete indices with a repeat are refused.
+      unwritten_rows: "zero" (default): rows outside the local groups are exactly
+        `existing_out`'s, or 0. "unspecified" (without `existing_out`): they hold anything, which
+        spares the Mosaic kernels an output to fill and read back; for a caller that never reads
+        them (the expert-parallel layer's padding rows). xla and reference give 0 there; the
+        Pallas TPU interpreter gives NaN. Their gradient is 0, as for "zero".
       backend: "xla", "mosaic_tpu", "mosaic_gpu" or "reference"; None picks, when the op is
         lowered, for the platform it is lowered for: mosaic_tpu for TPU, xla for CPU, CUDA and
         ROCm (`conveyor.backends`). mosaic_gpu (Hopper; named explicitly until it has run on a
@@ -257,8 +263,18 @@ def gmm(
         )
     group_offset = _check_group_offset(group_offset, group_sizes.shape[0], num_groups)
     tiling_lib.check_tiling(tiling)
+    if unwritten_rows not in ("zero", "unspecified"):
+        raise ValueError(
+            f"unwritten_rows: expected 'zero' or 'unspecified', got {unwritten_rows!r}"
+        )
+    if unwritten_rows == "unspecified" and existing_out is not None:
+        raise ValueError(
+            "unwritten_rows: 'unspecified' leaves the rows existing_out would give; pass one or "
+            "the other, got both"
+        )
+    fill = dict(fill_unwritten=unwritten_rows == "zero")
     if existing_out is None:
-        existing_out = jnp.zeros((m, n), out_dtype)
+        existing_out = jnp.zeros((m, n), out_dtype)  # (its shape only when unspecified)
     else:
         _check_array(existing_out, "existing_out", 2, f"[m, n] = [{m}, {n}]")
         if tuple(existing_out.shape) != (m, n):
@@ -281,6 +297,7 @@ def gmm(
             backend=backend,
             tiling=tiling_lib.as_static(tiling, m, k, n),
             interpret=_interpret_param(interpret, backend, "gathered"),
+            **fill,
         )
     backend = _choose_backend(backend, interpret)
     return bind_gmm(
@@ -294,6 +311,7 @@ def gmm(
         backend=backend,
         tiling=tiling_lib.as_static(tiling, m, k, n),
         interpret=_interpret_param(interpret, backend),
+        **fill,
     )
 
 

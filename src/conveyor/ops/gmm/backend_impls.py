@@ -21,8 +21,8 @@ def _mosaic_tpu():
     return mosaic_tpu
 
 
-def _gmm_dims(lhs, existing_out):
-    return (*lhs.shape, existing_out.shape[1])
+def _gmm_dims(lhs, rhs, transpose_rhs):
+    return (*lhs.shape, rhs.shape[1] if transpose_rhs else rhs.shape[2])
 
 
 def _tgmm_dims(lhs, rhs):
@@ -31,8 +31,9 @@ def _tgmm_dims(lhs, rhs):
 
 
 # ---- gmm -----------------------------------------------------------------------------------------
-# An implementation takes existing_out=None (the scatter-add's product, below) as "rows outside
-# the local groups: any value"; mosaic_gpu leaves them unwritten, the others start from zeros.
+# An implementation takes existing_out=None (gmm_p with fill_unwritten=False, and the
+# scatter-add's product, below) as "rows outside the local groups: any value"; mosaic_tpu and
+# mosaic_gpu leave them unwritten, the others start from zeros.
 
 
 def _zeros_if_none(existing_out, lhs, rhs, transpose_rhs, out_dtype):
@@ -77,7 +78,7 @@ def _gmm_xla(
     out_dtype,
 ):
     existing_out = _zeros_if_none(existing_out, lhs, rhs, transpose_rhs, out_dtype)
-    m, k, n = _gmm_dims(lhs, existing_out)
+    m, k, n = _gmm_dims(lhs, rhs, transpose_rhs)
     t = tiling_lib.resolve(tiling, m, k, n, (xla.GMM_TM, k, n))
     return xla.gmm_xla(
         lhs,
@@ -103,7 +104,7 @@ def _gmm_mosaic_tpu(
     transpose_rhs,
     out_dtype,
 ):
-    m, k, n = _gmm_dims(lhs, existing_out)
+    m, k, n = _gmm_dims(lhs, rhs, transpose_rhs)
     t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.tpu_default(m, k, n, group_sizes.shape[0]))
     return _mosaic_tpu().gmm_mosaic_tpu(
         lhs,
@@ -244,7 +245,8 @@ def _gathered_gmm_mosaic_tpu(
     transpose_rhs,
     out_dtype,
 ):
-    m, k, n = lhs_indices.shape[0], lhs.shape[1], existing_out.shape[1]
+    m, k = lhs_indices.shape[0], lhs.shape[1]
+    n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     t = tiling_lib.resolve(tiling, m, k, n, tiling_lib.tpu_default(m, k, n, rhs.shape[0]))
     from conveyor.ops.gmm import mosaic_tpu_rows
 
@@ -613,9 +615,22 @@ def _run(registry: Registry, backend: str, platform: str, args, params, *, rows:
 
 
 def run_gmm(
-    lhs, rhs, group_sizes, group_offset, existing_out, *, backend, platform="cpu", **params
+    lhs,
+    rhs,
+    group_sizes,
+    group_offset,
+    existing_out,
+    *,
+    backend,
+    platform="cpu",
+    fill_unwritten=True,
+    **params,
 ):
-    """gmm by the named implementation, or (backend="auto") by `platform`'s default order."""
+    """gmm by the named implementation, or (backend="auto") by `platform`'s default order.
+    Without `fill_unwritten` (see `primitives.bind_gmm`) the implementation gets
+    existing_out=None: rows outside the local groups may hold anything."""
+    if not fill_unwritten:
+        existing_out = None
     args = (lhs, rhs, group_sizes, group_offset, existing_out)
     return _run(GMM, backend, platform, args, params, rows=lhs.shape[0])
 
@@ -652,9 +667,13 @@ def run_gathered_gmm(
     backend,
     platform="cpu",
     unique_indices=False,  # the gradient's concern (gathered.py), not the forward's
+    fill_unwritten=True,
     **params,
 ):
-    """gmm of gathered lhs rows by the named implementation, or by `platform`'s default order."""
+    """gmm of gathered lhs rows by the named implementation, or by `platform`'s default order;
+    `fill_unwritten` as `run_gmm`'s."""
+    if not fill_unwritten:
+        existing_out = None
     args = (lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices)
     return _run(GATHERED_GMM, backend, platform, args, params, rows=lhs_indices.shape[0])
 

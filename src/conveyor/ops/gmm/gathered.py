@@ -172,7 +172,9 @@ def _tgmm_transpose(
 
 
 def bind_gathered_gmm(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices, **params):
-    """gathered_gmm_p on operands cast to vary over the same mesh axes."""
+    """gathered_gmm_p on operands cast to vary over the same mesh axes; `fill_unwritten` as
+    `bind_gmm`'s."""
+    params.setdefault("fill_unwritten", True)
     args = match_varying(lhs, rhs, group_sizes, group_offset, existing_out, lhs_indices)
     return gathered_gmm_p.bind(*args, **params)
 
@@ -187,7 +189,7 @@ def _jvp(primals, tangents, **params):
         terms.append(bind_gathered_gmm(t_lhs, rhs, gs, go, zeros, idx, **params))
     if type(t_rhs) is not Zero:
         terms.append(bind_gathered_gmm(lhs, t_rhs, gs, go, zeros, idx, **params))
-    if type(t_ex) is not Zero:
+    if type(t_ex) is not Zero and params["fill_unwritten"]:
         keep = ~local_row_mask(gs, go, rhs.shape[0], idx.shape[0])
         terms.append(jnp.where(keep[:, None], t_ex.astype(params["out_dtype"]), 0))
     return out, _sum_tangents(terms, out)
@@ -198,7 +200,19 @@ def _aval(x):
 
 
 def _transpose(
-    ct, lhs, rhs, gs, go, ex, idx, *, transpose_rhs, out_dtype, unique_indices=False, **params
+    ct,
+    lhs,
+    rhs,
+    gs,
+    go,
+    ex,
+    idx,
+    *,
+    transpose_rhs,
+    out_dtype,
+    fill_unwritten,
+    unique_indices=False,
+    **params,
 ):
     operands = (lhs, rhs, gs, go, ex, idx)
     if type(ct) is Zero:
@@ -243,9 +257,10 @@ def _transpose(
             from_zeros=True,
             **bp,
         )
-    if is_undefined_primal(ex):
+    if is_undefined_primal(ex):  # (not read without fill_unwritten)
         keep = ~local_row_mask(gs, go, num_groups, m)
         ct_ex = jnp.where(keep[:, None], ct, 0).astype(ex.aval.dtype)
+        ct_ex = ct_ex if fill_unwritten else Zero(ex.aval)
     return [ct_lhs, ct_rhs, None, None, ct_ex, None]
 
 

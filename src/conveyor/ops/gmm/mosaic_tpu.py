@@ -74,15 +74,16 @@ def _gmm_kernel(
     num_visits,
     lhs_ref,
     rhs_ref,
-    ex_ref,
-    out_ref,
-    acc_ref,
-    *,
+    *refs,
     tm,
     tk,
     k,
     transpose_rhs,
 ):
+    """One visit's product over k, stored into its group's rows of the output block (resident
+    over the visits of a row tile). refs = (ex_ref, out_ref, acc_ref), or without existing_out
+    (rows outside the groups: any value) (out_ref, acc_ref)."""
+    ex_ref, out_ref, acc_ref = refs if len(refs) == 3 else (None, *refs)
     v, kk = pl.program_id(1), pl.program_id(2)
     tile = tile_ids[v]
     first_visit = (v == 0) | (tile != tile_ids[jnp.maximum(v - 1, 0)])
@@ -91,9 +92,11 @@ def _gmm_kernel(
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(first_visit & (kk == 0))
-    def _():
-        out_ref[...] = ex_ref[...]  # rows no visit stores keep existing_out
+    if ex_ref is not None:
+
+        @pl.when(first_visit & (kk == 0))
+        def _():
+            out_ref[...] = ex_ref[...]  # rows no visit stores keep existing_out
 
     @pl.when(v < num_visits[0])
     def _():
@@ -168,7 +171,7 @@ def gmm_mosaic_tpu(
     grid = tpu_blocks.gmm_grid(k, n, tk, tn, visits)
 
     lhs_map, rhs_map, out_map = tpu_blocks.gmm_index_maps(transpose_rhs)
-    lhs, rhs, existing_out = lhs.astype(cdt), rhs.astype(cdt), existing_out.astype(out_dtype)
+    lhs, rhs = lhs.astype(cdt), rhs.astype(cdt)
     if interpret:
         # jax 0.12's TPU interpreter returns an aliased output padded to whole blocks when its edge
         # blocks are partial (80x256 for 67x130 with 16x128 blocks); pad m and n ourselves there.
@@ -176,39 +179,44 @@ def gmm_mosaic_tpu(
         # remainder is masked in the kernel.
         lhs = pad_to(lhs, (tm, 1))
         rhs = pad_to(rhs, (1, tn, 1) if transpose_rhs else (1, 1, tn))
-        existing_out = pad_to(existing_out, (tm, tn))
+    out_shape = jax.ShapeDtypeStruct(
+        (lhs.shape[0], rhs.shape[1 if transpose_rhs else 2]), out_dtype
+    )
     lhs_block, rhs_block, out_block = tpu_blocks.gmm_blocks(tm, tk, tn, transpose_rhs)
+    operands = [lhs, rhs]
+    in_specs = [pl.BlockSpec(lhs_block, lhs_map), pl.BlockSpec(rhs_block, rhs_map)]
+    if existing_out is not None:  # (None: rows outside the groups may hold anything)
+        existing_out = existing_out.astype(out_dtype)
+        operands.append(pad_to(existing_out, (tm, tn)) if interpret else existing_out)
+        in_specs.append(pl.BlockSpec(out_block, out_map))
     call = pl.pallas_call(
         functools.partial(_gmm_kernel, tm=tm, tk=tk, k=k, transpose_rhs=transpose_rhs),
-        out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5,
             grid=grid,
-            in_specs=[
-                pl.BlockSpec(lhs_block, lhs_map),
-                pl.BlockSpec(rhs_block, rhs_map),
-                pl.BlockSpec(out_block, out_map),
-            ],
+            in_specs=in_specs,
             out_specs=pl.BlockSpec(out_block, out_map),
             scratch_shapes=[pltpu.VMEM((tm, tn), jnp.float32)],
         ),
-        input_output_aliases={7: 0},
+        input_output_aliases={} if existing_out is None else {7: 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=kernel_vmem_limit(
-                "gmm", lhs_block, rhs_block, out_block, cdt, out_dtype
+                "gmm",
+                lhs_block,
+                rhs_block,
+                out_block,
+                cdt,
+                out_dtype,
+                existing_out=existing_out is not None,
             ),
         ),
-        cost_estimate=matmul_cost(m, k, n, lhs, rhs, existing_out),
+        cost_estimate=matmul_cost(m, k, n, lhs, rhs, out_shape),
         interpret=tpu_params(interpret),
         name="conveyor_gmm",
     )
-    out = call(
-        *prefetched_metadata(meta),
-        lhs,
-        rhs,
-        existing_out,
-    )
+    out = call(*prefetched_metadata(meta), *operands)
     return out[:m, :n]
 
 

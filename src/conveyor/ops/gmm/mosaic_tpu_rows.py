@@ -53,12 +53,7 @@ def _gathered_gmm_kernel(
     rows,
     lhs_hbm,
     rhs_ref,
-    ex_ref,
-    out_ref,
-    acc_ref,
-    buf,
-    sem,
-    *,
+    *refs,
     tm,
     tk,
     k,
@@ -70,7 +65,9 @@ def _gathered_gmm_kernel(
     of `chunk_tiles` k tiles (the whole of k when it fits). A unit's rows are fetched while the
     previous unit runs, into the other of two slots; fetching stays inside one n tile, whose first
     unit fetches its own rows, so the n axis stays parallel. The unit's k steps read their tiles
-    from the slot."""
+    from the slot. refs = (ex_ref, out_ref, acc_ref, buf, sem), or without existing_out (rows
+    outside the groups: any value) (out_ref, acc_ref, buf, sem)."""
+    ex_ref, out_ref, acc_ref, buf, sem = refs if len(refs) == 5 else (None, *refs)
     v, kk = pl.program_id(1), pl.program_id(2)
     nk = pl.num_programs(2)
     chunks = cdiv(nk, chunk_tiles)
@@ -102,9 +99,11 @@ def _gathered_gmm_kernel(
     def _():
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
-    @pl.when(first_visit & (kk == 0))
-    def _():
-        out_ref[...] = ex_ref[...]  # rows no visit stores keep existing_out
+    if ex_ref is not None:
+
+        @pl.when(first_visit & (kk == 0))
+        def _():
+            out_ref[...] = ex_ref[...]  # rows no visit stores keep existing_out
 
     unit_starts = live & (within == 0)
 
@@ -205,11 +204,18 @@ def gathered_gmm_mosaic_tpu(
     chunk_tiles = gather_chunk_tiles(tm, tk, cdiv(k, tk), jnp.dtype(cdt).itemsize)
     rows, lhs, packed = _gather_source(lhs, lhs_indices, tm, chunk_tiles * tk, cdt)
     rhs = rhs.astype(cdt)
-    existing_out = existing_out.astype(out_dtype)
+    out_shape = (m, n)
     if interpret:  # see gmm_mosaic_tpu: pad the edges the interpreter mishandles
         rhs = pad_to(rhs, (1, tn, 1) if transpose_rhs else (1, 1, tn))
-        existing_out = pad_to(existing_out, (tm, tn))
+        out_shape = (m + (-m) % tm, n + (-n) % tn)
+    out_shape = jax.ShapeDtypeStruct(out_shape, out_dtype)
     _, rhs_block, out_block = tpu_blocks.gmm_blocks(tm, tk, tn, transpose_rhs)
+    operands = [rows, lhs, rhs]
+    in_specs = [pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(rhs_block, rhs_map)]
+    if existing_out is not None:  # (None: rows outside the groups may hold anything)
+        existing_out = existing_out.astype(out_dtype)
+        operands.append(pad_to(existing_out, (tm, tn)) if interpret else existing_out)
+        in_specs.append(pl.BlockSpec(out_block, out_map))
     width = chunk_tiles * tk
     buf = (2, tm, 1, width) if packed else (2, tm, width)
     call = pl.pallas_call(
@@ -222,15 +228,11 @@ def gathered_gmm_mosaic_tpu(
             transpose_rhs=transpose_rhs,
             packed=packed,
         ),
-        out_shape=jax.ShapeDtypeStruct(existing_out.shape, out_dtype),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
             grid=grid,
-            in_specs=[
-                pl.BlockSpec(memory_space=pl.ANY),
-                pl.BlockSpec(rhs_block, rhs_map),
-                pl.BlockSpec(out_block, out_map),
-            ],
+            in_specs=in_specs,
             out_specs=pl.BlockSpec(out_block, out_map),
             scratch_shapes=[
                 pltpu.VMEM((tm, tn), jnp.float32),
@@ -238,7 +240,7 @@ def gathered_gmm_mosaic_tpu(
                 pltpu.SemaphoreType.DMA((2,)),
             ],
         ),
-        input_output_aliases={8: 0},
+        input_output_aliases={} if existing_out is None else {8: 0},
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "arbitrary", "arbitrary"),
             vmem_limit_bytes=kernel_vmem_limit(
@@ -252,19 +254,14 @@ def gathered_gmm_mosaic_tpu(
                 # the relayout copy, so the operand named here is a single column (never copied)
                 dot_lhs=(tm, 1) if packed else (tm, tk),
                 extra=packed_rows_vmem(tm, tk, width, cdt) if packed else 0,
+                existing_out=existing_out is not None,
             ),
         ),
-        cost_estimate=matmul_cost(m, k, n, lhs, rhs, existing_out),
+        cost_estimate=matmul_cost(m, k, n, lhs, rhs, out_shape),
         interpret=tpu_params(interpret),
         name="conveyor_gathered_gmm",
     )
-    out = call(
-        *prefetched_metadata(meta),
-        rows,
-        lhs,
-        rhs,
-        existing_out,
-    )
+    out = call(*prefetched_metadata(meta), *operands)
     return out[:m, :n]
 
 

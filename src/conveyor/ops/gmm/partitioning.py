@@ -141,6 +141,8 @@ def _partitioned_gmm(impl, static: tuple):
                 **dict(params, out_dtype=acc),
             )
             total = lax.psum(partial_products, lay.summed).astype(params["out_dtype"])
+            if not params["fill_unwritten"]:  # rows outside the groups: any value
+                return total
             written = local_row_mask(local, group_offset, rhs.shape[0], local_rows)
             return jnp.where(written[:, None], total, existing_out.astype(params["out_dtype"]))
 

@@ -115,7 +115,11 @@ tgmm_p.def_effectful_abstract_eval(_abstract(_tgmm_impl, partitioning.tgmm_out_s
 
 
 def bind_gmm(lhs, rhs, group_sizes, group_offset, existing_out, **params):
-    """gmm_p on operands cast to vary over the same mesh axes (see `spmd.match_varying`)."""
+    """gmm_p on operands cast to vary over the same mesh axes (see `spmd.match_varying`). With
+    `fill_unwritten=False` (default True) rows outside the local groups may hold anything and
+    `existing_out` gives only the output's shape: the Mosaic kernels take no such operand (no
+    fill to write and read back), the others leave zeros there."""
+    params.setdefault("fill_unwritten", True)
     return gmm_p.bind(*match_varying(lhs, rhs, group_sizes, group_offset, existing_out), **params)
 
 
@@ -147,7 +151,7 @@ def _gmm_jvp(primals, tangents, **params):
         terms.append(bind_gmm(t_lhs, rhs, gs, go, zeros, **params))
     if type(t_rhs) is not Zero:
         terms.append(bind_gmm(lhs, t_rhs, gs, go, zeros, **params))
-    if type(t_ex) is not Zero:
+    if type(t_ex) is not Zero and params["fill_unwritten"]:
         keep = ~local_row_mask(gs, go, rhs.shape[0], lhs.shape[0])
         terms.append(jnp.where(keep[:, None], t_ex.astype(params["out_dtype"]), 0))
     return out, _sum_tangents(terms, out)
@@ -184,7 +188,7 @@ def _backend_params(params):
     return dict(backend=params["backend"], interpret=params["interpret"], tiling=tiling)
 
 
-def _gmm_transpose(ct, lhs, rhs, gs, go, ex, *, transpose_rhs, out_dtype, **params):
+def _gmm_transpose(ct, lhs, rhs, gs, go, ex, *, transpose_rhs, out_dtype, fill_unwritten, **params):
     bp = _backend_params(params)
     if type(ct) is Zero:
         return [
@@ -219,9 +223,10 @@ def _gmm_transpose(ct, lhs, rhs, gs, go, ex, *, transpose_rhs, out_dtype, **para
             from_zeros=True,
             **bp,
         )
-    if is_undefined_primal(ex):
+    if is_undefined_primal(ex):  # (not read without fill_unwritten)
         keep = ~local_row_mask(gs, go, num_groups, m)
         ct_ex = jnp.where(keep[:, None], ct, 0).astype(ex.aval.dtype)
+        ct_ex = ct_ex if fill_unwritten else Zero(ex.aval)
     return [ct_lhs, ct_rhs, None, None, ct_ex]
 
 
