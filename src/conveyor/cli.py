@@ -122,7 +122,7 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
         "--hardware",
         type=t.hardware,
         default="h100",
-        help="one of: h100, h200, h800, b200, v5e, v5p",
+        help="one of: h100, h200, h800, b200, v5e, v6e, v5p",
     )
     s.add_argument(
         "--tiling", type=t.tiling, help="tm,tk,tn, cv.gmm's tiling order (default: searched)"

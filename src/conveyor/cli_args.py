@@ -122,8 +122,8 @@ def gmm_backends(text: str) -> tuple[str, ...]:
 
 
 def hardware(text: str) -> str:
-    """A hardware model's name (h100, h200, h800, b200, v5e, v5p; 'H100 SXM' and 'tpu-v5e' work
-    too)."""
+    """A hardware model's name (h100, h200, h800, b200, v5e, v6e, v5p; 'H100 SXM' and 'tpu-v5e'
+    work too)."""
     from conveyor.sim.hardware import get
 
     try:

@@ -360,11 +360,10 @@ def test_grouped_kernels_on_chip_memory_is_what_the_tpu_compiler_reported():
     relayout copy of a large left operand at the operand's size (docs/internals/gmm.md)."""
     rows = _compiled_onchip()
     assert len(rows) >= 12, rows  # gmm and tgmm cases on v5e, v6e and v5p
-    hardware = {"v5e": "v5e", "v6e": "v5e", "v5p": "v5p"}  # v6e: the tiles do not depend on it
     for target, kind, p, mib in rows:
         m, k, n, groups = int(p["m"]), int(p["k"]), int(p["n"]), int(p["groups"])
         fn = cv.sim.simulate_gmm if kind == "gmm" else cv.sim.simulate_tgmm
-        r = fn([m // groups] * groups, k, n, dtype="bf16", hardware=hardware[target])
+        r = fn([m // groups] * groups, k, n, dtype="bf16", hardware=target)
         error = r.onchip_bytes / 2**20 / mib - 1
         assert -0.02 <= error <= 0.03, (target, kind, p, error)
 

@@ -423,9 +423,8 @@ def production() -> list[Case]:
     return cases
 
 
-# The simulator's hardware model for a target's kernel configuration (v6e has none: the gmm
-# kernels' tiles and VMEM do not depend on the TPU generation).
-SIM_HARDWARE = {"h100": "h100", "v5e": "v5e", "v6e": "v5e", "v5p": "v5p"}
+# The simulator's hardware model for each target.
+SIM_HARDWARE = {"h100": "h100", "v5e": "v5e", "v6e": "v6e", "v5p": "v5p"}
 
 
 def simulated_onchip(c: Case, target: str) -> int | None:

@@ -53,6 +53,11 @@ SOURCES = {
         "Google Cloud TPU v5p documentation: 459 TFLOP/s bf16, 918 TOPS int8, 95 GB HBM2e at 2765 "
         "GB/s"
     ),
+    "tpu-v6e-ds": (
+        "Google Cloud TPU v6e (Trillium) documentation: one TensorCore per chip (two 256x256 "
+        "MXUs), 918 TFLOP/s bf16, 1836 TOPS int8, 32 GB HBM at 1638 GB/s, 800 GB/s bidirectional "
+        "ICI per chip over 4 ports (2D torus): 100 GB/s one way per port"
+    ),
     "est-latency": (
         "estimate: DRAM access latency of HBM parts is 0.5-1 us from issue to first bytes; 0.7 us "
         "taken for a TMA/DMA copy"
@@ -86,7 +91,7 @@ SOURCES = {
         "libtpu's compile-only TPU topologies (../shared/FACTS.md, 'real compilers on CPU'; "
         "docs/compile-check.md): a Mosaic kernel gets a scoped-VMEM limit of 16 MiB on v5e and "
         "v5p (32 MiB on v6e) unless it sets vmem_limit_bytes, which may rise to the physical VMEM "
-        "the TPU info reports: 128 MiB on v5e, 64 MiB on v5p"
+        "the TPU info reports: 128 MiB on v5e and v6e, 64 MiB on v5p"
     ),
     "calib-v5e-int32": (
         "calibrated: the int32 matmul rate (emulated on the MXU) at which the simulator's replay "
@@ -130,7 +135,22 @@ SOURCES = {
         "marin-community/marin issue 6736 (June 2026): a barriered `lax.ppermute` payload sweep "
         "on TPU v5p-8 and v6e-8, timed as repeat-count slopes inside one compiled loop (no host "
         "launch): v5p 1-16 KiB 4.5-5.5 us, 1 MiB 16.94 us, 64 MiB 781.98 us per device; their "
-        "large-payload fit 4.55 us + bytes / 86.3 GB/s"
+        "large-payload fit 4.55 us + bytes / 86.3 GB/s; v6e 1-16 KiB 5.6-5.9 us, 1 MiB 17.45 us, "
+        "64 MiB 776.34 us, fit 2.29 us + bytes / 86.8 GB/s"
+    ),
+    "calib-v6e-link": (
+        "calibrated: the fraction of the v6e link rate (1e11 B/s, tpu-v6e-ds) at which one hop "
+        "of 64 MiB, with the model's 1 us per hop, takes the 776.34 us marin-ppermute measured "
+        "(0.8655); that measurement is then not used to validate. Its 1 MiB point (17.45 us) is "
+        "25% slower than this hop model predicts (13.1 us), as on v5p: an XLA collective's fixed "
+        "cost is not a remote DMA's"
+    ),
+    "est-v6e-from-v5e": (
+        "estimate, borrowed: no published v6e per-step cost, DMA latency, sustained MXU fraction "
+        "or per-hop latency is kept, so v6e (v5e's successor: one TensorCore, the same 2D-torus "
+        "pod) takes v5e's calibrated step cost (0.248 us), DMA latency (0.35 us) and MXU fraction "
+        "(0.974), and v5p's measured ~1 us per hop (tpu-lab); replace each when a v6e "
+        "measurement appears"
     ),
     "calib-v5p-link": (
         "calibrated: the fraction of the v5p link rate (9.2e10 B/s, tpu-lab) at which one hop of "
@@ -237,6 +257,7 @@ KiB, MiB = 1024, 1024**2
 V5E_STEP_S = 0.2479e-6  # SOURCES["calib-v5e-step"]
 V5E_MXU_FRACTION = 0.974  # SOURCES["calib-v5e-mxu"]
 V5P_LINK_FRACTION = 0.934  # SOURCES["calib-v5p-link"]
+V6E_LINK_FRACTION = 0.8655  # SOURCES["calib-v6e-link"]
 
 
 def _hopper(name, hbm, hbm_src, link, link_src):
@@ -310,6 +331,24 @@ HARDWARE: dict[str, Hardware] = {
         matrix_efficiency=Value(V5E_MXU_FRACTION, "calib-v5e-mxu"),
         hbm_efficiency=Value(0.896, "calib-copy"),
         link_efficiency=Value(0.8, "est-link"),
+        overlap_slowdown=Value(0.0, "est-overlap-tpu"),
+    ),
+    "v6e": Hardware(
+        name="TPU v6e",
+        kind="tpu",
+        cores=Value(1, "tpu-v6e-ds"),
+        matrix_peak={"bf16": Value(9.18e14, "tpu-v6e-ds"), "int8": Value(1.836e15, "tpu-v6e-ds")},
+        hbm_bandwidth=Value(1.638e12, "tpu-v6e-ds"),
+        onchip_bytes=Value(128 * MiB, "libtpu-vmem"),
+        onchip_default_bytes=Value(32 * MiB, "libtpu-vmem"),
+        reuse_bandwidth=Value(1.638e12, "tpu-v6e-ds"),
+        copy_latency=Value(0.35e-6, "est-v6e-from-v5e"),
+        link_bandwidth=Value(1e11, "tpu-v6e-ds"),
+        link_latency=Value(1e-6, "est-v6e-from-v5e"),
+        sync_latency=Value(V5E_STEP_S, "est-v6e-from-v5e"),
+        matrix_efficiency=Value(V5E_MXU_FRACTION, "est-v6e-from-v5e"),
+        hbm_efficiency=Value(0.896, "calib-copy"),
+        link_efficiency=Value(V6E_LINK_FRACTION, "calib-v6e-link"),
         overlap_slowdown=Value(0.0, "est-overlap-tpu"),
     ),
     "v5p": Hardware(

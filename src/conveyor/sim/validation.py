@@ -257,6 +257,16 @@ MEASUREMENTS: tuple[Measurement, ...] = (
         lambda: get_hardware("v5p").hop_s(64 * 2**20) * 1e6,
         role="calibration",
     ),
+    Measurement(
+        "lax.ppermute, 64 MiB per device, one hop",
+        "v6e",
+        776.34,
+        "us",
+        "marin-community/marin issue 6736: TPU v6e-8, barriered lax.ppermute, repeat-count "
+        "slope (no host launch)",
+        lambda: get_hardware("v6e").hop_s(64 * 2**20) * 1e6,
+        role="calibration",
+    ),
     *_guide_rows(),
 )
 
