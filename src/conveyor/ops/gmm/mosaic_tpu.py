@@ -54,6 +54,19 @@ def accumulate_product(acc_ref, x, rhs_ref, kk, tk: int, k: int, transpose_rhs: 
     acc_ref[...] += lax.dot_general(x, w, dims, preferred_element_type=jnp.float32)
 
 
+def tgmm_metadata(group_sizes, m, tm, group_offset, num_groups, from_zeros: bool) -> GroupMetadata:
+    """The tgmm kernels' visits: with `from_zeros` (no existing_out) each empty group's too, so
+    that the kernel writes its zeros."""
+    return make_group_metadata(
+        group_sizes,
+        m,
+        tm,
+        group_offset=group_offset,
+        num_groups=num_groups,
+        visit_empty_groups=from_zeros,
+    )
+
+
 def prefetched_metadata(meta: GroupMetadata) -> tuple:
     """The gmm/tgmm kernels' first five scalar-prefetch operands: the visits' group and tile ids,
     the groups' row ranges and the visit count."""
@@ -269,14 +282,7 @@ def tgmm_mosaic_tpu(
     tm, tk, tn = tpu_blocks.tgmm_tiles(m, k, n, (tiling.tm, tiling.tk, tiling.tn), cdt)
     lhs_block, rhs_block, out_block = tpu_blocks.tgmm_blocks(tm, tk, tn)
     from_zeros = existing_out is None
-    meta = make_group_metadata(
-        group_sizes,
-        m,
-        tm,
-        group_offset=group_offset,
-        num_groups=num_groups,
-        visit_empty_groups=from_zeros,
-    )
+    meta = tgmm_metadata(group_sizes, m, tm, group_offset, num_groups, from_zeros)
     visits = meta.group_ids.shape[0]
     grid = tpu_blocks.tgmm_grid(k, n, tk, tn, visits)
 

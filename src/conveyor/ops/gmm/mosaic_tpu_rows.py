@@ -29,6 +29,7 @@ from conveyor.ops.gmm.mosaic_tpu import (
     kernel_vmem_limit,
     pad_to,
     prefetched_metadata,
+    tgmm_metadata,
 )
 
 
@@ -381,14 +382,7 @@ def gathered_tgmm_mosaic_tpu(
     tm, tk, tn = tpu_blocks.tgmm_tiles(m, k, n, (tiling.tm, tiling.tk, tiling.tn), cdt)
     _, rhs_block, out_block = tpu_blocks.tgmm_blocks(tm, tk, tn)
     from_zeros = existing_out is None
-    meta = make_group_metadata(
-        group_sizes,
-        m,
-        tm,
-        group_offset=group_offset,
-        num_groups=num_groups,
-        visit_empty_groups=from_zeros,
-    )
+    meta = tgmm_metadata(group_sizes, m, tm, group_offset, num_groups, from_zeros)
     grid = tpu_blocks.tgmm_grid(k, n, tk, tn, meta.group_ids.shape[0])
     _, rhs_map, out_map = tpu_blocks.tgmm_index_maps()
     if gathered_side == "lhs":
