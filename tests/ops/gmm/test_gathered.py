@@ -380,3 +380,30 @@ def test_explicit_axes_mesh_is_refused_outside_shard_map():
             jax.jit(lambda *a: cv.gmm(*a[:3], lhs_indices=a[3]))(
                 put(lhs), put(rhs), put(jnp.asarray(sizes)), put(idx)
             )
+
+
+def test_row_moving_kernels_export_for_tpu_from_a_cpu_host():
+    """jax.export for TPU with no TPU in view (a CPU CI host): the gathered gmm, gmm_scatter_add
+    and their gradients lower. Their kernels divide traced ints with lax.div / lax.rem
+    (`conveyor.ints`): jnp's `//` lowers through `sign`, whose Mosaic rule asks for the TPU's
+    generation ("Unsupported TPU device kind: cpu")."""
+    bf16 = jnp.bfloat16
+    x, w = jax.ShapeDtypeStruct((256, 256), bf16), jax.ShapeDtypeStruct((4, 256, 256), bf16)
+    s, i = jax.ShapeDtypeStruct((4,), jnp.int32), jax.ShapeDtypeStruct((256,), jnp.int32)
+
+    def gathered(x, w, s, i):
+        return cv.gmm(x, w, s, lhs_indices=i, backend="mosaic_tpu")
+
+    def scatter(x, w, s, i):
+        return cv.gmm_scatter_add(x, w, s, i, num_out_rows=256, backend="mosaic_tpu")
+
+    def grads(op):
+        def fn(x, w, s, i):
+            loss = lambda x, w: op(x, w, s, i).astype(jnp.float32).sum()  # noqa: E731
+            return jax.grad(loss, argnums=(0, 1))(x, w)
+
+        return fn
+
+    for fn in (gathered, scatter, grads(gathered), grads(scatter)):
+        exported = jax.export.export(jax.jit(fn), platforms=["tpu"])(x, w, s, i)
+        assert "tpu_custom_call" in exported.mlir_module()

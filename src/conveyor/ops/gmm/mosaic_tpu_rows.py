@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from conveyor.ints import cdiv
+from conveyor.ints import cdiv, floordiv, mod
 from conveyor.cost import matmul_cost
 from conveyor.interpreters import tpu_params
 from conveyor.ops.gmm import tpu_blocks
@@ -72,9 +72,9 @@ def _gathered_gmm_kernel(
     v, kk = pl.program_id(1), pl.program_id(2)
     nk = pl.num_programs(2)
     chunks = cdiv(nk, chunk_tiles)
-    chunk, within = kk // chunk_tiles, kk % chunk_tiles
+    chunk, within = floordiv(kk, chunk_tiles), mod(kk, chunk_tiles)
     unit = v * chunks + chunk
-    slot = unit % 2
+    slot = mod(unit, 2)
     tile = tile_ids[v]
     first_visit = (v == 0) | (tile != tile_ids[jnp.maximum(v - 1, 0)])
     live = v < num_visits[0]
@@ -298,7 +298,7 @@ def _gathered_tgmm_kernel(
     first_visit = (v == 0) | (g != group_ids[jnp.maximum(v - 1, 0)])
     last_visit = (v == last) | (g != group_ids[jnp.minimum(v + 1, last)])
     live = v < num_visits[0]
-    slot = v % 2
+    slot = mod(v, 2)
 
     def start(visit, s):
         base = tile_ids[visit] * tm
