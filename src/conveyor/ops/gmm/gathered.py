@@ -25,6 +25,14 @@ from conveyor.spmd import match_varying, register_lowering_from_function
 gathered_gmm_p = Primitive("conveyor_gathered_gmm")
 
 
+def rows_of_groups(per_row, gs, go, num_groups: int):
+    """`per_row` (a gmm's output with `fill_unwritten=False`: rows outside the local groups hold
+    anything) with those rows set to 0: a select that XLA fuses into the gather or scatter that
+    reads it, where a zero-filled start would be written, then read back by the kernel."""
+    keep = local_row_mask(gs, go, num_groups, per_row.shape[0])
+    return jnp.where(keep[:, None], per_row, jnp.zeros((), per_row.dtype))
+
+
 def clamp_indices(lhs_indices, num_rows: int):
     """The rows every backend reads: `lhs_indices` clamped to [0, num_rows)."""
     return jnp.clip(lhs_indices.astype(jnp.int32), 0, num_rows - 1)
@@ -126,13 +134,25 @@ def _tgmm_transpose(
     a, b = _aval(lhs), _aval(rhs)
     k, n = a.shape[1], b.shape[1]
 
+    def per_row(rows, width, transposed):  # rows[r] @ ct[g(r)] (^T), 0 outside the groups
+        product = bind_gmm(
+            rows,
+            ct,
+            gs,
+            go,
+            jnp.zeros((m, width), jnp.float32),  # (its shape: see rows_of_groups)
+            transpose_rhs=transposed,
+            out_dtype=jnp.float32,
+            fill_unwritten=False,
+            **bp,
+        )
+        return rows_of_groups(product, gs, go, num_groups)
+
     def per_row_a(b_rows):  # [m, n] -> [m, k] float32: b_rows[r] @ ct[g(r)]^T
-        zeros = jnp.zeros((m, k), jnp.float32)
-        return bind_gmm(b_rows, ct, gs, go, zeros, transpose_rhs=True, out_dtype=jnp.float32, **bp)
+        return per_row(b_rows, k, True)
 
     def per_row_b(a_rows):  # [m, k] -> [m, n] float32: a_rows[r] @ ct[g(r)]
-        zeros = jnp.zeros((m, n), jnp.float32)
-        return bind_gmm(a_rows, ct, gs, go, zeros, transpose_rhs=False, out_dtype=jnp.float32, **bp)
+        return per_row(a_rows, n, False)
 
     def scale():  # read only when w is not the operand being transposed
         return w.astype(jnp.float32)[:, None] if weighted else 1.0
@@ -234,11 +254,13 @@ def _transpose(
             rhs,
             gs,
             go,
-            jnp.zeros((m, k), per_row_dtype),
+            jnp.zeros((m, k), per_row_dtype),  # (its shape: see rows_of_groups)
             transpose_rhs=not transpose_rhs,
             out_dtype=per_row_dtype,
+            fill_unwritten=False,
             **bp,
         )
+        per_row = rows_of_groups(per_row, gs, go, num_groups)
         ct_lhs = backend_impls.put_rows(per_row, rows, num_rows, unique_indices, lhs.aval.dtype)
     if is_undefined_primal(rhs):
         # d rhs[g] = lhs[idx[rows of g]]^T @ ct[rows of g] ([k, n]), or its transpose with

@@ -12,7 +12,12 @@ from jax import lax
 
 from conveyor._compat import Primitive, Zero, ad, batching, is_undefined_primal
 from conveyor.ops.gmm import backend_impls
-from conveyor.ops.gmm.gathered import bind_gathered_gmm, bind_gathered_tgmm, clamp_indices
+from conveyor.ops.gmm.gathered import (
+    bind_gathered_gmm,
+    bind_gathered_tgmm,
+    clamp_indices,
+    rows_of_groups,
+)
 from conveyor.ops.gmm.metadata import local_group_bounds
 from conveyor.ops.gmm.primitives import (
     _backend_params,
@@ -108,17 +113,19 @@ def _transpose(ct, lhs, rhs, gs, go, idx, wts, *, transpose_rhs, num_rows, out_d
 
     def per_row_grad():
         # ct[idx[i]] @ rhs[group(i)]^T for the local rows, 0 elsewhere: [m, k] float32
-        return bind_gathered_gmm(
+        product = bind_gathered_gmm(
             ct,
             rhs,
             gs,
             go,
-            jnp.zeros((m, k), jnp.float32),
+            jnp.zeros((m, k), jnp.float32),  # (its shape: see rows_of_groups)
             idx,
             transpose_rhs=not transpose_rhs,
             out_dtype=jnp.float32,
+            fill_unwritten=False,
             **bp,
         )
+        return rows_of_groups(product, gs, go, num_groups)
 
     ct_lhs = ct_rhs = ct_wts = None
     if is_undefined_primal(lhs):
