@@ -313,20 +313,31 @@ def _scatter_then(run):
     return scattered
 
 
-def put_rows(values, rows, num_rows: int, unique: bool, dtype):
+def put_rows(values, rows, num_rows: int, unique: bool, dtype, keep=None):
     """[num_rows, n] of `dtype`: row `rows[i]` gets `values[i]` (float32 unless `unique`), summed
     over repeats in float32 and rounded once; rows nobody names are 0. With `unique` (no index
     twice) each row is rounded and set (the same values: 0 + x is x) without a float32
     [num_rows, n] buffer, and indices naming every row (a permutation) are gathered through their
-    inverse: no zero-filled output at all."""
+    inverse: no zero-filled output at all. `keep` (bool[m], optional): only those rows of
+    `values` are put, the others (which may hold anything, even NaN) count as 0; the scatters
+    drop them by index, the gather selects them away in its own fusion."""
     m, n = values.shape
+    if keep is not None:
+        rows = jnp.where(keep, rows, num_rows)  # past the end: dropped by the scatters below
     if not unique:
-        return jnp.zeros((num_rows, n), jnp.float32).at[rows].add(values).astype(dtype)
+        out = jnp.zeros((num_rows, n), jnp.float32).at[rows].add(values, mode="drop")
+        return out.astype(dtype)
     rounded = values.astype(dtype)
-    if num_rows == m:
+    if num_rows == m and keep is None:
         iota = jnp.arange(m, dtype=jnp.int32)
         return rounded[jnp.zeros((m,), jnp.int32).at[rows].set(iota, unique_indices=True)]
-    return jnp.zeros((num_rows, n), dtype).at[rows].set(rounded, unique_indices=True)
+    if num_rows == m:  # the inverse permutation, -1 for the rows nobody keeps
+        iota = jnp.arange(m, dtype=jnp.int32)
+        inverse = jnp.full((m,), -1, jnp.int32).at[rows].set(iota, mode="drop")
+        gathered = rounded[jnp.maximum(inverse, 0)]
+        return jnp.where((inverse >= 0)[:, None], gathered, jnp.zeros((), dtype))
+    out = jnp.zeros((num_rows, n), dtype)
+    return out.at[rows].set(rounded, unique_indices=True, mode="drop")
 
 
 def _scatter_gmm_mosaic_tpu(

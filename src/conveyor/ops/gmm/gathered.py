@@ -27,8 +27,9 @@ gathered_gmm_p = Primitive("conveyor_gathered_gmm")
 
 def rows_of_groups(per_row, gs, go, num_groups: int):
     """`per_row` (a gmm's output with `fill_unwritten=False`: rows outside the local groups hold
-    anything) with those rows set to 0: a select that XLA fuses into the gather or scatter that
-    reads it, where a zero-filled start would be written, then read back by the kernel."""
+    anything) with those rows set to 0: a select for XLA to fuse into the elementwise ops that
+    read it, where a zero-filled start would be written, then read back by the kernel. (Feeding
+    a gather, libtpu wrote it out instead: `put_rows(keep=...)` masks after the gather.)"""
     keep = local_row_mask(gs, go, num_groups, per_row.shape[0])
     return jnp.where(keep[:, None], per_row, jnp.zeros((), per_row.dtype))
 
@@ -135,18 +136,10 @@ def _tgmm_transpose(
     k, n = a.shape[1], b.shape[1]
 
     def per_row(rows, width, transposed):  # rows[r] @ ct[g(r)] (^T), 0 outside the groups
-        product = bind_gmm(
-            rows,
-            ct,
-            gs,
-            go,
-            jnp.zeros((m, width), jnp.float32),  # (its shape: see rows_of_groups)
-            transpose_rhs=transposed,
-            out_dtype=jnp.float32,
-            fill_unwritten=False,
-            **bp,
+        zeros = jnp.zeros((m, width), jnp.float32)
+        return bind_gmm(
+            rows, ct, gs, go, zeros, transpose_rhs=transposed, out_dtype=jnp.float32, **bp
         )
-        return rows_of_groups(product, gs, go, num_groups)
 
     def per_row_a(b_rows):  # [m, n] -> [m, k] float32: b_rows[r] @ ct[g(r)]^T
         return per_row(b_rows, k, True)
@@ -260,8 +253,11 @@ def _transpose(
             fill_unwritten=False,
             **bp,
         )
-        per_row = rows_of_groups(per_row, gs, go, num_groups)
-        ct_lhs = backend_impls.put_rows(per_row, rows, num_rows, unique_indices, lhs.aval.dtype)
+        # its rows outside the groups are dropped by index or selected away after the gather
+        keep = local_row_mask(gs, go, num_groups, m)
+        ct_lhs = backend_impls.put_rows(
+            per_row, rows, num_rows, unique_indices, lhs.aval.dtype, keep=keep
+        )
     if is_undefined_primal(rhs):
         # d rhs[g] = lhs[idx[rows of g]]^T @ ct[rows of g] ([k, n]), or its transpose with
         # transpose_rhs ([n, k]: ct's rows against the gathered rows); gathered in the kernel
