@@ -247,7 +247,7 @@ def _transpose(
             rhs,
             gs,
             go,
-            jnp.zeros((m, k), per_row_dtype),  # (its shape: see rows_of_groups)
+            jnp.zeros((m, k), per_row_dtype),  # (its shape only: see put_rows below)
             transpose_rhs=not transpose_rhs,
             out_dtype=per_row_dtype,
             fill_unwritten=False,
