@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One lent-GPU session in one call (device time is short): the machine's state, the GPU benchmark
+# (`make gpu-bench`), then `make gpu-check` with pytest-xdist workers. Each step has its own time
+# cap so that one slow step cannot eat the others; logs and the table go to $1 (default $OUT).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+dest=${1:-${OUT:?give a folder or set OUT}}
+mkdir -p "$dest"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm,temperature.gpu \
+  --format=csv | tee "$dest/machine.txt"
+source scripts/gpu_env.sh
+"$PY" -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())" \
+  | tee -a "$dest/machine.txt"
+timeout "${BENCH_CAP_S:-170}" "$PY" -m conveyor bench gmm --platform gpu --reps "${REPS:-10}" \
+  --out "$dest/gmm-gpu.md" 2>&1 | tee "$dest/bench.log" | grep -v "^  " 
+echo "bench exit ${PIPESTATUS[0]}"
+GPU_CHECK_LOG="$dest/gpu-check.log" timeout "${CHECK_CAP_S:-240}" \
+  bash scripts/gpu_check.sh -n "${WORKERS:-8}" --durations=15 | tail -40
+echo "gpu-check exit ${PIPESTATUS[0]}"
