@@ -61,10 +61,19 @@ def call_with_aliases(
     inputs: Sequence[Any],
     outs: Sequence[Any],
     aliases: Mapping[int, int],
+    *,
+    fence_aliased: bool = False,
 ) -> list[Any]:
     """Run `body(*in_refs, *out_refs, *scratch_refs)` as the kernel `make_kernel(wrapped_body,
     out_type)` builds (a `plgpu.kernel` or `pl.kernel`, which take no aliases), with the aliased
-    outputs held in jax Refs that start as their inputs. Returns the outputs in order."""
+    outputs held in jax Refs that start as their inputs. Returns the outputs in order.
+
+    `fence_aliased` puts the aliased outputs behind `lax.optimization_barrier` (Mosaic GPU): in a
+    loop, XLA:GPU otherwise fuses a kernel whose result lands in a slice of a stacked output (a
+    `lax.map`, `vmap`'s loop, a scan's stacked results) into a dynamic-slice fusion that hands the
+    kernel a result buffer apart from its aliased operand, and the kernel's writes are lost (seen
+    on an H200, jax 0.11.2: a gmm under lax.map returned zeros). The barrier keeps the kernel out
+    of that fusion; the slice is then written by a copy."""
     n_in = len(inputs)
     aliased = sorted(aliases.items(), key=lambda kv: kv[1])  # (input, output), by output
     refs = [jax.new_ref(jnp.asarray(inputs[i])) for i, _ in aliased]
@@ -89,8 +98,11 @@ def call_with_aliases(
     )(*inputs, *refs)
     results = list(results) if isinstance(results, (tuple, list)) else [results]
     out: list[Any] = [None] * len(outs)
-    for o, r in zip(ref_outputs, refs):
-        out[o] = jax.freeze(r)
+    frozen = [jax.freeze(r) for r in refs]
+    if fence_aliased and frozen:
+        frozen = list(jax.lax.optimization_barrier(tuple(frozen)))
+    for o, r in zip(ref_outputs, frozen):
+        out[o] = r
     for o, x in zip(free, results):
         out[o] = x
     return out

@@ -201,6 +201,33 @@ def test_verdicts():
     assert "XLA's own ops move 7.84 GB per chip (cv.sim prices 7.26)" in cc.markdown([priced])
     assert cc.verdict({**many, "simulated_xla_op_bytes": 5_800_000_000}) == "sim passes"
     assert cc.verdict({**many, "simulated_xla_op_bytes": 9_900_000_000}) == "sim passes"
+    assert cc.verdict({**_row(**ok), "lost_aliases": ["%mpmd_map.2"]}) == "alias lost"
+    assert cc.verdict({**_row(**ok), "lost_aliases": []}) == "ok"
+
+
+# Trimmed from XLA:GPU's compiled HLO of `vmap(cv.gmm)` for an H100 (jax 0.12.0.1) before the
+# aliased outputs were fenced: the kernel's result lands in a slice of the stacked output.
+_SLICE_FUSED_HLO = """
+%dynamic-slice-fusion (p5: bf16[256,128], p7: f32[200,128], p8: f32[2,200,128]) -> f32[2,200,128] {
+  %p7 = f32[200,128]{1,0} parameter(7)
+  %mpmd_map.2 = f32[200,128]{1,0} custom-call(%p5, %p7, %p7), custom_call_target="mosaic_gpu_v2", output_to_operand_aliasing={{}: (2, {})}, api_version=API_VERSION_TYPED_FFI
+  ROOT %dynamic-update-slice = f32[2,200,128]{2,1,0} dynamic-update-slice(%p8, %mpmd_map.2)
+}
+
+%plain (p0: bf16[256,128], p1: f32[200,128]) -> f32[200,128] {
+  ROOT %mpmd_map.3 = f32[200,128]{1,0} custom-call(%p0, %p1, %p1), custom_call_target="mosaic_gpu_v2", output_to_operand_aliasing={{}: (2, {})}
+}
+
+ENTRY %main {
+  %dynamic_slice_fusion = f32[2,200,128]{2,1,0} fusion(%a, %b, %c), kind=kCustom, calls=%dynamic-slice-fusion, backend_config={"fusion_backend_config":{"kind":"__custom_fusion","custom_fusion_config":{"name":"dynamic_address_computation"}}}
+}
+"""
+
+
+def test_an_aliased_gpu_kernel_inside_a_dynamic_slice_fusion_is_found():
+    assert device.aliased_kernels_in_slice_fusions(_SLICE_FUSED_HLO) == ["%mpmd_map.2"]
+    unaliased = _SLICE_FUSED_HLO.replace(", output_to_operand_aliasing={{}: (2, {})}", "")
+    assert device.aliased_kernels_in_slice_fusions(unaliased) == []
 
 
 def test_simulated_onchip_is_the_simulators_count_of_single_kernel_cases():

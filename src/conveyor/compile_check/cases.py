@@ -56,10 +56,23 @@ def case(kind: str, **params) -> Case:
     return Case(kind=kind, params=tuple(params.items()))
 
 
-def _gmm(ctx, *, m, k, n, groups, dtype="bf16", transpose_rhs=False, grad=False, sharded=False):
+def _gmm(
+    ctx,
+    *,
+    m,
+    k,
+    n,
+    groups,
+    dtype="bf16",
+    transpose_rhs=False,
+    grad=False,
+    sharded=False,
+    batch=0,
+):
     """cv.gmm (and with grad=True its backward: gmm with the transposed rhs, and tgmm).
     sharded=True places the operands with a NamedSharding on an explicit-axes mesh, as a model
-    under `jax.set_mesh` does."""
+    under `jax.set_mesh` does. batch > 0 vmaps it over `batch` group-size vectors (a loop of
+    kernels writing slices of one stacked output)."""
     import conveyor as cv
 
     dt = DTYPES[dtype]
@@ -77,6 +90,9 @@ def _gmm(ctx, *, m, k, n, groups, dtype="bf16", transpose_rhs=False, grad=False,
             x, w, s, backend=ctx.backend, preferred_element_type=dt, transpose_rhs=transpose_rhs
         )
 
+    if batch:
+        args = (*args[:2], ctx.array((batch, groups), jnp.int32, spec, mesh))
+        fwd = jax.vmap(fwd, in_axes=(None, None, 0))
     if not grad:
         return fwd, args
 
@@ -357,6 +373,9 @@ def production() -> list[Case]:
         # experts are narrow (DeepSeek-V3's expert FFN is 7168 x 2048).
         case("gmm", m=8192, k=4096, n=2048, groups=256),
         case("gmm", **MIXTRAL, groups=8, transpose_rhs=True),
+        # under vmap: a loop of kernels, each writing a slice of one stacked output (an aliased
+        # Mosaic GPU kernel must stay out of XLA:GPU's dynamic-slice fusion: "alias lost")
+        case("gmm", m=1024, k=4096, n=2048, groups=8, batch=2),
         case("tgmm", **MIXTRAL, groups=8),
         case("tgmm", **MIXTRAL, groups=64),
         # an MoE layer's first projection with the tokens gathered in the kernel (Mixtral:

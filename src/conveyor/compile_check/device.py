@@ -128,10 +128,30 @@ def compile_case(case: Case, target: Target, dump_dir: str) -> dict[str, Any]:
                 result["xla_op_bytes"] = xla_op_bytes(hlo, target.platform)
             if target.platform == "tpu":
                 result["kernels"] = tpu_kernels(hlo, target)
+            if target.platform == "cuda":
+                result["lost_aliases"] = aliased_kernels_in_slice_fusions(hlo)
     if target.platform == "cuda":
         result["kernels"] = gpu_kernels(dump_dir, target)
     result["seconds"] = round(time.perf_counter() - t0, 2)
     return result
+
+
+def aliased_kernels_in_slice_fusions(hlo: str) -> list[str]:
+    """The Mosaic GPU calls (by HLO name) that alias an operand to their result inside an XLA:GPU
+    dynamic-slice fusion. Such a fusion hands the kernel a result buffer (a slice of a stacked
+    output) apart from the aliased operand, and the kernel's writes are lost: a gmm under lax.map
+    returned zeros on an H200 (jax 0.11.2). `aliasing.call_with_aliases(fence_aliased=True)`
+    keeps Conveyor's kernels out of them; this finds any that slip in."""
+    fused = set(re.findall(r"calls=(%[\w.-]+)[^\n]*\"custom_fusion_config\":\{\"name\":\"dynamic", hlo))
+    found = []
+    for comp in hlo.split("\n\n"):
+        lines = comp.strip().splitlines()
+        if not lines or lines[0].split(" ")[0] not in fused:
+            continue
+        for line in lines:
+            if 'custom_call_target="mosaic_gpu' in line and "output_to_operand_aliasing" in line:
+                found.append(line.split("=")[0].strip())
+    return found
 
 
 def bytes_accessed(compiled) -> int | None:

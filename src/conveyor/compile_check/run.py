@@ -101,7 +101,8 @@ def onchip(kernel: dict) -> int:
 
 
 def verdict(row: dict) -> str:
-    """ "ok", or what is wrong: the compiler refused it, a kernel spills, a kernel is over the
+    """ "ok", or what is wrong: the compiler refused it, an aliased Mosaic GPU kernel sits in a
+    dynamic-slice fusion ("alias lost": its writes would be lost), a kernel spills, a kernel is over the
     chip's on-chip memory, or the simulator counts less of a kernel's on-chip memory than the
     compiler reported ("sim onchip": it would call fitting what the chip may refuse), or the
     bytes it prices for the XLA ops between an MoE layer's kernels differ from the compiled
@@ -109,6 +110,8 @@ def verdict(row: dict) -> str:
     "refused" (not wrong)."""
     if row["status"] != "compiled":
         return row["status"]
+    if row.get("lost_aliases"):
+        return "alias lost"
     for k in row["kernels"]:
         if k.get("spill_stores") or k.get("spill_loads"):
             return "spills"

@@ -87,6 +87,8 @@ def build(
                 debug=debug,
             )
 
-        return call_with_aliases(make_kernel, body, inputs, out_leaves, aliases)
+        return call_with_aliases(
+            make_kernel, body, inputs, out_leaves, aliases, fence_aliased=True
+        )
 
     return call
