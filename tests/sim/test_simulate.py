@@ -292,7 +292,7 @@ def test_grouped_simulations_on_a_gpu_model_the_mosaic_gpu_kernels():
     from conveyor.ops.gmm.mosaic_gpu import stages_that_fit
 
     for dtype, jdt in (("bf16", jnp.bfloat16),):  # the kernels take 16-bit operands only
-        tm, tk, tn = MOSAIC_GPU.gmm_tiles_for(4096, 14336)
+        tm, tk, tn = MOSAIC_GPU.gmm_tiles_for(4096, 14336, out_itemsize=2)
         kernel = stages_that_fit(
             block_bytes=(tm * tk + tk * tn) * jnp.dtype(jdt).itemsize,
             staging=plgpu.SMEM(MOSAIC_GPU.staging_shape(tm, tn), jdt),

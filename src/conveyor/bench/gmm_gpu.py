@@ -154,14 +154,19 @@ def _inputs(p: GmmProblem, seed: int):
     return sizes, k1, k2
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _scaled_normal(key, shape: tuple[int, ...], scale: float):
+    """bf16 normals times `scale`, drawn in bf16: at G=256 the Mixtral weights are 30 GB, and a
+    float32 draw of them (60 GB, then a scaled copy) ran an H200 out of memory."""
+    return jax.random.normal(key, shape, jnp.bfloat16) * jnp.bfloat16(scale)
+
+
 def bench_gmm(
     p: GmmProblem, reps: int, backends: tuple[str, ...], interpret: bool = False
 ) -> list[dict]:
     sizes, k1, k2 = _inputs(p, p.groups)
     lhs = jax.random.normal(k1, (p.m, p.k), jnp.bfloat16)
-    rhs = (jax.random.normal(k2, (p.groups, p.k, p.n), jnp.float32) / np.sqrt(p.k)).astype(
-        jnp.bfloat16
-    )
+    rhs = _scaled_normal(k2, (p.groups, p.k, p.n), 1 / np.sqrt(p.k))
     gs = jnp.asarray(sizes)
     ref = jax.jit(lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=jnp.float32))(
         lhs, rhs, gs
@@ -245,6 +250,12 @@ def bench_tgmm(
     return rows
 
 
+def _floor(dense: float | None, moving: float) -> float:
+    """The roofline floor: the larger of the dense matmul's time (None when it failed to run; its
+    row says why) and the time to move the bytes once."""
+    return moving if dense is None else max(dense, moving)
+
+
 def _table(title: str, p: GmmProblem, rows: list[dict], floor: float, floor_what: str) -> list[str]:
     flops = 2 * p.m * p.k * p.n
     out = [
@@ -296,7 +307,7 @@ def run(
         rows = bench_gmm(p, reps, backends, interpret)
         dense = rows[0]["t"]
         weights = 2 * (p.groups * p.k * p.n + p.m * p.k + p.m * p.n)
-        floor = max(dense, weights / bw)
+        floor = _floor(dense, weights / bw)
         lines += _table(
             "gmm",
             p,
@@ -310,7 +321,7 @@ def run(
             print(f"tgmm G={p.groups}", flush=True)
             rows = bench_tgmm(p, reps, backends, interpret)
             dense = rows[0]["t"]
-            floor = max(dense, 2 * (p.m * p.k + p.m * p.n + p.groups * p.k * p.n) / bw)
+            floor = _floor(dense, 2 * (p.m * p.k + p.m * p.n + p.groups * p.k * p.n) / bw)
             lines += _table(
                 "tgmm",
                 p,

@@ -594,7 +594,7 @@ def simulate_gmm(
     _check_positive("simulate_gmm", k=k, n=n, stages=stages)
     imagined = _grouped_dtype("simulate_gmm", dtype, hw, hypothetical)
     b = dtypes.itemsize(dtype)
-    tm, tk, tn = MOSAIC_GPU.gmm_tiles_for(k, n)
+    tm, tk, tn = MOSAIC_GPU.gmm_tiles_for(k, n, out_itemsize=b)
     cfg = _grouped_kernel(
         hw,
         tiling,

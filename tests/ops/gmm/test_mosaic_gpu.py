@@ -150,28 +150,85 @@ def test_exports_for_cuda_at_moe_sizes(groups):
     assert exported.platforms == ("cuda",)
 
 
+def test_aliased_outputs_are_fenced_from_xla_gpu_slice_fusion():
+    """A kernel whose output aliases an input (gmm's existing_out, cv.kernel's
+    input_output_aliases) returns it through an optimization barrier: under vmap XLA:GPU otherwise
+    fuses the kernel into a dynamic-slice fusion that drops its writes (zeros on an H200)."""
+    import re
+
+    def kernel(x_ref, o_ref):
+        o_ref[0:8] = x_ref[0:8] + 1.0
+
+    add = cv.kernel(
+        kernel,
+        jax.ShapeDtypeStruct((64, 128), jnp.float32),
+        backend="mosaic_gpu",
+        input_output_aliases={0: 0},
+    )
+    programs = {
+        "gmm": (
+            jax.vmap(lambda l, r, s: cv.gmm(l, r, s, backend="mosaic_gpu"), in_axes=(None, None, 0)),
+            (
+                jax.ShapeDtypeStruct((M, K), jnp.bfloat16),
+                jax.ShapeDtypeStruct((3, K, N), jnp.bfloat16),
+                jax.ShapeDtypeStruct((2, 3), jnp.int32),
+            ),
+        ),
+        "cv.kernel": (jax.vmap(add), (jax.ShapeDtypeStruct((2, 64, 128), jnp.float32),)),
+    }
+    for name, (fn, args) in programs.items():
+        text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
+        aliased = re.findall(r"(%\w+) = stablehlo.custom_call @mosaic_gpu\S*\(.*output_operand_aliases", text)
+        assert aliased, f"{name}: no aliased Mosaic GPU call in the exported module"
+        for result in aliased:
+            assert f"stablehlo.optimization_barrier {result}" in text, (name, result)
+
+
 @pytest.mark.parametrize(
-    "k, n, transpose_rhs, tiles",
+    "k, n, transpose_rhs, out_itemsize, tiles",
     [
-        (4096, 14336, False, (128, 64, 256)),  # Mixtral: the configured tiles
-        (2880, 2880, False, (128, 64, 64)),  # gpt-oss: 2880 = 45 * 64
-        (48, 96, False, (128, 16, 32)),
-        (64, 200, True, (128, 64, 8)),  # transposed rhs: tn's blocks are rows, any multiple of 8
-        (64, 200, False, (128, 64, 256)),  # no tile divides: kept, and refused by the kernel
+        (4096, 14336, False, 2, (128, 64, 256)),  # Mixtral: the configured tiles
+        (2880, 2880, False, 2, (128, 64, 64)),  # gpt-oss: 2880 = 45 * 64
+        (48, 96, False, 4, (128, 16, 32)),  # 32 float32 columns: one 128-byte output row
+        (48, 96, False, 2, (128, 16, 256)),  # 96 bf16: no 128-byte multiple divides (padded)
+        (64, 224, True, 4, (128, 64, 32)),
+        (64, 200, False, 4, (128, 64, 256)),  # no tile divides: kept, and refused by the kernel
     ],
 )
-def test_default_tiles_halve_until_they_divide_the_weight(k, n, transpose_rhs, tiles):
+def test_default_tiles_halve_until_they_divide_the_weight(k, n, transpose_rhs, out_itemsize, tiles):
     from conveyor.ops.gmm.tiling import MOSAIC_GPU
 
-    assert MOSAIC_GPU.gmm_tiles_for(k, n, transpose_rhs=transpose_rhs) == tiles
+    got = MOSAIC_GPU.gmm_tiles_for(k, n, out_itemsize=out_itemsize, transpose_rhs=transpose_rhs)
+    assert got == tiles
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_a_staged_output_row_narrower_than_128_bytes_is_refused(out_dtype):
+    """A TMA store's shared-memory address must be 128-byte aligned, and gmm stores its rows from
+    any row of its staging buffer (group boundaries): narrower rows ran in the interpreter and
+    faulted on an H200 (CUDA_ERROR_MISALIGNED_ADDRESS). Refused by name, before any kernel."""
+    rng = np.random.default_rng(3)
+    narrow = 16 if out_dtype == jnp.float32 else 32  # 64 bytes
+    lhs, rhs = operands(rng, M, K, 256, 2, jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"multiple of {2 * narrow}.*tn={narrow}"):
+        cv.gmm(
+            lhs,
+            rhs,
+            jnp.asarray([M // 2, M // 2], jnp.int32),
+            backend="mosaic_gpu",
+            interpret=gpu_interpret(),
+            preferred_element_type=out_dtype,
+            tiling=(128, K, narrow),
+        )
 
 
 @pytest.mark.parametrize(
     "k, n, transpose_rhs", [(48, 96, False), (64, 40, True)], ids=["k48-n96", "transposed-n40"]
 )
 def test_default_tiles_that_halve_match_the_reference(k, n, transpose_rhs):
-    """k=48 and n=96 run with tk=16 and tn=32 (32- and 64-byte swizzled rows); a transposed
-    n=40 with tn=8. Poisoned existing_out rows outside the groups are kept."""
+    """k=48 and n=96 run with tk=16 and tn=32 (32- and 64-byte swizzled rows, 128-byte float32
+    output rows); a transposed n=40 padded to 64 (this one faulted on an H200 when it ran with
+    tn=8: 32-byte output rows). Poisoned existing_out rows outside the groups are kept."""
     rng = np.random.default_rng(4704)
     sizes = skewed_sizes(rng, M, 3, total=M - 5)
     lhs, rhs = operands(rng, M, k, n, 3, jnp.bfloat16, transpose_rhs=transpose_rhs)
@@ -284,7 +341,7 @@ def test_what_the_gpu_kernel_cannot_do_is_refused_by_name():
             tiling=(128, 64, 512),
         )
     # Above 128 columns each warpgroup takes half the columns: whole 128-byte swizzled rows.
-    with pytest.raises(ValueError, match="be a multiple of 128 and at most 256, got tn=192"):
+    with pytest.raises(ValueError, match="be a multiple of 128 .* and at most 256, got tn=192"):
         cv.gmm(
             lhs.astype(jnp.bfloat16),
             jnp.zeros((2, 64, 384), jnp.bfloat16),
@@ -301,8 +358,9 @@ def test_what_the_gpu_kernel_cannot_do_is_refused_by_name():
             backend="mosaic_gpu",
             interpret=True,
         )
-    # A [tk, 8] block is a 16-byte row: the interpreter ran it, Mosaic's compile refused it.
-    with pytest.raises(ValueError, match="be a multiple of 16 and at most 256, got tn=8"):
+    # A [tk, 8] block is a 16-byte row: the interpreter ran it, Mosaic's compile refused it (and
+    # its 32-byte float32 output rows would fault a TMA store).
+    with pytest.raises(ValueError, match="be a multiple of 32 .* and at most 256, got tn=8"):
         cv.gmm(
             lhs.astype(jnp.bfloat16),
             rhs.astype(jnp.bfloat16),

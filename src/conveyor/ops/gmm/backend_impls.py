@@ -119,12 +119,13 @@ def _gmm_mosaic_tpu(
     )
 
 
-def _mosaic_gpu_gmm_tile(tiling, lhs, rhs, transpose_rhs):
+def _mosaic_gpu_gmm_tile(tiling, lhs, rhs, transpose_rhs, out_dtype):
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    return tiling_lib.resolve(
-        tiling, m, k, n, tiling_lib.MOSAIC_GPU.gmm_tiles_for(k, n, transpose_rhs=transpose_rhs)
+    default = tiling_lib.MOSAIC_GPU.gmm_tiles_for(
+        k, n, out_itemsize=jnp.dtype(out_dtype).itemsize, transpose_rhs=transpose_rhs
     )
+    return tiling_lib.resolve(tiling, m, k, n, default)
 
 
 def _pad_to(x, axis: int, multiple: int):
@@ -140,12 +141,12 @@ def _pad_to(x, axis: int, multiple: int):
     return jnp.pad(x, [(0, extra if d == axis else 0) for d in range(x.ndim)])
 
 
-def _gmm_padded_for_gpu(lhs, rhs, existing_out, transpose_rhs):
-    """The mosaic_gpu gmm's operands with k and n padded with zeros to its narrowest tiles (a
-    32-byte swizzled row; n in 8s when rhs is transposed): zero columns of lhs meet zero rows of
-    rhs, so the product is exact, and the padded output columns are dropped."""
+def _gmm_padded_for_gpu(lhs, rhs, existing_out, transpose_rhs, out_dtype):
+    """The mosaic_gpu gmm's operands with k and n padded with zeros to its narrowest tiles (k to a
+    32-byte swizzled row, n to a 128-byte output row): zero columns of lhs meet zero rows of rhs,
+    so the product is exact, and the padded output columns are dropped."""
     k_unit = tiling_lib.MOSAIC_GPU.min_tile
-    n_unit = tiling_lib.MOSAIC_GPU.gmm_min_tn(transpose_rhs)
+    n_unit = tiling_lib.MOSAIC_GPU.gmm_min_tn(transpose_rhs, jnp.dtype(out_dtype).itemsize)
     k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
     lhs = _pad_to(lhs, 1, k_unit)
     rhs = _pad_to(_pad_to(rhs, k_axis, k_unit), n_axis, n_unit)
@@ -167,8 +168,8 @@ def _gmm_mosaic_gpu(
     from conveyor.ops.gmm import mosaic_gpu
 
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    lhs, rhs, existing_out = _gmm_padded_for_gpu(lhs, rhs, existing_out, transpose_rhs)
-    t = _mosaic_gpu_gmm_tile(tiling, lhs, rhs, transpose_rhs)
+    lhs, rhs, existing_out = _gmm_padded_for_gpu(lhs, rhs, existing_out, transpose_rhs, out_dtype)
+    t = _mosaic_gpu_gmm_tile(tiling, lhs, rhs, transpose_rhs, out_dtype)
     out = mosaic_gpu.gmm_mosaic_gpu(
         lhs,
         rhs,
@@ -188,17 +189,17 @@ def _shape_of(x):
 
 
 def _gmm_mosaic_gpu_check(
-    lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, transpose_rhs, **_
+    lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, transpose_rhs, out_dtype, **_
 ):
     from conveyor.ops.gmm import mosaic_gpu
 
     lhs, rhs = mosaic_gpu.wgmma_operands("gmm", lhs, rhs)
     lhs, rhs, existing_out = _gmm_padded_for_gpu(
-        _shape_of(lhs), _shape_of(rhs), _shape_of(existing_out), transpose_rhs
+        _shape_of(lhs), _shape_of(rhs), _shape_of(existing_out), transpose_rhs, out_dtype
     )
-    t = _mosaic_gpu_gmm_tile(tiling, lhs, rhs, transpose_rhs)
+    t = _mosaic_gpu_gmm_tile(tiling, lhs, rhs, transpose_rhs, out_dtype)
     try:
-        mosaic_gpu.check_gmm_args(lhs, rhs, t, transpose_rhs)
+        mosaic_gpu.check_gmm_args(lhs, rhs, t, transpose_rhs, out_dtype)
     # the kernel's argument rules, refused by name when it is named explicitly
     except ValueError as e:
         raise NotImplementedError(str(e)) from e

@@ -69,15 +69,16 @@ def wgmma_operands(op: str, lhs, rhs):
     )
 
 
-def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs) -> tuple[int, int, int]:
+def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs, out_dtype) -> tuple[int, int, int]:
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
-    # A block's minor dimension spans a 32-byte swizzled row at least: tk always, tn unless rhs is
-    # transposed (then its rows are tn, any multiple of 8). tn=8 with a [tk, tn] block passed the
-    # interpreter and failed Mosaic's compile ("No valid tiling found for SMEM reference", jax
-    # 0.12.0.1).
-    narrowest = {"k": MOSAIC_GPU.min_tile, "n": MOSAIC_GPU.gmm_min_tn(transpose_rhs)}
+    # A block's minor dimension spans a 32-byte swizzled row at least: tk always (tn=8 with a
+    # [tk, tn] block passed the interpreter and failed Mosaic's compile, "No valid tiling found for
+    # SMEM reference", jax 0.12.0.1). tn: a staged output row spans 128 bytes (`gmm_min_tn`: a
+    # narrower one ran in the interpreter and faulted on an H200, misaligned TMA stores).
+    out_itemsize = jnp.dtype(out_dtype).itemsize
+    narrowest = {"k": MOSAIC_GPU.min_tile, "n": MOSAIC_GPU.gmm_min_tn(transpose_rhs, out_itemsize)}
     for name, dim in (("k", k), ("n", n)):
         if dim % narrowest[name]:
             raise ValueError(
@@ -98,8 +99,9 @@ def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs) -> tuple[int, int, int
     step = MOSAIC_GPU.tn_multiple(tn, narrowest["n"])
     if n % tn or tn % step or tn > MOSAIC_GPU.max_tn:
         raise ValueError(
-            f"tiling: mosaic_gpu gmm needs tn to divide n={n}, be a multiple of {step} and at most "
-            f"{MOSAIC_GPU.max_tn}, got tn={tn}"
+            f"tiling: mosaic_gpu gmm needs tn to divide n={n}, be a multiple of {step} (whole "
+            f"{MOSAIC_GPU.tma_smem_align}-byte rows of {jnp.dtype(out_dtype).name} output) and at "
+            f"most {MOSAIC_GPU.max_tn}, got tn={tn}"
         )
     return tm, tk, tn
 
@@ -135,6 +137,12 @@ def store_rows(acc_smem, out_gmem, lo, hi, row0, col0, width):
     """TMA-store rows [lo, hi) of a shared-memory block to `out_gmem` rows row0 + [lo, hi) and
     columns col0 + [0, width), in power-of-two chunks (a TMA copy has a static shape; the row
     count is known at run time). Waits for the copies: the block may be rewritten after."""
+    row_bytes = width * jnp.dtype(acc_smem.dtype).itemsize
+    if row_bytes % MOSAIC_GPU.tma_smem_align:  # the copies start at any row: see tma_smem_align
+        raise ValueError(
+            f"store_rows: a staged row must span a multiple of {MOSAIC_GPU.tma_smem_align} bytes "
+            f"(a TMA copy's shared-memory alignment), got {width} x {acc_smem.dtype} = {row_bytes}"
+        )
     start = lo
     size = hi - lo
     chunk = acc_smem.shape[0]
@@ -187,7 +195,7 @@ def gmm_mosaic_gpu(
     num_groups = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     lhs, rhs = wgmma_operands("gmm", lhs, rhs)
-    tm, tk, tn = check_gmm_args(lhs, rhs, tiling, transpose_rhs)
+    tm, tk, tn = check_gmm_args(lhs, rhs, tiling, transpose_rhs, out_dtype)
     meta = make_group_metadata(group_sizes, m, tm, group_offset=group_offset, num_groups=num_groups)
     visits = meta.group_ids.shape[0]
     num_visits = meta.num_visits[None]

@@ -56,25 +56,32 @@ class GpuKernelConfig:
     # tgmm's (tm rows reduced per step, tk, tn): a 128 x 256 output tile, split by columns as gmm's.
     tgmm_tiling: tuple[int, int, int] = (64, 128, 256)
     min_tile: int = 16  # elements: 32 bytes of bf16/f16, the narrowest swizzled shared-memory row
+    # A TMA copy's shared-memory address must be 128-byte aligned (an unaligned one faults with
+    # CUDA_ERROR_MISALIGNED_ADDRESS: seen on an H200). gmm stores its output rows from any row of
+    # the staging buffer (a group boundary), so each staged row spans a multiple of this.
+    tma_smem_align: int = 128
     tgmm_min_tn: int = 64  # tgmm's narrowest column tile: one 128-byte swizzled row of bf16/f16
 
-    def gmm_tiles_for(self, k: int, n: int, *, transpose_rhs: bool = False) -> tuple[int, int, int]:
+    def gmm_tiles_for(
+        self, k: int, n: int, *, out_itemsize: int, transpose_rhs: bool = False
+    ) -> tuple[int, int, int]:
         """gmm's default (tm, tk, tn) for a k x n weight: `gmm_tiling`'s tk and tn where they
         divide k and n, else the widest power-of-two halving of them that does, down to `min_tile`
-        (gpt-oss's n=2880 runs with tn=64), or 8 for tn when rhs is transposed (its blocks' rows
-        are tn). A dimension no candidate divides keeps the configured tile, which the kernel then
-        refuses by name."""
+        for tk and `gmm_min_tn` for tn (gpt-oss's n=2880 runs with tn=64). A dimension no
+        candidate divides keeps the configured tile, which the kernel then refuses by name."""
         tm, tk, tn = self.gmm_tiling
         return (
             tm,
             _widest_dividing(tk, k, self.min_tile),
-            _widest_dividing(tn, n, self.gmm_min_tn(transpose_rhs)),
+            _widest_dividing(tn, n, self.gmm_min_tn(transpose_rhs, out_itemsize)),
         )
 
-    def gmm_min_tn(self, transpose_rhs: bool) -> int:
-        """gmm's narrowest tn: `min_tile` when tn is the rhs blocks' minor dimension (a swizzled
-        row), 8 when rhs is transposed (its blocks' rows are tn)."""
-        return 8 if transpose_rhs else self.min_tile
+    def gmm_min_tn(self, transpose_rhs: bool, out_itemsize: int) -> int:
+        """gmm's narrowest tn: a staged output row of `tma_smem_align` bytes (32 float32 or 64
+        bfloat16 columns); the rhs blocks need less (a 32-byte swizzled row, `min_tile`, or 8 rows
+        when rhs is transposed)."""
+        operand = 8 if transpose_rhs else self.min_tile
+        return max(operand, self.tma_smem_align // out_itemsize)
 
     def split_columns(self, tn: int) -> bool:
         """Whether the compute warpgroups split a tn-column output tile by columns (tn > 128: each
