@@ -7,6 +7,7 @@ exactly; group_offset shards; transpose_rhs; traced sizes."""
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -148,6 +149,31 @@ def test_exports_for_cuda_at_moe_sizes(groups):
         jax.ShapeDtypeStruct((groups,), jnp.int32),
     )
     assert exported.platforms == ("cuda",)
+
+
+@pytest.mark.parametrize("loop", ["lax.map", "scan"])
+def test_kernels_in_a_loop_writing_slices_of_a_stacked_output(loop):
+    """gmm with existing_out (aliased) and without, in a loop whose results are stacked: on an
+    H200 the aliased kernel's writes were lost this way (zeros) until its output was fenced."""
+    rng = np.random.default_rng(21)
+    sizes = np.stack([skewed_sizes(rng, M, 3, total=M - 5 * b) for b in range(1, 3)])
+    lhs, rhs = operands(rng, M, K, N, 3, jnp.bfloat16)
+    start = jnp.full((M, N), 7.25, jnp.float32)
+
+    def both(s):
+        return _gmm(lhs, rhs, s, existing_out=start), _gmm(lhs, rhs, s, unwritten_rows="unspecified")
+
+    gs = jnp.asarray(sizes)
+    if loop == "lax.map":
+        kept, unspecified = jax.jit(lambda g: lax.map(both, g))(gs)
+    else:
+        kept, unspecified = jax.jit(lambda g: lax.scan(lambda c, s: (c, both(s)), 0, g)[1])(gs)
+    for b in range(2):
+        used = int(sizes[b].sum())
+        expected = numpy_gmm(lhs, rhs, sizes[b])
+        assert_close(kept[b][:used], expected[:used], K, jnp.float32)
+        np.testing.assert_array_equal(kept[b][used:], 7.25)
+        assert_close(unspecified[b][:used], expected[:used], K, jnp.float32)
 
 
 def test_aliased_outputs_are_fenced_from_xla_gpu_slice_fusion():
