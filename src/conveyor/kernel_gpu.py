@@ -73,9 +73,7 @@ def launch(
 
     def run(*inputs):
         check_alias_operands("cv.kernel", aliases, inputs, outs)
-        results = call_with_aliases(
-            make_kernel, wrapped, inputs, outs, aliases, fence_aliased=True
-        )
+        results = call_with_aliases(make_kernel, wrapped, inputs, outs, aliases, fence_aliased=True)
         return results[0] if single else tuple(results)
 
     return run

@@ -142,7 +142,9 @@ def aliased_kernels_in_slice_fusions(hlo: str) -> list[str]:
     output) apart from the aliased operand, and the kernel's writes are lost: a gmm under lax.map
     returned zeros on an H200 (jax 0.11.2). `aliasing.call_with_aliases(fence_aliased=True)`
     keeps Conveyor's kernels out of them; this finds any that slip in."""
-    fused = set(re.findall(r"calls=(%[\w.-]+)[^\n]*\"custom_fusion_config\":\{\"name\":\"dynamic", hlo))
+    fused = set(
+        re.findall(r"calls=(%[\w.-]+)[^\n]*\"custom_fusion_config\":\{\"name\":\"dynamic", hlo)
+    )
     found = []
     for comp in hlo.split("\n\n"):
         lines = comp.strip().splitlines()

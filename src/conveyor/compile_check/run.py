@@ -102,10 +102,10 @@ def onchip(kernel: dict) -> int:
 
 def verdict(row: dict) -> str:
     """ "ok", or what is wrong: the compiler refused it, an aliased Mosaic GPU kernel sits in a
-    dynamic-slice fusion ("alias lost": its writes would be lost), a kernel spills, a kernel is over the
-    chip's on-chip memory, or the simulator counts less of a kernel's on-chip memory than the
-    compiler reported ("sim onchip": it would call fitting what the chip may refuse), or the
-    bytes it prices for the XLA ops between an MoE layer's kernels differ from the compiled
+    dynamic-slice fusion ("alias lost": its writes would be lost), a kernel spills, a kernel is
+    over the chip's on-chip memory, or the simulator counts less of a kernel's on-chip memory
+    than the compiler reported ("sim onchip": it would call fitting what the chip may refuse), or
+    the bytes it prices for the XLA ops between an MoE layer's kernels differ from the compiled
     program's by more than PASSES_TOLERANCE ("sim passes"). A case Conveyor refused itself is
     "refused" (not wrong)."""
     if row["status"] != "compiled":

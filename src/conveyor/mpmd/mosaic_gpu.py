@@ -87,8 +87,6 @@ def build(
                 debug=debug,
             )
 
-        return call_with_aliases(
-            make_kernel, body, inputs, out_leaves, aliases, fence_aliased=True
-        )
+        return call_with_aliases(make_kernel, body, inputs, out_leaves, aliases, fence_aliased=True)
 
     return call

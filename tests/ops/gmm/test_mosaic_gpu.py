@@ -161,7 +161,9 @@ def test_kernels_in_a_loop_writing_slices_of_a_stacked_output(loop):
     start = jnp.full((M, N), 7.25, jnp.float32)
 
     def both(s):
-        return _gmm(lhs, rhs, s, existing_out=start), _gmm(lhs, rhs, s, unwritten_rows="unspecified")
+        return _gmm(lhs, rhs, s, existing_out=start), _gmm(
+            lhs, rhs, s, unwritten_rows="unspecified"
+        )
 
     gs = jnp.asarray(sizes)
     if loop == "lax.map":
@@ -193,7 +195,9 @@ def test_aliased_outputs_are_fenced_from_xla_gpu_slice_fusion():
     )
     programs = {
         "gmm": (
-            jax.vmap(lambda l, r, s: cv.gmm(l, r, s, backend="mosaic_gpu"), in_axes=(None, None, 0)),
+            jax.vmap(
+                lambda l, r, s: cv.gmm(l, r, s, backend="mosaic_gpu"), in_axes=(None, None, 0)
+            ),
             (
                 jax.ShapeDtypeStruct((M, K), jnp.bfloat16),
                 jax.ShapeDtypeStruct((3, K, N), jnp.bfloat16),
@@ -204,7 +208,9 @@ def test_aliased_outputs_are_fenced_from_xla_gpu_slice_fusion():
     }
     for name, (fn, args) in programs.items():
         text = jax.export.export(jax.jit(fn), platforms=["cuda"])(*args).mlir_module()
-        aliased = re.findall(r"(%\w+) = stablehlo.custom_call @mosaic_gpu\S*\(.*output_operand_aliases", text)
+        aliased = re.findall(
+            r"(%\w+) = stablehlo.custom_call @mosaic_gpu\S*\(.*output_operand_aliases", text
+        )
         assert aliased, f"{name}: no aliased Mosaic GPU call in the exported module"
         for result in aliased:
             assert f"stablehlo.optimization_barrier {result}" in text, (name, result)
