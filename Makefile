@@ -5,7 +5,7 @@ JAX_END ?= newest
 PY := $(VENV)/bin/python
 
 .PHONY: demo test test-fast test-oldest-jax wheel-test lint dist ci bench bootstrap clean gpu-check gpu-bench \
-	compile-env compile-check
+	compile-env compile-check gpu-lowering-check
 
 bootstrap:
 	@VENV=$(VENV) JAX_END=$(JAX_END) bash scripts/bootstrap.sh
@@ -58,9 +58,15 @@ compile-check: compile-env
 	.venv-compile-tpu/bin/python -m conveyor compile-check production --target v5e,v6e,v5p \
 		--allow-refused --out $(COMPILE_OUT)/tpu.md
 
+# On CPU, the tests gpu-check runs with their mosaic_gpu kernels lowered for CUDA instead of
+# interpreted (tests/cuda_lowering.py): what Mosaic GPU does not lower fails here, as on a GPU.
+# .ci/run runs it at both ends of the jax range (the GPU machine's image holds jax 0.11.2).
+gpu-lowering-check: bootstrap
+	CONVEYOR_TEST_PLATFORM=cuda-lowering bash scripts/gpu_tests.sh $(PY) $(XDIST)
+
 # What CI runs (.ci/run): both ends of the jax range, the installed wheel, the lint, the
 # real compilers.
-ci: test test-oldest-jax wheel-test lint compile-check
+ci: test test-oldest-jax wheel-test lint gpu-lowering-check compile-check
 
 bench: bootstrap
 	$(PY) -m conveyor bench gmm

@@ -11,7 +11,6 @@ print(f"gpu-check: jax {jax.__version__}, jaxlib {jaxlib.__version__}, devices {
 if devs[0].platform != "gpu":
     raise SystemExit("gpu-check: no GPU visible to JAX (is the CUDA plugin installed?)")
 PYEOF
-"$PY" -m pytest -q -p no:cacheprovider -rA --timeout 600 -k "mosaic_gpu or gpu" \
-  tests/pipeline tests/mpmd/test_mpmd_gpu.py tests/ops/gmm "$@" 2>&1 | tee "${GPU_CHECK_LOG:-/tmp/gpu-check.log}" \
+bash scripts/gpu_tests.sh "$PY" -rA --timeout 600 "$@" 2>&1 | tee "${GPU_CHECK_LOG:-/tmp/gpu-check.log}" \
   | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed"
 exit "${PIPESTATUS[0]}"

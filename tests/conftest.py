@@ -8,7 +8,7 @@ os.environ["XLA_FLAGS"] = (
 # The benchmarks' pause before each timed call (bench/timing.py) only steadies their times, which
 # the tests do not judge; subprocesses (the CLI's bench and demo) inherit it.
 os.environ.setdefault("CONVEYOR_BENCH_SETTLE_S", "0")
-if os.environ.get("CONVEYOR_TEST_PLATFORM", "cpu") == "cpu":  # `make gpu-check` runs on the GPU
+if os.environ.get("CONVEYOR_TEST_PLATFORM", "cpu") in ("cpu", "cuda-lowering"):  # not gpu-check
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     # Most of the suite's time is XLA:CPU compiling small programs once each (interpreted kernels
     # above all): LLVM's cheaper pipeline compiles them faster. Same semantics (no fast-math either
@@ -22,6 +22,8 @@ if os.environ.get("CONVEYOR_TEST_PLATFORM", "cpu") == "cpu":  # `make gpu-check`
 import hypothesis  # noqa: E402
 import pytest  # noqa: E402
 
+from tests import cuda_lowering  # noqa: E402
+
 from conveyor import testing  # noqa: E402
 
 # A race found by a Pallas interpreter fails the run on every supported jax (jax 0.11 only prints
@@ -29,6 +31,17 @@ from conveyor import testing  # noqa: E402
 # Every interpreted kernel Conveyor launches already has a wait deadline (60 s by default), so a
 # deadlocked kernel fails its test instead of hanging the run.
 testing.enable_interpreter_checks()
+
+if os.environ.get("CONVEYOR_TEST_PLATFORM") == cuda_lowering.MODE:
+    cuda_lowering.install()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if os.environ.get("CONVEYOR_TEST_PLATFORM") == cuda_lowering.MODE:
+        cuda_lowering.relabel(outcome.get_result())
+
 
 # Derandomized so CI is repeatable; small example counts keep the suite fast.
 hypothesis.settings.register_profile(

@@ -21,7 +21,7 @@ import conveyor as cv
 from conveyor.pipeline.lowering import record_issued
 from conveyor.plans.program import Copy, Signal, Wait
 from tests import schedule
-from tests.platform import gpu_interpret
+from tests.platform import gpu_interpreter_always
 
 # Each case runs in about a second; a lowering that waits for a copy it never issued fails at the
 # interpreters' wait deadline (tests/conftest.py, 60 s), naming the semaphore or barrier.
@@ -103,7 +103,9 @@ def _run(backend, grid, in_specs, out_specs, mcs, delay):
     outs = [
         jax.ShapeDtypeStruct(shapes.get(id(s), (grid[0] * 8, 128)), jnp.float32) for s in out_specs
     ]
-    interpret = pltpu.InterpretParams() if backend == "mosaic_tpu" else gpu_interpret()
+    # the records are debug callbacks, which Mosaic GPU lowers in a plain pipeline only in its
+    # interpreter ("Unimplemented primitive ... debug_callback" on an H200)
+    interpret = pltpu.InterpretParams() if backend == "mosaic_tpu" else gpu_interpreter_always()
     with record_issued() as log:
         jax.block_until_ready(cv.kernel(kernel, outs, backend=backend, interpret=interpret)(*args))
     plan = cv.emit_pipeline(
@@ -164,7 +166,7 @@ def test_warp_specialized_memory_thread_fetches_as_planned():
                 num_threads=3,
                 thread_name="wg",
                 backend="mosaic_gpu",
-                interpret=gpu_interpret(),
+                interpret=gpu_interpreter_always(),  # debug callbacks: interpreter only
             )(x, bias)
         )
     program = pipe.plan.program()
@@ -203,7 +205,7 @@ def test_warp_specialized_barriers_are_the_programs(mcs, delay):
                 num_threads=3,
                 thread_name="wg",
                 backend="mosaic_gpu",
-                interpret=gpu_interpret(),
+                interpret=gpu_interpreter_always(),  # debug callbacks: interpreter only
             )(x, w)
         )
 

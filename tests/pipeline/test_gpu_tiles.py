@@ -63,8 +63,10 @@ def test_an_explicit_tiling_must_cut_the_array_into_whole_tiles(backend):
     x = jnp.ones((16, 200), jnp.bfloat16)  # 200 columns > one 64-column tile, not a multiple
     with pytest.raises(ValueError, match=r"in\[0\].*TilingTransform.*dimension 1.*by 64.*256"):
         jax.jit(_doubled(x.shape, x.dtype, (8, 128), layout)).lower(x)
-    x = jnp.ones((16, 192), jnp.bfloat16)
-    jax.jit(_doubled(x.shape, x.dtype, (8, 128), layout)).lower(x)  # accepted
+    # accepted: whole tiles. 64-row blocks: Mosaic GPU infers no register layout for an
+    # elementwise body on 8-row swizzled blocks ("Failed to infer a possible set of layouts")
+    x = jnp.ones((64, 192), jnp.bfloat16)
+    jax.jit(_doubled(x.shape, x.dtype, (64, 128), layout)).lower(x)
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 import conveyor as cv
 from conveyor.plans.grid import partition_grid
-from tests.platform import gpu_interpret
+from tests.platform import gpu_interpret, gpu_interpreter_always
 
 BM, BK, BN = 8, 128, 128
 
@@ -136,8 +136,11 @@ INTERPRET = {
 )
 def test_megacore_pipeline_is_exact(backend, grid, semantics, num_cores):
     x, y = _operands(grid)
+    # a float32 jnp matmul body: Mosaic GPU lowers none (wgmma pipelines: test_dot.py)
     interpret = (
-        INTERPRET.get(backend) if backend != "mosaic_gpu" else gpu_interpret(detect_races=True)
+        INTERPRET.get(backend)
+        if backend != "mosaic_gpu"
+        else gpu_interpreter_always(detect_races=True)
     )
     f = cv.kernel(
         _matmul_kernel(grid, semantics, core_axis=0),

@@ -197,8 +197,14 @@ def test_rarely_varying_index_map_gives_the_right_rows(backend):
     def k(x_ref, o_ref):
         def body(idx, xb, ob):
             i, j = idx
-            hit = (i == special[0]) & (j == special[1])
-            ob[...] = jnp.where((i == 0) & (j == 0), 0.0, ob[...]) + jnp.where(hit, xb[...], 0.0)
+
+            @pl.when((i == 0) & (j == 0))
+            def _():
+                ob[...] = jnp.zeros_like(ob)
+
+            @pl.when((i == special[0]) & (j == special[1]))
+            def _():
+                ob[...] += xb[...]
 
         # Plain arithmetic, so a sampler evaluating it on Python ints sees the same constant 0.
         rare = lambda i, j: (1 * ((i == special[0]) & (j == special[1])), 0)

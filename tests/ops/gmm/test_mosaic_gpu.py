@@ -15,7 +15,7 @@ import conveyor as cv
 from hypothesis import settings
 from tests.ops.gmm.base import GmmBackendTests, assert_close
 from tests.ops.gmm.problems import numpy_gmm, operands, skewed_sizes
-from tests.platform import gpu_interpret
+from tests.platform import gpu_interpret, gpu_interpreter_always
 
 M, K, N = 200, 128, 128  # m is not a multiple of the 128-row tile; two K blocks of 64
 
@@ -488,7 +488,15 @@ def test_simulator_replays_the_copies_each_thread_block_issues():
     lhs, rhs = operands(np.random.default_rng(4711), sum(sizes), k, n, len(sizes), jnp.bfloat16)
     with record_issued() as log:
         # a bfloat16 output, as the simulator prices (the staging buffer sets the slot count)
-        out = _gmm(lhs, rhs, jnp.asarray(sizes, jnp.int32), preferred_element_type=jnp.bfloat16)
+        out = cv.gmm(
+            lhs,
+            rhs,
+            jnp.asarray(sizes, jnp.int32),
+            preferred_element_type=jnp.bfloat16,
+            backend="mosaic_gpu",
+            # the records are debug callbacks, which Mosaic GPU lowers only in its interpreter
+            interpret=gpu_interpreter_always(detect_races=True),
+        )
         jax.block_until_ready(out)
     report = cv.sim.simulate_gmm(sizes, k, n, hardware="h100")
     tm, tk, tn = report.config["tiling"]

@@ -13,7 +13,7 @@ import pytest
 import conveyor as cv
 from tests.ops.gmm.base import assert_close, tolerance
 from tests.ops.gmm.problems import numpy_gmm, numpy_tgmm, operands, skewed_sizes
-from tests.platform import gpu_interpret
+from tests.platform import gpu_interpret, gpu_interpreter_always
 
 M, K, N = 200, 128, 128
 
@@ -294,7 +294,15 @@ def test_simulator_replays_the_copies_each_thread_block_issues():
     x, y = _bf16(rng, (k, sum(sizes))), _bf16(rng, (sum(sizes), n))
     with record_issued() as log:
         # a bfloat16 output, as the simulator prices (the staging buffer sets the slot count)
-        out = _tgmm(x, y, jnp.asarray(sizes, jnp.int32), preferred_element_type=jnp.bfloat16)
+        out = cv.tgmm(
+            x,
+            y,
+            jnp.asarray(sizes, jnp.int32),
+            preferred_element_type=jnp.bfloat16,
+            backend="mosaic_gpu",
+            # the records are debug callbacks, which Mosaic GPU lowers only in its interpreter
+            interpret=gpu_interpreter_always(detect_races=True),
+        )
         jax.block_until_ready(out)
     report = cv.sim.simulate_tgmm(sizes, k, n, hardware="h100")
     tm, tk, tn = report.config["tiling"]
