@@ -224,10 +224,25 @@ ENTRY %main {
 """
 
 
-def test_an_aliased_gpu_kernel_inside_a_dynamic_slice_fusion_is_found():
+# ... and of a plain gmm (G=64): the fusion only slices an operand; its result is the kernel's.
+_OPERAND_SLICED_HLO = """
+%dynamic-slice-fusion (p0: s32[129], p7: bf16[8192,14336]) -> bf16[8192,14336] {
+  %slice.20 = s32[64]{0} slice(%p0), slice={[64:128]}
+  ROOT %mpmd_map.2 = bf16[8192,14336]{1,0} custom-call(%slice.20, %p7, %p7), custom_call_target="mosaic_gpu_v2", output_to_operand_aliasing={{}: (2, {})}
+}
+
+ENTRY %main {
+  ROOT %dynamic_slice_fusion = bf16[8192,14336]{1,0} fusion(%a, %b), kind=kCustom, calls=%dynamic-slice-fusion, backend_config={"fusion_backend_config":{"kind":"__custom_fusion","custom_fusion_config":{"name":"dynamic_address_computation"}}}
+}
+"""
+
+
+def test_an_aliased_gpu_kernel_writing_into_a_slice_is_found():
     assert device.aliased_kernels_in_slice_fusions(_SLICE_FUSED_HLO) == ["%mpmd_map.2"]
     unaliased = _SLICE_FUSED_HLO.replace(", output_to_operand_aliasing={{}: (2, {})}", "")
     assert device.aliased_kernels_in_slice_fusions(unaliased) == []
+    # a fusion slicing the kernel's operands only leaves its result buffer alone
+    assert device.aliased_kernels_in_slice_fusions(_OPERAND_SLICED_HLO) == []
 
 
 def test_simulated_onchip_is_the_simulators_count_of_single_kernel_cases():

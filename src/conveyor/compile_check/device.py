@@ -138,10 +138,13 @@ def compile_case(case: Case, target: Target, dump_dir: str) -> dict[str, Any]:
 
 def aliased_kernels_in_slice_fusions(hlo: str) -> list[str]:
     """The Mosaic GPU calls (by HLO name) that alias an operand to their result inside an XLA:GPU
-    dynamic-slice fusion. Such a fusion hands the kernel a result buffer (a slice of a stacked
+    dynamic-slice fusion that writes that result into a slice of a larger buffer (a
+    dynamic-update-slice). Such a fusion hands the kernel a result buffer (the slice of a stacked
     output) apart from the aliased operand, and the kernel's writes are lost: a gmm under lax.map
-    returned zeros on an H200 (jax 0.11.2). `aliasing.call_with_aliases(fence_aliased=True)`
-    keeps Conveyor's kernels out of them; this finds any that slip in."""
+    returned zeros on an H200 (jax 0.11.2). A fusion that only slices the kernel's operands (its
+    result is the fusion's) is not one: plain gmm calls compile so and ran right on the H200.
+    `aliasing.call_with_aliases(fence_aliased=True)` keeps Conveyor's kernels out of them; this
+    finds any that slip in."""
     fused = set(
         re.findall(r"calls=(%[\w.-]+)[^\n]*\"custom_fusion_config\":\{\"name\":\"dynamic", hlo)
     )
@@ -152,7 +155,11 @@ def aliased_kernels_in_slice_fusions(hlo: str) -> list[str]:
             continue
         for line in lines:
             if 'custom_call_target="mosaic_gpu' in line and "output_to_operand_aliasing" in line:
-                found.append(line.split("=")[0].strip())
+                name = line.split("=")[0].strip()
+                # its result (through bitcasts) is written into a slice of the fusion's result
+                into_slice = any("dynamic-update-slice(" in ln for ln in lines)
+                if not name.startswith("ROOT") and into_slice:
+                    found.append(name)
     return found
 
 
