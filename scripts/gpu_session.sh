@@ -13,7 +13,7 @@ source scripts/gpu_env.sh
 "$PY" -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())" \
   | tee -a "$dest/machine.txt"
 timeout "${BENCH_CAP_S:-170}" "$PY" -m conveyor bench gmm --platform gpu --reps "${REPS:-10}" \
-  --out "$dest/gmm-gpu.md" 2>&1 | tee "$dest/bench.log" | grep -v "^  " 
+  --out "$dest/gmm-gpu.md" 2>&1 | tee "$dest/bench.log" | grep -v "^  "
 echo "bench exit ${PIPESTATUS[0]}"
 GPU_CHECK_LOG="$dest/gpu-check.log" timeout "${CHECK_CAP_S:-240}" \
   bash scripts/gpu_check.sh -n "${WORKERS:-8}" --durations=15 | tail -40

@@ -217,20 +217,20 @@ def test_aliased_outputs_are_fenced_from_xla_gpu_slice_fusion():
 
 
 @pytest.mark.parametrize(
-    "k, n, transpose_rhs, out_itemsize, tiles",
+    "k, n, out_itemsize, tiles",
     [
-        (4096, 14336, False, 2, (128, 64, 256)),  # Mixtral: the configured tiles
-        (2880, 2880, False, 2, (128, 64, 64)),  # gpt-oss: 2880 = 45 * 64
-        (48, 96, False, 4, (128, 16, 32)),  # 32 float32 columns: one 128-byte output row
-        (48, 96, False, 2, (128, 16, 256)),  # 96 bf16: no 128-byte multiple divides (padded)
-        (64, 224, True, 4, (128, 64, 32)),
-        (64, 200, False, 4, (128, 64, 256)),  # no tile divides: kept, and refused by the kernel
+        (4096, 14336, 2, (128, 64, 256)),  # Mixtral: the configured tiles
+        (2880, 2880, 2, (128, 64, 64)),  # gpt-oss: 2880 = 45 * 64
+        (48, 96, 4, (128, 16, 32)),  # 32 float32 columns: one 128-byte output row
+        (48, 96, 2, (128, 16, 256)),  # 96 bf16: no 128-byte multiple divides (padded)
+        (64, 224, 4, (128, 64, 32)),  # the narrowest, with rhs transposed or not
+        (64, 200, 4, (128, 64, 256)),  # no tile divides: kept, and refused by the kernel
     ],
 )
-def test_default_tiles_halve_until_they_divide_the_weight(k, n, transpose_rhs, out_itemsize, tiles):
+def test_default_tiles_halve_until_they_divide_the_weight(k, n, out_itemsize, tiles):
     from conveyor.ops.gmm.tiling import MOSAIC_GPU
 
-    got = MOSAIC_GPU.gmm_tiles_for(k, n, out_itemsize=out_itemsize, transpose_rhs=transpose_rhs)
+    got = MOSAIC_GPU.gmm_tiles_for(k, n, out_itemsize=out_itemsize)
     assert got == tiles
 
 

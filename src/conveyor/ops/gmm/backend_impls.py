@@ -122,9 +122,7 @@ def _gmm_mosaic_tpu(
 def _mosaic_gpu_gmm_tile(tiling, lhs, rhs, transpose_rhs, out_dtype):
     m, k = lhs.shape
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    default = tiling_lib.MOSAIC_GPU.gmm_tiles_for(
-        k, n, out_itemsize=jnp.dtype(out_dtype).itemsize, transpose_rhs=transpose_rhs
-    )
+    default = tiling_lib.MOSAIC_GPU.gmm_tiles_for(k, n, out_itemsize=jnp.dtype(out_dtype).itemsize)
     return tiling_lib.resolve(tiling, m, k, n, default)
 
 
@@ -146,7 +144,7 @@ def _gmm_padded_for_gpu(lhs, rhs, existing_out, transpose_rhs, out_dtype):
     32-byte swizzled row, n to a 128-byte output row): zero columns of lhs meet zero rows of rhs,
     so the product is exact, and the padded output columns are dropped."""
     k_unit = tiling_lib.MOSAIC_GPU.min_tile
-    n_unit = tiling_lib.MOSAIC_GPU.gmm_min_tn(transpose_rhs, jnp.dtype(out_dtype).itemsize)
+    n_unit = tiling_lib.MOSAIC_GPU.gmm_min_tn(jnp.dtype(out_dtype).itemsize)
     k_axis, n_axis = (2, 1) if transpose_rhs else (1, 2)
     lhs = _pad_to(lhs, 1, k_unit)
     rhs = _pad_to(_pad_to(rhs, k_axis, k_unit), n_axis, n_unit)

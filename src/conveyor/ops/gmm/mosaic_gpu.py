@@ -78,7 +78,7 @@ def check_gmm_args(lhs, rhs, tiling: Tile, transpose_rhs, out_dtype) -> tuple[in
     # SMEM reference", jax 0.12.0.1). tn: a staged output row spans 128 bytes (`gmm_min_tn`: a
     # narrower one ran in the interpreter and faulted on an H200, misaligned TMA stores).
     out_itemsize = jnp.dtype(out_dtype).itemsize
-    narrowest = {"k": MOSAIC_GPU.min_tile, "n": MOSAIC_GPU.gmm_min_tn(transpose_rhs, out_itemsize)}
+    narrowest = {"k": MOSAIC_GPU.min_tile, "n": MOSAIC_GPU.gmm_min_tn(out_itemsize)}
     for name, dim in (("k", k), ("n", n)):
         if dim % narrowest[name]:
             raise ValueError(

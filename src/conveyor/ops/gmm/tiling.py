@@ -62,9 +62,7 @@ class GpuKernelConfig:
     tma_smem_align: int = 128
     tgmm_min_tn: int = 64  # tgmm's narrowest column tile: one 128-byte swizzled row of bf16/f16
 
-    def gmm_tiles_for(
-        self, k: int, n: int, *, out_itemsize: int, transpose_rhs: bool = False
-    ) -> tuple[int, int, int]:
+    def gmm_tiles_for(self, k: int, n: int, *, out_itemsize: int) -> tuple[int, int, int]:
         """gmm's default (tm, tk, tn) for a k x n weight: `gmm_tiling`'s tk and tn where they
         divide k and n, else the widest power-of-two halving of them that does, down to `min_tile`
         for tk and `gmm_min_tn` for tn (gpt-oss's n=2880 runs with tn=64). A dimension no
@@ -73,15 +71,14 @@ class GpuKernelConfig:
         return (
             tm,
             _widest_dividing(tk, k, self.min_tile),
-            _widest_dividing(tn, n, self.gmm_min_tn(transpose_rhs, out_itemsize)),
+            _widest_dividing(tn, n, self.gmm_min_tn(out_itemsize)),
         )
 
-    def gmm_min_tn(self, transpose_rhs: bool, out_itemsize: int) -> int:
+    def gmm_min_tn(self, out_itemsize: int) -> int:
         """gmm's narrowest tn: a staged output row of `tma_smem_align` bytes (32 float32 or 64
-        bfloat16 columns); the rhs blocks need less (a 32-byte swizzled row, `min_tile`, or 8 rows
-        when rhs is transposed)."""
-        operand = 8 if transpose_rhs else self.min_tile
-        return max(operand, self.tma_smem_align // out_itemsize)
+        bfloat16 columns), a multiple of what the rhs blocks need (a 32-byte swizzled row,
+        `min_tile`; 8 rows when rhs is transposed)."""
+        return max(self.min_tile, self.tma_smem_align // out_itemsize)
 
     def split_columns(self, tn: int) -> bool:
         """Whether the compute warpgroups split a tn-column output tile by columns (tn > 128: each
