@@ -222,6 +222,40 @@ def _brute_force_row_blocks(sizes, tm):
     return [len({r // tm for r in range(bounds[i], bounds[i + 1])}) for i in range(len(sizes))]
 
 
+def _brute_force_shared_blocks(sizes, tm):
+    """Per group, its row blocks holding a row of another group (or past the rows)."""
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    out = []
+    for i in range(len(sizes)):
+        lo, hi = bounds[i], bounds[i + 1]
+        blocks = {r // tm for r in range(lo, hi)}
+        out.append(sum(any(r < lo or r >= hi for r in range(b * tm, b * tm + tm)) for b in blocks))
+    return out
+
+
+def test_tgmm_shared_row_blocks_are_the_ones_the_kernel_masks():
+    """The simulator prices a masking pass for each row block the mosaic_gpu tgmm kernel masks
+    (`shares_its_block`, the kernel's own test, on ints here and traced there): the blocks of a
+    group that hold another group's rows. Each costs the pass on every (k tile, n tile) block."""
+    from conveyor.ops.gmm.metadata import count_shared_blocks
+
+    rng = np.random.default_rng(4733)
+    for sizes in ([10, 10, 12], [0, 64, 0, 1, 63], list(rng.integers(0, 100, size=11))):
+        for tm in (8, 64):
+            assert count_shared_blocks(sizes, tm) == _brute_force_shared_blocks(sizes, tm)
+    aligned = cv.sim.simulate_tgmm([1024] * 8, 1024, 512, hardware="h100")
+    # the same rows, every boundary moved 32 rows into a block
+    shifted = cv.sim.simulate_tgmm(
+        [1024 + 32] + [1024] * 6 + [1024 - 32], 1024, 512, hardware="h100"
+    )
+    tm = aligned.config["tiling"][0]
+    assert tm == 64 and aligned.config["shared_row_blocks"] == 0
+    # each of the 7 boundaries falls mid-block: that block is masked by both its groups
+    assert shifted.config["shared_row_blocks"] == 2 * 7
+    assert shifted.config["row_blocks"] == aligned.config["row_blocks"] + 7
+    assert shifted.time_s > aligned.time_s
+
+
 def test_tgmm_row_blocks_are_the_kernel_schedule():
     """The simulator's per-group block counts (count_row_blocks) are the blocks the mosaic_gpu tgmm
     kernel loops over (row_block_span, also on traced scalars): every block a group's rows touch."""

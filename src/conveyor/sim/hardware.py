@@ -28,6 +28,11 @@ SOURCES = {
         "NVIDIA H100 (Hopper) architecture whitepaper / tuning guide: 132 SMs (SXM5), 228 KB "
         "shared memory per SM (227 KB usable per block), 50 MB L2"
     ),
+    "cuda-smem": (
+        "CUDA C++ Programming Guide, shared memory (compute capability 5.x and later, 9.0 and 10.0 "
+        "included): 32 banks, each serving one 32-bit word per clock, so 128 bytes per clock per "
+        "SM; taken at the clock est-l2 takes (1.83 GHz on Hopper, 1.9 GHz on B200)"
+    ),
     "blackwell-guide": (
         "NVIDIA Blackwell tuning guide: 228 KB shared memory per SM; 148 SMs on B200"
     ),
@@ -167,6 +172,11 @@ SOURCES = {
         "simulated Flux fused all-gather x GEMM (8xH800) take the measured 957 us; that "
         "measurement is then not used to validate (the fused GEMM x reduce-scatter is)"
     ),
+    "measured-run": (
+        "measured in the same run as what is predicted (cv.sim.calibrate.at_measured_rates, used "
+        "by `conveyor bench gmm --platform gpu`): the matrix fraction fitted to the run's dense "
+        "matmul, the HBM fraction to its copy; not part of any shipped model"
+    ),
     "est-overlap-tpu": (
         "estimate: no overlapped TPU measurement kept; 0 taken (DMA engines and ICI are separate "
         "from the MXU, though HBM is shared)"
@@ -201,6 +211,9 @@ class Hardware:
     hbm_efficiency: Value  # achievable fraction of hbm_bandwidth
     link_efficiency: Value  # achievable fraction of link_bandwidth
     overlap_slowdown: Value  # compute runs this much slower while a transfer runs beside it
+    # B/s per core of on-chip memory for a kernel's own passes over its blocks (GPU: shared
+    # memory through registers); None where no kernel priced on the part makes one.
+    onchip_bandwidth: Value | None = None
     # What a kernel may hold on chip unless it asks for more (TPU: the scoped-VMEM limit, raised
     # by `vmem_limit_bytes`); None: all of `onchip_bytes` (GPU kernels take the SM's whole
     # shared memory).
@@ -282,6 +295,7 @@ def _hopper(name, hbm, hbm_src, link, link_src):
         hbm_efficiency=Value(0.896, "calib-copy"),
         link_efficiency=Value(0.8, "est-link"),
         overlap_slowdown=Value(OVERLAP_GPU, "calib-overlap"),
+        onchip_bandwidth=Value(128 * 1.83e9, "cuda-smem"),
     )
 
 
@@ -310,6 +324,7 @@ HARDWARE: dict[str, Hardware] = {
         hbm_efficiency=Value(0.896, "calib-copy"),
         link_efficiency=Value(0.8, "est-link"),
         overlap_slowdown=Value(OVERLAP_GPU, "calib-overlap"),
+        onchip_bandwidth=Value(128 * 1.9e9, "cuda-smem"),
     ),
     "v5e": Hardware(
         name="TPU v5e",

@@ -13,7 +13,7 @@ from typing import Any
 
 from conveyor import dtypes
 from conveyor.plans.ring import RingBlocks, RingPlan, ring_plan
-from conveyor.ops.gmm.metadata import count_row_blocks, count_visits
+from conveyor.ops.gmm.metadata import count_row_blocks, count_shared_blocks, count_visits
 from conveyor.ops.gmm import tpu_blocks
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, tpu_default
 from conveyor.plans.pipeline import PipelinePlan, plan as make_plan
@@ -675,8 +675,9 @@ def _gpu_tgmm_replay(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
     (group, k tile, n tile), each running a pipeline over the `tm`-row blocks its group's rows
     touch and then storing its [tk, tn] output tile (an empty group's block stores zeros). Blocks
     differ in length with their group, so they are scheduled as the hardware does, in grid order
-    (groups fastest), each onto the SM that frees first, one block per SM. The masking of a row
-    block shared with a neighbouring group is not priced."""
+    (groups fastest), each onto the SM that frees first, one block per SM. A row block shared
+    with a neighbouring group (`metadata.shares_its_block`, the kernel's own test) adds the pass
+    that masks it (`_mask_pass_s`)."""
     import heapq
 
     from conveyor.ops.gmm import gpu_blocks
@@ -684,37 +685,57 @@ def _gpu_tgmm_replay(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
     tm, tk, tn = cfg["tiling"]
     b = dtypes.itemsize(dtype)
     counts = count_row_blocks(group_sizes, tm)
+    shared = count_shared_blocks(group_sizes, tm)
     groups, k_tiles, n_tiles = gpu_blocks.tgmm_grid(len(group_sizes), math.ceil(k / tk), n // tn)
     sms = int(hw.cores.value)
     active = min(sms, groups * k_tiles * n_tiles)
     costs, store = _gpu_block_costs(
         hw, dtype, (tm * tk, tm * tn), 2.0 * tm * tk * tn, tk * tn, active
     )
-    block_s, boxes = {}, []
-    for rows in sorted(set(counts)):
-        pipeline_s = 0.0
-        if rows:
-            args = gpu_blocks.tgmm_block_pipeline(rows, (tm, tk, tn), stages=cfg["stages"])
-            plan = gpu_blocks.block_plan(args, dynamic=True)
-            pipeline_s, replayed = run_plan(plan, costs, hw)
-            if rows == max(counts):
-                boxes = replayed
-        block_s[rows] = pipeline_s + store
+    mask_s = _mask_pass_s(hw, (tm * tk + tm * tn) * b)
+    pipeline_s, boxes = {0: 0.0}, []
+    for rows in sorted(set(counts) - {0}):
+        args = gpu_blocks.tgmm_block_pipeline(rows, (tm, tk, tn), stages=cfg["stages"])
+        plan = gpu_blocks.block_plan(args, dynamic=True)
+        pipeline_s[rows], replayed = run_plan(plan, costs, hw)
+        if rows == max(counts):
+            boxes = replayed
+    block_s = {
+        (rows, masked): pipeline_s[rows] + masked * mask_s + store
+        for rows, masked in set(zip(counts, shared))
+    }
     free = [0.0] * sms  # when each SM is next free
     for _ in range(k_tiles * n_tiles):
-        for rows in counts:
-            heapq.heappush(free, heapq.heappop(free) + block_s[rows])
+        for key in zip(counts, shared):
+            heapq.heappush(free, heapq.heappop(free) + block_s[key])
     time = max(free)
     notes = [
         f"{groups * k_tiles * n_tiles} thread blocks on {sms} SMs, each SM taking the next block "
-        f"when it frees; one block replayed per row-block count ({len(block_s)})"
+        f"when it frees; one block replayed per row-block count ({len(pipeline_s) - 1}); "
+        f"{sum(shared)} row blocks shared with a neighbouring group, each masked in "
+        f"{mask_s * 1e6:.2f} us per block"
     ]
     hbm = (sum(counts) * tm * (k + n) + groups * k * n) * b  # row blocks read, outputs written
-    extra = dict(tiles=groups * k_tiles * n_tiles, row_blocks=sum(counts), groups=groups)
+    extra = dict(
+        tiles=groups * k_tiles * n_tiles,
+        row_blocks=sum(counts),
+        shared_row_blocks=sum(shared),
+        groups=groups,
+    )
     onchip = cfg["stages"] * (tm * tk + tm * tn) * b + cfg["staging_bytes"]
     return _gpu_blocks_report(
         "tgmm", (m, k, n), dtype, hw, cfg, time, hbm, onchip, boxes, notes, extra
     )
+
+
+def _mask_pass_s(hw: Hardware, block_bytes: int) -> float:
+    """The tgmm GPU kernel's pass over a shared row block before its matmul: its operand blocks
+    read from shared memory into registers, the rows outside the group zeroed, written back
+    (`block_bytes` each way, split over the compute warpgroups but through one SM's shared
+    memory), then the warpgroups' barrier; the step's matmul waits for it."""
+    if hw.onchip_bandwidth is None:
+        raise ValueError(f"hardware {hw.name}: no on-chip bandwidth to price a masking pass")
+    return 2 * block_bytes / hw.onchip_bandwidth.value + hw.sync_latency.value
 
 
 def _gpu_block_costs(hw, dtype, in_elems, flops, out_elems, active) -> tuple[StepCosts, float]:

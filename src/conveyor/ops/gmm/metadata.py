@@ -128,20 +128,46 @@ def row_block_span(lo, hi, tm: int):
     return first, jnp.where(hi > lo, count, 0)
 
 
+def shares_its_block(row0, tm: int, lo, hi):
+    """Whether the `tm`-row block from `row0` holds rows outside a group's [lo, hi) (a block it
+    shares with a neighbour, or past the rows): the tgmm GPU kernel zeroes those rows of the
+    block's operands before its matmul, and the simulator prices that pass
+    (`count_shared_blocks`). Python ints or traced scalars."""
+    return (row0 < lo) | (row0 + tm > hi)
+
+
+def _group_bounds(group_sizes, m: int | None) -> list[tuple[int, int]]:
+    """Each group's rows [lo, hi), after the documented normalisation (sizes past m cut)."""
+    sizes = [max(int(g), 0) for g in group_sizes]
+    m = sum(sizes) if m is None else m
+    bounds, start = [], 0
+    for size in sizes:
+        end = min(start + size, m)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def count_shared_blocks(group_sizes, tm: int, m: int | None = None) -> list[int]:
+    """Per group, how many of the `tm`-row blocks its rows touch hold rows outside it
+    (`shares_its_block`), from concrete sizes as `count_row_blocks` counts the blocks."""
+    if tm <= 0:
+        raise ValueError(f"tm: expected a positive tile size, got {tm!r}")
+    counts = []
+    for lo, hi in _group_bounds(group_sizes, m):
+        first, count = row_block_span(lo, hi, tm)
+        rows0 = [(first + r) * tm for r in range(count)]
+        counts.append(sum(bool(shares_its_block(row0, tm, lo, hi)) for row0 in rows0))
+    return counts
+
+
 def count_row_blocks(group_sizes, tm: int, m: int | None = None) -> list[int]:
     """Per group, how many `tm`-row blocks its rows touch (`row_block_span`), from concrete sizes
     after the documented normalisation: a group that starts mid-block shares that block with its
     predecessor, so it can cost one block more than ceil(size / tm)."""
     if tm <= 0:
         raise ValueError(f"tm: expected a positive tile size, got {tm!r}")
-    sizes = [max(int(g), 0) for g in group_sizes]
-    m = sum(sizes) if m is None else m
-    counts, start = [], 0
-    for size in sizes:
-        end = min(start + size, m)
-        counts.append(row_block_span(start, end, tm)[1])
-        start = end
-    return counts
+    return [row_block_span(lo, hi, tm)[1] for lo, hi in _group_bounds(group_sizes, m)]
 
 
 def make_group_metadata(

@@ -14,7 +14,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 import conveyor as cv
 from conveyor.ops.gmm.gpu_blocks import tgmm_block_pipeline, tgmm_grid
-from conveyor.ops.gmm.metadata import local_group_bounds, row_block_span
+from conveyor.ops.gmm.metadata import local_group_bounds, row_block_span, shares_its_block
 from conveyor.cost import matmul_cost
 from conveyor.ints import cdiv
 from conveyor.ops.gmm.mosaic_gpu import (
@@ -119,7 +119,7 @@ def tgmm_mosaic_gpu(
             r = first_block + indices[0]
             row0 = r * tm
 
-            @pl.when((row0 < lo) | (row0 + tm > hi))  # a block shared with a neighbouring group
+            @pl.when(shares_its_block(row0, tm, lo, hi))  # a block shared with a neighbour
             def _():
                 _zero_outside(
                     x_blk.at[:, pl.ds(wg * ROWS_PER_THREAD, ROWS_PER_THREAD)], row0, lo, hi
