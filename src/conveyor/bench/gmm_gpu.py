@@ -6,6 +6,7 @@ Design notes: docs/internals/benchmarks.md, section `bench/gmm_gpu.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import time
@@ -23,29 +24,39 @@ from conveyor.problems import BENCH_GMM_GPU, GmmProblem, skewed_group_sizes
 # Tilings measured beside the default mosaic_gpu rows, so that one run on a GPU decides between
 # them: the previous default (a 128 x 128 tile, 64 rows per compute warpgroup).
 GMM_ALTERNATIVE_TILINGS = ((128, 64, 128),)
+ZEROS = "dense jnp.dot, zero operands"
 TGMM_ALTERNATIVE_TILINGS = ((64, 128, 128),)
 
 
-def device_median(fn: Callable[[], object], reps: int, inner: int = 5) -> float:
-    """Median seconds per call of `fn` (already compiled), synchronising only around batches."""
-    jax.block_until_ready(fn())
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Timing:
+    """How each candidate is timed: the median of `reps` timings, each of `calls` back-to-back
+    calls (synchronised only around them)."""
+
+    reps: int = 10
+    calls: int = 5
+
+
+def device_median(fn: Callable[[], object], timing: Timing) -> float:
+    """Median seconds per call of `fn` (already compiled and run once)."""
     times = []
-    for _ in range(reps):
+    for _ in range(timing.reps):
         jax.block_until_ready(fn())
         t0 = time.perf_counter()
         out = None
-        for _ in range(inner):
+        for _ in range(timing.calls):
             out = fn()
         jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / inner)
+        times.append((time.perf_counter() - t0) / timing.calls)
     return float(np.median(times))
 
 
-def copy_bandwidth(reps: int) -> float:
+def copy_bandwidth(timing: Timing) -> float:
     """Bytes per second of a 1 GiB read + 1 GiB write on the device."""
     x = jnp.ones((256 * 1024 * 1024,), jnp.float32)
     f = jax.jit(lambda a: a * 1.0001)
-    return 2 * x.nbytes / device_median(lambda: f(x), reps)
+    jax.block_until_ready(f(x))
+    return 2 * x.nbytes / device_median(lambda: f(x), timing)
 
 
 def _rel_err(out, ref) -> float:
@@ -92,7 +103,7 @@ def _upstream_gmm(transpose: bool = False):
     }
 
 
-def _best(cands: dict[str, Callable], args, reps: int, ref) -> tuple[str, float, float] | None:
+def _best(cands: dict[str, Callable], args, timing: Timing, ref) -> tuple[str, float, float] | None:
     """(config, seconds, rel err) of the fastest candidate that compiles, or None."""
     best = None
     for name, f in cands.items():
@@ -105,7 +116,7 @@ def _best(cands: dict[str, Callable], args, reps: int, ref) -> tuple[str, float,
                 flush=True,
             )
             continue
-        t = device_median(lambda: jf(*args), reps)
+        t = device_median(lambda: jf(*args), timing)
         print(f"  {name}: {t * 1e3:.3f} ms", flush=True)
         if best is None or t < best[1]:
             best = (name, t, _rel_err(out, ref))
@@ -125,7 +136,7 @@ def _upstream_row(name: str, best: tuple[str, float, float] | None) -> dict:
 
 
 def _measure(
-    rows: list[dict], reps: int, ref, name: str, f: Callable, args, check: bool = True
+    rows: list[dict], timing: Timing, ref, name: str, f: Callable, args, check: bool = True
 ) -> None:
     """Append `name`'s row: its median time and error against `ref` (`check`; a floor computes
     other math), or why it failed to run."""
@@ -138,7 +149,7 @@ def _measure(
         )
         print(f"  {name}: {rows[-1]['config']}", flush=True)
         return
-    t = device_median(lambda: jf(*args), reps)
+    t = device_median(lambda: jf(*args), timing)
     rows.append(dict(name=name, t=t, err=_rel_err(out, ref) if check else None, config=""))
     print(f"  {name}: {t * 1e3:.3f} ms", flush=True)
 
@@ -153,11 +164,35 @@ def hardware_model(device_kind: str) -> str | None:
     return None
 
 
-def _predict(rows: list[dict], simulate: Callable, sizes, k: int, n: int) -> None:
-    """Attach the simulator's time for the mosaic_gpu kernel to the last row (when it ran)."""
+def _models(rows: list[dict], dense_mkn: tuple[int, int, int], bw: float) -> tuple:
+    """(the device's datasheet model, the same model at this run's rates) for the simulated
+    columns, (None, None) without a model; the dense row (rows[0], timed on normal data) gets its
+    prediction at the datasheet model. The run's model is fitted to that row and to the copy
+    bandwidth `bw` timed in the same run (cv.sim.calibrate): a kernel's measured / simulated at
+    it leaves out what the machine sustained then (its clocks under its power limit)."""
+    from conveyor.sim.calibrate import at_measured_rates
+
     hw = hardware_model(jax.devices()[0].device_kind)
-    if hw is not None and rows[-1]["t"] is not None:
-        rows[-1]["sim"] = simulate([int(x) for x in sizes], k, n, dtype="bf16", hardware=hw).time_s
+    dense = rows[0]
+    if hw is None or dense["t"] is None:
+        return None, None
+    dense["sim"] = cv.sim.simulate_matmul(*dense_mkn, dtype="bf16", hardware=hw).time_s
+    try:
+        run = at_measured_rates(hw, matmul=(*dense_mkn, dense["t"]), copy_bytes_per_s=bw)
+    except ValueError as e:  # a rate past the datasheet's: said, and that column left blank
+        print(f"  no model at this run's rates: {e}", flush=True)
+        return hw, None
+    dense["sim_run"] = "fitted"
+    return hw, run
+
+
+def _predict(rows: list[dict], simulate: Callable, sizes, k: int, n: int, models) -> None:
+    """Attach the simulator's time for the mosaic_gpu kernel to the last row (when it ran), at
+    the datasheet model and at this run's rates (`models`, from `_models`)."""
+    sizes = [int(x) for x in sizes]
+    for key, hw in zip(("sim", "sim_run"), models):
+        if hw is not None and rows[-1]["t"] is not None:
+            rows[-1][key] = simulate(sizes, k, n, dtype="bf16", hardware=hw).time_s
 
 
 def _inputs(p: GmmProblem, seed: int):
@@ -175,7 +210,11 @@ def _scaled_normal(key, shape: tuple[int, ...], scale: float):
 
 
 def bench_gmm(
-    p: GmmProblem, reps: int, backends: tuple[str, ...], interpret: bool = False
+    p: GmmProblem,
+    timing: Timing,
+    backends: tuple[str, ...],
+    interpret: bool = False,
+    bw: float = 0.0,
 ) -> list[dict]:
     sizes, k1, k2 = _inputs(p, p.groups)
     lhs = jax.random.normal(k1, (p.m, p.k), jnp.bfloat16)
@@ -185,15 +224,15 @@ def bench_gmm(
         lhs, rhs, gs
     )
     rows = []
-    add = functools.partial(_measure, rows, reps, ref)
+    add = functools.partial(_measure, rows, timing, ref)
     bf16 = jnp.bfloat16
     # different math: a floor, not a candidate
-    add(
-        "dense jnp.dot",
-        lambda a, b: jnp.dot(a, b[0], preferred_element_type=bf16),
-        (lhs, rhs),
-        False,
-    )
+    dense = lambda a, b: jnp.dot(a, b[0], preferred_element_type=bf16)  # noqa: E731
+    add("dense jnp.dot", dense, (lhs, rhs), False)
+    models = _models(rows, (p.m, p.k, p.n), bw)
+    # the same matmul on zeros: the tensor cores draw less power, and clock higher, than on normal
+    # data (docs/simulator.md); the gap is how much the run's power limit held them back
+    add(ZEROS, dense, (jnp.zeros_like(lhs), jnp.zeros_like(rhs)), False)
     add(
         "lax.ragged_dot",
         lambda a, b, s: lax.ragged_dot(a, b, s, preferred_element_type=bf16),
@@ -202,7 +241,7 @@ def bench_gmm(
     best = _best(
         {k: functools.partial(f, group_sizes=gs) for k, f in _upstream_gmm().items()},
         (lhs, rhs),
-        reps,
+        timing,
         ref,
     )
     rows.append(_upstream_row("ragged_dot_mgpu", best))
@@ -214,7 +253,7 @@ def bench_gmm(
             (lhs, rhs, gs),
         )
         if b == "mosaic_gpu":
-            _predict(rows, cv.sim.simulate_gmm, sizes, p.k, p.n)
+            _predict(rows, cv.sim.simulate_gmm, sizes, p.k, p.n, models)
             for t in GMM_ALTERNATIVE_TILINGS:
                 add(
                     f"cv.gmm {b} tiling={t}",
@@ -227,7 +266,11 @@ def bench_gmm(
 
 
 def bench_tgmm(
-    p: GmmProblem, reps: int, backends: tuple[str, ...], interpret: bool = False
+    p: GmmProblem,
+    timing: Timing,
+    backends: tuple[str, ...],
+    interpret: bool = False,
+    bw: float = 0.0,
 ) -> list[dict]:
     sizes, k1, k2 = _inputs(p, 100 + p.groups)
     x = jax.random.normal(k1, (p.m, p.k), jnp.bfloat16)  # tokens [m, k]
@@ -239,13 +282,16 @@ def bench_tgmm(
         x[:rows_checked], dy[:rows_checked], gs[:checked]
     )
     rows = []
-    add = functools.partial(_measure, rows, reps, ref)
+    add = functools.partial(_measure, rows, timing, ref)
     bf16 = jnp.bfloat16
-    add("dense jnp.dot", lambda a, b: jnp.dot(a.T, b, preferred_element_type=bf16), (x, dy), False)
+    dense = lambda a, b: jnp.dot(a.T, b, preferred_element_type=bf16)  # noqa: E731
+    add("dense jnp.dot", dense, (x, dy), False)
+    models = _models(rows, (p.k, p.m, p.n), bw)
+    add(ZEROS, dense, (jnp.zeros_like(x), jnp.zeros_like(dy)), False)
     best = _best(
         {k: functools.partial(f, group_sizes=gs) for k, f in _upstream_gmm(transpose=True).items()},
         (x, dy),
-        reps,
+        timing,
         ref,
     )
     rows.append(_upstream_row("transposed_ragged_dot_mgpu", best))
@@ -259,7 +305,7 @@ def bench_tgmm(
             (x, dy, gs),
         )
         if b == "mosaic_gpu":
-            _predict(rows, cv.sim.simulate_tgmm, sizes, p.k, p.n)
+            _predict(rows, cv.sim.simulate_tgmm, sizes, p.k, p.n, models)
             for t in TGMM_ALTERNATIVE_TILINGS:
                 add(
                     f"cv.tgmm {b} tiling={t}",
@@ -277,6 +323,14 @@ def _floor(dense: float | None, moving: float) -> float:
     return moving if dense is None else max(dense, moving)
 
 
+def _ratio(t: float | None, sim) -> str:
+    """measured / simulated as printed: '-' without either, 'fitted' where the model was fitted
+    to this row."""
+    if sim == "fitted":
+        return "fitted"
+    return "-" if t is None or sim is None else f"{t / sim:.2f}"
+
+
 def _table(title: str, p: GmmProblem, rows: list[dict], floor: float, floor_what: str) -> list[str]:
     flops = 2 * p.m * p.k * p.n
     out = [
@@ -284,9 +338,9 @@ def _table(title: str, p: GmmProblem, rows: list[dict], floor: float, floor_what
         "",
         f"Roofline floor {floor * 1e3:.3f} ms ({floor_what}).",
         "",
-        "| candidate | ms | TFLOP/s | time / floor | simulated ms | measured / simulated | rel. "
-        "err vs f32 | config |",
-        "|---|---|---|---|---|---|---|---|",
+        "| candidate | ms | TFLOP/s | time / floor | simulated ms | measured / simulated | "
+        "measured / simulated at this run's rates | rel. err vs f32 | config |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         t, sim = r["t"], r.get("sim")
@@ -294,8 +348,8 @@ def _table(title: str, p: GmmProblem, rows: list[dict], floor: float, floor_what
             f"| {r['name']} | {'-' if t is None else f'{t * 1e3:.3f}'} | "
             f"{'-' if t is None else f'{flops / t / 1e12:.0f}'} | "
             f"{'-' if t is None else f'{t / floor:.2f}x'} | "
-            f"{'-' if sim is None else f'{sim * 1e3:.3f}'} | "
-            f"{'-' if sim is None else f'{t / sim:.2f}'} | "
+            f"{'-' if sim is None else f'{sim * 1e3:.3f}'} | {_ratio(t, sim)} | "
+            f"{_ratio(t, r.get('sim_run'))} | "
             f"{'-' if r['err'] is None else f'{r["err"]:.1e}'} | {r['config'] or ''} |"
         )
     return out + [""]
@@ -303,6 +357,7 @@ def _table(title: str, p: GmmProblem, rows: list[dict], floor: float, floor_what
 
 def run(
     reps: int = 10,
+    calls: int = 5,
     groups: tuple[int, ...] = (8, 64, 256),
     backends: tuple[str, ...] = ("mosaic_gpu", "xla"),
     tgmm: bool = True,
@@ -318,14 +373,23 @@ def run(
         "",
         f"Device: {dev.device_kind} ({getattr(dev, 'core_count', '?')} SMs), jax "
         f"{jax.__version__}. Command: `conveyor bench gmm --platform gpu`. bf16 inputs and "
-        f"outputs, f32 accumulation. Medians of {reps} timings of 5 back-to-back calls.",
+        f"outputs, f32 accumulation. Medians of {reps} timings of {calls} back-to-back "
+        "calls.",
         "",
     ]
-    bw = copy_bandwidth(reps)
-    lines += [f"Measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write).", ""]
+    timing = Timing(reps=reps, calls=calls)
+    bw = copy_bandwidth(timing)
+    lines += [
+        f"Measured copy bandwidth {bw / 1e12:.2f} TB/s (read + write). Simulated: cv.sim's "
+        "model of the device; at this run's rates: the same model with its matrix fraction "
+        "fitted to the dense jnp.dot row (normal data) and its HBM fraction to this copy "
+        "(cv.sim.calibrate.at_measured_rates), which leaves out what this machine sustained in "
+        "this run. The zero-operand row is the dense matmul on zeros (less power, higher clocks).",
+        "",
+    ]
     for p in [GmmProblem(name=f"mixtral-g{g}", m=m, k=k, n=n, groups=g) for g in groups]:
         print(f"gmm G={p.groups}", flush=True)
-        rows = bench_gmm(p, reps, backends, interpret)
+        rows = bench_gmm(p, timing, backends, interpret, bw)
         dense = rows[0]["t"]
         weights = 2 * (p.groups * p.k * p.n + p.m * p.k + p.m * p.n)
         floor = _floor(dense, weights / bw)
@@ -340,7 +404,7 @@ def run(
         print("\n".join(lines[-len(rows) - 6 :]), flush=True)
         if tgmm:
             print(f"tgmm G={p.groups}", flush=True)
-            rows = bench_tgmm(p, reps, backends, interpret)
+            rows = bench_tgmm(p, timing, backends, interpret, bw)
             dense = rows[0]["t"]
             floor = _floor(dense, 2 * (p.m * p.k + p.m * p.n + p.groups * p.k * p.n) / bw)
             lines += _table(
