@@ -185,3 +185,35 @@ def test_each_timed_call_follows_an_untimed_one_unless_the_candidate_is_slow(mon
     monkeypatch.setattr(timing, "WARM_CALL_MAX_S", -1.0)
     timing.interleaved_medians({"slow": counting("slow")}, 3)
     assert calls["slow"] == 1 + 2 + 1 + 1
+
+
+def test_a_committed_gpu_table_is_repriced_from_its_own_rows(tmp_path, capsys):
+    """scripts/reprice_gpu_run.py reads a committed GPU table's dense and mosaic_gpu rows and
+    prices the kernel at the datasheet model and at the run's rates (one section here: each fit
+    replays the dense matmul some twenty times)."""
+    import importlib.util
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("reprice", root / "scripts/reprice_gpu_run.py")
+    reprice = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reprice)
+    text = (root / "benchmarks/results/gmm-gpu-2026-11-30.md").read_text()
+    section = text[text.index("### gmm, G=8") : text.index("### tgmm, G=8")]
+    table = tmp_path / "t.md"
+    table.write_text(section)
+    assert reprice.measured(str(table)) == {
+        ("gmm", 8): {
+            "dense jnp.dot": 1.338,
+            "lax.ragged_dot": 9.943,
+            "ragged_dot_mgpu": 1.811,
+            "cv.gmm mosaic_gpu": 1.753,
+            "cv.gmm mosaic_gpu tiling=(128, 64, 128)": 1.984,
+            "cv.gmm xla": 5.704,
+        }
+    }
+    assert reprice.main([str(table), "--hardware", "h200", "--copy-tbs", "3.85"]) == 0
+    row = capsys.readouterr().out.splitlines()[-1].strip("| ").split(" | ")
+    assert row[:3] == ["gmm", "8", "1.753"]
+    # the run's dense matmul was slower than the datasheet model's: its rates predict more time
+    assert float(row[5]) > float(row[3]) and 0.5 < float(row[7]) < 0.902
