@@ -20,6 +20,7 @@ from conveyor.problems import BENCH_GMM_GPU, skewed_group_sizes
 from conveyor.sim.calibrate import at_measured_rates
 
 SECTION = re.compile(r"^### (gmm|tgmm), G=(\d+)")
+KERNEL_ROW = re.compile(r"^cv\.(gmm|tgmm) mosaic_gpu(?: tiling=\((\d+), (\d+), (\d+)\))?$")
 
 
 def measured(path: str) -> dict[tuple[str, int], dict[str, float]]:
@@ -46,13 +47,12 @@ def main(argv: list[str] | None = None) -> int:
     p = BENCH_GMM_GPU[0]
     m, k, n = p.m, p.k, p.n
     print(
-        "| op | G | measured ms | simulated ms | measured / simulated | simulated at the run's "
-        "rates ms | measured / simulated at the run's rates | fitted matrix fraction |"
+        "| op | G | tiling | measured ms | simulated ms | measured / simulated | simulated at the "
+        "run's rates ms | measured / simulated at the run's rates | fitted matrix fraction |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (op, groups), rows in sorted(measured(args.table).items()):
-        kernel = rows.get(f"cv.{op} mosaic_gpu")
-        if kernel is None or "dense jnp.dot" not in rows:
+        if "dense jnp.dot" not in rows:
             continue
         dense_mkn = (m, k, n) if op == "gmm" else (k, m, n)
         run = at_measured_rates(
@@ -63,12 +63,20 @@ def main(argv: list[str] | None = None) -> int:
         seed = groups if op == "gmm" else 100 + groups  # the benchmark's seeds
         sizes = [int(x) for x in skewed_group_sizes(m, groups, seed=seed, alpha=p.alpha)]
         simulate = cv.sim.simulate_gmm if op == "gmm" else cv.sim.simulate_tgmm
-        sheet = simulate(sizes, k, n, dtype="bf16", hardware=args.hardware).time_s * 1e3
-        at_run = simulate(sizes, k, n, dtype="bf16", hardware=run).time_s * 1e3
-        print(
-            f"| {op} | {groups} | {kernel:.3f} | {sheet:.3f} | {kernel / sheet:.2f} | "
-            f"{at_run:.3f} | {kernel / at_run:.2f} | {run.matrix_efficiency.value:.3f} |"
-        )
+        for name, kernel in rows.items():
+            row = KERNEL_ROW.match(name)
+            if row is None:
+                continue
+            tiling = None if row.group(2) is None else tuple(int(x) for x in row.group(2, 3, 4))
+            sheet, at_run = (
+                simulate(sizes, k, n, dtype="bf16", hardware=hw, tiling=tiling).time_s * 1e3
+                for hw in (args.hardware, run)
+            )
+            print(
+                f"| {op} | {groups} | {tiling or 'default'} | {kernel:.3f} | {sheet:.3f} | "
+                f"{kernel / sheet:.2f} | {at_run:.3f} | {kernel / at_run:.2f} | "
+                f"{run.matrix_efficiency.value:.3f} |"
+            )
     return 0
 
 

@@ -125,6 +125,9 @@ def test_gpu_benchmark_runs_end_to_end_on_cpu_through_the_interpreter(monkeypatc
         default = rows[f"cv.{op} mosaic_gpu"]
         assert float(default[1]) > 0 and float(default[4]) > 0, default  # measured and simulated ms
         assert float(default[6]) > 0, default  # at the run's rates (fitted to this CPU's dot)
+        # the other tiling's row is priced as the same kernel with its tiles
+        other = next(r for name, r in rows.items() if name.startswith(f"cv.{op} mosaic_gpu tiling"))
+        assert float(other[4]) > 0 and float(other[6]) > 0, other
         assert rows["dense jnp.dot"][6] == "fitted" and float(rows["dense jnp.dot"][5]) > 0
         assert float(rows["dense jnp.dot, zero operands"][1]) > 0
         # bf16 output of a k=128 (or m=256) f32-accumulated dot: rounding to bf16 dominates (2^-9).
@@ -213,7 +216,11 @@ def test_a_committed_gpu_table_is_repriced_from_its_own_rows(tmp_path, capsys):
         }
     }
     assert reprice.main([str(table), "--hardware", "h200", "--copy-tbs", "3.85"]) == 0
-    row = capsys.readouterr().out.splitlines()[-1].strip("| ").split(" | ")
-    assert row[:3] == ["gmm", "8", "1.753"]
-    # the run's dense matmul was slower than the datasheet model's: its rates predict more time
-    assert float(row[5]) > float(row[3]) and 0.5 < float(row[7]) < 0.902
+    rows = [line.strip("| ").split(" | ") for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[:4] for r in rows] == [
+        ["gmm", "8", "default", "1.753"],
+        ["gmm", "8", "(128, 64, 128)", "1.984"],
+    ]
+    for row in rows:
+        # the run's dense matmul was slower than the datasheet model's: its rates predict more
+        assert float(row[6]) > float(row[4]) and 0.5 < float(row[8]) < 0.902

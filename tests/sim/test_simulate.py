@@ -193,8 +193,31 @@ def test_gmm_tile_count_is_the_metadata_schedule():
         for tm in (8, 16, 64):
             meta = cv.make_group_metadata(jnp.asarray(sizes, jnp.int32), int(sum(sizes)) or 1, tm)
             assert count_visits(sizes, tm) == int(meta.num_visits), (sizes, tm)
-    report = cv.sim.simulate_gmm([10, 10, 12], 256, 256, tiling=(16, 64, 128))
+    # a plain pipeline of these tiles (`stages`): the mosaic_gpu kernel takes tm=128 only
+    report = cv.sim.simulate_gmm([10, 10, 12], 256, 256, tiling=(16, 64, 128), stages=2)
     assert report.config["tiles"] == 4 * 2  # 4 visits x 2 column tiles of 128
+
+
+def test_given_gpu_tiles_replay_the_mosaic_gpu_kernel_with_them():
+    """`tiling=` on GPU hardware prices what cv.gmm / cv.tgmm(..., tiling=...) runs: the
+    mosaic_gpu kernel with those tiles (its slots, warpgroups and thread blocks), and a tile the
+    kernel refuses is refused with the kernel's own message. The default tiles given explicitly
+    price exactly as no tiling."""
+    sizes = [3000, 1000, 0, 4192]
+    for simulate, default, other in (
+        (cv.sim.simulate_gmm, None, (128, 64, 128)),
+        (cv.sim.simulate_tgmm, None, (64, 128, 128)),
+    ):
+        base = simulate(sizes, 4096, 14336, hardware="h200", tiling=default)
+        same = simulate(sizes, 4096, 14336, hardware="h200", tiling=base.config["tiling"])
+        assert same.time_s == base.time_s and same.config == base.config
+        given = simulate(sizes, 4096, 14336, hardware="h200", tiling=other)
+        assert given.config["kernel"] == "cv mosaic_gpu" and given.config["tiling"] == list(other)
+        assert given.config["warp_specialized"] and given.time_s != base.time_s
+    with pytest.raises(ValueError, match="mosaic_gpu gmm uses tm=128"):
+        cv.sim.simulate_gmm(sizes, 4096, 14336, hardware="h200", tiling=(64, 64, 128))
+    with pytest.raises(ValueError, match="mosaic_gpu tgmm needs tn to divide n=14336"):
+        cv.sim.simulate_tgmm(sizes, 4096, 14336, hardware="h200", tiling=(64, 128, 192))
 
 
 def test_chained_pipelines_simulate_shorter_than_one_after_another():

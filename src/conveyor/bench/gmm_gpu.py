@@ -186,13 +186,16 @@ def _models(rows: list[dict], dense_mkn: tuple[int, int, int], bw: float) -> tup
     return hw, run
 
 
-def _predict(rows: list[dict], simulate: Callable, sizes, k: int, n: int, models) -> None:
-    """Attach the simulator's time for the mosaic_gpu kernel to the last row (when it ran), at
-    the datasheet model and at this run's rates (`models`, from `_models`)."""
+def _predict(
+    rows: list[dict], simulate: Callable, sizes, k: int, n: int, models, tiling=None
+) -> None:
+    """Attach the simulator's time for the mosaic_gpu kernel (with `tiling`, None: its default)
+    to the last row (when it ran), at the datasheet model and at this run's rates (`models`, from
+    `_models`)."""
     sizes = [int(x) for x in sizes]
     for key, hw in zip(("sim", "sim_run"), models):
         if hw is not None and rows[-1]["t"] is not None:
-            rows[-1][key] = simulate(sizes, k, n, dtype="bf16", hardware=hw).time_s
+            rows[-1][key] = simulate(sizes, k, n, dtype="bf16", hardware=hw, tiling=tiling).time_s
 
 
 def _inputs(p: GmmProblem, seed: int):
@@ -262,6 +265,7 @@ def bench_gmm(
                     ),
                     (lhs, rhs, gs),
                 )
+                _predict(rows, cv.sim.simulate_gmm, sizes, p.k, p.n, models, t)
     return rows
 
 
@@ -314,6 +318,7 @@ def bench_tgmm(
                     ),
                     (x, dy, gs),
                 )
+                _predict(rows, cv.sim.simulate_tgmm, sizes, p.k, p.n, models, t)
     return rows
 
 

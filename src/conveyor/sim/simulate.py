@@ -14,7 +14,7 @@ from typing import Any
 from conveyor import dtypes
 from conveyor.plans.ring import RingBlocks, RingPlan, ring_plan
 from conveyor.ops.gmm.metadata import count_row_blocks, count_shared_blocks, count_visits
-from conveyor.ops.gmm import tpu_blocks
+from conveyor.ops.gmm import gpu_blocks, tpu_blocks
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, tpu_default
 from conveyor.plans.pipeline import PipelinePlan, plan as make_plan
 from conveyor.plans.program import Copy
@@ -418,21 +418,19 @@ def _grouped_kernel(
     hw: Hardware,
     tiling,
     stages,
-    kernel_tiling,
     *,
-    block_elems: int,
-    staging_elems: int,
+    gpu_kernel: Callable[[Sequence[int] | None], tuple[tuple[int, int, int], int, int]],
     itemsize: int,
     tpu_kernel: Callable[[Sequence[int] | None], tuple[tuple[int, int, int], int]],
 ) -> dict[str, Any]:
     """The kernel configuration a grouped-matmul simulation replays: on GPU hardware without
-    `tiling`/`stages`, the cv.gmm/tgmm mosaic_gpu kernel's (its tiles, warpgroups, delay_release,
-    and the slots that fit beside its output staging buffer, as the kernel counts them from a
-    step's `block_elems` operand elements and its `staging_elems`); on TPU hardware without
-    `stages`, the mosaic_tpu kernel's (`tpu_kernel(tiling)`: the given or default tiles, clamped as
-    the kernel clamps them, and its VMEM working set, both from `ops.gmm.tpu_blocks`,
-    double-buffered as Pallas TPU pipelines are); otherwise the given or searched tiles and slots
-    of a plain pipeline."""
+    `stages`, the cv.gmm/tgmm mosaic_gpu kernel's (`gpu_kernel(tiling)`: the given or default
+    tiles as the kernel takes them, a step's operand elements and its output staging elements;
+    its warpgroups, delay_release, and the slots that fit beside that staging buffer, as the
+    kernel counts them); on TPU hardware without `stages`, the mosaic_tpu kernel's
+    (`tpu_kernel(tiling)`: the given or default tiles, clamped as the kernel clamps them, and its
+    VMEM working set, both from `ops.gmm.tpu_blocks`, double-buffered as Pallas TPU pipelines
+    are); otherwise the given or searched tiles and slots of a plain pipeline."""
     if hw.kind == "tpu" and stages is None:
         kernel_tiling, working_set = tpu_kernel(tiling)
         return dict(
@@ -445,7 +443,8 @@ def _grouped_kernel(
             delay_release=0,
             kernel="cv mosaic_tpu",
         )
-    if hw.kind == "gpu" and tiling is None and stages is None:
+    if hw.kind == "gpu" and stages is None:
+        kernel_tiling, block_elems, staging_elems = gpu_kernel(tiling)
         staging = staging_elems * itemsize
         kernel_stages = MOSAIC_GPU.stages_that_fit(
             block_bytes=block_elems * itemsize,
@@ -594,14 +593,20 @@ def simulate_gmm(
     _check_positive("simulate_gmm", k=k, n=n, stages=stages)
     imagined = _grouped_dtype("simulate_gmm", dtype, hw, hypothetical)
     b = dtypes.itemsize(dtype)
-    tm, tk, tn = MOSAIC_GPU.gmm_tiles_for(k, n, out_itemsize=b)
+
+    def gpu_kernel(given):
+        tm, tk, tn = (
+            MOSAIC_GPU.gmm_tiles_for(k, n, out_itemsize=b)
+            if given is None
+            else gpu_blocks.given_tiles("gmm", m, k, n, dtypes.canonical(dtype), tuple(given))
+        )
+        return (tm, tk, tn), tm * tk + tk * tn, math.prod(MOSAIC_GPU.staging_shape(tm, tn))
+
     cfg = _grouped_kernel(
         hw,
         tiling,
         stages,
-        (tm, tk, tn),
-        block_elems=tm * tk + tk * tn,
-        staging_elems=math.prod(MOSAIC_GPU.staging_shape(tm, tn)),
+        gpu_kernel=gpu_kernel,
         itemsize=b,
         tpu_kernel=lambda t: _tpu_kernel("gmm", m, k, n, len(group_sizes), dtype, t),
     )
@@ -638,7 +643,6 @@ def _gpu_kernel_replay(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
     block ends. A block holds most of an SM's shared memory, so blocks run one per SM, in waves.
     Blocks past the real visits (the grid is sized for traced group sizes) exit at once: one
     synchronization each."""
-    from conveyor.ops.gmm import gpu_blocks
     from conveyor.ops.gmm.metadata import max_visits
 
     tm, tk, tn = cfg["tiling"]
@@ -679,8 +683,6 @@ def _gpu_tgmm_replay(group_sizes, m, k, n, *, dtype, hw, cfg) -> Report:
     with a neighbouring group (`metadata.shares_its_block`, the kernel's own test) adds the pass
     that masks it (`_mask_pass_s`)."""
     import heapq
-
-    from conveyor.ops.gmm import gpu_blocks
 
     tm, tk, tn = cfg["tiling"]
     b = dtypes.itemsize(dtype)
@@ -949,14 +951,20 @@ def simulate_tgmm(
     m = _check_sizes("simulate_tgmm", group_sizes)
     _check_positive("simulate_tgmm", k=k, n=n, stages=stages)
     imagined = _grouped_dtype("simulate_tgmm", dtype, hw, hypothetical)
-    tm, tk, tn = MOSAIC_GPU.tgmm_tiles_for(n)
+
+    def gpu_kernel(given):
+        tm, tk, tn = (
+            MOSAIC_GPU.tgmm_tiles_for(n)
+            if given is None
+            else gpu_blocks.given_tiles("tgmm", m, k, n, dtypes.canonical(dtype), tuple(given))
+        )
+        return (tm, tk, tn), tk * tm + tm * tn, math.prod(MOSAIC_GPU.staging_shape(tk, tn))
+
     cfg = _grouped_kernel(
         hw,
         tiling,
         stages,
-        (tm, tk, tn),
-        block_elems=tk * tm + tm * tn,
-        staging_elems=math.prod(MOSAIC_GPU.staging_shape(tk, tn)),
+        gpu_kernel=gpu_kernel,
         itemsize=dtypes.itemsize(dtype),
         tpu_kernel=lambda t: _tpu_kernel("tgmm", m, k, n, len(group_sizes), dtype, t),
     )
