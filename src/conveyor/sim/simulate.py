@@ -14,7 +14,7 @@ from typing import Any
 from conveyor import dtypes
 from conveyor.plans.ring import RingBlocks, RingPlan, ring_plan
 from conveyor.ops.gmm.metadata import count_row_blocks, count_shared_blocks, count_visits
-from conveyor.ops.gmm import gpu_blocks, tpu_blocks
+from conveyor.ops.gmm import backend_impls, gpu_blocks, tpu_blocks
 from conveyor.ops.gmm.tiling import MOSAIC_GPU, tpu_default
 from conveyor.plans.pipeline import PipelinePlan, plan as make_plan
 from conveyor.plans.program import Copy
@@ -598,7 +598,9 @@ def simulate_gmm(
         tm, tk, tn = (
             MOSAIC_GPU.gmm_tiles_for(k, n, out_itemsize=b)
             if given is None
-            else gpu_blocks.given_tiles("gmm", m, k, n, dtypes.canonical(dtype), tuple(given))
+            else backend_impls.mosaic_gpu_given_tiles(
+                "gmm", m, k, n, dtypes.canonical(dtype), tuple(given)
+            )
         )
         return (tm, tk, tn), tm * tk + tk * tn, math.prod(MOSAIC_GPU.staging_shape(tm, tn))
 
@@ -956,7 +958,9 @@ def simulate_tgmm(
         tm, tk, tn = (
             MOSAIC_GPU.tgmm_tiles_for(n)
             if given is None
-            else gpu_blocks.given_tiles("tgmm", m, k, n, dtypes.canonical(dtype), tuple(given))
+            else backend_impls.mosaic_gpu_given_tiles(
+                "tgmm", m, k, n, dtypes.canonical(dtype), tuple(given)
+            )
         )
         return (tm, tk, tn), tk * tm + tm * tn, math.prod(MOSAIC_GPU.staging_shape(tk, tn))
 

@@ -513,6 +513,27 @@ def _tgmm_mosaic_gpu(
     return out if out.shape[2] == n else out[:, :, :n]
 
 
+def mosaic_gpu_given_tiles(
+    op: str, m: int, k: int, n: int, dtype, tiling: tuple[int, int, int]
+) -> tuple[int, int, int]:
+    """The (tm, tk, tn) cv.gmm (op "gmm", rhs not transposed, output in `dtype`) or cv.tgmm
+    ("tgmm") runs its mosaic_gpu kernel with for `tiling`: resolved and checked as the backends
+    above do, after padding k and n to the kernel's narrowest tiles; a tile the kernel refuses
+    raises its ValueError. The simulator prices the same tiles (`cv.sim.simulate_gmm`)."""
+    from conveyor.ops.gmm import mosaic_gpu, mosaic_gpu_tgmm
+
+    sds = jax.ShapeDtypeStruct
+    if op == "gmm":
+        lhs, rhs, _ = _gmm_padded_for_gpu(
+            sds((m, k), dtype), sds((1, k, n), dtype), None, False, dtype
+        )
+        return mosaic_gpu.check_gmm_args(
+            lhs, rhs, _mosaic_gpu_gmm_tile(tiling, lhs, rhs, False, dtype), False, dtype
+        )
+    lhs, rhs = sds((k, m), dtype), _pad_to(sds((m, n), dtype), 1, mosaic_gpu_tgmm.MIN_TN)
+    return mosaic_gpu_tgmm.check_tgmm_args(lhs, rhs, _mosaic_gpu_tgmm_tile(tiling, lhs, rhs))
+
+
 def _tgmm_mosaic_gpu_check(lhs, rhs, group_sizes, group_offset, existing_out, *, tiling, **_):
     from conveyor.ops.gmm import mosaic_gpu, mosaic_gpu_tgmm
 

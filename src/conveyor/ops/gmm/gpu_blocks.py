@@ -101,27 +101,3 @@ def block_plan(args: dict[str, Any], *, dynamic: bool = False) -> WarpSpecialize
         pipeline=pipeline.with_grid(args["grid"]) if dynamic else pipeline,
         num_compute_wgs=args["num_compute_wgs"],
     )
-
-
-def given_tiles(
-    op: str, m: int, k: int, n: int, dtype: Any, tiling: tuple[int, int, int]
-) -> tuple[int, int, int]:
-    """The (tm, tk, tn) cv.gmm (op "gmm", rhs not transposed, output in `dtype`) or cv.tgmm ("tgmm")
-    runs its mosaic_gpu kernel with for `tiling`, resolved and checked as the backend does after
-    padding k and n to the kernel's narrowest tiles; a tile the kernel refuses raises its
-    ValueError."""
-    import jax
-
-    from conveyor.ops.gmm import backend_impls, mosaic_gpu, mosaic_gpu_tgmm
-
-    sds = jax.ShapeDtypeStruct
-    if op == "gmm":
-        lhs, rhs, _ = backend_impls._gmm_padded_for_gpu(
-            sds((m, k), dtype), sds((1, k, n), dtype), None, False, dtype
-        )
-        t = backend_impls._mosaic_gpu_gmm_tile(tiling, lhs, rhs, False, dtype)
-        return mosaic_gpu.check_gmm_args(lhs, rhs, t, False, dtype)
-    lhs = sds((k, m), dtype)
-    rhs = backend_impls._pad_to(sds((m, n), dtype), 1, mosaic_gpu_tgmm.MIN_TN)
-    t = backend_impls._mosaic_gpu_tgmm_tile(tiling, lhs, rhs)
-    return mosaic_gpu_tgmm.check_tgmm_args(lhs, rhs, t)
