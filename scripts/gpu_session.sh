@@ -28,6 +28,8 @@ kill "$sampler" 2>/dev/null
 awk -F', ' 'NR > 1 && $3 + 0 > ($4 + 0) / 2 { n++; c += $2; p += $3; if (!lo || $2 + 0 < lo) lo = $2 + 0 }
   END { if (n) printf "under load: %d samples, mean SM clock %.0f MHz (min %d), mean power %.0f W\n",
     n, c / n, lo, p / n }' "$dest/clocks.csv" | tee -a "$dest/machine.txt"
+# -v: each result line names its xdist worker ("[gw3] PASSED ..."), in the order the worker ran
+# them, so a sticky CUDA error is traced to the kernel that ran before it on that worker.
 GPU_CHECK_LOG="$dest/gpu-check.log" timeout "${CHECK_CAP_S:-240}" \
-  bash scripts/gpu_check.sh -n "${WORKERS:-8}" --durations=15 | tail -40
+  bash scripts/gpu_check.sh -n "${WORKERS:-8}" -v --durations=15 | tail -40
 echo "gpu-check exit ${PIPESTATUS[0]}"
