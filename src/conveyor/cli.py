@@ -125,7 +125,10 @@ def _parser() -> tuple[_Parser, dict[str, _Parser]]:
         help="one of: h100, h200, h800, b200, v5e, v6e, v5p",
     )
     s.add_argument(
-        "--tiling", type=t.tiling, help="tm,tk,tn, cv.gmm's tiling order (default: searched)"
+        "--tiling",
+        type=t.tiling,
+        help="tm,tk,tn, cv.gmm's tiling order; gmm/tgmm on GPU and TPU: the kernel run with these "
+        "tiles (default: the kernel's own; matmul: searched)",
     )
     # the old bm,bn,bk spelling: refused with a pointer
     s.add_argument("--tile", help=argparse.SUPPRESS)
