@@ -100,6 +100,34 @@ def test_xla_op_bytes_counts_xlas_own_ops_in_device_memory():
         device.xla_op_bytes(PROGRAM, "rocm")
 
 
+def test_xla_ops_are_listed_largest_first_with_the_jax_op_they_came_from():
+    """The per-op list behind xla_op_bytes: each op's bytes, largest first, named by the last part
+    of its JAX op_name and marked backward under a transpose (what compile-check's report names
+    for the multi-chip cases)."""
+    program = PROGRAM.replace(
+        "kind=kLoop, calls=%fused\n}",
+        'kind=kLoop, calls=%fused, metadata={op_name="jit(f)/transpose(jvp())/shard_map/add_any"}'
+        "\n}",
+    ).replace(
+        "broadcast(%c), dimensions={}",
+        'broadcast(%c), dimensions={}, metadata={op_name="jit(f)/jvp()/broadcast_in_dim"}',
+    )
+    ops = device.xla_ops(program)
+    assert [o.name for o in ops] == ["out", "zeros", "g.update", "staged"]
+    assert (
+        sum(o.nbytes for o in ops) == device.xla_op_bytes(program) == device.xla_op_bytes(PROGRAM)
+    )
+    out, zeros = ops[:2]
+    assert (out.source, out.backward, zeros.source, zeros.backward) == (
+        "add_any",
+        True,
+        "broadcast_in_dim",
+        False,
+    )
+    assert out.summary() == f"{out.nbytes / 1e9:.2f} GB add_any (backward)"
+    assert ops[2].summary().endswith(" call-update")  # no metadata: its opcode
+
+
 def test_an_async_slice_counts_its_slice_not_its_source():
     """libtpu prefetches a weight into VMEM in 4 MiB slices (`slice-start`); each slice's result
     tuple names the whole 24 MiB source, which counted once per slice made a 6-slice prefetch

@@ -7,6 +7,8 @@ the environment when the first kernel compiles, and an LLVM fatal error ends the
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import os
 import re
@@ -125,7 +127,9 @@ def compile_case(case: Case, target: Target, dump_dir: str) -> dict[str, Any]:
                 result["collectives"] = collectives(hlo)
                 result["hbm_temp"] = temporaries(compiled)
                 result["bytes_accessed"] = bytes_accessed(compiled)
-                result["xla_op_bytes"] = xla_op_bytes(hlo, target.platform)
+                ops = xla_ops(hlo, target.platform)
+                result["xla_op_bytes"] = sum(o.nbytes for o in ops)
+                result["largest_xla_ops"] = [o.summary() for o in ops[:LARGEST_OPS]]
             if target.platform == "tpu":
                 result["kernels"] = tpu_kernels(hlo, target)
             if target.platform == "cuda":
@@ -207,6 +211,8 @@ _NOT_PASSES |= {"partition-id", "replica-id", "copy-start", "copy-done"}
 # default (VMEM, SMEM, semaphores, host); on GPU only the host's (5): XLA:GPU colours buffers
 # in device memory too (1: collective buffers, 2: temporaries, and the like).
 _HOST_MEMORY_SPACE = 5
+# How many of a multi-chip case's largest XLA ops its report names (what to look at first).
+LARGEST_OPS = 3
 
 
 def _device_memory_bytes(shape: str, platform: str = "tpu") -> int:
@@ -237,12 +243,31 @@ def _sliced_bytes(shape: str, platform: str) -> int:
     return 0
 
 
-def xla_op_bytes(hlo: str, platform: str = "tpu") -> int:
-    """Bytes of device memory XLA's own ops read and write in a compiled program's entry
-    computation on `platform` ("tpu" or "cuda"): each op's operands and result, whole (an async
-    op, such as v5p's gathers on its SparseCores, once; an async slice, its slice). Not counted:
-    the Pallas kernels (custom calls), the collectives and views. An upper bound on what the ops
-    move (an op reading a slice of an operand counts all of it, but for async slices)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class XlaOp:
+    """One of XLA's own ops in a compiled program: the device-memory bytes it reads and writes
+    (`xla_op_bytes`' count), its HLO opcode and name, and the JAX operation it came from (the
+    last part of its `op_name` metadata; `backward` when that sits under a transpose)."""
+
+    nbytes: int
+    opcode: str
+    name: str
+    source: str
+    backward: bool
+
+    def summary(self) -> str:
+        return f"{self.nbytes / 1e9:.2f} GB {self.source or self.opcode}" + (
+            " (backward)" if self.backward else ""
+        )
+
+
+def xla_ops(hlo: str, platform: str = "tpu") -> list[XlaOp]:
+    """XLA's own ops in a compiled program's entry computation on `platform` ("tpu" or "cuda")
+    that move device memory, largest first, each with the bytes of device memory it reads and writes: its operands and
+    result, whole (an async op, such as v5p's gathers on its SparseCores, once; an async slice,
+    its slice). Not counted: the Pallas kernels (custom calls), the collectives and views. An
+    upper bound on what the ops move (an op reading a slice of an operand counts all of it, but
+    for async slices)."""
     if platform not in ("tpu", "cuda"):
         raise ValueError(f"platform: expected 'tpu' or 'cuda', got {platform!r}")
     start = hlo.find("\nENTRY ")
@@ -250,7 +275,7 @@ def xla_op_bytes(hlo: str, platform: str = "tpu") -> int:
         raise ValueError("hlo: no ENTRY computation in the compiled program's text")
     end = re.compile(r"\n}(?:\n|$)").search(hlo, start)  # a kernel's metadata spans lines
     shapes: dict[str, str] = {}
-    total = 0
+    ops = []
     for line in hlo[start : end.start() if end else None].splitlines()[1:]:
         m = _INSTRUCTION.match(line)
         if not m:
@@ -262,13 +287,30 @@ def xla_op_bytes(hlo: str, platform: str = "tpu") -> int:
         if op.endswith("-done"):  # an async op's result: counted with its start or update
             continue
         if op == "slice-start":  # ((source), slice, context): the slice moves, not its source
-            total += _sliced_bytes(shape, platform)
-            continue
-        total += _device_memory_bytes(shape, platform)
-        if not op.endswith(("-start", "-update")):  # their results hold their operands
-            names = re.findall(r"%([\w.\-]+)", operands)
-            total += sum(_device_memory_bytes(shapes.get(n, ""), platform) for n in names)
-    return total
+            nbytes = _sliced_bytes(shape, platform)
+        else:
+            nbytes = _device_memory_bytes(shape, platform)
+            if not op.endswith(("-start", "-update")):  # their results hold their operands
+                names = re.findall(r"%([\w.\-]+)", operands)
+                nbytes += sum(_device_memory_bytes(shapes.get(n, ""), platform) for n in names)
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        op_name = op_name.group(1) if op_name else ""
+        ops.append(
+            XlaOp(
+                nbytes=nbytes,
+                opcode=op,
+                name=name,
+                source=op_name.rsplit("/", 1)[-1],
+                backward="transpose(" in op_name,
+            )
+        )
+    return sorted((o for o in ops if o.nbytes), key=lambda o: -o.nbytes)
+
+
+def xla_op_bytes(hlo: str, platform: str = "tpu") -> int:
+    """The bytes of device memory XLA's own ops read and write in a compiled program, summed over
+    `xla_ops`."""
+    return sum(o.nbytes for o in xla_ops(hlo, platform))
 
 
 def _is_collective(op: str) -> bool:

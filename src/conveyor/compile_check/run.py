@@ -158,6 +158,8 @@ def exchanges(row: dict) -> list[str]:
         sim = row.get("simulated_xla_op_bytes")
         priced = f" (cv.sim prices {sim / 1e9:.2f})" if sim is not None else ""
         out.append(f"XLA's own ops move {row['xla_op_bytes'] / 1e9:.2f} GB per chip{priced}")
+    if row.get("largest_xla_ops"):
+        out.append("largest: " + ", ".join(row["largest_xla_ops"]))
     return out
 
 
