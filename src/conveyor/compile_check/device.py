@@ -263,11 +263,11 @@ class XlaOp:
 
 def xla_ops(hlo: str, platform: str = "tpu") -> list[XlaOp]:
     """XLA's own ops in a compiled program's entry computation on `platform` ("tpu" or "cuda")
-    that move device memory, largest first, each with the bytes of device memory it reads and writes: its operands and
-    result, whole (an async op, such as v5p's gathers on its SparseCores, once; an async slice,
-    its slice). Not counted: the Pallas kernels (custom calls), the collectives and views. An
-    upper bound on what the ops move (an op reading a slice of an operand counts all of it, but
-    for async slices)."""
+    that move device memory, largest first, each with the bytes of device memory it reads and
+    writes: its operands and result, whole (an async op, such as v5p's gathers on its
+    SparseCores, once; an async slice, its slice). Not counted: the Pallas kernels (custom
+    calls), the collectives and views. An upper bound on what the ops move (an op reading a slice
+    of an operand counts all of it, but for async slices)."""
     if platform not in ("tpu", "cuda"):
         raise ValueError(f"platform: expected 'tpu' or 'cuda', got {platform!r}")
     start = hlo.find("\nENTRY ")

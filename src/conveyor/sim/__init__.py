@@ -6,6 +6,7 @@ cv.sim.check(cv.pipeline.plan(...), in_flight_steps=1)   # races and deadlocks
 """
 
 from conveyor.plans.sequence import Prefetched
+from conveyor.sim.calibrate import at_measured_rates
 from conveyor.sim.check import CheckReport, Finding, check
 from conveyor.sim.hardware import HARDWARE, Hardware, Value
 from conveyor.sim.moe import MoeShape, simulate_moe_layer
@@ -36,6 +37,7 @@ __all__ = [
     "simulate_copy",
     "simulate_collective_matmul",
     "simulate_moe_layer",
+    "at_measured_rates",
     "MoeShape",
     "DoesNotFit",
     "Prefetched",
