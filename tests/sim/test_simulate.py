@@ -40,12 +40,19 @@ def test_peaks_and_achievable_rates_are_distinct():
 def test_predictions_match_published_measurements():
     # Validation rows within 10%; calibration rows reproduce what their constants were fitted to
     # (within 1%), so a constant edited without refitting fails here.
+    # A miss row stays beyond 10% (predicted right, it would be a validation row) and names the
+    # effect the model lacks.
     rows = validation.compare()
     checked = [r for r in rows if r["role"] == "validation"]
     assert len(checked) >= 10
-    assert {r["hardware"] for r in checked} >= {"h200", "h800", "v5e"}
+    assert {r["hardware"] for r in checked} >= {"h100", "h200", "h800", "v5e"}
     for r in rows:
         assert r["within"], r
+        assert (r["role"] == "miss") == bool(r["effect"]), r
+    with pytest.raises(ValueError, match="a miss names its effect"):
+        validation.Measurement("x", "h100", 1.0, "us", "s", lambda: 1.0, role="miss")
+    with pytest.raises(ValueError, match="role: expected one of"):
+        validation.Measurement("x", "h100", 1.0, "us", "s", lambda: 1.0, role="fit")
     assert validation.markdown(rows) in (DOCS / "simulator.md").read_text()
 
 
